@@ -1,0 +1,32 @@
+"""What one forward pass tells the attention op about the batch.
+
+Tokens of a step are laid out sequence by sequence: sequence i owns the query rows
+``query_start_loc[i]:query_start_loc[i+1]``. Its query chunk is the *last* ``query_len`` tokens of
+its context of ``seq_len`` tokens, so a decode has query_len 1 and a fresh prefill has
+query_len == seq_len; a chunked prefill or a prefix-cache hit is anything in between.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's chunk
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, -1/garbage past the end
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block * block_size + offset; -1 skips the write
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so the torch path never syncs with the device to learn lengths.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
