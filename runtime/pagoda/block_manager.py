@@ -1,0 +1,146 @@
+"""The KV cache's bookkeeping: which fixed-size blocks each sequence owns. Pure Python, no torch.
+
+- Free blocks wait in an LRU queue; a free block that still holds a full, hashed block of tokens
+  stays findable by the prefix cache until it is taken for something else (evicted).
+- Full blocks are identified by a chained hash (parent block's hash + this block's tokens), so a hit
+  on block i implies the whole prefix up to i matches.
+- Blocks are reference counted: prefix hits and forked sequences (n > 1) share them. A sequence about
+  to write into a shared partial block first gets its own copy (copy-on-write); the copy is done by
+  the model runner from the (src, dst) pairs returned here.
+"""
+
+from collections import OrderedDict
+
+from pagoda.sequence import Sequence
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hash_of_block: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = LRU
+        self.cached_blocks: dict[int, int] = {}  # hash -> block id
+        self.tables: dict[int, list[int]] = {}  # seq id -> block ids
+        self.seq_hashes: dict[int, list[int]] = {}  # seq id -> hashes of its full blocks, in order
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables.get(seq.seq_id, [])
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of seq's tokens. The last token is never a hit:
+        its logits are needed, so at least one token is always computed."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        parent, hits = None, []
+        for i in range((seq.num_tokens - 1) // bs):
+            h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            block = self.cached_blocks.get(h)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 cached: list[int] | None = None) -> list[tuple[int, int]] | None:
+        """Give seq slots for its next num_new_tokens tokens (after `cached` prefix blocks on its first
+        allocation). Returns the copy-on-write (src, dst) pairs, or None, changing nothing, if the
+        free blocks do not suffice."""
+        cached = cached or []
+        bs = self.block_size
+        table = self.tables.setdefault(seq.seq_id, [])
+        num_computed = seq.num_computed_tokens + len(cached) * bs
+        num_needed = -(-(num_computed + num_new_tokens) // bs) - len(table) - len(cached)
+        write_index = num_computed // bs
+        copy_on_write = write_index < len(table) and self.ref_counts[table[write_index]] > 1
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        if max(num_needed, 0) + copy_on_write + revived > len(self.free_queue):
+            if not table:
+                del self.tables[seq.seq_id]
+            return None
+        for block in cached:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+            table.append(block)
+        copies = []
+        if copy_on_write:
+            shared = table[write_index]
+            own = self._take_free_block()
+            self.ref_counts[shared] -= 1
+            table[write_index] = own
+            copies.append((shared, own))
+        for _ in range(num_needed):
+            table.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, table, num_computed + num_new_tokens)
+        return copies
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.hash_of_block[block]
+        if h is not None:  # evict it from the prefix cache
+            if self.cached_blocks.get(h) == block:
+                del self.cached_blocks[h]
+            self.hash_of_block[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def _register_full_blocks(self, seq: Sequence, table: list[int], num_tokens: int) -> None:
+        """Hash the blocks that this step fills, so later requests can reuse them. Their KV is
+        written in this step's forward pass before any other sequence's attention reads it."""
+        bs = self.block_size
+        hashes = self.seq_hashes.setdefault(seq.seq_id, [])
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(h)
+            block = table[i]
+            if h not in self.cached_blocks and self.hash_of_block[block] is None:
+                self.cached_blocks[h] = block
+                self.hash_of_block[block] = h
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares all of parent's blocks (copy-on-write later)."""
+        table = list(self.tables[parent.seq_id])
+        for block in table:
+            self.ref_counts[block] += 1
+        self.tables[child.seq_id] = table
+        self.seq_hashes[child.seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, [])
+        self.seq_hashes.pop(seq.seq_id, None)
+        # tail blocks first: they are the least likely to be shared, so they are evicted first
+        for block in reversed(table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
+    def check_no_leaks(self) -> None:
+        """With no live sequences, every block is free (possibly cached and evictable)."""
+        leaked = [b for b, refs in enumerate(self.ref_counts) if refs != 0]
+        if self.tables or leaked or len(self.free_queue) != self.num_blocks:
+            raise AssertionError(f"KV blocks leaked: tables={list(self.tables)}, referenced={leaked[:10]}, "
+                                 f"free={len(self.free_queue)}/{self.num_blocks}")

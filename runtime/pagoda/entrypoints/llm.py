@@ -1,0 +1,79 @@
+"""`LLM`: offline batched generation, vLLM-compatible."""
+
+import dataclasses
+import itertools
+
+from tqdm.auto import tqdm
+
+from pagoda.config import EngineArgs
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto", seed: int = 0,
+                 **kwargs):
+        unknown = set(kwargs) - _ENGINE_FIELDS
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments: {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings, token-id dicts, or one of them) to completion; outputs in input order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        # validate everything before starting anything
+        processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
+        for (text, token_ids), sp in zip(processed, params):
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None):
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            if not tokenizer.chat_template and not chat_template:
+                raise ValueError("this model's tokenizer has no chat template: pass chat_template=")
+            token_ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
+                                                      add_generation_prompt=add_generation_prompt, tokenize=True)
+            if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids),
+                            "prompt": tokenizer.decode(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                for request_id in request_ids:
+                    self.engine.abort_request(request_id)
+                raise
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,64 @@
+"""The attention layer: writes this step's K/V into the paged cache, then attends through it.
+
+The batch's metadata and the chosen backend come from the forward context that the model runner
+sets around each forward pass, so model code stays free of batching details.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.attention import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    backend: object  # module with write_kv_cache / paged_attention
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(metadata: AttentionMetadata, backend):
+    global _context
+    previous, _context = _context, ForwardContext(metadata, backend)
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+        super().__init__()
+        self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        # [2, num_blocks, block_size, num_kv_heads, head_size]; assigned by the runner once allocated
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        ctx = _context
+        q = q.view(-1, self.num_heads, self.head_size)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        if self.kv_cache is None:  # memory-profiling pass before the cache exists
+            return self._attend_without_cache(q, k, v, ctx.metadata).flatten(1)
+        ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping)
+        return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale).flatten(1)
+
+    def _attend_without_cache(self, q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for q_len in metadata.query_lens_cpu:
+            sl = slice(start, start + q_len)
+            o = F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
+                is_causal=True, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            out[sl] = o.transpose(0, 1)
+            start += q_len
+        return out

@@ -1,0 +1,31 @@
+"""RMSNorm, optionally fused with the residual add (Triton on GPU when the kernels are selected)."""
+
+import torch
+from torch import nn
+
+from pagoda.layers import custom_ops
+from pagoda.layers.linear import copy_checked
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param, loaded[:])
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            if custom_ops.use_triton():
+                return custom_ops.rms_norm(x, self.weight, self.eps)
+            return self._norm(x)
+        if custom_ops.use_triton():
+            return custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self._norm(residual), residual

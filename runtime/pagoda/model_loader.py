@@ -1,0 +1,140 @@
+"""Find a model directory, check its config is one we run exactly, and stream its weights."""
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def resolve_model_path(model: str | None) -> str:
+    from pagoda.default_model import default_model_path, ensure_converted
+
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist (Pagoda loads local Hugging Face "
+                         "directories or .gguf files; it never downloads)")
+    if path.is_file() and path.suffix == ".gguf":
+        return str(ensure_converted(path, path.stem))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model path {model!r} has no config.json: not a Hugging Face model directory")
+    return str(path)
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises many kinds for a bad config
+        raise ValueError(f"cannot read {path}/config.json: {e}") from e
+    check_supported(config)
+    return config
+
+
+def rope_parameters(config) -> dict:
+    """rope_theta and the scaling dict, from either the transformers 5 or the older layout."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def check_supported(config) -> None:
+    archs = getattr(config, "architectures", None) or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {archs}: Pagoda runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling {rope_type!r}: Pagoda supports {', '.join(SUPPORTED_ROPE_TYPES)}")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}: Pagoda supports 'silu'")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("unsupported option mlp_bias=true")
+    if getattr(config, "quantization_config", None):
+        raise ValueError("quantized checkpoints are not supported: use float16/bfloat16/float32 weights")
+    partial = getattr(config, "partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {partial}: Pagoda supports 1.0")
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = Path(path) / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"corrupt {index}: {e}") from e
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (Path(path) / f).exists()]
+        if missing:
+            raise ValueError(f"{index} names files that are missing: {', '.join(missing)}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(str(p) for p in Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def iterate_weights(path: str, desc: str = "Loading weights") -> Iterator[tuple[str, object]]:
+    """(name, lazy slice) for every tensor; layers read only the rows or columns they own."""
+    from safetensors import SafetensorError, safe_open
+
+    files = safetensors_files(path)
+    total = 0
+    handles = []
+    for file in files:
+        try:
+            handle = safe_open(file, framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read weights file {file}: {e}") from e
+        handles.append((file, handle))
+        total += len(handle.keys())
+    with tqdm(total=total, desc=desc, unit="tensor", disable=total < 2 or None) as bar:
+        for file, handle in handles:
+            for name in handle.keys():
+                try:
+                    yield name, handle.get_slice(name)
+                except (SafetensorError, OSError) as e:
+                    raise ValueError(f"cannot read tensor {name} from {file}: {e}") from e
+                bar.update(1)
+
+
+def load_weights(model, path: str) -> None:
+    """Copy every checkpoint tensor into the parameter (shard) that owns it; fail on gaps and extras."""
+    params = dict(model.named_parameters())
+    shards_expected = {name: 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
+                       for name in params}
+    shards_loaded: dict[str, int] = dict.fromkeys(params, 0)
+    for ckpt_name, tensor in iterate_weights(path):
+        mapped = model.checkpoint_to_param(ckpt_name)
+        if mapped is None:
+            continue
+        name, shard = mapped
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of "
+                             f"{model.config.architectures[0]} with this config.json")
+        try:
+            param.weight_loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"{ckpt_name}: {e}") from None
+        shards_loaded[name] += 1
+    missing = [n for n, want in shards_expected.items() if shards_loaded[n] < want]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint in {path} is missing weights for {len(missing)} parameters: {shown}")

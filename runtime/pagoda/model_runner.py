@@ -1,0 +1,254 @@
+"""Runs the model over the paged KV cache: keeps each sequence's tokens and block table (updated from
+the scheduler's deltas), builds the batch's input tensors and attention metadata, runs the forward
+pass and samples."""
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.attention import AttentionMetadata, get_backend
+from pagoda.config import EngineConfig
+from pagoda.layers import custom_ops
+from pagoda.layers.attention import forward_context
+from pagoda.model_loader import load_weights
+from pagoda.models import get_model_class
+from pagoda.sampler import SampledToken, Sampler, SamplingTensors
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RunnerSeq:
+    token_ids: list[int]
+    block_table: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+        self.eos_token_ids = eos_token_ids
+        hf = config.model.hf_config
+        self.vocab_size = hf.vocab_size
+        custom_ops.set_use_triton(config.attention_backend == "triton")
+        self.attn_backend = get_backend(config.attention_backend)
+        torch.manual_seed(config.seed)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model_class = get_model_class(hf.architectures[0])
+                self.model = model_class(hf, config.parallel.pp_layer_partition)
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(self.model, config.model.path)
+        self.model.eval()
+        self.attention_layers = self.model.attention_layers()
+        self.kv_caches: list[torch.Tensor] = []
+        self.seqs: dict[int, RunnerSeq] = {}
+        self.seq_generators: dict[int, torch.Generator] = {}
+        self.shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = Sampler(self.shared_generator)
+
+    # --- KV cache -------------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self) -> int:
+        layer = self.attention_layers[0]
+        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_size * self.dtype.itemsize
+        return per_layer * len(self.attention_layers)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if self.device.type == "cuda" and cache.kv_cache_memory_gib is None:
+            budget = self._profile_free_gpu_memory()
+        else:
+            from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB
+
+            budget = int((cache.kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_GIB) * 2**30)
+        return max(budget // self.kv_cache_bytes_per_block(), 0)
+
+    def _profile_free_gpu_memory(self) -> int:
+        """gpu_memory_utilization of the device minus the peak of a forward pass at the full budget."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len * sched.max_num_seqs)
+        seq_len = min(num_tokens, sched.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        metadata = self._metadata(lens, lens, [[]] * len(lens), torch.full((num_tokens,), -1))
+        with torch.inference_mode(), forward_context(metadata, self.attn_backend):
+            hidden = self.model(input_ids, positions)
+            if self.model.lm_head is not None:
+                self.model.compute_logits(hidden[-sched.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB peak in the profiling pass, %.2f GiB for the KV cache",
+                    total / 2**30, peak / 2**30, budget / 2**30)
+        torch.cuda.empty_cache()
+        return max(budget, 0)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for layer in self.attention_layers:
+            # [2, num_blocks, block_size, num_kv_heads, head_size]
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size,
+                                dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, list[SampledToken]]:
+        """Run the scheduled tokens; returns the sampled tokens of every sequence that sampled."""
+        self._apply_deltas(out)
+        if out.blocks_to_copy:
+            self._copy_blocks(out.blocks_to_copy)
+        if out.is_empty:
+            return {}
+        input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out)
+        with forward_context(metadata, self.attn_backend):
+            hidden = self.model(input_ids, positions)
+        if not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        sampling = self._sampling_tensors(sample_seq_ids)
+        tokens = self.sampler(logits, sampling)
+        result: dict[int, list[SampledToken]] = {}
+        for seq_id, token in zip(sample_seq_ids, tokens):
+            result.setdefault(seq_id, []).append(token)
+        return result
+
+    def _apply_deltas(self, out: SchedulerOutput) -> None:
+        for seq_id in out.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+            self.seq_generators.pop(seq_id, None)
+        for s in out.scheduled:
+            if s.reset:
+                self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
+                                                s.params)
+                continue
+            seq = self.seqs[s.seq_id]
+            seq.token_ids.extend(s.new_token_ids)
+            del seq.block_table[s.block_ids_start :]
+            seq.block_table.extend(s.block_ids)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        token_chunks, position_chunks, slot_chunks = [], [], []
+        query_lens, seq_lens, tables = [], [], []
+        sample_rows: list[int] = []
+        sample_seq_ids: list[int] = []
+        row = 0
+        for s in out.scheduled:
+            seq = self.seqs[s.seq_id]
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            positions = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            token_chunks.append(seq.token_ids[start:end])
+            position_chunks.append(positions)
+            slot_chunks.append(table[positions // bs] * bs + positions % bs)
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+            row += s.num_new_tokens
+            for _ in range(s.num_samples):
+                sample_rows.append(row - 1)
+                sample_seq_ids.append(s.seq_id)
+        input_ids = torch.tensor(np.concatenate([np.asarray(c, dtype=np.int64) for c in token_chunks]),
+                                 device=self.device)
+        positions = torch.from_numpy(np.concatenate(position_chunks)).to(self.device)
+        slots = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
+        metadata = self._metadata(query_lens, seq_lens, tables, slots)
+        return input_ids, positions, metadata, sample_rows, sample_seq_ids
+
+    def _metadata(self, query_lens, seq_lens, tables, slot_mapping) -> AttentionMetadata:
+        max_blocks = max(1, max(len(t) for t in tables))
+        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        to = lambda a: torch.from_numpy(np.asarray(a)).to(self.device)  # noqa: E731
+        return AttentionMetadata(
+            query_start_loc=to(query_start_loc),
+            seq_lens=to(np.asarray(seq_lens, dtype=np.int32)),
+            block_tables=to(block_tables),
+            slot_mapping=slot_mapping.to(self.device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
+
+    def _sampling_tensors(self, seq_ids: list[int]) -> SamplingTensors:
+        seqs = [self.seqs[i] for i in seq_ids]
+        params = [s.params for s in seqs]
+        vocab = self.vocab_size
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=self.device)  # noqa: E731
+        any_penalty = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
+        prompt_ids = output_ids = None
+        if any_penalty:
+            prompt_ids = _padded([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab, self.device)
+            output_ids = _padded([s.token_ids[s.num_prompt_tokens :] for s in seqs], vocab, self.device)
+        banned = []
+        for row, (s, p) in enumerate(zip(seqs, params)):
+            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                banned += [(row, t) for t in stops if t < vocab]
+        generators = []
+        for seq_id, p in zip(seq_ids, params):
+            gen = None
+            if p.seed is not None:
+                gen = self.seq_generators.get(seq_id)
+                if gen is None:
+                    gen = torch.Generator(device=self.device).manual_seed(p.seed)
+                    self.seq_generators[seq_id] = gen
+            generators.append(gen)
+        return SamplingTensors(
+            temperature=f32([p.temperature for p in params]),
+            top_p=f32([p.top_p for p in params]),
+            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=self.device),
+            min_p=f32([p.min_p for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            banned_tokens=banned,
+            generators=generators,
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            any_penalty=any_penalty,
+        )
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out).to(device)

@@ -1,0 +1,153 @@
+"""The Llama family: Llama (1-3.x), Mistral, Qwen2 and Qwen3 share this one implementation.
+
+Differences are options: attention bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings,
+GQA, explicit head_dim, and rope scaling (handled by the rotary layer).
+"""
+
+import torch
+from torch import nn
+
+from pagoda.distributed.parallel_state import get_parallel_state, pp_layer_range
+from pagoda.layers.attention import Attention
+from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagoda.layers.layernorm import RMSNorm
+from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.model_loader import rope_parameters
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        total_heads, total_kv = config.num_attention_heads, config.num_key_value_heads
+        self.head_size = getattr(config, "head_dim", None) or hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, total_heads, total_kv, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        o_bias = getattr(config, "attention_bias", False) and config.architectures[0] != "Qwen2ForCausalLM"
+        self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings, rope_parameters(config))
+        self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_size)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_size)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class MissingLayer(nn.Module):
+    """Stands in for a layer another pipeline stage owns."""
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, pp_partition: list[int] | None = None):
+        super().__init__()
+        state = get_parallel_state()
+        self.is_first, self.is_last = state.is_first_stage, state.is_last_stage
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp_partition)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if self.is_first or (self.is_last and config.tie_word_embeddings) else None)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, qk_norm) if self.start_layer <= i < self.end_layer
+            else MissingLayer()
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
+
+    def forward(self, input_ids, positions, hidden=None, residual=None):
+        """First stage: input_ids [T]. Later stages: hidden/residual [T, hidden] from the previous one.
+        Returns (hidden, residual) for the next stage, or the final normed hidden on the last."""
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our parameter name, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, pp_partition: list[int] | None = None):
+        super().__init__()
+        arch = config.architectures[0]
+        qkv_bias = arch == "Qwen2ForCausalLM" or getattr(config, "attention_bias", False)
+        qk_norm = arch == "Qwen3ForCausalLM"
+        self.config = config
+        self.model = LlamaModel(config, qkv_bias, qk_norm, pp_partition)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if self.model.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, hidden=None, residual=None):
+        return self.model(input_ids, positions, hidden, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [m for m in self.modules() if isinstance(m, Attention)]
+
+    def checkpoint_to_param(self, name: str) -> tuple[str, object] | None:
+        """Our parameter name and shard id for a checkpoint tensor, or None if another stage owns it."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            if not self.model.start_layer <= index < self.model.end_layer:
+                return None
+        if name == "lm_head.weight" and (self.tied or self.lm_head is None):
+            return None
+        if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+            return None
+        if name == "model.norm.weight" and self.model.norm is None:
+            return None
+        for source, (target, shard) in self.packed_modules.items():
+            if f".{source}." in name:
+                return name.replace(f".{source}.", f".{target}."), shard
+        return name, None

@@ -1,0 +1,138 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeds and logprobs on tensors.
+
+One row per token to sample. Per-request settings arrive as tensors, so no Python loop ever runs over
+the vocabulary; the only per-row loop fills random numbers for rows that carry their own seed.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # [N] float32, 0 = greedy
+    top_p: torch.Tensor  # [N] float32
+    top_k: torch.Tensor  # [N] int64, vocab size = off
+    min_p: torch.Tensor  # [N] float32
+    presence_penalty: torch.Tensor  # [N]
+    frequency_penalty: torch.Tensor  # [N]
+    repetition_penalty: torch.Tensor  # [N]
+    prompt_token_ids: torch.Tensor | None  # [N, Lp] int64 padded with vocab_size; None without penalties
+    output_token_ids: torch.Tensor | None  # [N, Lo] int64 padded with vocab_size
+    banned_tokens: list[tuple[int, int]]  # (row, token): eos/stop ids before min_tokens
+    generators: list[torch.Generator | None]  # per row; None = the shared generator
+    num_logprobs: list[int | None]  # per row
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # raw model logprob of the sampled token
+    rank: int | None = None
+    top_token_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> list[SampledToken]:
+        """logits [N, V] float32 -> one token per row."""
+        logits = logits.float()
+        want_logprobs = any(n is not None for n in t.num_logprobs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if t.any_penalty:
+            logits = apply_penalties(logits, t)
+        if t.banned_tokens:
+            rows, cols = zip(*t.banned_tokens)
+            logits[list(rows), list(cols)] = float("-inf")
+        greedy_tokens = logits.argmax(dim=-1)
+        if t.all_greedy:
+            tokens = greedy_tokens
+        else:
+            tokens = self._sample_random(logits, t, greedy_tokens)
+        token_list = tokens.tolist()
+        if not want_logprobs:
+            return [SampledToken(tok) for tok in token_list]
+        return self._with_logprobs(raw_logprobs, tokens, token_list, t.num_logprobs)
+
+    def _sample_random(self, logits, t: SamplingTensors, greedy_tokens):
+        is_greedy = t.temperature < 1e-5
+        temperature = torch.where(is_greedy, torch.ones_like(t.temperature), t.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if t.any_top_k or t.any_top_p:
+            logits = apply_top_k_top_p(logits, t.top_k if t.any_top_k else None, t.top_p if t.any_top_p else None)
+        probs = torch.softmax(logits, dim=-1)
+        if t.any_min_p:
+            threshold = t.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race) without a CPU sync
+        noise = torch.empty_like(probs)
+        shared_rows = [i for i, g in enumerate(t.generators) if g is None]
+        if shared_rows:
+            noise[shared_rows] = torch.empty(len(shared_rows), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator)
+        for i, gen in enumerate(t.generators):
+            if gen is not None:
+                noise[i].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def _with_logprobs(raw_logprobs, tokens, token_list, num_logprobs) -> list[SampledToken]:
+        sampled_lp = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        ranks = (raw_logprobs > sampled_lp.unsqueeze(1)).sum(dim=1) + 1
+        k = max(n or 0 for n in num_logprobs)
+        top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+        out = []
+        for i, tok in enumerate(token_list):
+            n = num_logprobs[i]
+            if n is None:
+                out.append(SampledToken(tok))
+                continue
+            out.append(SampledToken(tok, float(sampled_lp[i]), int(ranks[i]),
+                                    top_ids[i, :n].tolist() if n else [], top_lp[i, :n].tolist() if n else []))
+        return out
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, L] padded with vocab_size -> [N, vocab_size] occurrence counts."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    vocab = logits.shape[1]
+    output_counts = token_counts(t.output_token_ids, vocab)
+    # repetition penalty (as in HF/vLLM): over prompt and output tokens, divide positive logits
+    seen = (output_counts > 0) | (token_counts(t.prompt_token_ids, vocab) > 0)
+    rep = t.repetition_penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    # OpenAI presence/frequency penalties: over output tokens only
+    logits = logits - t.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - t.presence_penalty.unsqueeze(1) * (output_counts > 0).float()
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None):
+    """Mask everything outside each row's top-k and nucleus (top-p) with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))  # [N, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p.unsqueeze(1))
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,194 @@
+"""Iteration-level scheduling. No torch.
+
+Every step gets a token budget. Running sequences go first (first come, first served), each asking
+for the tokens it still has to compute (1 for a decode, a chunk of its prompt otherwise); then waiting
+sequences join while budget, sequence slots and KV blocks last. Prefill, chunked prefill and decode
+are the same thing: {sequence: number of tokens}. When blocks run out, the most recently admitted
+running sequence is preempted and recomputed later.
+
+The model runner keeps its own copy of each sequence's tokens and block table; the scheduler sends
+only what changed since the runner last saw the sequence.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagoda.block_manager import BlockManager
+from pagoda.config import SchedulerConfig
+from pagoda.sampling_params import SamplingParams
+from pagoda.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq_id: int
+    num_new_tokens: int  # tokens to compute this step
+    num_computed_tokens: int  # tokens whose KV is already cached, before this step
+    new_token_ids: list[int]  # tokens the runner has not seen yet (all of them on reset)
+    block_ids_start: int  # the runner's block table from this index on is replaced by block_ids
+    block_ids: list[int]
+    num_samples: int  # 0 mid-prompt; 1 normally; n where a request forks into n at the end of its prompt
+    reset: bool = False  # new to the runner (or resumed after preemption): forget what it had
+    num_prompt_tokens: int = 0
+    params: SamplingParams | None = None  # sent on reset only
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    finished_seq_ids: list[int] = field(default_factory=list)  # the runner may drop their state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.in_flight: set[int] = set()  # scheduled, step not finished yet (pipeline parallelism)
+        self._finished_seq_ids: list[int] = []
+        self._live: dict[int, Sequence] = {}  # every waiting or running sequence by id
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one: already holds blocks."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._live[seq.seq_id] = seq
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
+        self._finished_seq_ids = []
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.seq_id in self.in_flight:
+                i += 1
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            copies = self.block_manager.allocate(seq, num_new)
+            while copies is None:
+                victim = self._newest_preemptible()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                copies = self.block_manager.allocate(seq, num_new)
+            if copies is None:
+                break
+            out.blocks_to_copy += copies
+            out.scheduled.append(self._schedule_seq(seq, num_new, bool(copies)))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_computed = len(cached) * self.block_manager.block_size
+            remaining = seq.num_tokens - num_computed
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            copies = self.block_manager.allocate(seq, num_new, cached)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            if seq.status == SequenceStatus.WAITING:  # first admission, not a resumed preemption
+                seq.num_cached_tokens = num_computed
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_computed
+            seq.num_computed_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            seq.needs_reset = True
+            self.running.append(seq)
+            out.blocks_to_copy += copies
+            out.scheduled.append(self._schedule_seq(seq, num_new, False))
+            budget -= num_new
+        for s in out.scheduled:
+            self.in_flight.add(s.seq_id)
+        return out
+
+    def _newest_preemptible(self) -> Sequence:
+        for seq in reversed(self.running):
+            if seq.seq_id not in self.in_flight:
+                return seq
+        raise RuntimeError("no sequence can be preempted")  # unreachable: the caller is not in flight
+
+    def _schedule_seq(self, seq: Sequence, num_new: int, copied: bool) -> ScheduledSeq:
+        table = self.block_manager.block_table(seq)
+        reset = seq.needs_reset
+        if reset:
+            seq.num_tokens_sent = seq.num_blocks_sent = 0
+        block_start = seq.num_blocks_sent
+        if copied:  # the block being written was replaced by a private copy
+            block_start = min(block_start, seq.num_computed_tokens // self.block_manager.block_size)
+        ends_prompt = seq.num_computed_tokens + num_new == seq.num_tokens
+        scheduled = ScheduledSeq(
+            seq_id=seq.seq_id,
+            num_new_tokens=num_new,
+            num_computed_tokens=seq.num_computed_tokens,
+            new_token_ids=seq.token_ids[seq.num_tokens_sent :],
+            block_ids_start=block_start,
+            block_ids=table[block_start:],
+            num_samples=(1 + seq.pending_forks) if ends_prompt else 0,
+            reset=reset,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            params=seq.params if reset else None,
+        )
+        seq.num_tokens_sent = seq.num_tokens
+        seq.num_blocks_sent = len(table)
+        seq.needs_reset = False
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.needs_reset = True
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def step_done(self, out: SchedulerOutput) -> None:
+        """The runner finished out: the scheduled tokens' KV is now in the cache."""
+        for s in out.scheduled:
+            self.in_flight.discard(s.seq_id)
+        for s in out.scheduled:
+            seq = self._live.get(s.seq_id)
+            if seq is not None and seq.status == SequenceStatus.RUNNING:
+                seq.num_computed_tokens += s.num_new_tokens
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        self._live.pop(seq.seq_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self._finished_seq_ids.append(seq.seq_id)
+        self.in_flight.discard(seq.seq_id)
