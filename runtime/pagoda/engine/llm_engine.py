@@ -226,7 +226,7 @@ class LLMEngine:
         s.prefix_cache_queries = self.scheduler.prefix_cache_queries
         s.prefix_cache_hits = self.scheduler.prefix_cache_hits
         s.num_preemptions = self.scheduler.num_preemptions
-        return EngineStats(**vars(s))
+        return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons)})
 
     def shutdown(self) -> None:
         self.executor.shutdown()

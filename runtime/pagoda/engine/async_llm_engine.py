@@ -1,0 +1,146 @@
+"""`AsyncLLMEngine`: the engine loop in a background thread, driven from asyncio.
+
+The HTTP event loop never waits on a model step: requests and aborts go to the engine thread through
+a queue, and outputs come back through per-request asyncio queues. Prompts are tokenized in a worker
+thread, off both the event loop and the engine loop.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from pagoda.config import EngineArgs
+from pagoda.engine import EngineDeadError
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.outputs import EngineStats, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stats = engine.get_stats()
+        self._stopping = threading.Event()
+        self._dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(args))
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self.errored
+
+    async def check_health(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"engine loop is not running: {self._dead_error!r}")
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs until the request finishes; aborts it if the caller stops listening."""
+        await self.check_health()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        text, token_ids = await asyncio.to_thread(self.engine.process_prompt, prompt, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", request_id, text, token_ids, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                # a slow consumer may have fallen behind: outputs are cumulative, keep only the newest
+                while not item.finished and not stream.empty():
+                    newer = stream.get_nowait()
+                    if isinstance(newer, BaseException):
+                        raise newer
+                    item = newer
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # --- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                block = not self.engine.has_unfinished_requests()
+                self._drain_commands(block)
+                if self.engine.has_unfinished_requests():
+                    self._publish(self.engine.step())
+                self._stats = self.engine.get_stats()
+        except BaseException as e:  # the engine is dead: fail every waiting request rather than hang
+            logger.exception("engine loop died")
+            self._dead_error = e
+            error = EngineDeadError(f"engine loop died: {e!r}")
+            for loop, stream in list(self._streams.values()):
+                loop.call_soon_threadsafe(stream.put_nowait, error)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            kind = command[0]
+            if kind == "add":
+                _, request_id, text, token_ids, params = command
+                if request_id not in self._streams:  # cancelled before it reached the engine
+                    continue
+                try:
+                    self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
+                except ValueError as e:
+                    self._send(request_id, e)
+            elif kind == "abort":
+                self.engine.abort_request(command[1])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._send(out.request_id, out)
+
+    def _send(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is None:
+            return
+        loop, stream = target
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed
+            self._commands.put(("abort", request_id))

@@ -1,0 +1,76 @@
+"""Tiny random Hugging Face checkpoints for tests: a byte-level BPE tokenizer with a chat template,
+and Llama / Mistral / Qwen2 / Qwen3 models of a few hundred thousand parameters."""
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, my name is Pagoda and I serve language models on Kubernetes.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join between steps.",
+    "San Francisco is a city in California. Paris is the capital of France.",
+    "héllo wörld — unicode: 東京, emoji 🙂, numbers 0123456789.",
+]
+
+
+def write_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return len(fast)
+
+
+ARCH_CONFIGS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None,
+                    tie_word_embeddings=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True, head_dim=16),
+}
+
+
+def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_layers: int = 2,
+                     hidden: int = 64, num_heads: int = 4, seed: int = 0, max_positions: int = 512,
+                     shards: int = 1) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(out)
+    extra = dict(ARCH_CONFIGS[arch])
+    model_type = extra.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2,
+        pad_token_id=0, initializer_range=0.3, **extra)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms and biases, so a wrong wiring shows in the output
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    max_shard = None if shards == 1 else f"{sum(p.numel() * 4 for p in model.parameters()) // shards + 1}B"
+    model.save_pretrained(out, **({"max_shard_size": max_shard} if max_shard else {}))
+    return out
