@@ -71,6 +71,6 @@ def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
-    max_shard = None if shards == 1 else f"{sum(p.numel() * 4 for p in model.parameters()) // shards + 1}B"
+    max_shard = None if shards == 1 else f"{sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1}KB"
     model.save_pretrained(out, **({"max_shard_size": max_shard} if max_shard else {}))
     return out

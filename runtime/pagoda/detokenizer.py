@@ -30,3 +30,14 @@ def detokenize_incrementally(tokenizer, token_ids: list[int], state: Detokenizer
         state.text += new_text
         return new_text
     return ""
+
+
+def flush(tokenizer, token_ids: list[int], state: DetokenizerState, skip_special_tokens: bool = True) -> None:
+    """At the end of a sequence, emit whatever was held back, even an incomplete character."""
+    if state.read_offset >= len(token_ids):
+        return
+    prefix_text = tokenizer.decode(token_ids[state.prefix_offset : state.read_offset],
+                                   skip_special_tokens=skip_special_tokens)
+    full_text = tokenizer.decode(token_ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
+    state.text += full_text[len(prefix_text) :]
+    state.prefix_offset = state.read_offset = len(token_ids)

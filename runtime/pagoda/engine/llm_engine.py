@@ -5,7 +5,7 @@ import time
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.detokenizer import detokenize_incrementally
+from pagoda.detokenizer import detokenize_incrementally, flush
 from pagoda.engine.request_state import RequestState
 from pagoda.outputs import EngineStats, Logprob, RequestMetrics, RequestOutput
 from pagoda.sampler import SampledToken
@@ -189,6 +189,8 @@ class LLMEngine:
         new_text = detokenize_incrementally(self.tokenizer, seq.token_ids, out.detok, params.skip_special_tokens)
         reason, stop_reason = self._check_stop(seq, out, new_text)
         if reason is not None:
+            if not isinstance(stop_reason, str):  # a stop string already cut the text
+                flush(self.tokenizer, seq.token_ids, out.detok, params.skip_special_tokens)
             self.scheduler.finish(seq, reason, stop_reason)
             self._count_finish(reason)
 

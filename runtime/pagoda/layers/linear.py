@@ -14,6 +14,16 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def full_shape(loaded) -> tuple[int, ...]:
+    """Shape of a whole checkpoint tensor, from a lazy safetensors slice or a tensor."""
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
+
+
+def check_full_shape(loaded, expected: tuple[int, ...]) -> None:
+    if full_shape(loaded) != tuple(expected):
+        raise ValueError(f"checkpoint tensor has shape {full_shape(loaded)}, the model config expects {tuple(expected)}")
+
+
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(loaded.shape)}, "
@@ -56,6 +66,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = param.shape[0]
+        check_full_shape(loaded, (n * self.tp_size, *param.shape[1:]))
         copy_checked(param, loaded[self.tp_rank * n : (self.tp_rank + 1) * n])
 
     def forward(self, x):
@@ -73,6 +84,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param, loaded, shard_id: int):
         size = divide(self.output_sizes[shard_id], self.tp_size, "output size")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        check_full_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         shard = loaded[self.tp_rank * size : (self.tp_rank + 1) * size]
         copy_checked(param.data[offset : offset + size], shard)
 
@@ -86,6 +98,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  bias: bool = False):
         tp_size = get_parallel_state().tp_size
         self.head_size = head_size
+        self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
         if tp_size >= total_num_kv_heads:
             divide(tp_size, total_num_kv_heads, "tensor_parallel_size vs number of KV heads")
@@ -105,6 +118,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, index = kv_size, self.tp_rank // self.kv_replicas
+        num_heads = self.num_heads * self.tp_size if shard_id == "q" else self.total_num_kv_heads
+        check_full_shape(loaded, (num_heads * self.head_size, *param.shape[1:]))
         copy_checked(param.data[offset : offset + size], loaded[index * size : (index + 1) * size])
 
 
@@ -125,6 +140,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = param.shape[1]
+        check_full_shape(loaded, (param.shape[0], n * self.tp_size))
         copy_checked(param, loaded[:, self.tp_rank * n : (self.tp_rank + 1) * n])
 
     def bias_loader(self, param, loaded, shard_id=None):

@@ -1,0 +1,66 @@
+import pytest
+
+from pagoda.config import EngineArgs
+from pagoda.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("n", 0),
+    ("min_p", 2.0), ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+    ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-1]), ("min_tokens", -1),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_stop_string_and_top_k_zero_normalised():
+    p = SamplingParams(stop="###", top_k=0)
+    assert p.stop_strings == ["###"] and p.top_k == -1
+
+
+def test_min_tokens_cannot_exceed_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(block_size=12), "block_size"), (dict(dtype="int8"), "dtype"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(kv_cache_memory=-1), "kv_cache_memory"),
+    (dict(attention_backend="flash"), "attention_backend"), (dict(max_model_len=100000), "max_model_len"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=16), "max_num_batched_tokens"),
+    (dict(node_rank=3, nnodes=2, pipeline_parallel_size=2), "node_rank"),
+])
+def test_invalid_engine_args_name_the_field(tiny_llama_dir, changes, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(tiny_llama_dir), **changes).create_config()
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        EngineArgs(model=str(tmp_path / "nope")).create_config()
+    with pytest.raises(ValueError, match="no config.json"):
+        EngineArgs(model=str(tmp_path)).create_config()
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        EngineArgs(model=str(path)).create_config()
+
+
+def test_auto_dtype_resolution(tiny_llama_dir):
+    from pagoda.config import cpu_has_fast_bf16
+
+    cfg = EngineArgs(model=str(tiny_llama_dir)).create_config()
+    assert cfg.model.dtype == ("bfloat16" if cpu_has_fast_bf16() else "float32")
+    assert cfg.attention_backend == "torch" and cfg.device == "cpu"
