@@ -1,0 +1,91 @@
+"""The `pagoda` command: `pagoda serve [MODEL] ...` and `pagoda bench {throughput,kernels,serve}`.
+
+Heavy imports (torch, the engine, uvicorn) happen only once a subcommand runs, so `--help` is instant.
+"""
+
+import argparse
+import importlib
+import logging
+import sys
+
+BENCHMARKS = {
+    "throughput": "pagoda.bench.throughput",
+    "kernels": "pagoda.bench.kernels",
+    "serve": "pagoda.bench.serve",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagoda.entrypoints.openai.cli_args import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda: paged-attention LLM serving.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,bench}")
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server",
+                                description="Run the OpenAI-compatible server (vLLM's `vllm serve` flags). "
+                                            "Every flag can also come from PAGODA_<FLAG>; flags win.")
+    add_serve_arguments(serve)
+    bench = commands.add_parser("bench", help="benchmarks: throughput (offline), kernels, serve (HTTP)")
+    bench.add_argument("benchmark", choices=sorted(BENCHMARKS), help="which benchmark")
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from pagoda.entrypoints.openai.cli_args import flagify, split_args
+
+    configure_logging(ns.log_level)
+    engine_args, server_args = split_args(ns)
+    try:
+        # validate every flag now, before the port opens: a bad value is a usage error, not a crash later
+        engine_args.create_config()
+    except (ValueError, OSError) as e:
+        parser.error(flagify(str(e)))
+    if engine_args.node_rank > 0:
+        from pagoda.entrypoints.openai.worker_server import run_worker_server
+
+        run_rank = _find_worker_rank_runner()
+        if run_rank is None:
+            parser.error("--node-rank > 0 (a multi-node worker) is not supported by this build yet")
+        return run_worker_server(server_args, lambda ready: run_rank(engine_args, ready))
+
+    from pagoda.entrypoints.openai.api_server import run_server
+
+    return run_server(engine_args, server_args)
+
+
+def _find_worker_rank_runner():
+    """The distributed executor plugs in `pagoda.distributed.worker.run_worker_rank(engine_args, ready)`."""
+    try:
+        module = importlib.import_module("pagoda.distributed.worker")
+    except ImportError:
+        return None
+    return getattr(module, "run_worker_rank", None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `pagoda bench X ...`: everything after X belongs to the benchmark's own parser
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        module = importlib.import_module(BENCHMARKS[argv[1]])
+        return module.main(argv[2:]) or 0
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.version:
+        import pagoda
+
+        print(pagoda.__version__)
+        return 0
+    if ns.command == "serve":
+        serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+        return serve(serve_parser, ns)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The head's HTTP server: FastAPI on uvicorn over `AsyncLLMEngine`.
+
+The port opens at once and the model loads in a worker thread meanwhile, so `/health` can say 503
+(loading) to Kubernetes' startup probe. SIGTERM drains: new requests get 503 while running ones have
+`--shutdown-timeout` seconds to finish; then the engine stops and the process exits 0.
+"""
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import pagoda
+from pagoda.config import EngineArgs
+from pagoda.entrypoints.openai.cli_args import ServerArgs
+from pagoda.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagoda.entrypoints.openai.serving_base import Admission
+from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pagoda.server")
+
+
+@dataclass
+class ServerState:
+    engine_args: EngineArgs
+    server_args: ServerArgs
+    engine: object | None = None
+    load_error: BaseException | None = None
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+    completion: OpenAIServingCompletion | None = None
+    chat: OpenAIServingChat | None = None
+    metrics: ServerMetrics | None = None
+    admission: Admission | None = None
+    on_fatal: Callable[[], None] = lambda: None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_running and not self.draining
+
+    def unavailable_reason(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self.engine is None:
+            return "the model is still loading"
+        if not self.engine.is_running:
+            return "the engine is not running (it failed); the server needs a restart"
+        return None
+
+
+def default_engine_factory(args: EngineArgs):
+    from pagoda import AsyncLLMEngine
+
+    return AsyncLLMEngine.from_engine_args(args)
+
+
+def _attach_engine(state: ServerState, engine) -> None:
+    config = engine.config
+    name = config.model.served_model_name
+    state.metrics = ServerMetrics(name, engine.get_stats)
+    state.admission = Admission(config.scheduler.max_num_seqs, state.server_args.max_queued_requests)
+    state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission)
+    state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission)
+    state.engine = engine
+    cache, par = config.cache, config.parallel
+    host = state.server_args.host
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{state.server_args.port}/v1"
+    logger.info("serving model %s from %s: dtype=%s, max_model_len=%d, tensor_parallel_size=%d, "
+                "pipeline_parallel_size=%d, KV cache %d blocks x %d = %d tokens, max_num_seqs=%d, "
+                "max queued requests=%d", name, config.model.path, config.model.dtype, config.model.max_model_len,
+                par.tensor_parallel_size, par.pipeline_parallel_size, cache.num_blocks, cache.block_size,
+                cache.num_blocks * cache.block_size, config.scheduler.max_num_seqs,
+                state.server_args.max_queued_requests)
+    logger.info("ready in %.1fs: OpenAI API at %s", time.time() - state.started, url)
+
+
+def build_app(engine_args: EngineArgs, server_args: ServerArgs,
+              engine_factory: Callable[[EngineArgs], object] = default_engine_factory) -> FastAPI:
+    state = ServerState(engine_args, server_args)
+
+    async def load() -> None:
+        try:
+            engine = await asyncio.to_thread(engine_factory, engine_args)
+        except Exception as e:  # noqa: BLE001 - logged, then the process exits non-zero
+            logger.error("failed to load the model: %s", e, exc_info=not isinstance(e, ValueError | OSError))
+            state.load_error = e
+            state.on_fatal()
+            return
+        _attach_engine(state, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.create_task(load())
+        yield
+        loader.cancel()
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
+    app.state.pagoda = state
+    install_error_handlers(app)
+
+    def require_ready() -> None:
+        reason = state.unavailable_reason()
+        if reason is not None:
+            raise APIError(503, reason, code="service_unavailable", headers={"Retry-After": "5"})
+
+    def require_api_key(request: Request) -> None:
+        key = server_args.api_key
+        if not key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key), Depends(require_ready)])
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await state.completion.create(body, raw)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await state.chat.create(body, raw)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        config = state.engine.config
+        return ModelList(data=[ModelCard(id=config.model.served_model_name, root=config.model.path,
+                                         created=int(state.started), max_model_len=config.model.max_model_len)])
+
+    app.include_router(v1)
+
+    @app.post("/tokenize", dependencies=[Depends(require_ready)])
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        state.completion.check_model(body.model)
+        tokenizer = state.engine.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            _, tokens = await asyncio.to_thread(render_chat, tokenizer, body.messages, body.add_generation_prompt)
+        else:
+            tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=state.engine.config.model.max_model_len,
+                                tokens=tokens)
+
+    @app.post("/detokenize", dependencies=[Depends(require_ready)])
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        state.completion.check_model(body.model)
+        vocab = len(state.engine.tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(state.engine.tokenizer.decode, body.tokens))
+
+    @app.get("/health")
+    async def health() -> Response:
+        reason = state.unavailable_reason()
+        if reason is None:
+            return Response(status_code=200)
+        return error_response(503, reason, code="service_unavailable")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = state.metrics.render() if state.metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": pagoda.__version__})
+
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains (503 for new requests) before it stops."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.failed = False
+        state.on_fatal = self.fail
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def fail(self) -> None:
+        self.failed = True
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # unlike uvicorn's own handler, don't re-raise the signal at the end: a drained exit is a clean exit 0
+        if self.state.draining or self.loop is None:
+            logger.warning("second %s: stopping now", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        self.state.draining = True
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(sig)))
+
+    async def _drain(self, sig: int) -> None:
+        timeout = self.state.server_args.shutdown_timeout
+        admission = self.state.admission
+        in_flight = admission.in_flight if admission else 0
+        logger.info("%s: draining; %d requests in flight get up to %.0fs to finish", signal.Signals(sig).name,
+                    in_flight, timeout)
+        deadline = time.monotonic() + timeout
+        while admission is not None and admission.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if admission is not None and admission.in_flight > 0:
+            logger.warning("shutdown timeout: aborting %d requests", admission.in_flight)
+        self.should_exit = True
+
+
+def run_server(engine_args: EngineArgs, server_args: ServerArgs,
+               engine_factory: Callable[[EngineArgs], object] = default_engine_factory) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+    app = build_app(engine_args, server_args, engine_factory)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+                            access_log=server_args.log_level == "debug", timeout_graceful_shutdown=1,
+                            timeout_keep_alive=5)
+    server = DrainingServer(config, app.state.pagoda)
+    server.run()
+    return 1 if server.failed else 0

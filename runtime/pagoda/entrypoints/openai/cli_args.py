@@ -1,0 +1,181 @@
+"""`pagoda serve` flags: DESIGN.md's set plus a few operational ones, each also read from `PAGODA_<FLAG>`.
+
+Defaults come from `EngineArgs`, so the engine stays the single source of truth. Flags win over the
+environment; a bad value from either ends in an argparse error naming the flag (and the variable).
+"""
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+
+from pagoda.config import DTYPES, EngineArgs
+
+ENV_PREFIX = "PAGODA_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class ServerArgs:
+    """What the HTTP layer needs that the engine does not."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(text)
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(text)
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """`--pp-layer-partition 12,12,8`: layers per pipeline stage."""
+    values = [positive_int(part) for part in re.split(r"[,\s]+", text.strip()) if part]
+    if not values:
+        raise ValueError(text)
+    return values
+
+
+# argparse names the type function in its error message: make those readable
+for _fn, _name in [(positive_int, "positive integer"), (non_negative_int, "non-negative integer"),
+                   (positive_float, "positive number"), (non_negative_float, "non-negative number"),
+                   (port_number, "port number"), (int_list, "comma-separated list of positive integers")]:
+    _fn.__name__ = _name
+
+
+class _EnvParser:
+    """Adds flags whose defaults come from the environment, converting and checking them like argv."""
+
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+    def add(self, flag: str, *, default=None, type=str, choices=None, boolean: bool = False, help: str = ""):
+        env = env_name(flag)
+        raw = os.environ.get(env)
+        if raw is not None and raw != "":
+            default = self._convert_env(flag, env, raw, type, choices, boolean)
+        help = f"{help} [env {env}]" if help else f"[env {env}]"
+        if boolean:
+            self.parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+        else:
+            self.parser.add_argument(flag, type=type, choices=choices, default=default,
+                                     help=f"{help} (default: {default})")
+
+    def _convert_env(self, flag, env, raw, type, choices, boolean):
+        if boolean:
+            if raw.lower() in _TRUE:
+                return True
+            if raw.lower() in _FALSE:
+                return False
+            self.parser.error(f"argument {flag}: invalid boolean {raw!r} in {env} (use true or false)")
+        try:
+            value = type(raw)
+        except (TypeError, ValueError):
+            self.parser.error(f"argument {flag}: invalid {getattr(type, '__name__', 'value')} {raw!r} in {env}")
+        if choices is not None and value not in choices:
+            self.parser.error(f"argument {flag}: invalid choice {raw!r} in {env} "
+                              f"(choose from {', '.join(map(str, choices))})")
+        return value
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    d = _ENGINE_DEFAULTS
+    parser.add_argument("model", nargs="?", default=os.environ.get(env_name("model")) or None,
+                        help="a Hugging Face model directory (default: SmolLM2-135M-Instruct) [env PAGODA_MODEL]")
+    p = _EnvParser(parser)
+    p.add("--served-model-name", help="the name clients pass as `model`")
+    p.add("--host", default=ServerArgs.host)
+    p.add("--port", default=ServerArgs.port, type=port_number)
+    p.add("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add("--tensor-parallel-size", default=d["tensor_parallel_size"], type=positive_int)
+    p.add("--pipeline-parallel-size", default=d["pipeline_parallel_size"], type=positive_int)
+    p.add("--pp-layer-partition", type=int_list, help="layers per pipeline stage, e.g. 12,12,8")
+    p.add("--nnodes", default=d["nnodes"], type=positive_int)
+    p.add("--node-rank", default=d["node_rank"], type=non_negative_int)
+    p.add("--master-addr", default=d["master_addr"])
+    p.add("--master-port", default=d["master_port"], type=port_number)
+    p.add("--distributed-timeout", default=d["distributed_timeout"], type=positive_float,
+          help="seconds to wait for every rank to join")
+    p.add("--dtype", default=d["dtype"], choices=DTYPES)
+    p.add("--max-model-len", type=positive_int)
+    p.add("--block-size", default=d["block_size"], type=positive_int)
+    p.add("--max-num-seqs", default=d["max_num_seqs"], type=positive_int)
+    p.add("--max-num-batched-tokens", type=positive_int)
+    p.add("--enable-prefix-caching", default=d["enable_prefix_caching"], boolean=True)
+    p.add("--enable-chunked-prefill", default=d["enable_chunked_prefill"], boolean=True)
+    p.add("--gpu-memory-utilization", default=d["gpu_memory_utilization"], type=positive_float)
+    p.add("--kv-cache-memory", type=positive_float, help="GiB of KV cache (overrides the GPU fraction)")
+    p.add("--attention-backend", default=d["attention_backend"])
+    p.add("--seed", default=d["seed"], type=int)
+    p.add("--max-queued-requests", type=non_negative_int,
+          help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: 4 x max-num-seqs)")
+    p.add("--shutdown-timeout", default=ServerArgs.shutdown_timeout, type=non_negative_float,
+          help="seconds running requests get to finish after SIGTERM")
+    p.add("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS)
+
+
+_ENGINE_FLAG_FIELDS = ("model", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size",
+                       "pp_layer_partition", "nnodes", "node_rank", "master_addr", "master_port",
+                       "distributed_timeout", "dtype", "max_model_len", "block_size", "max_num_seqs",
+                       "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
+                       "gpu_memory_utilization", "kv_cache_memory", "attention_backend", "seed",
+                       "max_queued_requests")
+
+
+def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
+    engine = EngineArgs(**{name: getattr(ns, name) for name in _ENGINE_FLAG_FIELDS})
+    queued = ns.max_queued_requests
+    server = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key,
+                        max_queued_requests=4 * ns.max_num_seqs if queued is None else queued,
+                        shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level)
+    return engine, server
+
+
+def flagify(message: str) -> str:
+    """Engine validation errors name fields (`block_size must ...`); the CLI user knows flags."""
+    for name in sorted(_ENGINE_FLAG_FIELDS, key=len, reverse=True):
+        if name != "model":
+            message = re.sub(rf"(?<![\w-]){name}(?!\w)", "--" + name.replace("_", "-"), message)
+    return message

@@ -1,0 +1,169 @@
+"""What completions and chat share: model check, admission (the bounded queue), prompt validation before
+anything is streamed, engine errors mapped to HTTP errors, metrics, and aborting on client disconnect."""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from pagoda.engine import EngineDeadError
+from pagoda.entrypoints.openai.errors import APIError, invalid_request, sse_error
+from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Admission:
+    """Counts requests inside the engine; beyond max_num_seqs + max_queued, new ones get 429."""
+
+    def __init__(self, max_running: int, max_queued: int):
+        self.limit = max_running + max_queued
+        self.in_flight = 0
+
+    def acquire(self, count: int = 1) -> Callable[[], None]:
+        """Take `count` places or raise 429; returns the (idempotent) release."""
+        if self.in_flight + count > self.limit:
+            raise APIError(429, f"server overloaded: {self.in_flight} requests in flight, limit {self.limit}; "
+                                "retry later", code="too_many_requests", headers={"Retry-After": "1"})
+        self.in_flight += count
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= count
+
+        return release
+
+
+class OpenAIServing:
+    def __init__(self, engine, served_model_name: str, metrics: ServerMetrics, admission: Admission):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name
+        self.max_model_len = engine.config.model.max_model_len
+        self.metrics = metrics
+        self.admission = admission
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def make_params(request, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return request.sampling_params(max_tokens, logprobs)
+        except (ValueError, TypeError) as e:
+            raise invalid_request(str(e)) from None
+
+    async def validate_prompt(self, prompt, params: SamplingParams) -> dict:
+        """Tokenize (off the event loop) and check the length now, so errors come before a stream starts."""
+        try:
+            text, token_ids = await asyncio.to_thread(self.engine.engine.process_prompt, prompt, params)
+        except ValueError as e:
+            raise invalid_request(str(e), param="prompt" if "context length" in str(e) else None) from None
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The engine's cumulative outputs, with metrics observed and engine errors as APIError."""
+        tracker = self.metrics.tracker()
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                tracker.observe(out)
+                yield out
+        except EngineDeadError as e:
+            raise APIError(500, f"the engine failed: {e}", code="engine_dead") from None
+        except ValueError as e:
+            raise invalid_request(str(e)) from None
+
+    async def final_output(self, prompt: dict, params: SamplingParams, request_id: str) -> RequestOutput:
+        last = None
+        async for out in self.generate(prompt, params, request_id):
+            last = out
+        assert last is not None and last.finished
+        return last
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive; closing the merge cancels (aborts) them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who re-raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run a non-streaming handler's work, cancelling it (so the engine aborts) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        logger.info("client disconnected: request aborted")
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Server-sent events ending in [DONE]; an error after the stream started becomes an error event."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield sse_error(e)
+    except Exception as e:  # noqa: BLE001 - the status line is gone: report in-band
+        logger.exception("error while streaming")
+        yield sse_error(APIError(500, f"internal server error: {e!r}"))
+    yield "data: [DONE]\n\n"
+

@@ -1,0 +1,147 @@
+"""`POST /v1/chat/completions`: messages through the model's chat template, n choices, streamed or not."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagoda.entrypoints.openai.errors import invalid_request
+from pagoda.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from pagoda.entrypoints.openai.serving_base import OpenAIServing, cancel_on_disconnect, sse, sse_stream
+from pagoda.entrypoints.openai.serving_completion import finish_reason
+from pagoda.outputs import Logprob, RequestOutput
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                extra: dict | None = None) -> tuple[str, list[int]]:
+    """Blocking (the template engine and the tokenizer): call it in a worker thread."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid_request("this model has no chat template: use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **(extra or {}))
+    except Exception as e:  # jinja raises its own errors (e.g. raise_exception for an unsupported role order)
+        raise invalid_request(f"the chat template rejected the messages: {e}", "messages") from None
+    # the template already wrote the special tokens (BOS included): don't add them twice
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _top(lp: Logprob) -> TopLogprob:
+    token = lp.decoded_token or ""
+    return TopLogprob(token=token, logprob=lp.logprob, bytes=list(token.encode()))
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        chosen = _top(entry[token_id])
+        alternatives = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_k),
+                              key=lambda lp: lp.rank)
+        content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=[_top(lp) for lp in alternatives]))
+    return ChatLogprobs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, request: ChatCompletionRequest, raw: Request):
+        self.check_model(request.model)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        top_k = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.make_params(request, request.requested_max_tokens, top_k)
+        text, token_ids = await asyncio.to_thread(render_chat, self.tokenizer, request.messages,
+                                                  request.add_generation_prompt, request.chat_template_kwargs)
+        prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
+        request_id = random_id("chatcmpl")
+        release = self.admission.acquire()
+        stream = self.generate(prompt, params, request_id)
+        if request.stream:
+            return StreamingResponse(sse_stream(self._stream(request, request_id, stream, top_k, release)),
+                                     media_type="text/event-stream")
+        try:
+            final = await cancel_on_disconnect(raw, self._last(stream))
+        finally:
+            release()
+        return self._response(request, request_id, final, top_k)
+
+    @staticmethod
+    async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        last = None
+        async for out in stream:
+            last = out
+        return last
+
+    def _response(self, request: ChatCompletionRequest, request_id: str, final: RequestOutput,
+                  top_k: int | None) -> ChatCompletionResponse:
+        choices = []
+        for c in final.outputs:
+            logprobs = None
+            if top_k is not None and c.logprobs is not None:
+                logprobs = chat_logprobs(c.logprobs, c.token_ids, top_k)
+            choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text), logprobs=logprobs,
+                                      finish_reason=finish_reason(c), stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=_usage(final))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, stream: AsyncIterator[RequestOutput],
+                      top_k: int | None, release) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                           choices=choices, usage=usage))
+
+        try:
+            # the role first, before any token: clients show the assistant turn as soon as it exists
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(request.n)])
+            sent_text = [0] * request.n
+            sent_tokens = [0] * request.n
+            finished = [False] * request.n
+            final = None
+            async for out in stream:
+                final = out
+                choices = []
+                for c in out.outputs:
+                    if finished[c.index]:
+                        continue
+                    text = c.text[sent_text[c.index]:]
+                    start = sent_tokens[c.index]
+                    logprobs = None
+                    if top_k is not None and c.logprobs is not None and len(c.token_ids) > start:
+                        logprobs = chat_logprobs(c.logprobs[start:], c.token_ids[start:], top_k)
+                    reason = finish_reason(c)
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    finished[c.index] = reason is not None
+                    if text or reason is not None:
+                        choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text or None),
+                                                        logprobs=logprobs, finish_reason=reason,
+                                                        stop_reason=c.stop_reason if reason else None))
+                if choices:
+                    yield chunk(choices)
+            if request.include_usage_in_stream and final is not None:
+                yield chunk([], _usage(final))
+        finally:
+            release()
+
+
+def _usage(final: RequestOutput) -> UsageInfo:
+    prompt = len(final.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in final.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

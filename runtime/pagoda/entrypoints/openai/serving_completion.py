@@ -1,0 +1,169 @@
+"""`POST /v1/completions`: one engine request per prompt, n choices each, streamed or not."""
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagoda.entrypoints.openai.errors import invalid_request
+from pagoda.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from pagoda.entrypoints.openai.serving_base import OpenAIServing, cancel_on_disconnect, merge, sse, sse_stream
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def split_prompts(prompt) -> list:
+    """OpenAI's four prompt shapes -> a list of single prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    # the engine's "abort" never reaches a client that is still listening except on shutdown: call it a stop
+    return None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int,
+                        text_offset: int) -> CompletionLogprobs:
+    """The legacy completions layout: parallel lists of tokens, their logprobs and top alternatives."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        chosen = entry[token_id]
+        token = chosen.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob)
+        result.top_logprobs.append({
+            (lp.decoded_token or ""): lp.logprob
+            for tid, lp in entry.items() if tid == token_id or (lp.rank is not None and lp.rank <= top_k)})
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, request: CompletionRequest, raw: Request):
+        self.check_model(request.model)
+        if request.suffix:
+            raise invalid_request("suffix is not supported", "suffix")
+        params = self.make_params(request, request.max_tokens, request.logprobs)
+        prompts = [await self.validate_prompt(p, params) for p in split_prompts(request.prompt)]
+        request_id = random_id("cmpl")
+        release = self.admission.acquire(len(prompts))
+        streams = [self.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        if request.stream:
+            events = self._stream(request, request_id, prompts, streams, release)
+            return StreamingResponse(sse_stream(events), media_type="text/event-stream")
+        try:
+            finals = await cancel_on_disconnect(raw, self._collect(streams, len(prompts)))
+        finally:
+            release()
+        return self._response(request, request_id, prompts, finals)
+
+    @staticmethod
+    async def _collect(streams, count: int) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * count
+        async for i, out in merge(streams):
+            finals[i] = out
+        return finals
+
+    def _echo_text(self, prompt: dict) -> str:
+        return prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(prompt["prompt_token_ids"])
+
+    def _prompt_logprobs(self, prompt: dict) -> CompletionLogprobs:
+        # the engine does not score prompts: echoed prompt tokens carry no logprob, as OpenAI's first token
+        tokens = [self.tokenizer.decode([t]) for t in prompt["prompt_token_ids"]]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[None] * len(tokens),
+                                  top_logprobs=[None] * len(tokens), text_offset=offsets)
+
+    def _response(self, request: CompletionRequest, request_id: str, prompts: list[dict],
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        usage = UsageInfo()
+        for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            usage.prompt_tokens += len(final.prompt_token_ids)
+            prefix = self._echo_text(prompt) if request.echo else ""
+            for c in final.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None and c.logprobs is not None:
+                    logprobs = completion_logprobs(c.logprobs, c.token_ids, request.logprobs, len(prefix))
+                    if request.echo:
+                        logprobs = _concat(self._prompt_logprobs(prompt), logprobs)
+                choices.append(CompletionChoice(index=i * request.n + c.index, text=prefix + c.text,
+                                                logprobs=logprobs, finish_reason=finish_reason(c),
+                                                stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[dict],
+                      streams, release) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text: dict[tuple[int, int], int] = {}
+        sent_tokens: dict[tuple[int, int], int] = {}
+        finished: set[tuple[int, int]] = set()
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens: dict[tuple[int, int], int] = {}
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            return sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                          usage=usage))
+
+        try:
+            async for i, out in merge(streams):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                choices = []
+                for c in out.outputs:
+                    key = (i, c.index)
+                    if key in finished:
+                        continue
+                    first = key not in sent_text
+                    prefix = self._echo_text(prompts[i]) if request.echo and first else ""
+                    text = c.text[sent_text.get(key, 0):]
+                    start = sent_tokens.get(key, 0)
+                    logprobs = None
+                    if request.logprobs is not None and c.logprobs is not None:
+                        offset = sent_text.get(key, 0) + len(prefix)
+                        logprobs = completion_logprobs(c.logprobs[start:], c.token_ids[start:], request.logprobs,
+                                                       offset)
+                        if prefix:
+                            logprobs = _concat(self._prompt_logprobs(prompts[i]), logprobs)
+                    reason = finish_reason(c)
+                    sent_text[key] = len(c.text)
+                    sent_tokens[key] = len(c.token_ids)
+                    completion_tokens[key] = len(c.token_ids)
+                    if reason is not None:
+                        finished.add(key)
+                    if prefix or text or reason is not None:
+                        choices.append(CompletionChoice(index=i * request.n + c.index, text=prefix + text,
+                                                        logprobs=logprobs, finish_reason=reason,
+                                                        stop_reason=c.stop_reason if reason else None))
+                if choices:
+                    yield chunk(choices)
+            if request.include_usage_in_stream:
+                used = sum(completion_tokens.values())
+                total = sum(prompt_tokens.values())
+                yield chunk([], UsageInfo(prompt_tokens=total, completion_tokens=used, total_tokens=total + used))
+        finally:
+            release()
+
+
+def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    # b's offsets already count the echoed prompt's characters
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
