@@ -1,0 +1,82 @@
+"""Start and stop live `pagoda serve` processes on loopback ports."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).parent
+START_TIMEOUT = 180.0
+API_KEY = "sk-pagoda-test"
+TINY_SERVER_FLAGS = ["--kv-cache-memory", "0.02", "--log-level", "warning"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    statuses_while_starting: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagoda serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                status = httpx.get(self.url + "/health", timeout=2).status_code
+            except httpx.TransportError:
+                status = 0
+            self.statuses_while_starting.append(status)
+            if status == 200:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"pagoda serve not ready after {START_TIMEOUT}s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+
+def start_server(model: Path, tmp_path: Path, *flags: str, env: dict | None = None,
+                 launcher: list[str] | None = None, wait: bool = True) -> LiveServer:
+    port = free_port()
+    log_path = tmp_path / f"serve-{port}.log"
+    command = (launcher or [sys.executable, "-m", "pagoda.entrypoints.cli"]) + [
+        "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *TINY_SERVER_FLAGS, *flags]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    server = LiveServer(process, port, log_path)
+    if wait:
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+    return server
