@@ -1,0 +1,131 @@
+"""Overload (429), graceful shutdown on SIGTERM, engine death, and CLI errors."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from pagoda.entrypoints.openai.worker_server import build_worker_app
+
+pytestmark = pytest.mark.server
+
+LONG = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+
+
+def data_lines(response: httpx.Response):
+    return (line for line in response.iter_lines() if line.startswith("data:"))
+
+
+@pytest.fixture(scope="module")
+def small_server(server_factory):
+    """One running request at a time and one waiting: easy to fill."""
+    return server_factory("--max-num-seqs", "1", "--max-queued-requests", "1", "--shutdown-timeout", "60")
+
+
+def test_full_queue_is_429_with_retry_after(small_server):
+    url = small_server.url + "/v1/completions"
+    with httpx.Client(timeout=30) as c, c.stream("POST", url, json=LONG) as first, \
+            c.stream("POST", url, json=LONG) as second:
+        assert first.status_code == second.status_code == 200
+        r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    # the two streams were abandoned: their places free up and requests are admitted again
+    deadline = time.monotonic() + 20
+    while (r := httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)).status_code == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert r.status_code == 200
+
+
+def test_sigterm_drains_running_requests_then_exits_0(small_server):
+    url = small_server.url
+    result: dict = {}
+
+    def stream_to_the_end() -> None:
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions",
+                                                     json={**LONG, "stream_options": {"include_usage": True}}) as r:
+            lines = data_lines(r)
+            next(lines)
+            result["started"] = time.monotonic()
+            started.set()
+            result["events"] = list(lines)
+
+    started = threading.Event()
+    reader = threading.Thread(target=stream_to_the_end)
+    reader.start()
+    assert started.wait(30)
+    small_server.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/health", timeout=5).status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    refused = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=5)
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    reader.join(60)
+    assert small_server.process.wait(60) == 0
+    events = result["events"]
+    assert events[-1] == "data: [DONE]" and '"completion_tokens":480' in events[-2]
+
+
+def test_engine_death_fails_requests_and_health(server_factory):
+    launcher = [sys.executable, str(Path(__file__).parent / "faulty_serve.py")]
+    server = server_factory(launcher=launcher)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    stream = client.completions.create(model=None, prompt="Hello", max_tokens=480, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=None, prompt="KILL_ENGINE", max_tokens=4)
+    assert e.value.status_code == 500 and "engine" in e.value.message
+    with pytest.raises(openai.APIError, match="engine"):
+        for _ in stream:
+            pass
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+
+
+@pytest.mark.parametrize("argv, env, flag", [
+    (["--port", "abc"], {}, "--port"),
+    (["--dtype", "float8"], {}, "--dtype"),
+    ([], {"PAGODA_MAX_NUM_SEQS": "0"}, "--max-num-seqs"),
+    ([], {"PAGODA_ENABLE_PREFIX_CACHING": "maybe"}, "--enable-prefix-caching"),
+    ([], {"PAGODA_BLOCK_SIZE": "7"}, "--block-size"),
+    (["--max-model-len", "100000"], {}, "--max-model-len"),
+])
+def test_bad_flag_values_are_cli_errors(tiny_llama_dir, argv, env, flag):
+    r = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(tiny_llama_dir), *argv],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert r.returncode == 2
+    assert flag in r.stderr and "Traceback" not in r.stderr
+
+
+def test_worker_mode_serves_health_and_metrics():
+    joined, stop = threading.Event(), threading.Event()
+
+    def run_rank(mark_ready) -> None:
+        joined.wait(10)
+        mark_ready()
+        stop.wait(10)
+
+    exits: list[int] = []
+    with TestClient(build_worker_app(run_rank, exits.append)) as c:
+        assert c.get("/health").status_code == 503
+        joined.set()
+        deadline = time.monotonic() + 5
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "pagoda:worker_joined 1.0" in c.get("/metrics").text
+        stop.set()
+        deadline = time.monotonic() + 5
+        while not exits:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert exits == [0] and c.get("/health").status_code == 503
