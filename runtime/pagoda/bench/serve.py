@@ -1,0 +1,376 @@
+"""`pagoda bench serve`: load an OpenAI-compatible server, in the spirit of vLLM's benchmark_serving.
+
+Requests stream from `/v1/completions` (or `/v1/chat/completions`) at a fixed concurrency or with
+Poisson arrivals at `--request-rate`; prompts are synthetic (seeded lengths) or come from a JSONL file.
+Reports request and token throughput and TTFT, TPOT, ITL and end-to-end latency (mean, median, p99).
+
+`--offline MODEL` runs the same requests, with the same concurrency, through an in-process
+`AsyncLLMEngine` instead of HTTP: the difference is what the server adds.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_WORDS = ("the of and to in is was for on are with as by at from his her they be this that have which "
+          "one you had not but what all were when we there can an your their said if do will each about "
+          "how up out them then she many some so these would other into has more two time like him see "
+          "could no make than first been its who now people my made over did down only way find use may "
+          "water long little very after words called just where most know get through back much before "
+          "go good new write our used me man day too any same right look think also around another came "
+          "come work three word must because does part even place well such here take why things help "
+          "put years different away again off went old number great tell men say small every found still "
+          "between name should home big give air line set own under read last never us left end along "
+          "while might next sound below saw something thought both few those always looked show large "
+          "often together asked house don't world going want school important until form food keep "
+          "children feet land side without boy once animals life enough took sometimes four head above "
+          "kind began almost live page got earth need far hand high year mother light parts country "
+          "father let night following picture being study second eyes soon times story boys since white "
+          "days ever paper hard near sentence better best across during today others however sure means "
+          "knew its try told young miles sun ways thing whole hear example heard several change answer "
+          "room sea against top turned learn point city play toward five using himself usually").split()
+
+
+@dataclass
+class BenchRequest:
+    prompt: str | list[int] | list[dict]  # text, token ids, or chat messages
+    output_len: int
+    prompt_len: int | None = None  # known when made from token ids
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+# --- workloads -------------------------------------------------------------------------------------
+
+def load_tokenizer(path: str | None):
+    if not path or not Path(path).is_dir():
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - fall back to word prompts
+        return None
+
+
+def synthetic_requests(n: int, input_len: int, output_len: int, range_ratio: float, seed: int,
+                       tokenizer=None) -> list[BenchRequest]:
+    """Lengths uniform in [len x (1 - r), len x (1 + r)]. With a tokenizer, prompts are exact token ids."""
+    rng = random.Random(seed)
+
+    def length(center: int) -> int:
+        return max(1, rng.randint(int(center * (1 - range_ratio)), int(center * (1 + range_ratio))))
+
+    if tokenizer is not None:
+        specials = set(tokenizer.all_special_ids)
+        allowed = [t for t in range(len(tokenizer)) if t not in specials]
+    requests = []
+    for _ in range(n):
+        plen, olen = length(input_len), length(output_len)
+        if tokenizer is not None:
+            requests.append(BenchRequest([rng.choice(allowed) for _ in range(plen)], olen, plen))
+        else:  # about one token per common word
+            requests.append(BenchRequest(" ".join(rng.choice(_WORDS) for _ in range(plen)), olen))
+    return requests
+
+
+def jsonl_requests(path: str, n: int | None, output_len: int) -> list[BenchRequest]:
+    """One object a line: {"prompt": str} or {"messages": [...]}, optional "output_len"/"max_tokens"."""
+    requests = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        prompt = item.get("prompt", item.get("messages"))
+        if prompt is None:
+            raise ValueError(f"{path}: every line needs 'prompt' or 'messages'")
+        requests.append(BenchRequest(prompt, int(item.get("output_len", item.get("max_tokens", output_len)))))
+        if n is not None and len(requests) >= n:
+            break
+    return requests
+
+
+# --- senders ---------------------------------------------------------------------------------------
+
+class HTTPSender:
+    def __init__(self, base_url: str, model: str, api_key: str | None, endpoint: str):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.endpoint = endpoint
+        self.session = None
+
+    async def __aenter__(self):
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=6 * 3600),
+                                             connector=aiohttp.TCPConnector(limit=0))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.session.close()
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        body = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        chat = self.endpoint == "chat" or isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], dict)
+        if chat:
+            messages = req.prompt if isinstance(req.prompt, list) else [{"role": "user", "content": req.prompt}]
+            url, body["messages"] = f"{self.base_url}/v1/chat/completions", messages
+        else:
+            url, body["prompt"] = f"{self.base_url}/v1/completions", req.prompt
+        result = RequestResult(start=time.perf_counter())
+        last = result.start
+        try:
+            async with self.session.post(url, json=body, headers=self.headers) as response:
+                if response.status != 200:
+                    result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                    return result
+                async for raw in response.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        result.error = chunk["error"].get("message", "error event")
+                        return result
+                    if chunk.get("usage"):
+                        result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        result.output_tokens = chunk["usage"]["completion_tokens"]
+                    choices = chunk.get("choices") or []
+                    piece = choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
+                    if piece:
+                        now = time.perf_counter()
+                        if result.ttft == 0.0:
+                            result.ttft = now - result.start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+            result.latency = time.perf_counter() - result.start
+            result.ok = result.ttft > 0
+            if not result.ok:
+                result.error = "no tokens received"
+        except Exception as e:  # noqa: BLE001 - counted as a failed request
+            result.error = repr(e)
+        return result
+
+
+class EngineSender:
+    """The same requests through an in-process AsyncLLMEngine: the baseline without HTTP."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.count = 0
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return None
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        from pagoda import SamplingParams
+
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self.engine.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, list):
+            prompt = {"prompt_token_ids": prompt}
+        self.count += 1
+        result = RequestResult(start=time.perf_counter())
+        last, seen = result.start, 0
+        try:
+            async for out in self.engine.generate(prompt, params, f"bench-{self.count}"):
+                now = time.perf_counter()
+                n = len(out.outputs[0].token_ids)
+                if n > seen:
+                    if result.ttft == 0.0:
+                        result.ttft = now - result.start
+                    else:
+                        result.itl.append(now - last)
+                    last, seen = now, n
+                result.prompt_tokens, result.output_tokens = len(out.prompt_token_ids), n
+            result.latency = time.perf_counter() - result.start
+            result.ok = True
+        except Exception as e:  # noqa: BLE001
+            result.error = repr(e)
+        return result
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+async def run(sender, requests: list[BenchRequest], concurrency: int | None, rate: float, seed: int):
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(req: BenchRequest) -> RequestResult:
+        if limit is None:
+            return await sender.send(req)
+        async with limit:
+            return await sender.send(req)
+
+    tasks = []
+    start = time.perf_counter()
+    for req in requests:
+        tasks.append(asyncio.create_task(one(req)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ms = 1000.0
+
+    def stats(values: list[float]) -> dict:
+        if not values:
+            return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+        ordered = sorted(values)
+        p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+        return {"mean": statistics.fmean(values) * ms, "median": statistics.median(values) * ms, "p99": p99 * ms}
+
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "ttft_ms": stats([r.ttft for r in ok]),
+        "tpot_ms": stats(tpot),
+        "itl_ms": stats([gap for r in ok for gap in r.itl]),
+        "e2e_ms": stats([r.latency for r in ok]),
+    }
+
+
+def report(summary: dict, title: str) -> str:
+    lines = [f"{'=' * 18} {title} {'=' * 18}",
+             f"{'Successful requests:':<40}{summary['completed']}",
+             f"{'Failed requests:':<40}{summary['failed']}",
+             f"{'Benchmark duration (s):':<40}{summary['duration_s']:.2f}",
+             f"{'Total input tokens:':<40}{summary['total_input_tokens']}",
+             f"{'Total generated tokens:':<40}{summary['total_output_tokens']}",
+             f"{'Request throughput (req/s):':<40}{summary['request_throughput']:.2f}",
+             f"{'Output token throughput (tok/s):':<40}{summary['output_token_throughput']:.2f}",
+             f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:.2f}"]
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
+        s = summary[key]
+        lines.append(f"{name + ' (ms) mean / median / p99:':<40}{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}")
+    for error in summary["errors"]:
+        lines.append(f"error: {error}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="pagoda bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    p.add_argument("--model", default=None, help="the `model` field (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--dataset", choices=("random", "jsonl"), default="random")
+    p.add_argument("--dataset-path", default=None, help="the JSONL file for --dataset jsonl")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=256, help="synthetic prompt tokens (center)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (center)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform within +-this fraction")
+    p.add_argument("--tokenizer", default=None,
+                   help="local tokenizer for exact-length token-id prompts (default: the server's model "
+                        "directory when it is local; else word prompts of about --input-len tokens)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals per second (default inf: all at once, bounded by --max-concurrency)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) first")
+    p.add_argument("--offline", default=None, metavar="MODEL",
+                   help="run in-process on an AsyncLLMEngine for MODEL ('default' for the default model)")
+    p.add_argument("--result-json", default=None, help="also write the summary to this file")
+    args = p.parse_args(argv)
+    if args.dataset == "jsonl" and not args.dataset_path:
+        p.error("--dataset jsonl needs --dataset-path")
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    if not args.request_rate > 0:
+        p.error("--request-rate must be > 0")
+    return args
+
+
+def discover_model(base_url: str, api_key: str | None) -> tuple[str, str | None]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    data = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+    return data["id"], data.get("root")
+
+
+async def main_async(args) -> dict:
+    if args.offline:
+        from pagoda import AsyncEngineArgs, AsyncLLMEngine
+
+        model = None if args.offline == "default" else args.offline
+        engine = await asyncio.to_thread(AsyncLLMEngine.from_engine_args, AsyncEngineArgs(model=model))
+        sender, tokenizer = EngineSender(engine), engine.tokenizer
+        title = "Offline (in-process engine) Benchmark Result"
+    else:
+        model, root = (args.model, None) if args.model else discover_model(args.base_url, args.api_key)
+        sender = HTTPSender(args.base_url, model, args.api_key, args.endpoint)
+        tokenizer = await asyncio.to_thread(load_tokenizer, args.tokenizer or root)
+        title = "Serving Benchmark Result"
+    if args.dataset == "jsonl":
+        requests = jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
+    else:
+        requests = synthetic_requests(args.num_prompts + args.warmup, args.input_len, args.output_len,
+                                      args.range_ratio, args.seed, tokenizer)
+    warmup, requests = requests[: args.warmup], requests[args.warmup:] or requests
+    try:
+        async with sender:
+            if warmup:
+                await run(sender, warmup, args.max_concurrency, float("inf"), args.seed)
+            results, duration = await run(sender, requests, args.max_concurrency, args.request_rate, args.seed)
+    finally:
+        if args.offline:
+            engine.shutdown()
+    summary = summarize(results, duration)
+    summary.update(max_concurrency=args.max_concurrency, request_rate=str(args.request_rate),
+                   num_prompts=len(requests), input_len=args.input_len, output_len=args.output_len)
+    print(report(summary, title))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    summary = asyncio.run(main_async(args))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(summary, indent=2))
+    return 0 if summary["failed"] == 0 else 1
+
