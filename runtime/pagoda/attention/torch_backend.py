@@ -71,24 +71,50 @@ def paged_attention(
     return out
 
 
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(slot: int, num_blocks: int, cache: torch.Tensor) -> torch.Tensor:
+    """A reused [num_blocks, block_size, H_kv, D] buffer for gathered blocks: fresh multi-MB allocations
+    every layer cost more in page faults than the copy itself."""
+    key = (slot, cache.device, cache.dtype, cache.shape[1:])
+    buf = _workspaces.get(key)
+    if buf is None or buf.shape[0] < num_blocks:
+        buf = torch.empty((int(num_blocks * 1.25) + 1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        _workspaces[key] = buf
+    return buf[:num_blocks]
+
+
 def _batched_decode(query, key_cache, value_cache, metadata, rows, scale, out):
     """All single-token queries at once: gather their contexts padded to the longest."""
-    qsl = metadata.query_start_loc
     device = query.device
-    rows_t = torch.tensor(rows, device=device)
-    token_idx = qsl[rows_t].long()  # query row of each decode sequence
-    seq_lens = metadata.seq_lens[rows_t].long()
+    all_decode = len(rows) == metadata.num_seqs  # then query row i is sequence i: no indexing needed
     max_len = max(metadata.seq_lens_cpu[i] for i in rows)
     block_size = key_cache.shape[1]
     num_blocks = (max_len + block_size - 1) // block_size
-    tables = metadata.block_tables[rows_t, :num_blocks].long().clamp_min(0)  # [B, nb]
+    if all_decode:
+        seq_lens = metadata.seq_lens.long()
+        tables = metadata.block_tables[:, :num_blocks]
+    else:
+        rows_t = torch.tensor(rows, device=device)
+        token_idx = metadata.query_start_loc[rows_t].long()  # query row of each decode sequence
+        seq_lens = metadata.seq_lens[rows_t].long()
+        tables = metadata.block_tables[rows_t, :num_blocks]
+    tables = tables.long().clamp_min(0).flatten()  # [B * nb]
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    k = key_cache[tables].view(len(rows), -1, num_kv_heads, head_size)[:, :max_len]  # [B, L, Hkv, D]
-    v = value_cache[tables].view(len(rows), -1, num_kv_heads, head_size)[:, :max_len]
-    q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
+    k_blocks = _workspace(0, tables.numel(), key_cache)
+    v_blocks = _workspace(1, tables.numel(), value_cache)
+    torch.index_select(key_cache, 0, tables, out=k_blocks)
+    torch.index_select(value_cache, 0, tables, out=v_blocks)
+    k = k_blocks.view(len(rows), -1, num_kv_heads, head_size)[:, :max_len]  # [B, L, Hkv, D]
+    v = v_blocks.view(len(rows), -1, num_kv_heads, head_size)[:, :max_len]
+    q = (query if all_decode else query[token_idx]).unsqueeze(2)  # [B, H, 1, D]
     mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]  # [B, L]
     o = F.scaled_dot_product_attention(
         q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
         enable_gqa=key_cache.shape[2] != query.shape[1],
     )
-    out[token_idx] = o.squeeze(2)
+    if all_decode:
+        out.copy_(o.squeeze(2))
+    else:
+        out[token_idx] = o.squeeze(2)

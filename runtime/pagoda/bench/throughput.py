@@ -1,0 +1,173 @@
+"""`pagoda bench throughput`: a fixed synthetic workload through Pagoda and through transformers.
+
+Pagoda runs all requests with continuous batching; transformers runs them one at a time and in static
+left-padded batches. Output tokens count only what each request asked for (padding waste is not
+counted as work). Also reports Pagoda's decode model-FLOP utilisation against the measured matmul peak.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from pagoda.bench.memory import PeakMemory
+from pagoda.bench.workload import synthetic_requests
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="pagoda bench throughput", description=__doc__)
+    p.add_argument("--model", default=None, help="model path (default: the default model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--hf-sequential-requests", type=int, default=8,
+                   help="requests timed for transformers one-at-a-time (a rate: a subset keeps the run short)")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--skip-hf", action="store_true", help="only run Pagoda")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
+    return p.parse_args(argv)
+
+
+def matmul_flops(dtype: torch.dtype, device: str, size: int = 1024, repeats: int = 10) -> float:
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    for _ in range(2):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def decode_flops(hf_config, context_lens: list[int]) -> float:
+    """Model FLOPs of one decode step: 2 x matmul weights per token plus attention over each context."""
+    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * hf_config.intermediate_size
+    matmul_params = layers * per_layer + hf_config.vocab_size * h
+    attention = sum(4 * layers * heads * head_dim * ctx for ctx in context_lens)
+    return 2 * matmul_params * len(context_lens) + attention
+
+
+def run_pagoda(args, requests):
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+    engine = llm.engine
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), None, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),
+                           prompt_token_ids=r.prompt_token_ids)
+    decode_time = decode_work = 0.0
+    with PeakMemory() as mem:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            running = [s for s in engine.scheduler.running]
+            pure_decode = not engine.scheduler.waiting and all(
+                s.num_computed_tokens == s.num_tokens - 1 for s in running)
+            step_start = time.perf_counter()
+            engine.step()
+            if pure_decode and running:
+                decode_time += time.perf_counter() - step_start
+                decode_work += decode_flops(engine.config.model.hf_config, [s.num_tokens for s in running])
+        elapsed = time.perf_counter() - start
+    result = summarize("pagoda", requests, elapsed, mem.peak_bytes)
+    result["decode_flops_per_s"] = decode_work / decode_time if decode_time else 0.0
+    result["dtype"] = engine.config.model.dtype
+    result["device"] = engine.config.device
+    engine.shutdown()
+    return result
+
+
+def run_hf(args, requests, batch_size: int):
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.model_loader import resolve_model_path
+    from pagoda.model_runner import TORCH_DTYPES
+
+    from pagoda.config import resolve_device, resolve_dtype
+
+    path = resolve_model_path(args.model)
+    device = resolve_device("auto")
+    dtype = TORCH_DTYPES[resolve_dtype(args.dtype, device, None)]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    with PeakMemory() as mem, torch.inference_mode():
+        start = time.perf_counter()
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i : i + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, r in enumerate(batch):  # left padding
+                ids[row, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+                mask[row, width - len(r.prompt_token_ids) :] = 1
+            new = max(r.output_len for r in batch)
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad)
+        elapsed = time.perf_counter() - start
+    name = "transformers, one at a time" if batch_size == 1 else f"transformers, static batches of {batch_size}"
+    return summarize(name, requests, elapsed, mem.peak_bytes)
+
+
+def summarize(name, requests, elapsed, peak_bytes):
+    out_tokens = sum(r.output_len for r in requests)
+    total = out_tokens + sum(len(r.prompt_token_ids) for r in requests)
+    return {"name": name, "requests": len(requests), "seconds": elapsed, "output_tokens_per_s": out_tokens / elapsed,
+            "total_tokens_per_s": total / elapsed, "requests_per_s": len(requests) / elapsed,
+            "peak_memory_gib": peak_bytes / 2**30}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from pagoda.model_loader import load_hf_config, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    hf_config = load_hf_config(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    requests = synthetic_requests(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len),
+                                  hf_config.vocab_size, set(tok.all_special_ids))
+    results = [run_pagoda(args, requests)]
+    if not args.skip_hf:
+        results.append(run_hf(args, requests[: args.hf_sequential_requests], 1))
+        results.append(run_hf(args, requests, args.hf_batch_size))
+    print_table(results)
+    pagoda = results[0]
+    peak = matmul_flops(torch.float32 if pagoda["dtype"] == "float32" else getattr(torch, pagoda["dtype"]),
+                        pagoda["device"])
+    mfu = pagoda["decode_flops_per_s"] / peak
+    print(f"\nPagoda decode: {pagoda['decode_flops_per_s'] / 1e9:.1f} GFLOP/s achieved; machine matmul peak "
+          f"{peak / 1e9:.1f} GFLOP/s ({pagoda['dtype']}); model FLOP utilisation {100 * mfu:.1f}%")
+    for other in results[1:]:
+        print(f"Pagoda vs {other['name']}: {pagoda['output_tokens_per_s'] / other['output_tokens_per_s']:.1f}x "
+              "output tokens/s")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"results": results, "matmul_flops_per_s": peak, "decode_mfu": mfu}, f, indent=2)
+    return 0
+
+
+def print_table(results):
+    header = f"{'engine':<36} {'reqs':>5} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12} {'req/s':>7} {'peak GiB':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r['name']:<36} {r['requests']:>5} {r['seconds']:>8.1f} {r['output_tokens_per_s']:>10.1f} "
+              f"{r['total_tokens_per_s']:>12.1f} {r['requests_per_s']:>7.2f} {r['peak_memory_gib']:>9.2f}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
