@@ -291,3 +291,26 @@ def test_disconnect_aborts_non_streaming_request(server, http):
                    timeout=httpx.Timeout(30, read=0.3))
     m = wait_idle(http)
     assert m["pagoda:request_success_total{finished_reason=abort}"] == aborted + 1
+
+
+def test_bench_serve_reports_every_request(server, tmp_path):
+    import json
+
+    from pagoda.bench.serve import main as bench_main
+
+    out = tmp_path / "bench.json"
+    argv = ["--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "12", "--max-concurrency", "4",
+            "--input-len", "32", "--output-len", "8", "--range-ratio", "0.5", "--warmup", "1",
+            "--result-json", str(out)]
+    assert bench_main(argv) == 0
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == 12 and summary["failed"] == 0 and summary["total_output_tokens"] >= 12 * 4
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert summary[key]["median"] > 0
+    # Poisson arrivals and a JSONL dataset, through chat
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "Hello there"}\n{"messages": [{"role": "user", "content": "Hi"}], "output_len": 3}\n')
+    argv = ["--base-url", server.url, "--api-key", API_KEY, "--dataset", "jsonl", "--dataset-path", str(data),
+            "--request-rate", "20", "--output-len", "4", "--warmup", "0", "--result-json", str(out)]
+    assert bench_main(argv) == 0
+    assert json.loads(out.read_text())["total_output_tokens"] == 7
