@@ -30,6 +30,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None | "uni" | "mp"
     pp_layer_partition: list[int] | None = None
+    pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

@@ -24,6 +24,14 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 @dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next: [num_tokens, hidden] each."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
+@dataclass
 class RunnerSeq:
     token_ids: list[int]
     block_table: list[int]
@@ -32,9 +40,14 @@ class RunnerSeq:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], device: str | None = None):
+        from pagoda.distributed.parallel_state import get_parallel_state
+
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = torch.device(device or config.device)
+        state = get_parallel_state()
+        self.is_last_stage = state.is_last_stage
+        self.samples = state.is_last_stage and state.tp_rank == 0  # the one rank that samples
         self.dtype = TORCH_DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
@@ -88,9 +101,13 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         metadata = self._metadata(lens, lens, [[]] * len(lens), torch.full((num_tokens,), -1))
+        hidden_in = residual_in = None
+        if not self.model.model.is_first:  # a later pipeline stage starts from hidden states
+            hidden_in = torch.zeros(num_tokens, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+            residual_in = torch.zeros_like(hidden_in)
         with torch.inference_mode(), forward_context(metadata, self.attn_backend):
-            hidden = self.model(input_ids, positions)
-            if self.model.lm_head is not None:
+            hidden = self.model(input_ids, positions, hidden_in, residual_in)
+            if self.is_last_stage:
                 self.model.compute_logits(hidden[-sched.max_num_seqs :])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -113,19 +130,28 @@ class ModelRunner:
     # --- one step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, list[SampledToken]]:
-        """Run the scheduled tokens; returns the sampled tokens of every sequence that sampled."""
+    def execute(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
+                ) -> dict[int, list[SampledToken]] | IntermediateTensors | None:
+        """Run this stage's layers over the scheduled tokens. The last stage returns the sampled tokens of
+        every sequence that sampled; earlier stages return what the next stage needs (None if empty)."""
         self._apply_deltas(out)
         if out.blocks_to_copy:
             self._copy_blocks(out.blocks_to_copy)
         if out.is_empty:
-            return {}
+            return {} if self.is_last_stage else None
         input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out)
+        hidden_in = residual_in = None
+        if intermediate is not None:
+            hidden_in, residual_in = intermediate.hidden, intermediate.residual
         with forward_context(metadata, self.attn_backend):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions, hidden_in, residual_in)
+        if not self.is_last_stage:
+            return IntermediateTensors(*hidden)
         if not sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows])  # every TP rank: the gather is collective
+        if not self.samples:
+            return {}
         sampling = self._sampling_tensors(sample_seq_ids)
         tokens = self.sampler(logits, sampling)
         result: dict[int, list[SampledToken]] = {}

@@ -1,7 +1,14 @@
-"""The synchronous engine: requests in, one scheduler step + one model step per `step()`, outputs out."""
+"""The synchronous engine: requests in, one scheduler step + one model step per `step()`, outputs out.
 
+With pipeline parallelism the engine keeps one scheduler per batch in flight ("virtual engines",
+sharing one block manager): each owns its requests, so while one batch moves through the later
+stages the next is scheduled and started.
+"""
+
+import dataclasses
 import logging
 import time
+from collections import deque
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineArgs, EngineConfig
@@ -25,7 +32,7 @@ class LLMEngine:
         self.config = config
         started = time.time()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
-        self.eos_token_ids = _eos_token_ids(config.model.path, self.tokenizer, config.model.hf_config)
+        self.eos_token_ids = eos_token_ids_for(config, self.tokenizer)
         self.executor = create_executor(config, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
@@ -38,7 +45,11 @@ class LLMEngine:
         self.executor.allocate_kv_cache(num_blocks)
         config.cache.num_blocks = num_blocks
         self.block_manager = BlockManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        depth = self.executor.pipeline_depth
+        per_batch = dataclasses.replace(config.scheduler, max_num_seqs=-(-config.scheduler.max_num_seqs // depth))
+        self.schedulers = [Scheduler(per_batch, self.block_manager) for _ in range(depth)]
+        self.scheduler_of: dict[int, Scheduler] = {}  # seq id -> the scheduler that owns it
+        self.in_flight: deque = deque()  # (scheduler, its output, executor handle), oldest first
         self.requests: dict[str, RequestState] = {}
         self.seq_to_request: dict[int, RequestState] = {}
         self.stats = EngineStats(num_blocks_total=num_blocks)
@@ -109,7 +120,9 @@ class LLMEngine:
         self.requests[request_id] = state
         self.stats.prompt_tokens += len(prompt_token_ids)
         self.seq_to_request[seq.seq_id] = state
-        self.scheduler.add(seq)
+        scheduler = min(self.schedulers, key=lambda sc: sc.num_unfinished)
+        self.scheduler_of[seq.seq_id] = scheduler
+        scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
@@ -118,27 +131,41 @@ class LLMEngine:
         state.aborted = True
         for seq in state.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+                self.scheduler_of[seq.seq_id].finish(seq, "abort")
                 self._count_finish("abort")
             self.seq_to_request.pop(seq.seq_id, None)
+            self.scheduler_of.pop(seq.seq_id, None)
         return state.to_output()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.in_flight)
 
     # --- the loop ---------------------------------------------------------------------------------
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.schedulers[0]
+
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.finished_seq_ids:
+        """Start batches until the pipeline is full, then finish the oldest one."""
+        busy = {id(entry[0]) for entry in self.in_flight}
+        for scheduler in self.schedulers:
+            if id(scheduler) in busy:
+                continue
+            sched_out = scheduler.schedule()
+            if sched_out.is_empty and not sched_out.finished_seq_ids:
+                continue
+            now = time.time()
+            for s in sched_out.scheduled:
+                state = self.seq_to_request.get(s.seq_id)
+                if state is not None and state.metrics.first_scheduled_time is None:
+                    state.metrics.first_scheduled_time = now
+            self.in_flight.append((scheduler, sched_out, self.executor.submit(sched_out)))
+        if not self.in_flight:
             return []
-        now = time.time()
-        for s in sched_out.scheduled:
-            state = self.seq_to_request.get(s.seq_id)
-            if state is not None and state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-        sampled = self.executor.execute(sched_out)
-        self.scheduler.step_done(sched_out)
+        scheduler, sched_out, handle = self.in_flight.popleft()
+        sampled = self.executor.wait(handle)
+        scheduler.step_done(sched_out)
         return self._process_samples(sampled)
 
     def _process_samples(self, sampled: dict[int, list[SampledToken]]) -> list[RequestOutput]:
@@ -157,7 +184,8 @@ class LLMEngine:
                     self.block_manager.fork(seq, child)
                     state.add_seq(child, copy_from=seq)
                     self.seq_to_request[child.seq_id] = state
-                    self.scheduler.add_running(child)
+                    self.scheduler_of[child.seq_id] = self.scheduler_of[seq.seq_id]
+                    self.scheduler_of[seq.seq_id].add_running(child)
                     targets.append(child)
             for target, token in zip(targets, tokens):
                 self._append_token(state, target, token)
@@ -191,7 +219,7 @@ class LLMEngine:
         if reason is not None:
             if not isinstance(stop_reason, str):  # a stop string already cut the text
                 flush(self.tokenizer, seq.token_ids, out.detok, params.skip_special_tokens)
-            self.scheduler.finish(seq, reason, stop_reason)
+            self.scheduler_of.pop(seq.seq_id).finish(seq, reason, stop_reason)
             self._count_finish(reason)
 
     def _check_stop(self, seq: Sequence, out, new_text: str):
@@ -225,16 +253,22 @@ class LLMEngine:
         s.num_requests_waiting = len(self.requests) - s.num_requests_running
         s.num_blocks_used = self.block_manager.num_used_blocks
         s.kv_cache_usage = self.block_manager.usage()
-        s.prefix_cache_queries = self.scheduler.prefix_cache_queries
-        s.prefix_cache_hits = self.scheduler.prefix_cache_hits
-        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = sum(sc.prefix_cache_queries for sc in self.schedulers)
+        s.prefix_cache_hits = sum(sc.prefix_cache_hits for sc in self.schedulers)
+        s.num_preemptions = sum(sc.num_preemptions for sc in self.schedulers)
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons)})
 
     def shutdown(self) -> None:
         self.executor.shutdown()
 
 
-def _eos_token_ids(path: str, tokenizer, hf_config) -> set[int]:
+def eos_token_ids_for(config: EngineConfig, tokenizer=None) -> set[int]:
+    """Token ids that end a sequence: generation_config.json's eos ids plus the tokenizer's."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+    path, hf_config = config.model.path, config.model.hf_config
     ids: set[int] = set()
     try:
         from transformers import GenerationConfig

@@ -1,0 +1,151 @@
+"""A worker rank: everything but the driver. It runs its pipeline stage / tensor shard for every
+schedule the driver sends, passing activations on to the next stage, until told to stop."""
+
+import logging
+import multiprocessing
+import os
+import sys
+
+import torch
+
+from pagoda.config import EngineArgs, EngineConfig
+from pagoda.distributed import comm
+from pagoda.distributed.group import (GroupHandles, cpu_threads_per_rank, init_group, local_device,
+                                      min_over_group)
+from pagoda.distributed.rendezvous import RendezvousError
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+
+
+def _die(message: str) -> None:
+    logger.error("%s: exiting", message)
+    logging.shutdown()
+    os._exit(1)
+
+
+def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_joined=None) -> None:
+    """Join the group, load this rank's shard, then serve schedules until shutdown. Blocking."""
+    from pagoda.model_runner import ModelRunner
+
+    group = init_group(config, rank, on_failure=_die)
+    if on_joined is not None:
+        on_joined()
+    info = group.info
+    runner = ModelRunner(config, eos_token_ids, device=local_device(config, info))
+    num_blocks = min_over_group(runner.determine_num_blocks(), group.cpu_group)
+    runner.allocate_kv_cache(num_blocks)
+    _serve_schedules(runner, group)
+    group.heartbeat.stop()
+
+
+def _serve_schedules(runner, group: GroupHandles) -> None:
+    info = group.info
+    hidden_size = runner.model.config.hidden_size
+    pending = comm.PendingSends()
+    prev_stage_rank = info.rank - info.tp_size
+    next_stage_rank = info.rank + info.tp_size
+    last = info.pp_rank == info.pp_size - 1
+    while True:
+        intermediate = None
+        if info.pp_rank == 0:  # a TP peer of the driver: same schedule, broadcast
+            holder = [None]
+            torch.distributed.broadcast_object_list(holder, src=0, group=group.tp_cpu_group)
+            out = holder[0]
+        else:
+            out = comm.recv_object(prev_stage_rank, group.cpu_group)
+            if out != SHUTDOWN and not out.is_empty:
+                from pagoda.model_runner import IntermediateTensors
+
+                shape = (out.num_batched_tokens, hidden_size)
+                intermediate = IntermediateTensors(
+                    comm.recv_tensor(shape, runner.dtype, runner.device, prev_stage_rank),
+                    comm.recv_tensor(shape, runner.dtype, runner.device, prev_stage_rank))
+        if out == SHUTDOWN:
+            if not last:
+                comm.send_object(SHUTDOWN, next_stage_rank, group.cpu_group)
+            pending.wait_all()
+            return
+        result = runner.execute(out, intermediate)
+        if not last:
+            comm.send_object(out, next_stage_rank, group.cpu_group, pending)
+            if result is not None:
+                comm.send_tensor(result.hidden, next_stage_rank, pending=pending)
+                comm.send_tensor(result.residual, next_stage_rank, pending=pending)
+        elif info.tp_rank == 0:
+            comm.send_object(result, 0, group.cpu_group, pending)
+
+
+def worker_process_main(config: EngineConfig, rank: int, eos_token_ids: set[int], num_threads: int,
+                        log_level: int) -> None:
+    """Entry point of a spawned local worker process."""
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    torch.set_num_threads(num_threads)
+    try:
+        run_worker(config, rank, eos_token_ids)
+    except RendezvousError as e:
+        logger.error("%s", e)
+        sys.exit(2)
+    except Exception:
+        logger.exception("worker rank %d failed", rank)
+        sys.exit(1)
+
+
+def spawn_local_workers(config: EngineConfig, ranks: list[int], eos_token_ids: set[int],
+                        ranks_on_node: int) -> list[multiprocessing.Process]:
+    ctx = multiprocessing.get_context("spawn")
+    threads = cpu_threads_per_rank(ranks_on_node)
+    processes = []
+    for rank in ranks:
+        proc = ctx.Process(target=worker_process_main, name=f"pagoda-rank{rank}",
+                           args=(config, rank, eos_token_ids, threads, logging.getLogger().level), daemon=True)
+        proc.start()
+        processes.append(proc)
+    return processes
+
+
+def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
+    """A worker node (--node-rank > 0): runs its first local rank here and the others as child processes.
+    Returns when the group shuts down cleanly; raises (so the process exits non-zero) otherwise."""
+    from pagoda.engine.llm_engine import eos_token_ids_for
+
+    config = engine_args.create_config()
+    p = config.parallel
+    info_first = p.node_rank * p.tensor_parallel_size
+    eos = eos_token_ids_for(config)
+    children = spawn_local_workers(config, list(range(info_first + 1, info_first + p.tensor_parallel_size)),
+                                   eos, p.tensor_parallel_size)
+    torch.set_num_threads(cpu_threads_per_rank(p.tensor_parallel_size))
+    watcher = _watch_children(children)
+    run_worker(config, info_first, eos, on_joined=mark_ready)
+    watcher.stop = True
+    for child in children:
+        child.join(timeout=30)
+    bad = [c.name for c in children if c.exitcode not in (0, None)]
+    if bad:
+        raise RuntimeError(f"local ranks failed: {', '.join(bad)}")
+
+
+class _ChildWatcher:
+    stop = False
+
+
+def _watch_children(children: list[multiprocessing.Process]) -> _ChildWatcher:
+    """Exit at once if a local rank dies: the group cannot continue without it."""
+    import threading
+    from multiprocessing.connection import wait
+
+    watcher = _ChildWatcher()
+
+    def run():
+        sentinels = {c.sentinel: c for c in children}
+        while sentinels and not watcher.stop:
+            for ready in wait(list(sentinels), timeout=1.0):
+                child = sentinels.pop(ready)
+                if child.exitcode != 0 and not watcher.stop:
+                    _die(f"local rank {child.name} exited with code {child.exitcode}")
+
+    threading.Thread(target=run, daemon=True).start()
+    return watcher
