@@ -7,15 +7,15 @@ import torch.distributed as dist
 
 
 class PendingSends:
-    """Keeps isend buffers alive until their transfers complete."""
+    """Keeps isend buffers alive until their transfers complete. Never blocks on them mid-run: the peer
+    may itself be blocked sending to us, and waiting here would deadlock the pipeline."""
 
     def __init__(self):
         self._works: list[tuple[object, object]] = []
 
     def add(self, work, buffer) -> None:
+        self._works = [(w, b) for w, b in self._works if not w.is_completed()]
         self._works.append((work, buffer))
-        if len(self._works) > 64:
-            self.wait_all()
 
     def wait_all(self) -> None:
         for work, _ in self._works:

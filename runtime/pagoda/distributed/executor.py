@@ -22,8 +22,10 @@ class UniProcExecutor:
     pipeline_depth = 1
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
+        from pagoda.distributed.parallel_state import ParallelState, set_parallel_state
         from pagoda.model_runner import ModelRunner
 
+        set_parallel_state(ParallelState())  # a single process, whatever ran in this process before
         self.runner = ModelRunner(config, eos_token_ids)
 
     def determine_num_blocks(self) -> int:
@@ -182,6 +184,9 @@ class MultiprocExecutor:
                 dist.destroy_process_group()
             except RuntimeError:
                 pass
+        from pagoda.distributed.parallel_state import ParallelState, set_parallel_state
+
+        set_parallel_state(ParallelState())
 
 
 def create_executor(config: EngineConfig, eos_token_ids: set[int]):
