@@ -79,6 +79,8 @@ def _wait_for_all(store, info: RankInfo, settings: dict, timeout: float) -> None
     deadline = time.monotonic() + timeout
     pending = set(range(info.world_size))
     while True:
+        if store.check(["abort"]):
+            raise RendezvousError(store.get("abort").decode())
         for rank in sorted(pending):
             if store.check([f"join/{rank}"]):
                 theirs = json.loads(store.get(f"join/{rank}"))
@@ -109,6 +111,7 @@ def _wait_for_head(store, info: RankInfo, settings: dict, timeout: float) -> Non
         if not checked_head and store.check(["join/0"]):
             problem = settings_mismatch(json.loads(store.get("join/0")), settings, info.rank, info)
             if problem:
+                store.set("abort", problem)  # the head may never see our join key under the rank it expects
                 raise RendezvousError(problem)
             checked_head = True
         if store.check(["ready"]):

@@ -30,8 +30,10 @@ class AsyncLLMEngine:
         self._stats = engine.get_stats()
         self._stopping = threading.Event()
         self._dead_error: BaseException | None = None
+        self._group_failure_callbacks: list = []
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
+        engine.executor.add_failure_callback(self._on_group_failure)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
@@ -95,6 +97,23 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
         self.engine.shutdown()
 
+    def add_group_failure_callback(self, callback) -> None:
+        """callback(message) runs (in a background thread) when a rank of the distributed group dies or
+        hangs: the group cannot recover, so the server should exit non-zero and be restarted."""
+        self._group_failure_callbacks.append(callback)
+
+    def _on_group_failure(self, message: str) -> None:
+        self._fail_all(RuntimeError(f"distributed group failed: {message}"))
+        for callback in self._group_failure_callbacks:
+            callback(message)
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._dead_error is None:
+            self._dead_error = error
+        dead = EngineDeadError(f"engine loop died: {error!r}")
+        for loop, stream in list(self._streams.values()):
+            loop.call_soon_threadsafe(stream.put_nowait, dead)
+
     # --- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -107,10 +126,7 @@ class AsyncLLMEngine:
                 self._stats = self.engine.get_stats()
         except BaseException as e:  # the engine is dead: fail every waiting request rather than hang
             logger.exception("engine loop died")
-            self._dead_error = e
-            error = EngineDeadError(f"engine loop died: {e!r}")
-            for loop, stream in list(self._streams.values()):
-                loop.call_soon_threadsafe(stream.put_nowait, error)
+            self._fail_all(e)
 
     def _drain_commands(self, block: bool) -> None:
         while True:

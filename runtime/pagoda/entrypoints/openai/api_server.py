@@ -84,6 +84,12 @@ def _attach_engine(state: ServerState, engine) -> None:
     state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission)
     state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission)
     state.engine = engine
+    if hasattr(engine, "add_group_failure_callback"):
+        # a dead rank cannot be replaced in place: report 503 for a moment, then exit non-zero so the
+        # operator (or the kubelet) recreates the whole group
+        loop = asyncio.get_running_loop()
+        engine.add_group_failure_callback(
+            lambda message: loop.call_soon_threadsafe(loop.call_later, 2.0, state.on_fatal))
     cache, par = config.cache, config.parallel
     host = state.server_args.host
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{state.server_args.port}/v1"
