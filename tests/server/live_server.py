@@ -15,6 +15,8 @@ HERE = Path(__file__).parent
 START_TIMEOUT = 180.0
 API_KEY = "sk-pagoda-test"
 TINY_SERVER_FLAGS = ["--kv-cache-memory", "0.02", "--log-level", "warning"]
+# `pagoda serve` with test hooks (a slow load, an engine that can be made to fail): see patched_serve.py
+PATCHED_LAUNCHER = [sys.executable, str(Path(__file__).parent / "patched_serve.py")]
 
 
 def free_port() -> int:
@@ -29,6 +31,7 @@ class LiveServer:
     port: int
     log_path: Path
     statuses_while_starting: list[int] = field(default_factory=list)
+    v1_statuses_while_starting: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -47,6 +50,8 @@ class LiveServer:
             except httpx.TransportError:
                 status = 0
             self.statuses_while_starting.append(status)
+            if status == 503:
+                self.v1_statuses_while_starting.append(httpx.get(self.url + "/v1/models", timeout=2).status_code)
             if status == 200:
                 return
             time.sleep(0.2)
@@ -67,7 +72,7 @@ def start_server(model: Path, tmp_path: Path, *flags: str, env: dict | None = No
                  launcher: list[str] | None = None, wait: bool = True) -> LiveServer:
     port = free_port()
     log_path = tmp_path / f"serve-{port}.log"
-    command = (launcher or [sys.executable, "-m", "pagoda.entrypoints.cli"]) + [
+    command = (launcher or [str(Path(sys.executable).parent / "pagoda")]) + [
         "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *TINY_SERVER_FLAGS, *flags]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,

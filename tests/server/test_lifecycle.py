@@ -6,12 +6,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from live_server import PATCHED_LAUNCHER
 from pagoda.entrypoints.openai.worker_server import build_worker_app
 
 pytestmark = pytest.mark.server
@@ -26,7 +26,13 @@ def data_lines(response: httpx.Response):
 @pytest.fixture(scope="module")
 def small_server(server_factory):
     """One running request at a time and one waiting: easy to fill."""
-    return server_factory("--max-num-seqs", "1", "--max-queued-requests", "1", "--shutdown-timeout", "60")
+    return server_factory("--max-num-seqs", "1", "--max-queued-requests", "1", "--shutdown-timeout", "60",
+                          launcher=PATCHED_LAUNCHER, env={"TEST_SERVE_LOAD_DELAY": "3"})
+
+
+def test_503_while_loading(small_server):
+    assert 503 in small_server.statuses_while_starting
+    assert 503 in small_server.v1_statuses_while_starting
 
 
 def test_full_queue_is_429_with_retry_after(small_server):
@@ -76,8 +82,7 @@ def test_sigterm_drains_running_requests_then_exits_0(small_server):
 
 
 def test_engine_death_fails_requests_and_health(server_factory):
-    launcher = [sys.executable, str(Path(__file__).parent / "faulty_serve.py")]
-    server = server_factory(launcher=launcher)
+    server = server_factory(launcher=PATCHED_LAUNCHER)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
     stream = client.completions.create(model=None, prompt="Hello", max_tokens=480, stream=True,
                                        extra_body={"ignore_eos": True})

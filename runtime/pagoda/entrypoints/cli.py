@@ -12,6 +12,7 @@ BENCHMARKS = {
     "throughput": "pagoda.bench.throughput",
     "kernels": "pagoda.bench.kernels",
     "serve": "pagoda.bench.serve",
+    "parallel": "pagoda.bench.parallel",
 }
 
 
@@ -71,7 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # `pagoda bench X ...`: everything after X belongs to the benchmark's own parser
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
-        module = importlib.import_module(BENCHMARKS[argv[1]])
+        try:
+            module = importlib.import_module(BENCHMARKS[argv[1]])
+        except ModuleNotFoundError as e:
+            if e.name != BENCHMARKS[argv[1]]:
+                raise
+            print(f"pagoda bench: error: the {argv[1]} benchmark is not part of this build", file=sys.stderr)
+            return 2
         return module.main(argv[2:]) or 0
     parser = build_parser()
     ns = parser.parse_args(argv)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pagoda.entrypoints.openai.errors import invalid_request
+from pagoda.entrypoints.openai.errors import APIError, invalid_request
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -64,7 +64,14 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
         top_k = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.make_params(request, request.requested_max_tokens, top_k)
+        try:
+            params = self.make_params(request, request.requested_max_tokens, top_k)
+        except APIError as e:  # the engine's names are the completions API's: say what chat calls them
+            renamed = {"logprobs": "top_logprobs"}
+            if request.max_completion_tokens is not None:
+                renamed["max_tokens"] = "max_completion_tokens"
+            e.param = renamed.get(e.param, e.param)
+            raise
         text, token_ids = await asyncio.to_thread(render_chat, self.tokenizer, request.messages,
                                                   request.add_generation_prompt, request.chat_template_kwargs)
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)

@@ -1,12 +1,17 @@
-"""`pagoda serve` whose engine step raises once a prompt contains KILL_ENGINE (the engine-death test)."""
+"""`pagoda serve` with test hooks: a slower model load (TEST_SERVE_LOAD_DELAY seconds, to observe the
+loading state) and an engine step that raises once a prompt contains KILL_ENGINE (engine death)."""
 
+import os
 import sys
+import time
 
+from pagoda.engine.async_llm_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.cli import main
 
 KILL = "KILL_ENGINE"
 _add_request, _step = LLMEngine.add_request, LLMEngine.step
+_from_engine_args = AsyncLLMEngine.from_engine_args.__func__
 
 
 def add_request(self, request_id, prompt, *args, **kwargs):
@@ -21,7 +26,13 @@ def step(self):
     return _step(self)
 
 
+def from_engine_args(cls, args):
+    time.sleep(float(os.environ.get("TEST_SERVE_LOAD_DELAY", "0")))
+    return _from_engine_args(cls, args)
+
+
 LLMEngine.add_request, LLMEngine.step = add_request, step
+AsyncLLMEngine.from_engine_args = classmethod(from_engine_args)
 
 if __name__ == "__main__":
     sys.exit(main())
