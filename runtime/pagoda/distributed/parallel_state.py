@@ -6,6 +6,8 @@ Ranks are TP-major: global rank = pp_rank * tp_size + tp_rank.
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -28,6 +30,7 @@ class ParallelState:
 
 
 _state = ParallelState()
+comm_seconds = 0.0  # time this rank spent in TP collectives (for the benchmark's overhead figure)
 
 
 def get_parallel_state() -> ParallelState:
@@ -40,9 +43,12 @@ def set_parallel_state(state: ParallelState) -> None:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    global comm_seconds
     if _state.tp_size == 1:
         return x
+    start = time.perf_counter()
     dist.all_reduce(x, group=_state.tp_group)
+    comm_seconds += time.perf_counter() - start
     return x
 
 
@@ -50,8 +56,11 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """[..., n] on each rank -> [..., n * tp_size], ranks in order."""
     if _state.tp_size == 1:
         return x
+    global comm_seconds
+    start = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
     dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
+    comm_seconds += time.perf_counter() - start
     return torch.cat(parts, dim=-1)
 
 

@@ -50,6 +50,7 @@ class LLMEngine:
         self.schedulers = [Scheduler(per_batch, self.block_manager) for _ in range(depth)]
         self.scheduler_of: dict[int, Scheduler] = {}  # seq id -> the scheduler that owns it
         self.in_flight: deque = deque()  # (scheduler, its output, executor handle), oldest first
+        self.schedule_seconds = 0.0  # time spent scheduling (for the benchmarks' overhead figures)
         self.requests: dict[str, RequestState] = {}
         self.seq_to_request: dict[int, RequestState] = {}
         self.stats = EngineStats(num_blocks_total=num_blocks)
@@ -152,7 +153,9 @@ class LLMEngine:
         for scheduler in self.schedulers:
             if id(scheduler) in busy:
                 continue
+            started = time.perf_counter()
             sched_out = scheduler.schedule()
+            self.schedule_seconds += time.perf_counter() - started
             if sched_out.is_empty and not sched_out.finished_seq_ids:
                 continue
             now = time.time()

@@ -1,0 +1,87 @@
+"""`pagoda bench parallel`: the throughput workload at TP=1, TP=2, and PP=2 with and without a full
+pipeline, each in its own run; prints tokens/s, the ratios, and TP=2's per-step overhead
+(TP collectives + scheduling) as a fraction of step time."""
+
+import argparse
+import time
+
+from pagoda.bench.memory import PeakMemory
+from pagoda.bench.throughput import print_table, summarize
+from pagoda.bench.workload import synthetic_requests
+
+CONFIGS = {
+    "TP=1": dict(tensor_parallel_size=1),
+    "TP=2": dict(tensor_parallel_size=2),
+    "PP=2, pipeline full": dict(pipeline_parallel_size=2, pipeline_fill=True),
+    "PP=2, one batch at a time": dict(pipeline_parallel_size=2, pipeline_fill=False),
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="pagoda bench parallel", description=__doc__)
+    p.add_argument("--model", default=None, help="model path (default: the default model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    return p.parse_args(argv)
+
+
+def run(args, name: str, requests) -> dict:
+    from pagoda import LLM, SamplingParams
+    from pagoda.distributed import parallel_state
+
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs, **CONFIGS[name])
+    engine = llm.engine
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), None, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),
+                           prompt_token_ids=r.prompt_token_ids)
+    parallel_state.comm_seconds = 0.0
+    engine.schedule_seconds = 0.0
+    steps = 0
+    with PeakMemory() as mem:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        elapsed = time.perf_counter() - start
+    result = summarize(f"pagoda {name}", requests, elapsed, mem.peak_bytes)
+    result["steps"] = steps
+    result["overhead_fraction"] = (parallel_state.comm_seconds + engine.schedule_seconds) / elapsed
+    result["comm_fraction"] = parallel_state.comm_seconds / elapsed
+    result["schedule_fraction"] = engine.schedule_seconds / elapsed
+    engine.shutdown()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from pagoda.model_loader import load_hf_config, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    requests = synthetic_requests(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len),
+                                  load_hf_config(path).vocab_size, set(tok.all_special_ids))
+    results = {name: run(args, name, requests) for name in args.configs}
+    print_table(list(results.values()))
+    print()
+    for name, r in results.items():
+        print(f"{name}: {r['steps']} steps, {1000 * r['seconds'] / max(r['steps'], 1):.0f} ms/step; overhead "
+              f"(TP collectives {100 * r['comm_fraction']:.1f}% + scheduling {100 * r['schedule_fraction']:.1f}%)"
+              f" = {100 * r['overhead_fraction']:.1f}% of step time")
+    out = {name: r["output_tokens_per_s"] for name, r in results.items()}
+    if "TP=1" in out and "TP=2" in out:
+        print(f"TP=2 / TP=1 output tokens/s: {out['TP=2'] / out['TP=1']:.2f}x")
+    if "PP=2, pipeline full" in out and "PP=2, one batch at a time" in out:
+        print(f"PP=2 full pipeline / one batch at a time: "
+              f"{out['PP=2, pipeline full'] / out['PP=2, one batch at a time']:.2f}x (target >= 1.6x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
