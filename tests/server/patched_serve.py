@@ -1,5 +1,6 @@
 """`pagoda serve` with test hooks: a slower model load (TEST_SERVE_LOAD_DELAY seconds, to observe the
-loading state) and an engine step that raises once a prompt contains KILL_ENGINE (engine death)."""
+loading state), slower steps (TEST_SERVE_STEP_DELAY seconds, for long requests) and an engine step that
+raises once a prompt contains KILL_ENGINE (engine death)."""
 
 import os
 import sys
@@ -10,6 +11,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.cli import main
 
 KILL = "KILL_ENGINE"
+STEP_DELAY = float(os.environ.get("TEST_SERVE_STEP_DELAY", "0"))
 _add_request, _step = LLMEngine.add_request, LLMEngine.step
 _from_engine_args = AsyncLLMEngine.from_engine_args.__func__
 
@@ -23,6 +25,7 @@ def add_request(self, request_id, prompt, *args, **kwargs):
 def step(self):
     if getattr(self, "doomed", False):
         raise RuntimeError("injected engine failure")
+    time.sleep(STEP_DELAY)
     return _step(self)
 
 

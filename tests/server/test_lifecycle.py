@@ -81,6 +81,33 @@ def test_sigterm_drains_running_requests_then_exits_0(small_server):
     assert events[-1] == "data: [DONE]" and '"completion_tokens":480' in events[-2]
 
 
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout(server_factory):
+    server = server_factory("--shutdown-timeout", "1", launcher=PATCHED_LAUNCHER,
+                            env={"TEST_SERVE_STEP_DELAY": "0.05"})  # 480 tokens would take 24 s
+    received: list[str] = []
+
+    def stream() -> None:
+        try:
+            with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=LONG) as r:
+                for line in data_lines(r):
+                    received.append(line)
+        except httpx.HTTPError:
+            pass  # the server cut the stream: expected
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while not received:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0
+    assert time.monotonic() - started < 15
+    reader.join(30)
+    assert "data: [DONE]" not in received and len(received) < 480
+
+
 def test_engine_death_fails_requests_and_health(server_factory):
     server = server_factory(launcher=PATCHED_LAUNCHER)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
