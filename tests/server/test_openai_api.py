@@ -70,6 +70,9 @@ def test_health_is_200_when_ready(http):
 def test_models_and_version(client, http):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
     assert http.get("/version").json()["version"]
 
 

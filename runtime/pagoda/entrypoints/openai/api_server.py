@@ -152,11 +152,19 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await state.chat.create(body, raw)
 
+    def model_card() -> ModelCard:
+        config = state.engine.config
+        return ModelCard(id=config.model.served_model_name, root=config.model.path, created=int(state.started),
+                         max_model_len=config.model.max_model_len)
+
     @v1.get("/models")
     async def models() -> ModelList:
-        config = state.engine.config
-        return ModelList(data=[ModelCard(id=config.model.served_model_name, root=config.model.path,
-                                         created=int(state.started), max_model_len=config.model.max_model_len)])
+        return ModelList(data=[model_card()])
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        state.completion.check_model(model_id)
+        return model_card()
 
     app.include_router(v1)
 
