@@ -88,6 +88,10 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    async def process_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and validate a prompt off the event loop; raises ValueError naming the problem."""
+        return await asyncio.to_thread(self.engine.process_prompt, prompt, params)
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -145,7 +149,9 @@ class AsyncLLMEngine:
                 except ValueError as e:
                     self._send(request_id, e)
             elif kind == "abort":
-                self.engine.abort_request(command[1])
+                aborted = self.engine.abort_request(command[1])
+                if aborted is not None:  # a consumer still waiting gets its final, aborted output
+                    self._send(command[1], aborted)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
