@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -136,6 +137,14 @@ def test_bad_flag_values_are_cli_errors(tiny_llama_dir, argv, env, flag):
                        capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert r.returncode == 2
     assert flag in r.stderr and "Traceback" not in r.stderr
+
+
+def test_load_failure_exits_1_naming_the_flag(tiny_llama_dir):
+    r = subprocess.run([str(Path(sys.executable).parent / "pagoda"), "serve", str(tiny_llama_dir), "--port", "0",
+                        "--host", "127.0.0.1", "--kv-cache-memory", "0.00001"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "--kv-cache-memory" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_worker_mode_serves_health_and_metrics():

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 import pagoda
 from pagoda.config import EngineArgs
-from pagoda.entrypoints.openai.cli_args import ServerArgs
+from pagoda.entrypoints.openai.cli_args import ServerArgs, flagify
 from pagoda.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.entrypoints.openai.protocol import (
@@ -110,7 +110,8 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
         try:
             engine = await asyncio.to_thread(engine_factory, engine_args)
         except Exception as e:  # noqa: BLE001 - logged, then the process exits non-zero
-            logger.error("failed to load the model: %s", e, exc_info=not isinstance(e, ValueError | OSError))
+            logger.error("failed to load the model: %s", flagify(str(e)),
+                         exc_info=not isinstance(e, ValueError | OSError))
             state.load_error = e
             state.on_fatal()
             return
