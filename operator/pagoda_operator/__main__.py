@@ -1,0 +1,37 @@
+"""`pagoda-operator` / `python -m pagoda_operator`: run the LLMDeployment operator."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .settings import OperatorSettings
+
+HELP = """Settings come from the environment:
+  PAGODA_OPERATOR_NAMESPACES        comma-separated namespaces to watch (default: all)
+  PAGODA_OPERATOR_RUNTIME_IMAGE     image for LLMDeployments without spec.image
+  PAGODA_OPERATOR_LOG_LEVEL         DEBUG, INFO (default), WARNING, ERROR
+  PAGODA_OPERATOR_LIVENESS_PORT     port of GET /healthz (default 8080)
+  PAGODA_OPERATOR_CLUSTER_DOMAIN    cluster DNS domain (default cluster.local)
+  PAGODA_OPERATOR_MAX_WORLD_SIZE    largest TP x PP per group (default 256)
+  PAGODA_OPERATOR_RESYNC_SECONDS    periodic reconcile interval (default 30)
+  PAGODA_OPERATOR_RECREATE_BACKOFF_SECONDS / _MAX_SECONDS   group restart backoff (default 10 / 300)
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="pagoda-operator", description="Kubernetes operator for Pagoda LLMDeployments.",
+        epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(sys.argv[1:] if argv is None else argv)
+    settings = OperatorSettings.from_env()
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .main import run  # noqa: PLC0415  (after logging is set up; keeps --help fast)
+
+    run(settings)
+
+
+if __name__ == "__main__":
+    main()

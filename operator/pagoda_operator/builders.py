@@ -1,0 +1,344 @@
+"""Pure functions from a DeploymentSpec to the Kubernetes manifests the operator owns.
+
+Topology per group i of LLMDeployment X (LeaderWorkerSet-like):
+  StatefulSet X-g<i>-head    1 pod,      ordinal 0          -> node rank 0, serves the API
+  StatefulSet X-g<i>-worker  P-1 pods,   ordinals 1..P-1    -> node ranks 1..P-1 (absent when P == 1)
+Pod ordinals equal node ranks, so every pod reads its rank from the pod-index label.
+Service X-headless (all pods, not-ready addresses published) gives the head a stable DNS name
+for rendezvous; Service X selects heads only and is the OpenAI endpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .spec import GPU_RESOURCE, DeploymentSpec
+
+GROUP_API = "pagoda.dev"
+API_VERSION = f"{GROUP_API}/v1alpha1"
+KIND = "LLMDeployment"
+
+LABEL_DEPLOYMENT = "pagoda.dev/llmdeployment"
+LABEL_GROUP = "pagoda.dev/group"
+LABEL_ROLE = "pagoda.dev/role"
+LABEL_REVISION = "pagoda.dev/revision"
+ANNOTATION_APPLIED_HASH = "pagoda.dev/applied-hash"
+ANNOTATION_EPOCH = "pagoda.dev/epoch"
+ANNOTATION_RECREATIONS = "pagoda.dev/recreations"
+ANNOTATION_RECREATED_AT = "pagoda.dev/recreated-at"
+ANNOTATION_RECREATE_PENDING = "pagoda.dev/recreate-pending"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+HTTP_PORT = 8000
+MASTER_PORT = 29500
+PROBE_PERIOD_SECONDS = 10
+MODEL_VOLUME = "model"
+SHM_VOLUME = "dshm"
+CONTAINER = "pagoda"
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """Per-group bookkeeping kept as annotations on the group's head StatefulSet.
+
+    epoch: bumped to recreate the group (it changes the pod revision, so old pods are told apart);
+    recreations/recreated_at: consecutive recreations and the last one, for the backoff;
+    pending: a recreation was asked for during the backoff and is still owed."""
+    epoch: int = 0
+    recreations: int = 0
+    recreated_at: str = ""
+    pending: bool = False
+
+    def annotations(self) -> dict[str, str]:
+        return {
+            ANNOTATION_EPOCH: str(self.epoch),
+            ANNOTATION_RECREATIONS: str(self.recreations),
+            ANNOTATION_RECREATED_AT: self.recreated_at,
+            ANNOTATION_RECREATE_PENDING: "true" if self.pending else "false",
+        }
+
+    @classmethod
+    def from_annotations(cls, annotations: dict[str, str] | None) -> GroupRecord:
+        a = annotations or {}
+        return cls(
+            epoch=int(a.get(ANNOTATION_EPOCH) or 0),
+            recreations=int(a.get(ANNOTATION_RECREATIONS) or 0),
+            recreated_at=a.get(ANNOTATION_RECREATED_AT) or "",
+            pending=a.get(ANNOTATION_RECREATE_PENDING) == "true",
+        )
+
+
+def digest(obj: Any, length: int = 10) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:length]
+
+
+# ----- names -----
+
+def head_service_name(spec: DeploymentSpec) -> str:
+    return spec.name
+
+
+def headless_service_name(spec: DeploymentSpec) -> str:
+    return f"{spec.name}-headless"
+
+
+def statefulset_name(spec: DeploymentSpec, group: int, role: str) -> str:
+    return f"{spec.name}-g{group}-{role}"
+
+
+def master_addr(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> str:
+    """The head pod's stable DNS name through the headless Service."""
+    return (f"{statefulset_name(spec, group, 'head')}-0.{headless_service_name(spec)}"
+            f".{spec.namespace}.svc.{cluster_domain}")
+
+
+def endpoint(spec: DeploymentSpec) -> str:
+    return f"http://{head_service_name(spec)}.{spec.namespace}.svc:{spec.service_port}/v1"
+
+
+def deployment_labels(spec: DeploymentSpec) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pagoda",
+        "app.kubernetes.io/instance": spec.name,
+        "app.kubernetes.io/managed-by": "pagoda-operator",
+        LABEL_DEPLOYMENT: spec.name,
+    }
+
+
+def group_selector(spec: DeploymentSpec, group: int, role: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group), LABEL_ROLE: role}
+
+
+def head_selector(spec: DeploymentSpec) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: spec.name, LABEL_ROLE: "head"}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
+    meta = owner.get("metadata") or {}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta.get("name"),
+        "uid": meta.get("uid"),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+# ----- the runtime container -----
+
+def pod_revision(spec: DeploymentSpec, epoch: int) -> str:
+    """Identifies everything that shapes a group's pods; a change means the group must be replaced.
+
+    replicas and the Service do not shape pods, so scaling and Service edits never restart a group."""
+    shaping = {k: v for k, v in spec.__dict__.items() if k not in ("replicas", "service_type", "service_port")}
+    return digest({"spec": shaping, "epoch": epoch})
+
+
+def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> list[str]:
+    """`pagoda serve` arguments; the node rank comes from the env var via Kubernetes' $(VAR) expansion."""
+    args = ["serve"]
+    if spec.model_path:
+        args.append(spec.model_path)
+    args += [
+        "--served-model-name", spec.model_name,
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--pipeline-parallel-size", str(spec.pipeline_parallel_size),
+        "--nnodes", str(spec.pipeline_parallel_size),
+        "--node-rank", "$(PAGODA_NODE_RANK)",
+        "--master-addr", master_addr(spec, group, cluster_domain),
+        "--master-port", str(MASTER_PORT),
+    ]
+    e = spec.engine
+    for flag, value in (("--max-model-len", e.max_model_len), ("--max-num-seqs", e.max_num_seqs),
+                        ("--block-size", e.block_size), ("--gpu-memory-utilization", e.gpu_memory_utilization),
+                        ("--dtype", e.dtype)):
+        if value is not None:
+            args += [flag, str(value)]
+    if e.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
+    return args + list(e.extra_args)
+
+
+def build_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "PAGODA_NODE_RANK",
+         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    owned = {item["name"] for item in env}
+    return env + [item for item in spec.env or [] if item.get("name") not in owned]
+
+
+def build_resources(spec: DeploymentSpec) -> dict[str, Any]:
+    if spec.resources:
+        return spec.resources
+    gpus = str(spec.tensor_parallel_size)
+    return {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}}
+
+
+def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> dict[str, Any]:
+    health = {"httpGet": {"path": "/health", "port": "http"}}
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if spec.model_volume:
+        mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model_path, "readOnly": True})
+    return {
+        "name": CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": build_args(spec, group, cluster_domain),
+        "env": build_env(spec),
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
+        ],
+        "resources": build_resources(spec),
+        "volumeMounts": mounts,
+        # Loading 70B weights from a network volume can take many minutes: the startup probe allows
+        # startupTimeoutSeconds before liveness takes over.
+        "startupProbe": {**health, "periodSeconds": PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
+                         "failureThreshold": math.ceil(spec.startup_timeout_seconds / PROBE_PERIOD_SECONDS)},
+        "readinessProbe": {**health, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+    }
+
+
+def build_volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    if spec.model_volume:
+        source = {k: v for k, v in spec.model_volume.items() if k != "name"}
+        volumes.append({"name": MODEL_VOLUME, **source})
+    return volumes
+
+
+def build_pod_template(
+    spec: DeploymentSpec, group: int, role: str, epoch: int, cluster_domain: str = "cluster.local"
+) -> dict[str, Any]:
+    labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role),
+              LABEL_REVISION: pod_revision(spec, epoch)}
+    group_pods = {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group)}
+    pod_spec: dict[str, Any] = {
+        "containers": [build_container(spec, group, cluster_domain)],
+        "volumes": build_volumes(spec),
+        # PP stages belong on different nodes; on GPUs this is a hard rule (each pod fills a node),
+        # on CPU a preference so that a one-node cluster can still run a group.
+        "topologySpreadConstraints": [{
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule" if spec.gpus_per_pod else "ScheduleAnyway",
+            "labelSelector": {"matchLabels": group_pods},
+        }],
+        "terminationGracePeriodSeconds": 30,
+    }
+    for key, value in (("nodeSelector", spec.node_selector), ("tolerations", spec.tolerations),
+                       ("affinity", spec.affinity), ("priorityClassName", spec.priority_class_name),
+                       ("imagePullSecrets", spec.image_pull_secrets),
+                       ("serviceAccountName", spec.service_account_name)):
+        if value:
+            pod_spec[key] = value
+    metadata: dict[str, Any] = {"labels": labels}
+    if spec.pod_annotations:
+        metadata["annotations"] = dict(spec.pod_annotations)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def with_applied_hash(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Stamp a manifest with the hash of its own content, so re-applying an unchanged one is skipped."""
+    manifest["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = digest(manifest)
+    return manifest
+
+
+def build_statefulset(
+    spec: DeploymentSpec, owner: dict[str, Any], group: int, role: str,
+    record: GroupRecord = GroupRecord(), cluster_domain: str = "cluster.local",
+) -> dict[str, Any]:
+    is_head = role == "head"
+    annotations = record.annotations() if is_head else {ANNOTATION_EPOCH: str(record.epoch)}
+    manifest = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": statefulset_name(spec, group, role),
+            "namespace": spec.namespace,
+            "labels": {**deployment_labels(spec), LABEL_GROUP: str(group), LABEL_ROLE: role,
+                       LABEL_REVISION: pod_revision(spec, record.epoch)},
+            "annotations": annotations,
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "spec": {
+            "replicas": 1 if is_head else spec.pipeline_parallel_size - 1,
+            # Workers' ordinals start at 1, so a pod's ordinal is its node rank.
+            "ordinals": {"start": 0 if is_head else 1},
+            "serviceName": headless_service_name(spec),
+            "selector": {"matchLabels": group_selector(spec, group, role)},
+            # All pods of a group must start together to rendezvous.
+            "podManagementPolicy": "Parallel",
+            # The operator replaces whole groups itself (rollouts, restarts); the StatefulSet
+            # controller must not roll single pods of a group on its own.
+            "updateStrategy": {"type": "OnDelete"},
+            "template": build_pod_template(spec, group, role, record.epoch, cluster_domain),
+        },
+    }
+    return with_applied_hash(manifest)
+
+
+def build_group(
+    spec: DeploymentSpec, owner: dict[str, Any], group: int,
+    record: GroupRecord = GroupRecord(), cluster_domain: str = "cluster.local",
+) -> list[dict[str, Any]]:
+    """The StatefulSets of one group: a head, and workers when the pipeline spans several pods."""
+    roles = ["head"] + (["worker"] if spec.pipeline_parallel_size > 1 else [])
+    return [build_statefulset(spec, owner, group, role, record, cluster_domain) for role in roles]
+
+
+def build_headless_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
+    return with_applied_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": headless_service_name(spec), "namespace": spec.namespace,
+                     "labels": deployment_labels(spec), "ownerReferences": [owner_reference(owner)]},
+        "spec": {
+            "clusterIP": "None",
+            # Pods must resolve the head before anyone is Ready: readiness needs the rendezvous.
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_DEPLOYMENT: spec.name},
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"},
+                      {"name": "rendezvous", "port": MASTER_PORT, "targetPort": "rendezvous"}],
+        },
+    })
+
+
+def build_head_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
+    return with_applied_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": head_service_name(spec), "namespace": spec.namespace,
+                     "labels": deployment_labels(spec), "ownerReferences": [owner_reference(owner)]},
+        "spec": {
+            "type": spec.service_type,
+            "selector": head_selector(spec),
+            "ports": [{"name": "http", "port": spec.service_port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
+def build_all(
+    spec: DeploymentSpec, owner: dict[str, Any], records: dict[int, GroupRecord] | None = None,
+    cluster_domain: str = "cluster.local",
+) -> list[dict[str, Any]]:
+    """Every manifest of a steady-state deployment (used by tests and for validation)."""
+    records = records or {}
+    manifests = [build_headless_service(spec, owner), build_head_service(spec, owner)]
+    for group in range(spec.replicas):
+        manifests += build_group(spec, owner, group, records.get(group, GroupRecord()), cluster_domain)
+    return manifests

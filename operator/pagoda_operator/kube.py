@@ -1,0 +1,136 @@
+"""Thin access to the Kubernetes API: load credentials, apply manifests idempotently, list and delete.
+
+Every write goes through here. Applying is server-side apply (so fields the operator stops setting
+are removed) and is skipped when the live object already carries the desired content hash."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import kopf
+import kubernetes
+
+from .builders import ANNOTATION_APPLIED_HASH, API_VERSION, GROUP_API
+
+FIELD_MANAGER = "pagoda-operator"
+PLURAL = "llmdeployments"
+VERSION = API_VERSION.split("/")[1]
+
+
+def load_configuration() -> kubernetes.client.Configuration:
+    """In-cluster service account first, else the kubeconfig ($KUBECONFIG read now, not at import)."""
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=config)
+    return config
+
+
+def connection_info(config: kubernetes.client.Configuration) -> kopf.ConnectionInfo:
+    """The same credentials for kopf's own API client."""
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None, scheme=scheme, token=token,
+        certificate_path=config.cert_file, private_key_path=config.key_file,
+    )
+
+
+def labels_match(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def retryable(error: kubernetes.client.ApiException) -> kopf.TemporaryError:
+    return kopf.TemporaryError(f"Kubernetes API error {error.status} {error.reason}: {error.body}", delay=5)
+
+
+class Cluster:
+    """The operator's view of the API server, with plain dicts in and out."""
+
+    def __init__(self, api: kubernetes.client.ApiClient):
+        self.api = api
+        self.core = kubernetes.client.CoreV1Api(api)
+        self.apps = kubernetes.client.AppsV1Api(api)
+        self.custom = kubernetes.client.CustomObjectsApi(api)
+
+    def _dict(self, obj: Any) -> dict[str, Any]:
+        return self.api.sanitize_for_serialization(obj) if obj is not None else {}
+
+    # ----- reads -----
+
+    def get_llmdeployment(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP_API, VERSION, namespace, PLURAL, name)
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        read = self.apps.read_namespaced_stateful_set if kind == "StatefulSet" else self.core.read_namespaced_service
+        try:
+            return self._dict(read(name, namespace))
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list_statefulsets(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        sel = ",".join(f"{k}={v}" for k, v in selector.items())
+        items = self._dict(self.apps.list_namespaced_stateful_set(namespace, label_selector=sel)).get("items") or []
+        return [i for i in items if labels_match(i, selector)]  # also filter here: emulators may not
+
+    def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        sel = ",".join(f"{k}={v}" for k, v in selector.items())
+        items = self._dict(self.core.list_namespaced_pod(namespace, label_selector=sel)).get("items") or []
+        return [i for i in items if labels_match(i, selector)]
+
+    # ----- writes -----
+
+    def apply(self, manifest: dict[str, Any]) -> bool:
+        """Create or update to match the manifest; return whether anything was written."""
+        meta = manifest["metadata"]
+        kind, namespace, name = manifest["kind"], meta["namespace"], meta["name"]
+        live = self._get(kind, namespace, name)
+        wanted = meta["annotations"][ANNOTATION_APPLIED_HASH]
+        if live is not None and ((live.get("metadata") or {}).get("annotations") or {}).get(
+                ANNOTATION_APPLIED_HASH) == wanted:
+            return False
+        if live is None:
+            create = (self.apps.create_namespaced_stateful_set if kind == "StatefulSet"
+                      else self.core.create_namespaced_service)
+            try:
+                create(namespace, manifest, field_manager=FIELD_MANAGER)
+                return True
+            except kubernetes.client.ApiException as e:
+                if e.status != 409:  # someone else created it meanwhile: fall through to apply
+                    raise
+        patch = (self.apps.patch_namespaced_stateful_set if kind == "StatefulSet"
+                 else self.core.patch_namespaced_service)
+        patch(name, namespace, manifest, field_manager=FIELD_MANAGER, force=True,
+              _content_type="application/apply-patch+yaml")
+        return True
+
+    def delete_statefulset(self, namespace: str, name: str) -> None:
+        try:
+            self.apps.delete_namespaced_stateful_set(name, namespace, propagation_policy="Background")
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_pod(name, namespace)
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP_API, VERSION, namespace, PLURAL, name, {"status": status},
+            _content_type="application/merge-patch+json")

@@ -1,0 +1,38 @@
+"""Wiring: which kopf triggers run which handler. Registers handlers only; no logic here."""
+
+from __future__ import annotations
+
+import kopf
+
+from . import handlers
+from .builders import GROUP_API, LABEL_DEPLOYMENT
+from .kube import PLURAL, VERSION
+from .settings import OperatorSettings
+
+
+def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP_API, VERSION, PLURAL)
+    owned = {LABEL_DEPLOYMENT: kopf.PRESENT}
+
+    kopf.on.startup(registry=registry)(handlers.configure)
+    kopf.on.login(registry=registry)(handlers.login)
+    for trigger in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        trigger(*resource, registry=registry, id="reconcile", backoff=5)(handlers.on_llmdeployment)
+    kopf.on.timer(*resource, registry=registry, id="resync", interval=settings.resync_seconds,
+                  initial_delay=settings.resync_seconds)(handlers.on_resync)
+    kopf.on.event("v1", "pods", labels=owned, registry=registry)(handlers.on_child_event)
+    kopf.on.event("apps", "v1", "statefulsets", labels=owned, registry=registry)(handlers.on_child_event)
+    return registry
+
+
+def run(settings: OperatorSettings) -> None:
+    """Run the operator until it is told to stop (SIGTERM/SIGINT)."""
+    kopf.run(
+        registry=build_registry(settings),
+        memo=kopf.Memo(settings=settings),
+        clusterwide=settings.clusterwide,
+        namespaces=settings.namespaces,
+        standalone=True,  # one replica (Deployment strategy Recreate); no peering CRDs needed
+        liveness_endpoint=f"http://0.0.0.0:{settings.liveness_port}/healthz",
+    )

@@ -1,0 +1,216 @@
+"""One level-triggered pass over an LLMDeployment: observe the children, act, write the status.
+
+Every trigger (the resource changing, a pod changing, the periodic resync) runs the same pass,
+so a missed event or an operator restart only delays convergence; it never changes the outcome.
+
+Rollout strategy: replace, one group at a time. A stale group that is not Ready is replaced at
+once (it serves nothing); a Ready stale group is replaced only while every other group is Ready.
+We replace instead of surging because a group is a whole set of GPU nodes (TP 8 x PP 2 = 16 GPUs):
+surging would need that much spare capacity, which GPU clusters rarely have, and a half-scheduled
+surge group would block the rollout forever."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import kopf
+import kubernetes
+
+from . import builders as b
+from .kube import Cluster
+from .settings import OperatorSettings
+from .spec import DeploymentSpec, InvalidSpec, parse_spec
+from .status import GroupObservation, build_status, invalid_status, now_iso, pod_revision_of, status_changed
+
+log = logging.getLogger("pagoda_operator")
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+@dataclass
+class Reconciler:
+    cluster: Cluster
+    settings: OperatorSettings
+    clock: Callable[[], datetime.datetime] = _utcnow
+    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    _locks_guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    # ----- backoff -----
+
+    def recreate_delay(self, recreations: int) -> float:
+        """Seconds to wait after the last recreation before the next one (0 for the first)."""
+        if recreations <= 0:
+            return 0.0
+        base, cap = self.settings.recreate_backoff_seconds, self.settings.recreate_backoff_max_seconds
+        return min(cap, base * 2 ** (recreations - 1))
+
+    def recreate_wait(self, record: b.GroupRecord) -> float:
+        if not record.recreated_at:
+            return 0.0
+        last = datetime.datetime.fromisoformat(record.recreated_at.replace("Z", "+00:00"))
+        elapsed = (self.clock() - last).total_seconds()
+        return max(0.0, self.recreate_delay(record.recreations) - elapsed)
+
+    # ----- the pass -----
+
+    def reconcile(self, body: dict[str, Any], lost_pod: dict[str, Any] | None = None) -> dict[str, Any]:
+        meta = body.get("metadata") or {}
+        with self.lock(meta.get("namespace"), meta.get("name")):
+            try:
+                return self._reconcile(body, lost_pod)
+            except kubernetes.client.ApiException as e:
+                if e.status in (400, 403, 422):
+                    raise kopf.PermanentError(f"Kubernetes rejected a child: {e.status} {e.reason}: {e.body}") from e
+                raise kopf.TemporaryError(f"Kubernetes API error {e.status} {e.reason}", delay=5) from e
+
+    def _reconcile(self, body: dict[str, Any], lost_pod: dict[str, Any] | None) -> dict[str, Any]:
+        meta = body.get("metadata") or {}
+        namespace, name = meta.get("namespace") or "default", meta["name"]
+        generation = meta.get("generation")
+        previous = body.get("status") or {}
+        try:
+            spec = parse_spec(body, default_image=self.settings.runtime_image,
+                              max_world_size=self.settings.max_world_size)
+        except InvalidSpec as e:
+            status = invalid_status(str(e), generation=generation, previous=previous)
+            self._write_status(namespace, name, status, previous)
+            raise kopf.PermanentError(f"InvalidSpec: {e}") from e
+
+        self.cluster.apply(b.build_headless_service(spec, body))
+        self.cluster.apply(b.build_head_service(spec, body))
+
+        owned = {b.LABEL_DEPLOYMENT: name}
+        statefulsets = self.cluster.list_statefulsets(namespace, owned)
+        pods = self.cluster.list_pods(namespace, owned)
+        extra = self._remove_extra_groups(spec, statefulsets)
+        groups = self._observe(spec, statefulsets, pods)
+
+        for group in groups:
+            if not group.exists:
+                self._replace(spec, body, group, group.record, statefulsets)
+        if spec.restart_policy == "RecreateGroupOnPodRestart":
+            for group in groups:
+                self._maybe_recreate(spec, body, group, lost_pod, statefulsets)
+        self._roll(spec, body, groups, statefulsets)
+        for group in groups:
+            if group.ready and (group.record.recreations or group.record.pending):
+                # A group that made it to Ready has stopped crashing: forget its backoff.
+                record = replace(group.record, recreations=0, pending=False)
+                self._apply_group(spec, body, group.index, record)
+                group.record = record
+
+        status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous)
+        self._write_status(namespace, name, status, previous)
+        return status
+
+    def _observe(self, spec: DeploymentSpec, statefulsets: list[dict[str, Any]],
+                 pods: list[dict[str, Any]]) -> list[GroupObservation]:
+        heads = {_group_of(s): s for s in statefulsets if _label(s, b.LABEL_ROLE) == "head"}
+        groups = []
+        for index in range(spec.replicas):
+            head = heads.get(index)
+            record = b.GroupRecord.from_annotations((head or {}).get("metadata", {}).get("annotations"))
+            groups.append(GroupObservation(
+                index=index,
+                size=spec.pipeline_parallel_size,
+                wanted_revision=b.pod_revision(spec, record.epoch),
+                revision=_label(head, b.LABEL_REVISION) if head else None,
+                record=record,
+                pods=[p for p in pods if _group_of(p) == index],
+            ))
+        return groups
+
+    def _remove_extra_groups(self, spec: DeploymentSpec, statefulsets: list[dict[str, Any]]) -> int:
+        """Scale down: delete whole groups above replicas (their pods go with them). Returns how many."""
+        extra = {_group_of(s) for s in statefulsets if _group_of(s) >= spec.replicas}
+        for sts in statefulsets:
+            if _group_of(sts) >= spec.replicas:
+                self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
+        return len(extra)
+
+    def _apply_group(self, spec: DeploymentSpec, body: dict[str, Any], index: int, record: b.GroupRecord) -> None:
+        for manifest in b.build_group(spec, body, index, record, self.settings.cluster_domain):
+            self.cluster.apply(manifest)
+
+    def _replace(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
+                 record: b.GroupRecord, statefulsets: list[dict[str, Any]]) -> None:
+        """Point the group's StatefulSets at the wanted template, then delete every pod of another
+        revision; the StatefulSet controller recreates them all together (Parallel, OnDelete)."""
+        self._apply_group(spec, body, group.index, record)
+        wanted_names = {m["metadata"]["name"] for m in b.build_group(spec, body, group.index, record)}
+        for sts in statefulsets:  # e.g. the worker StatefulSet after pipelineParallelSize became 1
+            if _group_of(sts) == group.index and sts["metadata"]["name"] not in wanted_names:
+                self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
+        group.record = record
+        group.revision = group.wanted_revision = b.pod_revision(spec, record.epoch)
+        for pod in group.pods:
+            if pod_revision_of(pod) != group.revision:
+                self.cluster.delete_pod(spec.namespace, pod["metadata"]["name"])
+        group.pods = [p for p in group.pods if pod_revision_of(p) == group.revision]
+
+    def _maybe_recreate(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
+                        lost_pod: dict[str, Any] | None, statefulsets: list[dict[str, Any]]) -> None:
+        lost = (lost_pod is not None and _group_of(lost_pod) == group.index
+                and pod_revision_of(lost_pod) == group.revision)
+        if not (group.exists and (lost or group.restarted or group.record.pending)):
+            return
+        wait = self.recreate_wait(group.record)
+        if wait > 0:
+            if not group.record.pending:
+                log.info("group %s of %s/%s lost a pod; recreating in %.0fs (backoff)",
+                         group.index, spec.namespace, spec.name, wait)
+                group.record = replace(group.record, pending=True)
+                self._apply_group_metadata(spec, body, group)
+            return
+        log.info("recreating group %s of %s/%s: a pod restarted or disappeared",
+                 group.index, spec.namespace, spec.name)
+        record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
+                               recreated_at=self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"), pending=False)
+        self._replace(spec, body, group, record, statefulsets)
+
+    def _apply_group_metadata(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
+        """Record bookkeeping without touching the pod template (the group keeps its revision)."""
+        if group.stale:
+            return  # the rollout will replace this group anyway
+        self._apply_group(spec, body, group.index, group.record)
+
+    def _roll(self, spec: DeploymentSpec, body: dict[str, Any], groups: list[GroupObservation],
+              statefulsets: list[dict[str, Any]]) -> None:
+        for group in groups:
+            if not group.stale:
+                continue
+            others_unready = any(not g.ready for g in groups if g is not group)
+            if group.ready and others_unready:
+                continue  # keep serving: wait until the group being replaced is Ready
+            log.info("rolling group %s of %s/%s to revision %s", group.index, spec.namespace, spec.name,
+                     group.wanted_revision)
+            self._replace(spec, body, group, replace(group.record, pending=False), statefulsets)
+
+    def _write_status(self, namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any]) -> None:
+        if status_changed(status, previous):
+            self.cluster.patch_status(namespace, name, status)
+
+
+def _label(obj: dict[str, Any] | None, key: str) -> str | None:
+    return (((obj or {}).get("metadata") or {}).get("labels") or {}).get(key)
+
+
+def _group_of(obj: dict[str, Any]) -> int:
+    try:
+        return int(_label(obj, b.LABEL_GROUP) or -1)
+    except ValueError:
+        return -1
+
+
+__all__ = ["Reconciler", "now_iso"]

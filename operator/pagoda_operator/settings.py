@@ -1,0 +1,50 @@
+"""Operator settings, read once from PAGODA_OPERATOR_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PREFIX = "PAGODA_OPERATOR_"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    namespaces: tuple[str, ...] = ()          # empty: watch the whole cluster
+    runtime_image: str = "pagoda-runtime:0.1.0"
+    log_level: str = "INFO"
+    liveness_port: int = 8080
+    cluster_domain: str = "cluster.local"
+    max_world_size: int = 256                 # TP x PP per group
+    resync_seconds: float = 30.0              # periodic reconcile: deferred restarts, missed events
+    recreate_backoff_seconds: float = 10.0    # first delay between recreations of a crashing group
+    recreate_backoff_max_seconds: float = 300.0
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
+        env = os.environ if env is None else env
+
+        def get(name: str, default: str) -> str:
+            return env.get(PREFIX + name, "").strip() or default
+
+        namespaces = tuple(ns.strip() for ns in get("NAMESPACES", "").split(",") if ns.strip())
+        try:
+            return cls(
+                namespaces=namespaces,
+                runtime_image=get("RUNTIME_IMAGE", cls.runtime_image),
+                log_level=get("LOG_LEVEL", cls.log_level).upper(),
+                liveness_port=int(get("LIVENESS_PORT", str(cls.liveness_port))),
+                cluster_domain=get("CLUSTER_DOMAIN", cls.cluster_domain),
+                max_world_size=int(get("MAX_WORLD_SIZE", str(cls.max_world_size))),
+                resync_seconds=float(get("RESYNC_SECONDS", str(cls.resync_seconds))),
+                recreate_backoff_seconds=float(get("RECREATE_BACKOFF_SECONDS", str(cls.recreate_backoff_seconds))),
+                recreate_backoff_max_seconds=float(
+                    get("RECREATE_BACKOFF_MAX_SECONDS", str(cls.recreate_backoff_max_seconds))),
+            )
+        except ValueError as e:
+            raise SystemExit(f"invalid {PREFIX}* setting: {e}") from e

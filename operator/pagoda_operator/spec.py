@@ -1,0 +1,177 @@
+"""The LLMDeployment spec as a validated dataclass: defaults applied, cross-field rules checked.
+
+The CRD schema rejects what it can (types, minimums, enums); this module checks what it cannot
+(rules across fields, limits that depend on operator settings) and raises InvalidSpec."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# The longest derived name is "<name>-g<group>-worker-<ordinal>" plus the StatefulSet's
+# controller-revision-hash label value "<sts>-<hash10>", which must stay within 63 characters.
+MAX_NAME_LENGTH = 40
+# Flags the operator sets itself; letting extraArgs repeat them would desynchronise the group.
+OWNED_FLAGS = (
+    "--served-model-name", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
+    "--nnodes", "--node-rank", "--master-addr", "--master-port",
+)
+# Directories a model volume must not shadow inside the container.
+RESERVED_PATHS = ("/dev", "/proc", "/sys", "/etc", "/usr", "/bin", "/lib", "/tmp", "/var/run")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class InvalidSpec(ValueError):
+    """A spec the schema accepted but the operator cannot realise."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    gpu_memory_utilization: float | None = None
+    dtype: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    name: str
+    namespace: str
+    image: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    replicas: int = 1
+    model_path: str | None = None
+    served_name: str | None = None
+    model_volume: dict[str, Any] | None = None
+    resources: dict[str, Any] | None = None
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    restart_policy: str = "RecreateGroupOnPodRestart"
+    service_type: str = "ClusterIP"
+    service_port: int = 8000
+    startup_timeout_seconds: int = 1800
+    # Passed through to the pods unchanged.
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+    image_pull_secrets: list[dict[str, Any]] | None = None
+    service_account_name: str | None = None
+    env: list[dict[str, Any]] | None = None
+    pod_annotations: dict[str, str] | None = None
+    pod_labels: dict[str, str] | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_name or self.name
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def gpus_per_pod(self) -> int:
+        """GPUs each pod asks for: the explicit resources win, else one per TP rank."""
+        if self.resources:
+            for section in ("limits", "requests"):
+                value = (self.resources.get(section) or {}).get(GPU_RESOURCE)
+                if value is not None:
+                    return int(value)
+            return 0
+        return self.tensor_parallel_size
+
+
+def _int(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidSpec(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_spec(
+    body: dict[str, Any], *, default_image: str, max_world_size: int = 256
+) -> DeploymentSpec:
+    """Turn an LLMDeployment object into a DeploymentSpec or raise InvalidSpec with a readable message."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    name = meta.get("name") or ""
+    if len(name) > MAX_NAME_LENGTH or not DNS_LABEL.match(name):
+        raise InvalidSpec(
+            f"metadata.name {name!r} must be a DNS label of at most {MAX_NAME_LENGTH} characters "
+            "(the operator derives StatefulSet and pod names from it)")
+    tp = _int(spec.get("tensorParallelSize", 1), "tensorParallelSize", 1)
+    pp = _int(spec.get("pipelineParallelSize", 1), "pipelineParallelSize", 1)
+    replicas = _int(spec.get("replicas", 1), "replicas", 0)
+    if tp * pp > max_world_size:
+        raise InvalidSpec(f"tensorParallelSize x pipelineParallelSize = {tp} x {pp} = {tp * pp} "
+                          f"exceeds the operator's limit of {max_world_size} ranks per group")
+
+    model = spec.get("model") or {}
+    path = model.get("path")
+    volume = model.get("volume")
+    if path is not None:
+        normalised = posixpath.normpath(path)
+        if not path.startswith("/") or normalised == "/":
+            raise InvalidSpec(f"model.path {path!r} must be an absolute path below /, e.g. /models/llama")
+        if volume and any(normalised == r or normalised.startswith(r + "/") for r in RESERVED_PATHS):
+            raise InvalidSpec(f"model.path {path!r} would mount the model volume over a system "
+                              f"directory ({', '.join(RESERVED_PATHS)})")
+        path = normalised
+    if volume is not None:
+        if path is None:
+            raise InvalidSpec("model.volume is set but model.path is not: say where to mount the weights")
+        sources = [k for k in volume if k != "name"]
+        if len(sources) != 1:
+            raise InvalidSpec(f"model.volume must hold exactly one volume source, got {sorted(sources)}")
+
+    resources = spec.get("resources") or None
+    engine = spec.get("engine") or {}
+    extra_args = tuple(str(a) for a in engine.get("extraArgs") or ())
+    for arg in extra_args:
+        if arg.split("=", 1)[0] in OWNED_FLAGS:
+            raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]}: "
+                              "the operator sets it from the spec")
+    parsed = DeploymentSpec(
+        name=name,
+        namespace=meta.get("namespace") or "default",
+        image=spec.get("image") or default_image,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        replicas=replicas,
+        model_path=path,
+        served_name=model.get("servedName"),
+        model_volume=dict(volume) if volume else None,
+        resources=resources,
+        engine=EngineSpec(
+            max_model_len=engine.get("maxModelLen"),
+            max_num_seqs=engine.get("maxNumSeqs"),
+            block_size=engine.get("blockSize"),
+            enable_prefix_caching=engine.get("enablePrefixCaching"),
+            gpu_memory_utilization=engine.get("gpuMemoryUtilization"),
+            dtype=engine.get("dtype"),
+            extra_args=extra_args,
+        ),
+        restart_policy=spec.get("restartPolicy") or "RecreateGroupOnPodRestart",
+        service_type=(spec.get("service") or {}).get("type") or "ClusterIP",
+        service_port=_int((spec.get("service") or {}).get("port", 8000), "service.port", 1),
+        startup_timeout_seconds=_int(spec.get("startupTimeoutSeconds", 1800), "startupTimeoutSeconds", 10),
+        node_selector=spec.get("nodeSelector"),
+        tolerations=spec.get("tolerations"),
+        affinity=spec.get("affinity"),
+        priority_class_name=spec.get("priorityClassName"),
+        image_pull_secrets=spec.get("imagePullSecrets"),
+        service_account_name=spec.get("serviceAccountName"),
+        env=spec.get("env"),
+        pod_annotations=spec.get("podAnnotations"),
+        pod_labels=spec.get("podLabels"),
+    )
+    gpus = parsed.gpus_per_pod
+    if gpus and gpus < tp:
+        raise InvalidSpec(f"resources give {gpus} {GPU_RESOURCE} per pod but tensorParallelSize is {tp}: "
+                          "each pod needs one GPU per tensor-parallel rank")
+    return parsed

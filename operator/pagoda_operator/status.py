@@ -1,0 +1,194 @@
+"""What the cluster looks like for one LLMDeployment, and the status that tells the truth about it.
+
+Pure functions: observations in, a status dict out. A group is Ready only when every one of its
+pods exists at the group's wanted revision, is not terminating, and reports the Ready condition."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+from .builders import LABEL_REVISION, GroupRecord, endpoint, head_selector, selector_string
+from .spec import DeploymentSpec
+
+# Container states that mean the pod will not become Ready without someone changing something.
+FAILING_REASONS = frozenset({
+    "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "OOMKilled",
+})
+CONDITION_TYPES = ("Available", "Progressing", "Degraded")
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def pod_revision_of(pod: dict[str, Any]) -> str | None:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_REVISION)
+
+
+def pod_restarts(pod: dict[str, Any]) -> int:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return sum(int(s.get("restartCount") or 0) for s in statuses)
+
+
+def pod_failure(pod: dict[str, Any]) -> str | None:
+    """A reason when the pod is stuck failing (crash loop, bad image, evicted), else None."""
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return status.get("reason") or "Failed"
+    for s in status.get("containerStatuses") or []:
+        for state in ("waiting", "terminated"):
+            reason = ((s.get("state") or {}).get(state) or {}).get("reason")
+            if reason in FAILING_REASONS:
+                return reason
+    return None
+
+
+@dataclass
+class GroupObservation:
+    index: int
+    size: int                       # pods the group needs (pipelineParallelSize)
+    wanted_revision: str            # what the spec asks for
+    revision: str | None            # what the group's StatefulSets run now (None: not created)
+    record: GroupRecord = field(default_factory=GroupRecord)
+    pods: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def exists(self) -> bool:
+        return self.revision is not None
+
+    @property
+    def stale(self) -> bool:
+        return self.exists and self.revision != self.wanted_revision
+
+    @property
+    def current_pods(self) -> list[dict[str, Any]]:
+        return [p for p in self.pods if pod_revision_of(p) == self.revision]
+
+    @property
+    def ready(self) -> bool:
+        if not self.exists or len(self.pods) != self.size:
+            return False
+        return all(pod_revision_of(p) == self.revision and pod_is_ready(p) for p in self.pods)
+
+    @property
+    def restarted(self) -> bool:
+        return any(pod_restarts(p) > 0 for p in self.current_pods)
+
+    @property
+    def failure(self) -> str | None:
+        for pod in self.current_pods:
+            reason = pod_failure(pod)
+            if reason:
+                return f"pod {pod['metadata'].get('name')}: {reason}"
+        return None
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, str]:
+    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def merge_conditions(new: list[dict[str, str]], previous: list[dict[str, Any]] | None,
+                     timestamp: str) -> list[dict[str, Any]]:
+    """Keep lastTransitionTime when a condition's status did not change."""
+    old = {c.get("type"): c for c in previous or []}
+    merged = []
+    for cond in new:
+        before = old.get(cond["type"])
+        changed = before is None or before.get("status") != cond["status"]
+        merged.append({**cond, "lastTransitionTime": timestamp if changed else before.get("lastTransitionTime")})
+    return merged
+
+
+def build_status(
+    spec: DeploymentSpec, groups: list[GroupObservation], *, generation: int | None,
+    extra_groups: int = 0, previous: dict[str, Any] | None = None, timestamp: str | None = None,
+) -> dict[str, Any]:
+    """The status for a valid spec. `groups` are the wanted groups 0..replicas-1, observed after this
+    reconcile's actions; `extra_groups` counts groups above replicas still being removed."""
+    timestamp = timestamp or now_iso()
+    ready = sum(1 for g in groups if g.ready)
+    wanted = spec.replicas
+    stale = [g.index for g in groups if g.stale]
+    missing = [g.index for g in groups if not g.exists]
+    starting = [g.index for g in groups if g.exists and not g.stale and not g.ready]
+    failures = [f"group {g.index} {g.failure}" for g in groups if g.failure]
+    owed = [g.index for g in groups if g.record.pending]
+
+    if wanted == 0:
+        available = _condition("Available", False, "ScaledToZero", "replicas is 0")
+    elif ready:
+        available = _condition("Available", True, "GroupsReady", f"{ready}/{wanted} groups ready")
+    else:
+        available = _condition("Available", False, "NoGroupReady", f"0/{wanted} groups ready")
+
+    if stale:
+        progressing = _condition("Progressing", True, "RollingUpdate",
+                                 f"groups {stale} run an older spec; replacing one group at a time")
+    elif missing or extra_groups:
+        progressing = _condition("Progressing", True, "Scaling",
+                                 f"creating groups {missing}" if missing else f"removing {extra_groups} groups")
+    elif starting:
+        progressing = _condition("Progressing", True, "GroupsStarting", f"groups {starting} are not Ready yet")
+    else:
+        progressing = _condition("Progressing", False, "Complete", f"all {wanted} groups run the current spec")
+
+    if failures:
+        degraded = _condition("Degraded", True, "PodFailing", "; ".join(failures))
+    elif owed:
+        degraded = _condition("Degraded", True, "GroupRestarting",
+                              f"groups {owed} lost a pod and wait for their restart backoff")
+    else:
+        degraded = _condition("Degraded", False, "AsExpected", "no failures observed")
+
+    all_pods = [p for g in groups for p in g.pods]
+    if degraded["status"] == "True":
+        phase = "Degraded"
+    elif ready == wanted and progressing["status"] == "False":
+        phase = "Ready"
+    elif ready == 0 and all((p.get("status") or {}).get("phase", "Pending") == "Pending" for p in all_pods):
+        phase = "Pending"
+    else:
+        phase = "Progressing"
+
+    prev = previous or {}
+    return {
+        "phase": phase,
+        "replicas": wanted,
+        "readyReplicas": ready,
+        "endpoint": endpoint(spec),
+        "selector": selector_string(head_selector(spec)),
+        "observedGeneration": generation,
+        "conditions": merge_conditions([available, progressing, degraded], prev.get("conditions"), timestamp),
+    }
+
+
+def invalid_status(message: str, *, generation: int | None, previous: dict[str, Any] | None = None,
+                   timestamp: str | None = None) -> dict[str, Any]:
+    prev = previous or {}
+    conditions = [
+        _condition("Available", False, "InvalidSpec", message),
+        _condition("Progressing", False, "InvalidSpec", message),
+        _condition("Degraded", True, "InvalidSpec", message),
+    ]
+    return {
+        "phase": "Failed",
+        "replicas": prev.get("replicas", 0),
+        "readyReplicas": prev.get("readyReplicas", 0),
+        "observedGeneration": generation,
+        "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp or now_iso()),
+    }
+
+
+def status_changed(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
+    old = old or {}
+    return any(old.get(k) != v for k, v in new.items())
