@@ -4,6 +4,7 @@ Handlers are synchronous (kopf runs them in its thread pool) because the kuberne
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -28,8 +29,9 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Startup: kopf keeps its bookkeeping in status (the operator never writes spec or metadata)."""
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Startup: kopf keeps its bookkeeping in status (the operator never writes spec or metadata),
+    and the periodic resync starts."""
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(field="status.kopf.diffbase")
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
     settings.scanning.disabled = True  # no need to watch CRDs: fewer permissions
@@ -38,20 +40,45 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     config = load_configuration()
     memo.reconciler = Reconciler(Cluster(kubernetes.client.ApiClient(config)), operator_settings)
     memo.connection = connection_info(config)
+    memo.resync_task = asyncio.create_task(resync_forever(memo))
+
+
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    task = getattr(memo, "resync_task", None)
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def resync_forever(memo: kopf.Memo) -> None:
+    """Periodic pass over every LLMDeployment: runs group restarts deferred by the backoff, and
+    repairs anything an event missed. (Not a kopf timer: those put a finalizer on the resource.)"""
+    settings: OperatorSettings = memo.settings
+    while True:
+        await asyncio.sleep(settings.resync_seconds)
+        try:
+            await asyncio.to_thread(resync_all, memo)
+        except Exception:  # keep resyncing whatever one pass hit
+            log.exception("periodic resync failed")
+
+
+def resync_all(memo: kopf.Memo) -> None:
+    reconciler: Reconciler = memo.reconciler
+    for body in reconciler.cluster.list_llmdeployments(memo.settings.namespaces):
+        meta = body.get("metadata") or {}
+        try:
+            reconciler.reconcile(meta.get("namespace"), meta.get("name"))
+        except (kopf.PermanentError, kopf.TemporaryError) as e:
+            log.debug("resync of %s: %s", body.get("metadata", {}).get("name"), e)
 
 
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     return memo.connection
 
 
-def on_llmdeployment(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def on_llmdeployment(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Created, changed, or seen again at operator start: converge."""
-    memo.reconciler.reconcile(plain(body))
-
-
-def on_resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Periodic pass: deferred group restarts whose backoff ran out, and anything an event missed."""
-    memo.reconciler.reconcile(plain(body))
+    memo.reconciler.reconcile(namespace, name)
 
 
 def on_child_event(event: kopf.RawEvent, body: kopf.Body, namespace: str | None, memo: kopf.Memo,
@@ -60,12 +87,10 @@ def on_child_event(event: kopf.RawEvent, body: kopf.Body, namespace: str | None,
     owner_name = (body.get("metadata", {}).get("labels") or {}).get(LABEL_DEPLOYMENT)
     if not owner_name or not namespace:
         return
-    reconciler: Reconciler = memo.reconciler
-    owner = reconciler.cluster.get_llmdeployment(namespace, owner_name)
-    if owner is None:
-        return  # being deleted: garbage collection removes the children
     lost = plain(body) if event.get("type") == "DELETED" and body.get("kind", "Pod") == "Pod" else None
+    if lost:
+        log.debug("pod %s/%s is gone", namespace, body.get("metadata", {}).get("name"))
     try:
-        reconciler.reconcile(owner, lost_pod=lost)
+        memo.reconciler.reconcile(namespace, owner_name, lost_pod=lost)
     except kopf.PermanentError as e:
         log.debug("owner %s/%s not reconciled: %s", namespace, owner_name, e)

@@ -71,6 +71,12 @@ class Cluster:
                 return None
             raise
 
+    def list_llmdeployments(self, namespaces: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        if not namespaces:
+            return self.custom.list_cluster_custom_object(GROUP_API, VERSION, PLURAL).get("items") or []
+        return [item for ns in namespaces for item in
+                self.custom.list_namespaced_custom_object(GROUP_API, VERSION, ns, PLURAL).get("items") or []]
+
     def _get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         read = self.apps.read_namespaced_stateful_set if kind == "StatefulSet" else self.core.read_namespaced_service
         try:

@@ -16,11 +16,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     owned = {LABEL_DEPLOYMENT: kopf.PRESENT}
 
     kopf.on.startup(registry=registry)(handlers.configure)
+    kopf.on.cleanup(registry=registry)(handlers.cleanup)
     kopf.on.login(registry=registry)(handlers.login)
     for trigger in (kopf.on.create, kopf.on.update, kopf.on.resume):
         trigger(*resource, registry=registry, id="reconcile", backoff=5)(handlers.on_llmdeployment)
-    kopf.on.timer(*resource, registry=registry, id="resync", interval=settings.resync_seconds,
-                  initial_delay=settings.resync_seconds)(handlers.on_resync)
     kopf.on.event("v1", "pods", labels=owned, registry=registry)(handlers.on_child_event)
     kopf.on.event("apps", "v1", "statefulsets", labels=owned, registry=registry)(handlers.on_child_event)
     return registry

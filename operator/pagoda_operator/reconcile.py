@@ -41,6 +41,8 @@ class Reconciler:
     clock: Callable[[], datetime.datetime] = _utcnow
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
+    _queued: set[tuple[str, str]] = field(default_factory=set)
+    _lost: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -64,17 +66,32 @@ class Reconciler:
 
     # ----- the pass -----
 
-    def reconcile(self, body: dict[str, Any], lost_pod: dict[str, Any] | None = None) -> dict[str, Any]:
-        meta = body.get("metadata") or {}
-        with self.lock(meta.get("namespace"), meta.get("name")):
+    def reconcile(self, namespace: str, name: str, lost_pod: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Run a pass for one LLMDeployment, coalescing bursts: while a pass runs, later triggers
+        leave one queued pass behind them and return at once (None), instead of piling up threads."""
+        key = (namespace, name)
+        with self._locks_guard:
+            if lost_pod is not None:
+                self._lost.setdefault(key, []).append(lost_pod)
+            if key in self._queued:
+                return None  # the queued pass has not started yet: it will see this change too
+            self._queued.add(key)
+        with self.lock(namespace, name):
+            with self._locks_guard:
+                self._queued.discard(key)
+                lost = self._lost.pop(key, [])
             try:
-                return self._reconcile(body, lost_pod)
+                # Events may carry an older copy; decide on the latest spec and status.
+                body = self.cluster.get_llmdeployment(namespace, name)
+                if body is None:
+                    return {}  # deleted meanwhile: garbage collection takes the children
+                return self._reconcile(body, lost)
             except kubernetes.client.ApiException as e:
                 if e.status in (400, 403, 422):
                     raise kopf.PermanentError(f"Kubernetes rejected a child: {e.status} {e.reason}: {e.body}") from e
                 raise kopf.TemporaryError(f"Kubernetes API error {e.status} {e.reason}", delay=5) from e
 
-    def _reconcile(self, body: dict[str, Any], lost_pod: dict[str, Any] | None) -> dict[str, Any]:
+    def _reconcile(self, body: dict[str, Any], lost_pods: list[dict[str, Any]]) -> dict[str, Any]:
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace") or "default", meta["name"]
         generation = meta.get("generation")
@@ -101,7 +118,7 @@ class Reconciler:
                 self._replace(spec, body, group, group.record, statefulsets)
         if spec.restart_policy == "RecreateGroupOnPodRestart":
             for group in groups:
-                self._maybe_recreate(spec, body, group, lost_pod, statefulsets)
+                self._maybe_recreate(spec, body, group, lost_pods, statefulsets)
         self._roll(spec, body, groups, statefulsets)
         for group in groups:
             if group.ready and (group.record.recreations or group.record.pending):
@@ -160,9 +177,8 @@ class Reconciler:
         group.pods = [p for p in group.pods if pod_revision_of(p) == group.revision]
 
     def _maybe_recreate(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                        lost_pod: dict[str, Any] | None, statefulsets: list[dict[str, Any]]) -> None:
-        lost = (lost_pod is not None and _group_of(lost_pod) == group.index
-                and pod_revision_of(lost_pod) == group.revision)
+                        lost_pods: list[dict[str, Any]], statefulsets: list[dict[str, Any]]) -> None:
+        lost = any(_group_of(p) == group.index and pod_revision_of(p) == group.revision for p in lost_pods)
         if not (group.exists and (lost or group.restarted or group.record.pending)):
             return
         wait = self.recreate_wait(group.record)
@@ -199,6 +215,8 @@ class Reconciler:
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any]) -> None:
         if status_changed(status, previous):
+            log.debug("status of %s/%s changes: %s", namespace, name,
+                      {k: (previous.get(k), v) for k, v in status.items() if previous.get(k) != v})
             self.cluster.patch_status(namespace, name, status)
 
 

@@ -1,0 +1,220 @@
+"""kopf running for real against the KMock emulator: children, status, rollout, scaling, restarts."""
+
+from __future__ import annotations
+
+import pytest
+from operator_harness import eventually, labels
+
+pytestmark = pytest.mark.operator
+
+GPU_SPEC = {
+    "model": {"path": "/models/llama", "volume": {"persistentVolumeClaim": {"claimName": "weights"}}},
+    "image": "pagoda-runtime:test",
+    "tensorParallelSize": 2,
+    "pipelineParallelSize": 2,
+    "replicas": 2,
+    "engine": {"maxNumSeqs": 64},
+}
+
+
+async def test_create_builds_groups_services_and_reports_ready(cluster, operator):
+    await cluster.create("llama", GPU_SPEC)
+    sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 4), what="4 StatefulSets")
+    assert set(sts) == {"llama-g0-head", "llama-g0-worker", "llama-g1-head", "llama-g1-worker"}
+    worker = sts["llama-g1-worker"]
+    assert worker["spec"]["replicas"] == 1 and worker["spec"]["ordinals"] == {"start": 1}
+    assert worker["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    pod_labels = worker["spec"]["template"]["metadata"]["labels"]
+    assert {k: pod_labels[k] for k in ("pagoda.dev/llmdeployment", "pagoda.dev/group", "pagoda.dev/role")} == {
+        "pagoda.dev/llmdeployment": "llama", "pagoda.dev/group": "1", "pagoda.dev/role": "worker"}
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[:2] == ["serve", "/models/llama"]
+    assert args[args.index("--master-addr") + 1] == "llama-g1-head-0.llama-headless.serving.svc.cluster.local"
+    assert args[args.index("--node-rank") + 1] == "$(PAGODA_NODE_RANK)"
+    assert "--max-num-seqs" in args and container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert container["env"][0]["name"] == "PAGODA_NODE_RANK"
+
+    services = await eventually(lambda: _has(cluster.services(), 2), what="services")
+    assert services["llama"]["spec"]["selector"] == {"pagoda.dev/llmdeployment": "llama", "pagoda.dev/role": "head"}
+    assert services["llama-headless"]["spec"]["publishNotReadyAddresses"] is True
+
+    # No pods yet: never Ready.
+    status = await eventually(lambda: _phase_in(cluster, "llama", {"Pending"}), what="Pending")
+    assert status["readyReplicas"] == 0 and status["endpoint"] == "http://llama.serving.svc:8000/v1"
+
+    status = await cluster.converge("llama")
+    assert status["readyReplicas"] == 2 and status["observedGeneration"] == 1
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert conds["Available"]["status"] == "True" and conds["Progressing"]["status"] == "False"
+    assert conds["Degraded"]["status"] == "False"
+    pods = await cluster.pods("llama")
+    assert sorted(pods) == ["llama-g0-head-0", "llama-g0-worker-1", "llama-g1-head-0", "llama-g1-worker-1"]
+
+
+async def test_status_follows_pod_readiness_and_failures(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "restartPolicy": "None"})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
+    await cluster.converge("llama")
+
+    await cluster.set_pod("llama-g1-worker-1", ready=False)
+    status = await eventually(lambda: _phase_in(cluster, "llama", {"Progressing"}), what="Progressing")
+    assert status["readyReplicas"] == 1  # a group with one unready pod is not ready
+    assert (await cluster.condition("llama", "Available"))["status"] == "True"
+
+    await cluster.set_pod("llama-g1-worker-1", ready=False, waiting_reason="CrashLoopBackOff", restarts=3)
+    await eventually(lambda: _phase_in(cluster, "llama", {"Degraded"}), what="Degraded")
+    degraded = await cluster.condition("llama", "Degraded")
+    assert degraded["reason"] == "PodFailing" and "llama-g1-worker-1" in degraded["message"]
+    # restartPolicy None: the operator leaves the group alone.
+    assert (await cluster.statefulsets("llama"))["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "0"
+
+    await cluster.set_pod("llama-g1-worker-1", ready=True, restarts=3)
+    await eventually(lambda: _phase_in(cluster, "llama", {"Ready"}), what="Ready again")
+
+
+async def test_spec_change_rolls_one_group_at_a_time(cluster, operator):
+    await cluster.create("llama", GPU_SPEC)
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
+    await cluster.converge("llama")
+    old = {n: labels(s)["pagoda.dev/revision"] for n, s in (await cluster.statefulsets("llama")).items()}
+
+    await cluster.update_spec("llama", {"engine": {"maxNumSeqs": 128}})
+
+    async def group0_pods_deleted():  # the last step of replacing a group
+        pods = await cluster.pods("llama")
+        return pods if "llama-g0-head-0" not in pods and "llama-g0-worker-1" not in pods else None
+    pods = await eventually(group0_pods_deleted, what="first group replaced")
+    sts = await cluster.statefulsets("llama")
+    changed = {n for n, s in sts.items() if labels(s)["pagoda.dev/revision"] != old[n]}
+    assert changed == {"llama-g0-head", "llama-g0-worker"}
+    assert "llama-g0-head-0" not in pods and "llama-g1-head-0" in pods  # group 1 keeps serving
+    status = await cluster.status("llama")
+    assert status["phase"] == "Progressing" and status["readyReplicas"] == 1
+    assert (await cluster.condition("llama", "Progressing"))["reason"] == "RollingUpdate"
+
+    # Group 1 waits while group 0 is not Ready.
+    sts = await cluster.statefulsets("llama")
+    assert labels(sts["llama-g1-head"])["pagoda.dev/revision"] == old["llama-g1-head"]
+
+    status = await cluster.converge("llama")
+    sts = await cluster.statefulsets("llama")
+    assert all(labels(s)["pagoda.dev/revision"] != old[n] for n, s in sts.items())
+    assert status["observedGeneration"] == 2 and status["readyReplicas"] == 2
+    for pod in (await cluster.pods("llama")).values():
+        assert "128" in pod["spec"]["containers"][0]["args"]
+
+
+async def test_scale_up_and_down_by_whole_groups(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
+    await cluster.converge("llama")
+
+    await cluster.update_spec("llama", {"replicas": 3})
+    sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 6), what="3 groups")
+    assert {labels(s)["pagoda.dev/group"] for s in sts.values()} == {"0", "1", "2"}
+    status = await cluster.converge("llama")
+    assert status["replicas"] == 3 and status["readyReplicas"] == 3
+
+    await cluster.update_spec("llama", {"replicas": 1})
+    sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 2), what="back to 1 group")
+    assert set(sts) == {"llama-g0-head", "llama-g0-worker"}
+    status = await cluster.converge("llama")
+    assert status["replicas"] == 1 and status["readyReplicas"] == 1
+    assert sorted(await cluster.pods("llama")) == ["llama-g0-head-0", "llama-g0-worker-1"]
+
+
+async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, operator):
+    await cluster.create("llama", GPU_SPEC)
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
+    await cluster.converge("llama")
+    before = await cluster.pods("llama")
+
+    # The worker's container restarted: the group's torch.distributed world is broken.
+    await cluster.set_pod("llama-g1-worker-1", ready=False, restarts=1)
+
+    async def group1_pods_deleted():  # the last step of recreating a group
+        pods = await cluster.pods("llama")
+        return pods if "llama-g1-head-0" not in pods and "llama-g1-worker-1" not in pods else None
+    pods = await eventually(group1_pods_deleted, what="group 1 recreated")
+    sts = await cluster.statefulsets("llama")
+    assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "1"
+    assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/recreations"] == "1"
+    assert sts["llama-g0-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "0"
+    assert pods["llama-g0-head-0"] == before["llama-g0-head-0"]  # group 0 untouched
+
+    await cluster.reconcile_pods(ready=False)  # the new pods start...
+    # ...and one disappears before the group got Ready: recreate again, but only after the backoff.
+    await cluster.delete_pod("llama-g1-head-0")
+    degraded = await eventually(lambda: _reason(cluster, "llama", "Degraded", "GroupRestarting"), timeout=3)
+    assert "[1]" in degraded["message"]
+    sts = await cluster.statefulsets("llama")
+    assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "1"
+
+    async def recreated_twice():
+        sts = await cluster.statefulsets("llama")
+        return sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "2"
+    await eventually(recreated_twice, timeout=10, what="second recreation after backoff")
+    status = await cluster.converge("llama")
+    assert status["readyReplicas"] == 2
+    sts = await cluster.statefulsets("llama")
+    assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/recreations"] == "0"  # reset once Ready
+
+
+async def test_invalid_spec_sets_condition_and_creates_nothing(cluster, operator):
+    await cluster.create("huge", {"tensorParallelSize": 16, "pipelineParallelSize": 32})
+    cond = await eventually(lambda: _reason(cluster, "huge", "Degraded", "InvalidSpec"), what="InvalidSpec")
+    assert "16 x 32 = 512" in cond["message"]
+    assert (await cluster.status("huge"))["phase"] == "Failed"
+    assert await cluster.statefulsets("huge") == {} and await cluster.services() == {}
+
+
+async def test_operator_restart_changes_nothing(kmock, cluster, operator):
+    await cluster.create("llama", GPU_SPEC)
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
+    await cluster.converge("llama")
+    await operator.stop()
+    before_children = (await cluster.statefulsets(), await cluster.services(), await cluster.pods())
+    before_status = await cluster.status("llama")
+    seen = len(list(kmock))
+
+    await operator.start()
+    await eventually(lambda: _resync_seen(kmock, seen), what="a reconcile pass after restart")
+    new = list(kmock)[seen:]
+    writes = [(r.method, r.url.path) for r in new if str(r.method) not in ("GET", "method.GET")
+              and "GET" not in str(r.method)]
+    assert [w for w in writes if "/events" not in w[1] and not w[1].endswith("/status")] == []
+    assert (await cluster.statefulsets(), await cluster.services(), await cluster.pods()) == before_children
+    after_status = await cluster.status("llama")
+    assert {k: v for k, v in after_status.items() if k != "kopf"} == {
+        k: v for k, v in before_status.items() if k != "kopf"}
+
+
+async def test_operator_never_writes_the_spec(kmock, cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
+    await cluster.converge("llama")
+    llmd_writes = [r for r in kmock if "/llmdeployments/" in r.url.path and "GET" not in str(r.method)]
+    operator_writes = [r for r in llmd_writes if r.headers.get("User-Agent", "").startswith(("kopf", "OpenAPI"))]
+    assert operator_writes and all(r.url.path.endswith("/status") for r in operator_writes)
+
+
+# ----- helpers -----
+
+async def _has(coro, count):
+    items = await coro
+    return items if len(items) == count else None
+
+
+async def _phase_in(cluster, name, phases):
+    status = await cluster.status(name)
+    return status if status.get("phase") in phases else None
+
+
+async def _reason(cluster, name, ctype, reason):
+    cond = await cluster.condition(name, ctype)
+    return cond if cond.get("reason") == reason and cond.get("status") == "True" else None
+
+
+async def _resync_seen(kmock, seen):
+    """At least two list calls of pods after the restart: the resume pass and a timer pass ran."""
+    return sum(1 for r in list(kmock)[seen:] if r.url.path.endswith("/pods") and "GET" in str(r.method)) >= 2
