@@ -1,0 +1,56 @@
+{{- define "pagoda.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagoda.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pagoda.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "pagoda.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pagoda.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The rules the operator needs, nothing more. */}}
+{{- define "pagoda.rules" -}}
+- apiGroups: [pagoda.dev]
+  resources: [llmdeployments]
+  verbs: [get, list, watch]
+- apiGroups: [pagoda.dev]
+  resources: [llmdeployments/status]
+  verbs: [get, patch]
+# Children carry ownerReferences with blockOwnerDeletion, which needs this.
+- apiGroups: [pagoda.dev]
+  resources: [llmdeployments/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
