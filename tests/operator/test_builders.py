@@ -1,0 +1,224 @@
+"""Pure builders and spec validation: many specs in, manifests out, no cluster."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from pagoda_operator import builders as b
+from pagoda_operator.settings import OperatorSettings
+from pagoda_operator.spec import InvalidSpec, parse_spec
+
+pytestmark = pytest.mark.operator
+
+OWNER_META = {"name": "demo", "namespace": "serving", "uid": "1234"}
+
+
+def llmd(spec: dict, name: str = "demo") -> dict:
+    return {"apiVersion": b.API_VERSION, "kind": b.KIND, "metadata": {**OWNER_META, "name": name}, "spec": spec}
+
+
+def build(spec: dict, **kwargs):
+    body = llmd(spec)
+    parsed = parse_spec(body, default_image="pagoda-runtime:default", **kwargs)
+    return parsed, b.build_all(parsed, body)
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def containers_of(manifests, role=None):
+    return [m["spec"]["template"]["spec"]["containers"][0] for m in manifests
+            if m["kind"] == "StatefulSet" and (role is None or m["metadata"]["labels"][b.LABEL_ROLE] == role)]
+
+
+@pytest.mark.parametrize("tp,pp,replicas", list(itertools.product([1, 2, 8], [1, 2, 4], [0, 1, 3])))
+def test_topology_for_tp_pp_replicas(tp, pp, replicas):
+    spec, manifests = build({"tensorParallelSize": tp, "pipelineParallelSize": pp, "replicas": replicas})
+    statefulsets = [m for m in manifests if m["kind"] == "StatefulSet"]
+    assert len(statefulsets) == replicas * (2 if pp > 1 else 1)
+    pods = sum(s["spec"]["replicas"] for s in statefulsets)
+    assert pods == replicas * pp
+    for sts in statefulsets:
+        group = sts["metadata"]["labels"][b.LABEL_GROUP]
+        role = sts["metadata"]["labels"][b.LABEL_ROLE]
+        assert sts["metadata"]["name"] == f"demo-g{group}-{role}"
+        assert sts["spec"]["ordinals"]["start"] == (0 if role == "head" else 1)  # ordinal == node rank
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        assert sts["spec"]["serviceName"] == "demo-headless"
+        template_labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert sts["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+        assert template_labels[b.LABEL_DEPLOYMENT] == "demo" and template_labels[b.LABEL_GROUP] == group
+        args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert flag(args, "--tensor-parallel-size") == str(tp)
+        assert flag(args, "--pipeline-parallel-size") == str(pp) == flag(args, "--nnodes")
+        assert flag(args, "--master-addr") == f"demo-g{group}-head-0.demo-headless.serving.svc.cluster.local"
+        assert flag(args, "--master-port") == "29500" and flag(args, "--port") == "8000"
+        assert sts["metadata"]["ownerReferences"] == [{
+            "apiVersion": "pagoda.dev/v1alpha1", "kind": "LLMDeployment", "name": "demo", "uid": "1234",
+            "controller": True, "blockOwnerDeletion": True}]
+    for c in containers_of(manifests):
+        assert c["resources"] == {"limits": {"nvidia.com/gpu": str(tp)}, "requests": {"nvidia.com/gpu": str(tp)}}
+
+
+def test_node_rank_comes_from_the_pod_index_label():
+    _, manifests = build({"pipelineParallelSize": 3})
+    for c in containers_of(manifests):
+        assert flag(c["args"], "--node-rank") == "$(PAGODA_NODE_RANK)"
+        rank_env = next(e for e in c["env"] if e["name"] == "PAGODA_NODE_RANK")
+        assert rank_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+
+
+def test_services_select_heads_and_publish_not_ready_addresses():
+    _, manifests = build({"replicas": 2, "service": {"type": "LoadBalancer", "port": 9000}})
+    headless, head = (m for m in manifests if m["kind"] == "Service")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"] == {b.LABEL_DEPLOYMENT: "demo"}
+    assert head["metadata"]["name"] == "demo" and head["spec"]["type"] == "LoadBalancer"
+    assert head["spec"]["selector"] == {b.LABEL_DEPLOYMENT: "demo", b.LABEL_ROLE: "head"}
+    assert head["spec"]["ports"][0]["port"] == 9000 and head["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_default_model_means_no_model_argument_and_no_volume():
+    _, manifests = build({"resources": {"requests": {"cpu": "1"}}})
+    c = containers_of(manifests)[0]
+    assert c["args"][:2] == ["serve", "--served-model-name"] and flag(c["args"], "--served-model-name") == "demo"
+    assert [m["name"] for m in c["volumeMounts"]] == ["dshm"]
+    assert c["resources"] == {"requests": {"cpu": "1"}}  # CPU: no GPU asked for
+    pod = next(m for m in manifests if m["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
+
+
+def test_model_volume_is_mounted_read_only_at_the_path():
+    _, manifests = build({"model": {"path": "/models/llama/", "servedName": "llama-3",
+                                    "volume": {"persistentVolumeClaim": {"claimName": "w"}}}})
+    sts = next(m for m in manifests if m["kind"] == "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["args"][1] == "/models/llama" and flag(c["args"], "--served-model-name") == "llama-3"
+    assert {"name": "model", "mountPath": "/models/llama", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "w"}} in pod["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "DoNotSchedule"
+
+
+def test_engine_flags_and_extra_args_in_order():
+    _, manifests = build({"engine": {"maxModelLen": 4096, "maxNumSeqs": 32, "blockSize": 32,
+                                     "enablePrefixCaching": False, "gpuMemoryUtilization": 0.85,
+                                     "dtype": "bfloat16", "extraArgs": ["--kv-cache-memory", "4"]}})
+    args = containers_of(manifests)[0]["args"]
+    assert flag(args, "--max-model-len") == "4096" and flag(args, "--max-num-seqs") == "32"
+    assert flag(args, "--block-size") == "32" and flag(args, "--gpu-memory-utilization") == "0.85"
+    assert flag(args, "--dtype") == "bfloat16" and "--no-enable-prefix-caching" in args
+    assert args[-2:] == ["--kv-cache-memory", "4"]
+    _, manifests = build({"engine": {"enablePrefixCaching": True}})
+    args = containers_of(manifests)[0]["args"]
+    assert "--enable-prefix-caching" in args and "--max-model-len" not in args
+
+
+def test_pass_through_fields_and_user_env_cannot_override_the_rank():
+    overrides = {
+        "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        "affinity": {"nodeAffinity": {}}, "priorityClassName": "high", "serviceAccountName": "llm",
+        "imagePullSecrets": [{"name": "regcred"}], "podAnnotations": {"a": "b"},
+        "podLabels": {"team": "ml", b.LABEL_ROLE: "hijack"},
+        "env": [{"name": "PAGODA_NODE_RANK", "value": "7"}, {"name": "HF_HOME", "value": "/cache"}],
+        "image": "my/runtime:1",
+    }
+    _, manifests = build(overrides)
+    sts = next(m for m in manifests if m["kind"] == "StatefulSet")
+    template = sts["spec"]["template"]
+    pod = template["spec"]
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "serviceAccountName",
+                "imagePullSecrets"):
+        assert pod[key] == overrides[key]
+    assert template["metadata"]["annotations"] == {"a": "b"}
+    assert template["metadata"]["labels"]["team"] == "ml" and template["metadata"]["labels"][b.LABEL_ROLE] == "head"
+    env = pod["containers"][0]["env"]
+    assert [e["name"] for e in env].count("PAGODA_NODE_RANK") == 1 and "valueFrom" in env[0]
+    assert {"name": "HF_HOME", "value": "/cache"} in env
+    assert pod["containers"][0]["image"] == "my/runtime:1"
+
+
+def test_explicit_gpu_resources_win():
+    _, manifests = build({"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}})
+    assert containers_of(manifests)[0]["resources"] == {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}
+
+
+def test_startup_probe_is_generous_and_probes_hit_health():
+    spec, manifests = build({"startupTimeoutSeconds": 3600})
+    c = containers_of(manifests)[0]
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 3600
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    _, default = build({})
+    c = containers_of(default)[0]
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800  # 70B loads
+
+
+def test_revision_changes_with_pod_shape_not_with_replicas_or_service():
+    base = parse_spec(llmd({"replicas": 1}), default_image="i")
+    same = [parse_spec(llmd({"replicas": 5}), default_image="i"),
+            parse_spec(llmd({"replicas": 1, "service": {"port": 9000}}), default_image="i")]
+    changed = [parse_spec(llmd({"engine": {"maxNumSeqs": 2}}), default_image="i"),
+               parse_spec(llmd({}), default_image="other"),
+               parse_spec(llmd({"tensorParallelSize": 2}), default_image="i")]
+    assert all(b.pod_revision(s, 0) == b.pod_revision(base, 0) for s in same)
+    assert all(b.pod_revision(s, 0) != b.pod_revision(base, 0) for s in changed)
+    assert b.pod_revision(base, 1) != b.pod_revision(base, 0)  # recreating a group changes its pods
+
+
+def test_applied_hash_is_stable_and_tracks_content():
+    spec, first = build({"replicas": 2})
+    _, again = build({"replicas": 2})
+    assert [m["metadata"]["annotations"][b.ANNOTATION_APPLIED_HASH] for m in first] == [
+        m["metadata"]["annotations"][b.ANNOTATION_APPLIED_HASH] for m in again]
+    record = b.GroupRecord(epoch=0, recreations=2, recreated_at="2026-01-01T00:00:00Z")
+    head = b.build_statefulset(spec, llmd({}), 0, "head", record)
+    assert head["metadata"]["annotations"][b.ANNOTATION_APPLIED_HASH] != first[2]["metadata"]["annotations"][
+        b.ANNOTATION_APPLIED_HASH]
+    assert b.GroupRecord.from_annotations(head["metadata"]["annotations"]) == record
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"tensorParallelSize": 16, "pipelineParallelSize": 32}, "exceeds the operator's limit"),
+    ({"model": {"volume": {"persistentVolumeClaim": {"claimName": "w"}}}}, "model.path is not"),
+    ({"model": {"path": "relative/dir"}}, "absolute path"),
+    ({"model": {"path": "/"}}, "absolute path"),
+    ({"model": {"path": "/dev/shm/m", "volume": {"emptyDir": {}}}}, "system directory"),
+    ({"model": {"path": "/m", "volume": {"emptyDir": {}, "hostPath": {"path": "/x"}}}}, "exactly one volume source"),
+    ({"model": {"path": "/m", "volume": {}}}, "exactly one volume source"),
+    ({"tensorParallelSize": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}}, "one GPU per tensor-parallel rank"),
+    ({"engine": {"extraArgs": ["--node-rank", "3"]}}, "must not set --node-rank"),
+    ({"engine": {"extraArgs": ["--tensor-parallel-size=2"]}}, "must not set --tensor-parallel-size"),
+    ({"replicas": -1}, "replicas must be"),
+    ({"tensorParallelSize": "8"}, "tensorParallelSize must be"),
+])
+def test_invalid_specs_are_rejected_with_a_reason(spec, message):
+    with pytest.raises(InvalidSpec, match=message):
+        parse_spec(llmd(spec), default_image="i")
+
+
+def test_names_too_long_for_derived_objects_are_rejected():
+    with pytest.raises(InvalidSpec, match="at most 40"):
+        parse_spec(llmd({}, name="x" * 41), default_image="i")
+    parse_spec(llmd({}, name="x" * 40), default_image="i")
+
+
+def test_world_size_limit_comes_from_settings():
+    parse_spec(llmd({"tensorParallelSize": 8, "pipelineParallelSize": 4}), default_image="i", max_world_size=32)
+    with pytest.raises(InvalidSpec):
+        parse_spec(llmd({"tensorParallelSize": 8, "pipelineParallelSize": 8}), default_image="i", max_world_size=32)
+
+
+def test_settings_from_env():
+    s = OperatorSettings.from_env({"PAGODA_OPERATOR_NAMESPACES": "a, b,", "PAGODA_OPERATOR_LOG_LEVEL": "debug",
+                                   "PAGODA_OPERATOR_RUNTIME_IMAGE": "r:1", "PAGODA_OPERATOR_LIVENESS_PORT": "9"})
+    assert s.namespaces == ("a", "b") and not s.clusterwide and s.log_level == "DEBUG"
+    assert s.runtime_image == "r:1" and s.liveness_port == 9
+    assert OperatorSettings.from_env({}).clusterwide
+    with pytest.raises(SystemExit, match="PAGODA_OPERATOR_"):
+        OperatorSettings.from_env({"PAGODA_OPERATOR_RESYNC_SECONDS": "soon"})

@@ -1,0 +1,105 @@
+"""Status and conditions from observations, and the restart backoff: pure, no cluster."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from pagoda_operator import builders as b
+from pagoda_operator.reconcile import Reconciler
+from pagoda_operator.settings import OperatorSettings
+from pagoda_operator.spec import parse_spec
+from pagoda_operator.status import GroupObservation, build_status, invalid_status
+
+pytestmark = pytest.mark.operator
+
+SPEC = parse_spec({"metadata": {"name": "m", "namespace": "ns"}, "spec": {"pipelineParallelSize": 2, "replicas": 2}},
+                  default_image="i")
+REV = b.pod_revision(SPEC, 0)
+
+
+def pod(name, ready=True, revision=REV, restarts=0, waiting=None, terminating=False, phase="Running"):
+    meta = {"name": name, "labels": {b.LABEL_REVISION: revision}}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    state = {"waiting": {"reason": waiting}} if waiting else {"running": {}}
+    return {"metadata": meta, "status": {
+        "phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        "containerStatuses": [{"restartCount": restarts, "state": state}]}}
+
+
+def group(i, pods, revision=REV, wanted=REV, record=None):
+    return GroupObservation(index=i, size=2, wanted_revision=wanted, revision=revision,
+                            record=record or b.GroupRecord(), pods=pods)
+
+
+def conditions(status):
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_all_pods_ready_is_ready():
+    groups = [group(i, [pod("h"), pod("w")]) for i in range(2)]
+    status = build_status(SPEC, groups, generation=4)
+    assert status["phase"] == "Ready" and status["readyReplicas"] == 2 and status["observedGeneration"] == 4
+    assert conditions(status) == {"Available": ("True", "GroupsReady"), "Progressing": ("False", "Complete"),
+                                  "Degraded": ("False", "AsExpected")}
+    assert status["endpoint"] == "http://m.ns.svc:8000/v1"
+    assert status["selector"] == "pagoda.dev/llmdeployment=m,pagoda.dev/role=head"
+
+
+@pytest.mark.parametrize("pods", [
+    [pod("h"), pod("w", ready=False)],                 # one pod not Ready
+    [pod("h")],                                         # one pod missing
+    [pod("h"), pod("w", terminating=True)],             # one pod terminating
+    [pod("h"), pod("w", revision="old")],               # one pod of an older revision
+    [pod("h"), pod("w"), pod("w2", revision="old")],    # an old pod still around
+])
+def test_a_group_is_never_ready_while_any_pod_is_not(pods):
+    status = build_status(SPEC, [group(0, [pod("h"), pod("w")]), group(1, pods)], generation=1)
+    assert status["readyReplicas"] == 1 and status["phase"] != "Ready"
+    assert conditions(status)["Available"] == ("True", "GroupsReady")
+
+
+def test_pending_progressing_degraded():
+    nothing = build_status(SPEC, [group(0, []), group(1, [], revision=None)], generation=1)
+    assert nothing["phase"] == "Pending" and conditions(nothing)["Progressing"] == ("True", "Scaling")
+    starting = build_status(SPEC, [group(0, [pod("h", ready=False), pod("w", ready=False)]),
+                                   group(1, [pod("h"), pod("w")])], generation=1)
+    assert starting["phase"] == "Progressing"
+    assert conditions(starting)["Progressing"] == ("True", "GroupsStarting")
+    rolling = build_status(SPEC, [group(0, [pod("h"), pod("w")], wanted="new"), group(1, [pod("h"), pod("w")])],
+                           generation=2)
+    assert conditions(rolling)["Progressing"] == ("True", "RollingUpdate") and rolling["phase"] == "Progressing"
+    crashing = build_status(SPEC, [group(0, [pod("h"), pod("w", ready=False, waiting="CrashLoopBackOff")]),
+                                   group(1, [pod("h"), pod("w")])], generation=1)
+    assert crashing["phase"] == "Degraded" and conditions(crashing)["Degraded"] == ("True", "PodFailing")
+    owed = build_status(SPEC, [group(0, [pod("h")], record=b.GroupRecord(pending=True)),
+                               group(1, [pod("h"), pod("w")])], generation=1)
+    assert conditions(owed)["Degraded"] == ("True", "GroupRestarting")
+
+
+def test_transition_times_move_only_on_status_changes():
+    groups = [group(i, [pod("h"), pod("w")]) for i in range(2)]
+    first = build_status(SPEC, groups, generation=1, timestamp="T1")
+    same = build_status(SPEC, groups, generation=1, previous=first, timestamp="T2")
+    assert [c["lastTransitionTime"] for c in same["conditions"]] == ["T1", "T1", "T1"]
+    groups[1].pods = [pod("h"), pod("w", ready=False)]
+    changed = build_status(SPEC, groups, generation=1, previous=first, timestamp="T3")
+    times = {c["type"]: c["lastTransitionTime"] for c in changed["conditions"]}
+    assert times == {"Available": "T1", "Progressing": "T3", "Degraded": "T1"}
+
+
+def test_invalid_status():
+    status = invalid_status("TP too big", generation=3)
+    assert status["phase"] == "Failed" and conditions(status)["Degraded"] == ("True", "InvalidSpec")
+    assert all(c["message"] == "TP too big" for c in status["conditions"])
+
+
+def test_recreate_backoff_doubles_up_to_the_cap():
+    now = datetime.datetime(2026, 1, 1, 0, 0, 10, tzinfo=datetime.timezone.utc)
+    r = Reconciler(cluster=None, settings=OperatorSettings(recreate_backoff_seconds=10, recreate_backoff_max_seconds=60),
+                   clock=lambda: now)
+    assert [r.recreate_delay(n) for n in range(6)] == [0, 10, 20, 40, 60, 60]
+    assert r.recreate_wait(b.GroupRecord()) == 0
+    assert r.recreate_wait(b.GroupRecord(recreations=1, recreated_at="2026-01-01T00:00:00Z")) == 0
+    assert r.recreate_wait(b.GroupRecord(recreations=2, recreated_at="2026-01-01T00:00:00Z")) == 10
