@@ -36,5 +36,29 @@ bench: setup
 	$(VENV)/bin/pagoda bench throughput
 	$(VENV)/bin/pagoda bench kernels
 
+# ---- Kubernetes side: lint, container images, kind end-to-end ----
+IMAGE_TAG ?= 0.1.0
+RUNTIME_VARIANT ?= cpu
+RUNTIME_IMAGE ?= pagoda-runtime:$(IMAGE_TAG)$(if $(filter cuda,$(RUNTIME_VARIANT)),-cuda,)
+OPERATOR_IMAGE ?= pagoda-operator:$(IMAGE_TAG)
+DOCKER ?= docker
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/shellcheck scripts/*.sh
+	$(VENV)/bin/yamllint crds charts .yamllint.yaml
+	$(VENV)/bin/helm lint --strict charts/pagoda
+
+images:
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found; install Docker (or set DOCKER=podman)" >&2; exit 3; }
+	$(DOCKER) build --target runtime --build-arg RUNTIME_VARIANT=$(RUNTIME_VARIANT) -t $(RUNTIME_IMAGE) .
+	$(DOCKER) build --target operator -t $(OPERATOR_IMAGE) .
+
+# Exit code 3: Docker engine, kind, kubectl or helm missing (nothing was created).
+e2e-kind:
+	RUNTIME_IMAGE=$(RUNTIME_IMAGE) OPERATOR_IMAGE=$(OPERATOR_IMAGE) DOCKER=$(DOCKER) VENV=$(VENV) \
+		bash scripts/e2e-kind.sh
+
 clean:
 	rm -rf $(VENV) build *.egg-info

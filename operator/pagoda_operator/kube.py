@@ -107,19 +107,18 @@ class Cluster:
         if live is not None and ((live.get("metadata") or {}).get("annotations") or {}).get(
                 ANNOTATION_APPLIED_HASH) == wanted:
             return False
-        if live is None:
-            create = (self.apps.create_namespaced_stateful_set if kind == "StatefulSet"
-                      else self.core.create_namespaced_service)
-            try:
-                create(namespace, manifest, field_manager=FIELD_MANAGER)
-                return True
-            except kubernetes.client.ApiException as e:
-                if e.status != 409:  # someone else created it meanwhile: fall through to apply
-                    raise
         patch = (self.apps.patch_namespaced_stateful_set if kind == "StatefulSet"
                  else self.core.patch_namespaced_service)
-        patch(name, namespace, manifest, field_manager=FIELD_MANAGER, force=True,
-              _content_type="application/apply-patch+yaml")
+        try:
+            # Server-side apply creates missing objects too, and owns every field it sets from the start.
+            patch(name, namespace, manifest, field_manager=FIELD_MANAGER, force=True,
+                  _content_type="application/apply-patch+yaml")
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:  # API servers (or emulators) without apply-creates
+                raise
+            create = (self.apps.create_namespaced_stateful_set if kind == "StatefulSet"
+                      else self.core.create_namespaced_service)
+            create(namespace, manifest, field_manager=FIELD_MANAGER)
         return True
 
     def delete_statefulset(self, namespace: str, name: str) -> None:
