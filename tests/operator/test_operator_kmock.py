@@ -218,3 +218,29 @@ async def _reason(cluster, name, ctype, reason):
 async def _resync_seen(kmock, seen):
     """At least two list calls of pods after the restart: the resume pass and a timer pass ran."""
     return sum(1 for r in list(kmock)[seen:] if r.url.path.endswith("/pods") and "GET" in str(r.method)) >= 2
+
+
+async def test_pipeline_size_change_replaces_the_group_topology(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
+    await cluster.converge("llama")
+
+    await cluster.update_spec("llama", {"pipelineParallelSize": 1})
+    sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 1), what="worker StatefulSet removed")
+    args = sts["llama-g0-head"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pipeline-parallel-size") + 1] == "1"
+    status = await cluster.converge("llama")
+    assert sorted(await cluster.pods("llama")) == ["llama-g0-head-0"] and status["readyReplicas"] == 1
+
+
+async def test_a_later_invalid_edit_keeps_the_running_groups(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
+    await cluster.converge("llama")
+    before = await cluster.statefulsets("llama")
+
+    await cluster.update_spec("llama", {"engine": {"extraArgs": ["--node-rank", "1"]}})
+    cond = await eventually(lambda: _reason(cluster, "llama", "Degraded", "InvalidSpec"), what="InvalidSpec")
+    assert "--node-rank" in cond["message"]
+    assert (await cluster.status("llama"))["phase"] == "Failed"
+    assert await cluster.statefulsets("llama") == before  # nothing half-changed
