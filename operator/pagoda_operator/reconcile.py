@@ -114,7 +114,9 @@ class Reconciler:
         groups = self._observe(spec, statefulsets, pods)
 
         for group in groups:
-            if not group.exists:
+            if not group.stale:
+                # Create missing groups; repair drift (a deleted or edited StatefulSet) and finish a
+                # replacement an earlier pass did not complete. A no-op when everything matches.
                 self._replace(spec, body, group, group.record, statefulsets)
         if spec.restart_policy == "RecreateGroupOnPodRestart":
             for group in groups:

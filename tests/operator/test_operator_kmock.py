@@ -244,3 +244,13 @@ async def test_a_later_invalid_edit_keeps_the_running_groups(cluster, operator):
     assert "--node-rank" in cond["message"]
     assert (await cluster.status("llama"))["phase"] == "Failed"
     assert await cluster.statefulsets("llama") == before  # nothing half-changed
+
+
+async def test_a_deleted_statefulset_is_put_back(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
+    await cluster.converge("llama")
+    async with cluster.http.delete("/apis/apps/v1/namespaces/serving/statefulsets/llama-g0-worker") as resp:
+        assert resp.status == 200
+    sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 2), what="worker StatefulSet back")
+    assert sts["llama-g0-worker"]["spec"]["replicas"] == 1
