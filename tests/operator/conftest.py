@@ -13,7 +13,7 @@ from pagoda_operator.settings import OperatorSettings
 
 @pytest.fixture
 def operator_settings() -> OperatorSettings:
-    return OperatorSettings(resync_seconds=1.0, recreate_backoff_seconds=4.0, recreate_backoff_max_seconds=16.0)
+    return OperatorSettings(resync_seconds=1.0, recreate_backoff_seconds=8.0, recreate_backoff_max_seconds=30.0)
 
 
 @pytest.fixture

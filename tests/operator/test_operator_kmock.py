@@ -146,7 +146,7 @@ async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, opera
     await cluster.reconcile_pods(ready=False)  # the new pods start...
     # ...and one disappears before the group got Ready: recreate again, but only after the backoff.
     await cluster.delete_pod("llama-g1-head-0")
-    degraded = await eventually(lambda: _reason(cluster, "llama", "Degraded", "GroupRestarting"), timeout=3)
+    degraded = await eventually(lambda: _reason(cluster, "llama", "Degraded", "GroupRestarting"), timeout=5)
     assert "[1]" in degraded["message"]
     sts = await cluster.statefulsets("llama")
     assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "1"
@@ -154,7 +154,7 @@ async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, opera
     async def recreated_twice():
         sts = await cluster.statefulsets("llama")
         return sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "2"
-    await eventually(recreated_twice, timeout=10, what="second recreation after backoff")
+    await eventually(recreated_twice, timeout=15, what="second recreation after backoff")
     status = await cluster.converge("llama")
     assert status["readyReplicas"] == 2
     sts = await cluster.statefulsets("llama")
