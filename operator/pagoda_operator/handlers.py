@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,11 +40,12 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     operator_settings: OperatorSettings = memo.settings
     config = load_configuration()
     memo.reconciler = Reconciler(Cluster(kubernetes.client.ApiClient(config)), operator_settings)
-    memo.connection = connection_info(config)
+    memo.stopping = threading.Event()
     memo.resync_task = asyncio.create_task(resync_forever(memo))
 
 
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    memo.stopping.set()  # a pass already running in a thread stops between LLMDeployments
     task = getattr(memo, "resync_task", None)
     if task is not None:
         task.cancel()
@@ -65,6 +67,8 @@ async def resync_forever(memo: kopf.Memo) -> None:
 def resync_all(memo: kopf.Memo) -> None:
     reconciler: Reconciler = memo.reconciler
     for body in reconciler.cluster.list_llmdeployments(memo.settings.namespaces):
+        if memo.stopping.is_set():
+            return
         meta = body.get("metadata") or {}
         try:
             reconciler.reconcile(meta.get("namespace"), meta.get("name"))
@@ -72,8 +76,9 @@ def resync_all(memo: kopf.Memo) -> None:
             log.debug("resync of %s: %s", body.get("metadata", {}).get("name"), e)
 
 
-def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
-    return memo.connection
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """Called again whenever the API says 401: reload, as in-cluster service-account tokens rotate."""
+    return connection_info(load_configuration())
 
 
 def on_llmdeployment(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
