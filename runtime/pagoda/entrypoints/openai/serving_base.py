@@ -68,10 +68,7 @@ class OpenAIServing:
     async def validate_prompt(self, prompt, params: SamplingParams) -> dict:
         """Tokenize (off the event loop) and check the length now, so errors come before a stream starts."""
         try:
-            if hasattr(self.engine, "process_prompt"):  # an engine that offers the check itself
-                text, token_ids = await self.engine.process_prompt(prompt, params)
-            else:
-                text, token_ids = await asyncio.to_thread(self.engine.engine.process_prompt, prompt, params)
+            text, token_ids = await self.engine.process_prompt(prompt, params)
         except ValueError as e:
             raise invalid_request(str(e), param="prompt" if "context length" in str(e) else None) from None
         return {"prompt": text, "prompt_token_ids": token_ids}
