@@ -1,0 +1,72 @@
+"""Paged attention through the Triton kernels (the GPU path); same interface and semantics as
+``torch_backend``, the reference.
+
+Dispatch, decided from the host copies in the metadata (no device sync): a pure-decode batch whose longest
+context spans at least SPLIT_K_MIN_PARTITIONS partitions, with fewer (sequence, kv head) pairs than
+SPLIT_K_PROGRAMS_PER_SM programs per SM, goes through the split-K kernels, because the one-pass kernel
+would run one program per pair and leave most of the GPU idle while each walks its long context. Every
+other batch, mixed or not, is one launch of the mixed-batch kernel.
+"""
+
+import functools
+
+import torch
+
+from pagoda.attention.metadata import AttentionMetadata
+from pagoda.kernels import flash_decode as _flash_decode
+from pagoda.kernels import kv_cache as _kv_cache
+from pagoda.kernels import paged_attention as _paged_attention
+
+SPLIT_K_PARTITION_SIZE = _flash_decode.PARTITION_SIZE  # context positions per partition
+SPLIT_K_MIN_PARTITIONS = 2  # a context of one partition has nothing to split
+SPLIT_K_PROGRAMS_PER_SM = 4  # fewer one-pass programs than this per SM cannot keep memory busy
+FALLBACK_NUM_SMS = 108  # off CUDA (the interpreter): dispatch as on an A100
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    _check_kv_cache("write_kv_cache", kv_cache)
+    _kv_cache.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    _check_kv_cache("paged_attention", kv_cache)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if use_split_k(metadata, kv_cache.shape[3], query.device):
+        return _flash_decode.flash_decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                                          metadata.max_seq_len, scale, partition_size=SPLIT_K_PARTITION_SIZE)
+    return _paged_attention.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                            metadata.query_start_loc, metadata.seq_lens, metadata.max_query_len,
+                                            scale)
+
+
+def use_split_k(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> bool:
+    """The dispatch rule of the module docstring."""
+    if not metadata.is_pure_decode or metadata.num_seqs == 0:
+        return False
+    if metadata.max_seq_len < SPLIT_K_MIN_PARTITIONS * SPLIT_K_PARTITION_SIZE:
+        return False
+    return metadata.num_seqs * num_kv_heads < SPLIT_K_PROGRAMS_PER_SM * num_sms(device)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return FALLBACK_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_kv_cache(op: str, kv_cache: torch.Tensor) -> None:
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        got = f"{list(kv_cache.shape)}" if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__
+        raise ValueError(f"{op}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size] "
+                         f"(keys, values); got {got}")
