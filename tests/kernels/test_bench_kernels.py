@@ -85,7 +85,7 @@ def test_whole_run_on_a_cpu_stand_in(monkeypatch, tmp_path, capsys):
     for layout in bench.LAYOUTS:
         for kernel in ("prefill", "mixed", "kv-write", "rmsnorm", "rotary"):
             assert any(k == kernel and lay == layout for k, lay, _ in seen), (kernel, layout)
-        assert {("decode", layout, "one-pass"), ("decode", layout, "split-K")} <= seen
+        assert ("decode", layout, "one-pass") in seen and ("decode", layout, "split-K/64") in seen
     assert all(r.microseconds > 0 and r.gbs > 0 and r.torch_microseconds for r in results)
     assert sum(r.note == "dispatch" for r in results if r.kernel == "decode") == 4  # one per decode shape
     saved = json.loads(out_file.read_text())

@@ -57,6 +57,16 @@ def test_dispatch_rule():
     assert not triton_backend.use_split_k(mixed, 8, cpu), "split-K serves pure decode batches only"
 
 
+def test_partitions_shrink_until_every_sm_has_work():
+    cpu = torch.device("cpu")
+    slots = triton_backend.SPLIT_K_PROGRAMS_PER_SM * triton_backend.FALLBACK_NUM_SMS  # 432
+    one_seq = _decode_metadata([32768])  # 64 partitions of 512 for one kv head: halve to 128 (256 programs)
+    assert triton_backend.split_k_partition_size(one_seq, 1, cpu) == triton_backend.SPLIT_K_MIN_PARTITION_SIZE
+    assert triton_backend.split_k_partition_size(one_seq, 4, cpu) == 256  # 4 kv heads x 128 partitions >= 432
+    many = _decode_metadata([32768] * -(-slots // 64))  # 64 partitions of 512 each already fill every slot
+    assert triton_backend.split_k_partition_size(many, 1, cpu) == triton_backend.SPLIT_K_PARTITION_SIZE
+
+
 def test_backend_takes_split_k_for_few_long_decodes(device, monkeypatch):
     batch = make_batch([(1, 1328), (1, 40)], 4, 1, 64, 16, device=device)
     calls = []
@@ -64,5 +74,5 @@ def test_backend_takes_split_k_for_few_long_decodes(device, monkeypatch):
     monkeypatch.setattr(triton_backend._flash_decode, "flash_decode",
                         lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     out = triton_backend.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
-    assert len(calls) == 1
+    assert calls == [dict(partition_size=triton_backend.SPLIT_K_MIN_PARTITION_SIZE)]  # 2 x 11 partitions
     assert_close(out, reference_attention(batch), torch.float32)

@@ -2,10 +2,11 @@
 ``torch_backend``, the reference.
 
 Dispatch, decided from the host copies in the metadata (no device sync): a pure-decode batch whose longest
-context spans at least SPLIT_K_MIN_PARTITIONS partitions, with fewer (sequence, kv head) pairs than
-SPLIT_K_PROGRAMS_PER_SM programs per SM, goes through the split-K kernels, because the one-pass kernel
-would run one program per pair and leave most of the GPU idle while each walks its long context. Every
-other batch, mixed or not, is one launch of the mixed-batch kernel.
+context spans at least SPLIT_K_MIN_PARTITIONS partitions of SPLIT_K_PARTITION_SIZE positions, with fewer
+(sequence, kv head) pairs than SPLIT_K_PROGRAMS_PER_SM programs per SM, goes through the split-K kernels:
+the one-pass kernel would run one program per pair and leave most of the GPU idle while each walks its long
+context. The partitions are then halved, down to SPLIT_K_MIN_PARTITION_SIZE, until the launch has that many
+programs per SM. Every other batch, mixed or not, is one launch of the mixed-batch kernel.
 """
 
 import functools
@@ -17,7 +18,8 @@ from pagoda.kernels import flash_decode as _flash_decode
 from pagoda.kernels import kv_cache as _kv_cache
 from pagoda.kernels import paged_attention as _paged_attention
 
-SPLIT_K_PARTITION_SIZE = _flash_decode.PARTITION_SIZE  # context positions per partition
+SPLIT_K_PARTITION_SIZE = _flash_decode.PARTITION_SIZE  # context positions per partition, at most
+SPLIT_K_MIN_PARTITION_SIZE = 128  # shorter partitions would spend more on partial results than they save
 SPLIT_K_MIN_PARTITIONS = 2  # a context of one partition has nothing to split
 SPLIT_K_PROGRAMS_PER_SM = 4  # fewer one-pass programs than this per SM cannot keep memory busy
 FALLBACK_NUM_SMS = 108  # off CUDA (the interpreter): dispatch as on an A100
@@ -42,8 +44,9 @@ def paged_attention(
     _check_kv_cache("paged_attention", kv_cache)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if use_split_k(metadata, kv_cache.shape[3], query.device):
+        partition_size = split_k_partition_size(metadata, kv_cache.shape[3], query.device)
         return _flash_decode.flash_decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                          metadata.max_seq_len, scale, partition_size=SPLIT_K_PARTITION_SIZE)
+                                          metadata.max_seq_len, scale, partition_size=partition_size)
     return _paged_attention.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                             metadata.query_start_loc, metadata.seq_lens, metadata.max_query_len,
                                             scale)
@@ -56,6 +59,16 @@ def use_split_k(metadata: AttentionMetadata, num_kv_heads: int, device: torch.de
     if metadata.max_seq_len < SPLIT_K_MIN_PARTITIONS * SPLIT_K_PARTITION_SIZE:
         return False
     return metadata.num_seqs * num_kv_heads < SPLIT_K_PROGRAMS_PER_SM * num_sms(device)
+
+
+def split_k_partition_size(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+    """The longest partition that still gives every SM SPLIT_K_PROGRAMS_PER_SM programs (see the docstring)."""
+    wanted = SPLIT_K_PROGRAMS_PER_SM * num_sms(device)
+    size = SPLIT_K_PARTITION_SIZE
+    while size // 2 >= SPLIT_K_MIN_PARTITION_SIZE and \
+            metadata.num_seqs * num_kv_heads * -(-metadata.max_seq_len // size) < wanted:
+        size //= 2
+    return size
 
 
 @functools.cache

@@ -288,10 +288,12 @@ def build_attention(kernel: str, layout: str, args, dtype):
             yield Case(kernel, layout, "one-pass", shape, num_bytes, flops, one_pass, reference,
                        "dispatch" if chosen == "one-pass" else "")
             if max(seq_lens) > triton_backend.SPLIT_K_PARTITION_SIZE:
-                def split_k(query=query, kv_cache=kv_cache, md=md):
+                partition = triton_backend.split_k_partition_size(md, kv_cache.shape[3], query.device)
+
+                def split_k(query=query, kv_cache=kv_cache, md=md, partition=partition):
                     return flash_decode(query, kv_cache[0], kv_cache[1], md.block_tables, md.seq_lens,
-                                        md.max_seq_len, scale, partition_size=triton_backend.SPLIT_K_PARTITION_SIZE)
-                yield Case(kernel, layout, "split-K", shape, num_bytes, flops, split_k, reference,
+                                        md.max_seq_len, scale, partition_size=partition)
+                yield Case(kernel, layout, f"split-K/{partition}", shape, num_bytes, flops, split_k, reference,
                            "dispatch" if chosen == "split-K" else "")
                 del split_k
         # drop this shape's cache before the next one is allocated: two large caches may not fit
