@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 import yaml
 from operator_harness import VERBS, FakeCluster, OperatorProcess
+
 from pagoda_operator.settings import OperatorSettings
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+
 from pagoda_operator.main import build_registry
 from pagoda_operator.settings import OperatorSettings
 

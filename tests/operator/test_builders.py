@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from pagoda_operator import builders as b
 from pagoda_operator.settings import OperatorSettings
 from pagoda_operator.spec import InvalidSpec, parse_spec

@@ -15,6 +15,7 @@ import kopf
 import kubernetes
 import pytest
 from operator_harness import eventually
+
 from pagoda_operator.reconcile import Reconciler
 from pagoda_operator.settings import OperatorSettings
 

@@ -11,6 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
 from pagoda_operator import builders as b
 from pagoda_operator.spec import parse_spec
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 
 import pytest
+
 from pagoda_operator import builders as b
 from pagoda_operator.reconcile import Reconciler
 from pagoda_operator.settings import OperatorSettings

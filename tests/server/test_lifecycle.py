@@ -13,6 +13,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from live_server import PATCHED_LAUNCHER
+
 from pagoda.entrypoints.openai.worker_server import build_worker_app
 
 pytestmark = pytest.mark.server

@@ -93,10 +93,9 @@ def run_pagoda(args, requests):
 def run_hf(args, requests, batch_size: int):
     from transformers import AutoModelForCausalLM
 
+    from pagoda.config import resolve_device, resolve_dtype
     from pagoda.model_loader import resolve_model_path
     from pagoda.model_runner import TORCH_DTYPES
-
-    from pagoda.config import resolve_device, resolve_dtype
 
     path = resolve_model_path(args.model)
     device = resolve_device("auto")

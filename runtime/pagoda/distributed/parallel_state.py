@@ -4,9 +4,8 @@ Defaults describe a single process (TP = PP = 1), so layers work unchanged witho
 Ranks are TP-major: global rank = pp_rank * tp_size + tp_rank.
 """
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist

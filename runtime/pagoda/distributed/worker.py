@@ -10,8 +10,13 @@ import torch
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.distributed import comm
-from pagoda.distributed.group import (GroupHandles, cpu_threads_per_rank, init_group, local_device,
-                                      min_over_group)
+from pagoda.distributed.group import (
+    GroupHandles,
+    cpu_threads_per_rank,
+    init_group,
+    local_device,
+    min_over_group,
+)
 from pagoda.distributed.rendezvous import RendezvousError
 
 logger = logging.getLogger(__name__)
