@@ -34,6 +34,7 @@ test-fast: setup
 
 bench: setup
 	$(VENV)/bin/pagoda bench throughput
+	$(VENV)/bin/pagoda bench parallel
 	$(VENV)/bin/pagoda bench kernels
 
 # ---- Kubernetes side: lint, container images, kind end-to-end ----

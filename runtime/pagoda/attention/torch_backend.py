@@ -108,13 +108,38 @@ def _batched_decode(query, key_cache, value_cache, metadata, rows, scale, out):
     torch.index_select(value_cache, 0, tables, out=v_blocks)
     k = k_blocks.view(len(rows), -1, num_kv_heads, head_size)[:, :max_len]  # [B, L, Hkv, D]
     v = v_blocks.view(len(rows), -1, num_kv_heads, head_size)[:, :max_len]
-    q = (query if all_decode else query[token_idx]).unsqueeze(2)  # [B, H, 1, D]
+    q = query if all_decode else query[token_idx]  # [B, H, D]
     mask = torch.arange(max_len, device=device)[None, :] < seq_lens[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
-        enable_gqa=key_cache.shape[2] != query.shape[1],
-    )
-    if all_decode:
-        out.copy_(o.squeeze(2))
+    if query.dtype == torch.float32:
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
+            enable_gqa=num_kv_heads != query.shape[1],
+        ).squeeze(2)
     else:
-        out[token_idx] = o.squeeze(2)
+        o = _decode_attention_per_kv_head(q, k, v, mask, scale)
+    if all_decode:
+        out.copy_(o)
+    else:
+        out[token_idx] = o
+
+
+def _decode_attention_per_kv_head(
+    q: torch.Tensor,  # [B, H, D]
+    k: torch.Tensor,  # [B, L, H_kv, D], strided view of the gathered blocks
+    v: torch.Tensor,  # [B, L, H_kv, D]
+    mask: torch.Tensor,  # [B, L] bool, True = attend
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """One query row per sequence in bfloat16/float16: per KV head, two batched matmuls that read the
+    strided cache views in place, softmax in float32 (as transformers' eager attention). On CPU this
+    is ~3.5x faster than SDPA, whose kernel is tuned for long queries; in float32 SDPA is faster."""
+    batch, num_heads, head_size = q.shape
+    num_kv_heads = k.shape[2]
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_size)  # [B, H_kv, G, D]
+    out = torch.empty_like(q)
+    masked_out = ~mask[:, None, :]  # [B, 1, L]
+    for h in range(num_kv_heads):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).float().mul_(scale)  # [B, G, L]
+        scores.masked_fill_(masked_out, float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v[:, :, h], out=out[:, h])
+    return out.view(batch, num_heads, head_size)
