@@ -10,7 +10,6 @@ import torch
 
 from pagoda.attention import AttentionMetadata, get_backend
 from pagoda.config import EngineConfig
-from pagoda.layers import custom_ops
 from pagoda.layers.attention import forward_context
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
@@ -53,8 +52,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         hf = config.model.hf_config
         self.vocab_size = hf.vocab_size
-        custom_ops.set_use_triton(config.attention_backend == "triton")
         self.attn_backend = get_backend(config.attention_backend)
+        self.triton_ops = config.attention_backend == "triton"
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -105,7 +104,7 @@ class ModelRunner:
         if not self.model.model.is_first:  # a later pipeline stage starts from hidden states
             hidden_in = torch.zeros(num_tokens, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
             residual_in = torch.zeros_like(hidden_in)
-        with torch.inference_mode(), forward_context(metadata, self.attn_backend):
+        with torch.inference_mode(), forward_context(metadata, self.attn_backend, self.triton_ops):
             hidden = self.model(input_ids, positions, hidden_in, residual_in)
             if self.is_last_stage:
                 self.model.compute_logits(hidden[-sched.max_num_seqs :])
@@ -143,7 +142,7 @@ class ModelRunner:
         hidden_in = residual_in = None
         if intermediate is not None:
             hidden_in, residual_in = intermediate.hidden, intermediate.residual
-        with forward_context(metadata, self.attn_backend):
+        with forward_context(metadata, self.attn_backend, self.triton_ops):
             hidden = self.model(input_ids, positions, hidden_in, residual_in)
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)

@@ -32,15 +32,3 @@ def _kernels_defined_for_this_machine():
 @pytest.fixture
 def device() -> str:
     return DEVICE
-
-
-@pytest.fixture(autouse=True)
-def _layers_use_torch_ops():
-    """The model runner switches RMSNorm and rotary to the kernels process-wide (layers.custom_ops). Reset it
-    around every test, so that after an engine test on the Triton backend the layers that other tests use
-    as references are torch again, not the kernels under test."""
-    from pagoda.layers import custom_ops
-
-    custom_ops.set_use_triton(False)
-    yield
-    custom_ops.set_use_triton(False)

@@ -57,8 +57,29 @@ def batches(monkeypatch):
     return seen
 
 
-def test_same_greedy_tokens_as_torch(tiny_path, torch_tokens, batches, device):
+@pytest.fixture
+def fused_op_calls(monkeypatch):
+    """Counts calls of the RMSNorm and rotary kernels made through layers.custom_ops."""
+    from pagoda.kernels import rmsnorm, rotary
+
+    calls = {"rms_norm": 0, "fused_add_rms_norm": 0, "apply_rotary_": 0}
+    for module in (rmsnorm, rotary):
+        for name in calls:
+            real = getattr(module, name, None)
+            if real is not None:
+                def counting(*args, _real=real, _name=name):
+                    calls[_name] += 1
+                    return _real(*args)
+                monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def test_same_greedy_tokens_as_torch(tiny_path, torch_tokens, batches, device, fused_op_calls):
     assert generate(tiny_path, "triton", device) == torch_tokens
+    assert all(n > 0 for n in fused_op_calls.values()), f"the fused kernels ran in the engine: {fused_op_calls}"
+    fused_op_calls.update(dict.fromkeys(fused_op_calls, 0))
+    assert generate(tiny_path, "torch", device) == torch_tokens
+    assert not any(fused_op_calls.values()), "a torch engine built after a Triton one uses torch's ops"
     mixed = [(q, s) for q, s in batches if 1 in q and max(q) > 1]
     assert mixed, "some step mixed decodes and prefill chunks"
     assert any(sl > ql > 1 for q, s in mixed for ql, sl in zip(q, s, strict=True)), \

@@ -64,3 +64,11 @@ def test_auto_dtype_resolution(tiny_llama_dir):
     cfg = EngineArgs(model=str(tiny_llama_dir)).create_config()
     assert cfg.model.dtype == ("bfloat16" if cpu_has_fast_bf16() else "float32")
     assert cfg.attention_backend == "torch" and cfg.device == "cpu"
+
+
+def test_triton_backend_without_cuda_is_refused_at_config_time(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
+        EngineArgs(model=str(tiny_llama_dir), attention_backend="triton").create_config()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' tests run them in the interpreter
+    assert EngineArgs(model=str(tiny_llama_dir), attention_backend="triton").create_config().attention_backend == "triton"

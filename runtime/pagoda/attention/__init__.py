@@ -4,6 +4,7 @@ A backend provides ``write_kv_cache(key, value, kv_cache, slot_mapping)`` and
 ``paged_attention(query, kv_cache, metadata, scale) -> out``; see ``torch_backend`` for shapes.
 """
 
+import os
 from types import ModuleType
 
 from pagoda.attention.metadata import AttentionMetadata
@@ -16,6 +17,9 @@ def resolve_backend_name(name: str, device_type: str) -> str:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {name!r}")
     if name == "auto":
         return "triton" if device_type == "cuda" else "torch"
+    if name == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend 'triton' needs a CUDA device, not {device_type} (or TRITON_INTERPRET=1 "
+                         "to run the kernels in Triton's interpreter, for tests); use 'torch' or 'auto'")
     return name
 
 

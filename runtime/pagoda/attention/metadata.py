@@ -15,7 +15,7 @@ import torch
 class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's chunk
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, -1/garbage past the end
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with valid ids (0) or -1
     slot_mapping: torch.Tensor  # [num_tokens] int64, block * block_size + offset; -1 skips the write
     max_query_len: int
     max_seq_len: int

@@ -18,15 +18,20 @@ from pagoda.attention import AttentionMetadata
 class ForwardContext:
     metadata: AttentionMetadata
     backend: object  # module with write_kv_cache / paged_attention
+    triton_ops: bool = False  # RMSNorm and rotary through the Triton kernels (layers.custom_ops)
 
 
 _context: ForwardContext | None = None
 
 
+def current_forward_context() -> ForwardContext | None:
+    return _context
+
+
 @contextmanager
-def forward_context(metadata: AttentionMetadata, backend):
+def forward_context(metadata: AttentionMetadata, backend, triton_ops: bool = False):
     global _context
-    previous, _context = _context, ForwardContext(metadata, backend)
+    previous, _context = _context, ForwardContext(metadata, backend, triton_ops)
     try:
         yield
     finally:

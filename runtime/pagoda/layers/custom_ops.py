@@ -1,18 +1,16 @@
 """Switch between torch ops and the Triton kernels for the fused norm and rotary ops.
 
-The model runner selects the kernels when the attention backend is Triton; everything else uses torch.
+The kernels run inside a forward pass whose context asks for them (the model runner does when the
+attention backend is Triton); everything else, including a model called outside any forward context,
+uses torch. Scoped per pass, so two engines with different backends in one process do not interfere.
 """
 
-_use_triton = False
-
-
-def set_use_triton(enabled: bool) -> None:
-    global _use_triton
-    _use_triton = enabled
+from pagoda.layers import attention
 
 
 def use_triton() -> bool:
-    return _use_triton
+    context = attention.current_forward_context()
+    return context is not None and context.triton_ops
 
 
 def rms_norm(x, weight, eps):
