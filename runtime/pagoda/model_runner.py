@@ -120,9 +120,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.attention_layers:
-            # [2, num_blocks, block_size, num_kv_heads, head_size]
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size,
-                                dtype=self.dtype, device=self.device)
+            # head-major in memory, [2, num_blocks, num_kv_heads, block_size, head_size], so one head's block
+            # is contiguous (long copies when decode gathers it); the attention backends see it through
+            # the [2, num_blocks, block_size, num_kv_heads, head_size] view and honour its strides
+            cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_size,
+                                dtype=self.dtype, device=self.device).transpose(2, 3)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

@@ -1,5 +1,6 @@
 """The torch attention backend (the CPU path and the kernels' reference) against dense attention,
-for a batch mixing decodes, a chunked prefill and a fresh prefill, in each dtype."""
+for a batch mixing decodes, a chunked prefill and a fresh prefill, in each dtype and in both cache
+layouts: token-major (contiguous) and head-major (what the model runner allocates)."""
 
 import math
 
@@ -24,13 +25,36 @@ def dense_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def new_kv_cache(layout, num_blocks, num_kv_heads, head_size, dtype, gen=None):
+    """[2, num_blocks, block_size, num_kv_heads, head_size], stored token- or head-major."""
+    if layout == "token_major":
+        return torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, generator=gen).to(dtype)
+    return torch.randn(2, num_blocks, num_kv_heads, BLOCK_SIZE, head_size, generator=gen).to(dtype).transpose(2, 3)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+def test_write_kv_cache_puts_each_token_in_its_slot(layout):
+    kv_cache = new_kv_cache(layout, 8, 2, 4, torch.float32).zero_()
+    key, value = torch.randn(5, 2, 4), torch.randn(5, 2, 4)
+    slots = torch.tensor([0, 5, -1, 31, 17])  # -1: a padding token, not written
+
+    torch_backend.write_kv_cache(key, value, kv_cache, slots)
+
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(kv_cache[0, slot // BLOCK_SIZE, slot % BLOCK_SIZE], key[i])
+            assert torch.equal(kv_cache[1, slot // BLOCK_SIZE, slot % BLOCK_SIZE], value[i])
+    assert int((kv_cache != 0).any(-1).sum()) == 2 * 4 * 2  # 4 tokens x 2 heads, in keys and values
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-def test_mixed_batch_matches_dense_attention(dtype, tolerance, num_heads, num_kv_heads):
+def test_mixed_batch_matches_dense_attention(layout, dtype, tolerance, num_heads, num_kv_heads):
     head_size, num_blocks = 8, 64
     query_lens, seq_lens = [1, 7, 1, 13, 1], [9, 15, 1, 13, 22]  # decode, chunk, first token, prefill, decode
     gen = torch.Generator().manual_seed(0)
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, generator=gen).to(dtype)
+    kv_cache = new_kv_cache(layout, num_blocks, num_kv_heads, head_size, dtype, gen)
     free_blocks = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, as after churn
     tables = [[free_blocks.pop() for _ in range(math.ceil(n / BLOCK_SIZE))] for n in seq_lens]
     block_tables = torch.full((len(tables), max(map(len, tables))), -1, dtype=torch.int32)
