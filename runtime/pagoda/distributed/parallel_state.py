@@ -63,13 +63,25 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def pp_layer_range(num_layers: int, partition: list[int] | None = None) -> tuple[int, int]:
+def default_layer_partition(num_layers: int, pp_size: int, lm_head_layers: float = 0.0) -> list[int]:
+    """Decoder layers per pipeline stage, balancing compute. The last stage also runs the LM head, which
+    costs as much as ``lm_head_layers`` decoder layers (for a small model with a large vocabulary, several),
+    so it takes that many fewer; the other stages split the rest evenly, later ones taking the remainder
+    (the first also holds the embedding). Every stage keeps at least one layer."""
+    if pp_size == 1:
+        return [num_layers]
+    share = (num_layers + lm_head_layers) / pp_size
+    last = min(max(1, round(share - lm_head_layers)), num_layers - (pp_size - 1))
+    base, extra = divmod(num_layers - last, pp_size - 1)
+    return [base + (1 if i >= pp_size - 1 - extra else 0) for i in range(pp_size - 1)] + [last]
+
+
+def pp_layer_range(num_layers: int, partition: list[int] | None = None,
+                   lm_head_layers: float = 0.0) -> tuple[int, int]:
     """[start, end) of the decoder layers this pipeline stage owns."""
     pp_rank, pp_size = _state.pp_rank, _state.pp_size
     if partition is None:
-        base, extra = divmod(num_layers, pp_size)
-        # later stages take the remainder: the first stage also holds the embedding
-        counts = [base + (1 if i >= pp_size - extra else 0) for i in range(pp_size)]
+        counts = default_layer_partition(num_layers, pp_size, lm_head_layers)
     else:
         counts = list(partition)
         if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:

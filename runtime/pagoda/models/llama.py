@@ -72,6 +72,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def lm_head_cost_in_layers(config) -> float:
+    """The LM head's matmul work per token, in decoder layers (weights multiplied per token)."""
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_size = getattr(config, "head_dim", None) or hidden // heads
+    layer = hidden * head_size * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
+    return config.vocab_size * hidden / layer
+
+
 class MissingLayer(nn.Module):
     """Stands in for a layer another pipeline stage owns."""
 
@@ -81,7 +89,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         state = get_parallel_state()
         self.is_first, self.is_last = state.is_first_stage, state.is_last_stage
-        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp_partition)
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp_partition,
+                                                          lm_head_cost_in_layers(config))
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
                              if self.is_first or (self.is_last and config.tie_word_embeddings) else None)
         self.layers = nn.ModuleList(
