@@ -78,3 +78,18 @@ def test_mixed_batch_matches_dense_attention(layout, dtype, tolerance, num_heads
         expected = dense_attention(query[start : start + q_len], k, v, scale)
         torch.testing.assert_close(out[start : start + q_len].double(), expected, atol=tolerance, rtol=tolerance)
         start += q_len
+
+
+def test_decode_works_in_and_out_of_inference_mode():
+    """The decode path reuses gather buffers; one made under inference_mode (the engine) must not be
+    reused outside it (a test calling the reference directly), where writing it would raise."""
+    kv_cache = new_kv_cache("head_major", 8, 2, 4, torch.float32)
+    query = torch.randn(2, 4, 4)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens=torch.tensor([5, 9], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), slot_mapping=torch.full((2,), -1),
+        max_query_len=1, max_seq_len=9, query_lens_cpu=[1, 1], seq_lens_cpu=[5, 9])
+    with torch.inference_mode():
+        inside = torch_backend.paged_attention(query, kv_cache, metadata, 0.5)
+    outside = torch_backend.paged_attention(query, kv_cache, metadata, 0.5)
+    torch.testing.assert_close(inside, outside)

@@ -80,7 +80,8 @@ def _workspace(slot: int, num_blocks: int, cache_of_one_head: torch.Tensor) -> t
     """A reused [num_blocks, block_size, D] buffer for gathered blocks: fresh multi-MB allocations every
     layer cost more in page faults than the copy itself."""
     shape = cache_of_one_head.shape[1:]
-    key = (slot, cache_of_one_head.device, cache_of_one_head.dtype, shape)
+    # a buffer made under inference_mode cannot be written outside it
+    key = (slot, cache_of_one_head.device, cache_of_one_head.dtype, shape, torch.is_inference_mode_enabled())
     buf = _workspaces.get(key)
     if buf is None or buf.shape[0] < num_blocks:
         buf = torch.empty((int(num_blocks * 1.25) + 1, *shape), dtype=cache_of_one_head.dtype,
