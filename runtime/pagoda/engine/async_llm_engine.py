@@ -3,13 +3,17 @@
 The HTTP event loop never waits on a model step: requests and aborts go to the engine thread through
 a queue, and outputs come back through per-request asyncio queues. Prompts are tokenized in a worker
 thread, off both the event loop and the engine loop.
+
+`from_engine_args` builds the engine (loads the model) inside the engine thread, so that torch's CPU
+thread pool (OpenMP) belongs to that thread alone: with a second pool left in the thread that loaded the
+model, every CPU step ran a third slower (measured: 256-token prefill 330 ms instead of 245 ms).
 """
 
 import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pagoda.config import EngineArgs
 from pagoda.engine import EngineDeadError
@@ -21,23 +25,39 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.config = engine.config
-        self.tokenizer = engine.tokenizer
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
+        """engine: a built engine, or a function that builds one (called in the engine thread)."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stats = engine.get_stats()
         self._stopping = threading.Event()
         self._dead_error: BaseException | None = None
         self._group_failure_callbacks: list = []
-        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        built = threading.Event()
+        build_error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.engine = engine if isinstance(engine, LLMEngine) else engine()
+                self._stats = self.engine.get_stats()
+            except BaseException as e:  # handed to the constructor's caller
+                build_error.append(e)
+                return
+            finally:
+                built.set()
+            self._run()
+
+        self._thread = threading.Thread(target=run, name="pagoda-engine", daemon=True)
         self._thread.start()
-        engine.executor.add_failure_callback(self._on_group_failure)
+        built.wait()
+        if build_error:
+            raise build_error[0]
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.engine.executor.add_failure_callback(self._on_group_failure)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_engine_args(args))
+        return cls(lambda: LLMEngine.from_engine_args(args))
 
     @property
     def errored(self) -> bool:
@@ -125,9 +145,10 @@ class AsyncLLMEngine:
             while not self._stopping.is_set():
                 block = not self.engine.has_unfinished_requests()
                 self._drain_commands(block)
-                if self.engine.has_unfinished_requests():
-                    self._publish(self.engine.step())
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                # stats first: a client that has seen its output must find it counted in /metrics
                 self._stats = self.engine.get_stats()
+                self._publish(outputs)
         except BaseException as e:  # the engine is dead: fail every waiting request rather than hang
             logger.exception("engine loop died")
             self._fail_all(e)

@@ -102,8 +102,8 @@ class RequestTracker:
             if m.first_scheduled_time is not None:
                 self.metrics.queue.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
             self.last_token_time = m.first_token_time
-            self.num_tokens = num_tokens
-        elif m.last_token_time is not None and num_tokens > self.num_tokens:
+            self.num_tokens = len(out.outputs)  # the first step's token of each choice; later ones follow
+        if m.last_token_time is not None and num_tokens > self.num_tokens:
             # outputs may bunch up behind a slow client: spread the interval over the tokens it carried
             new = num_tokens - self.num_tokens
             gap = max(m.last_token_time - self.last_token_time, 0.0) / new

@@ -1,0 +1,61 @@
+"""AsyncLLMEngine: built in its own engine thread (torch's CPU thread pool lives there alone), load
+errors reach the caller, cumulative outputs stream, an explicit abort ends the stream."""
+
+import asyncio
+import threading
+
+import pytest
+
+from pagoda import AsyncEngineArgs, AsyncLLMEngine, SamplingParams
+from pagoda.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def engine_args(tiny_model_factory):
+    return AsyncEngineArgs(model=str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=0.02)
+
+
+def test_the_engine_is_built_in_the_engine_thread(engine_args, monkeypatch):
+    built_in = []
+    real_init = LLMEngine.__init__
+
+    def recording_init(self, config):
+        built_in.append(threading.current_thread().name)
+        real_init(self, config)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    try:
+        assert built_in == ["pagoda-engine"] and engine.is_running
+    finally:
+        engine.shutdown()
+
+
+def test_a_load_error_reaches_the_caller(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tmp_path / "missing")))
+
+
+def test_outputs_stream_and_an_abort_ends_the_stream(engine_args):
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+
+    async def run():
+        lengths = []
+        async for out in engine.generate("Hello, my name is", SamplingParams(max_tokens=6, ignore_eos=True), "a"):
+            lengths.append(len(out.outputs[0].token_ids))
+        aborted = []
+        async for out in engine.generate("Paged attention", SamplingParams(max_tokens=500, ignore_eos=True), "b"):
+            aborted.append(out)
+            if len(aborted) == 2:
+                await engine.abort("b")
+        return lengths, aborted[-1]
+
+    try:
+        lengths, last = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    finally:
+        engine.shutdown()
+    assert lengths[-1] == 6 and lengths == sorted(lengths)
+    assert last.finished and last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < 500
+    engine.engine.block_manager.check_no_leaks()
