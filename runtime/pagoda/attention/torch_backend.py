@@ -60,10 +60,12 @@ def paged_attention(
         q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
         k = _gather_context(key_cache, metadata.block_tables[i], s_len).transpose(0, 1)
         v = _gather_context(value_cache, metadata.block_tables[i], s_len).transpose(0, 1)
-        # query j sits at absolute position s_len - q_len + j: it sees keys 0..that position
-        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=query.device).tril(s_len - q_len)
+        # query j sits at absolute position s_len - q_len + j: it sees keys 0..that position (a whole
+        # prompt is plain causal attention, which SDPA does faster than with a mask)
+        mask = None if q_len == s_len else \
+            torch.ones(q_len, s_len, dtype=torch.bool, device=query.device).tril(s_len - q_len)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=group > 1,
         )
         out[start : start + q_len] = o[0].transpose(0, 1)
