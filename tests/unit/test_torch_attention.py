@@ -93,3 +93,36 @@ def test_decode_works_in_and_out_of_inference_mode():
         inside = torch_backend.paged_attention(query, kv_cache, metadata, 0.5)
     outside = torch_backend.paged_attention(query, kv_cache, metadata, 0.5)
     torch.testing.assert_close(inside, outside)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_many_decodes_of_spread_lengths_match_dense_attention(dtype, tolerance):
+    """Many decodes of spread context lengths (padded to the longest), with a prefill chunk in the middle of
+    the batch, so decode rows are not simply rows 0..B-1."""
+    num_heads, num_kv_heads, head_size, num_blocks = 4, 2, 8, 512
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = torch.randint(1, 90, (40,), generator=gen).tolist()
+    query_lens = [1] * 40
+    query_lens[17], seq_lens[17] = 6, 30  # a prefill chunk in the middle
+    kv_cache = new_kv_cache("head_major", num_blocks, num_kv_heads, head_size, dtype, gen)
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free_blocks.pop() for _ in range(math.ceil(n / BLOCK_SIZE))] for n in seq_lens]
+    block_tables = torch.zeros((len(tables), max(map(len, tables))), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t)
+    query = torch.randn(sum(query_lens), num_heads, head_size, generator=gen).to(dtype)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        slot_mapping=torch.full((sum(query_lens),), -1), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+
+    out = torch_backend.paged_attention(query, kv_cache, metadata, 0.3)
+
+    start = 0
+    for table, q_len, s_len in zip(tables, query_lens, seq_lens):
+        k = kv_cache[0, table].flatten(0, 1)[:s_len]
+        v = kv_cache[1, table].flatten(0, 1)[:s_len]
+        expected = dense_attention(query[start : start + q_len], k, v, 0.3)
+        torch.testing.assert_close(out[start : start + q_len].double(), expected, atol=tolerance, rtol=tolerance)
+        start += q_len
