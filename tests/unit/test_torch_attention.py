@@ -47,15 +47,10 @@ def test_write_kv_cache_puts_each_token_in_its_slot(layout):
     assert int((kv_cache != 0).any(-1).sum()) == 2 * 4 * 2  # 4 tokens x 2 heads, in keys and values
 
 
-@pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
-def test_mixed_batch_matches_dense_attention(layout, dtype, tolerance, num_heads, num_kv_heads):
-    head_size, num_blocks = 8, 64
-    query_lens, seq_lens = [1, 7, 1, 13, 1], [9, 15, 1, 13, 22]  # decode, chunk, first token, prefill, decode
-    gen = torch.Generator().manual_seed(0)
+def paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, num_blocks, dtype, layout, gen):
+    """A random query batch and cache; each sequence's blocks scattered over the cache, as after churn."""
     kv_cache = new_kv_cache(layout, num_blocks, num_kv_heads, head_size, dtype, gen)
-    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, as after churn
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[free_blocks.pop() for _ in range(math.ceil(n / BLOCK_SIZE))] for n in seq_lens]
     block_tables = torch.full((len(tables), max(map(len, tables))), -1, dtype=torch.int32)
     for i, t in enumerate(tables):
@@ -65,14 +60,14 @@ def test_mixed_batch_matches_dense_attention(layout, dtype, tolerance, num_heads
         query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
         slot_mapping=torch.full((sum(query_lens),), -1), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
-    scale = head_size**-0.5
+        max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+    return query, kv_cache, metadata, tables
 
-    out = torch_backend.paged_attention(query, kv_cache, metadata, scale)
 
-    assert out.dtype == dtype and out.shape == query.shape
+def check_against_dense(out, query, kv_cache, metadata, tables, scale, tolerance):
+    assert out.dtype == query.dtype and out.shape == query.shape
     start = 0
-    for table, q_len, s_len in zip(tables, query_lens, seq_lens):
+    for table, q_len, s_len in zip(tables, metadata.query_lens_cpu, metadata.seq_lens_cpu):
         k = kv_cache[0, table].flatten(0, 1)[:s_len]
         v = kv_cache[1, table].flatten(0, 1)[:s_len]
         expected = dense_attention(query[start : start + q_len], k, v, scale)
@@ -80,15 +75,25 @@ def test_mixed_batch_matches_dense_attention(layout, dtype, tolerance, num_heads
         start += q_len
 
 
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_mixed_batch_matches_dense_attention(layout, dtype, tolerance, num_heads, num_kv_heads):
+    query_lens, seq_lens = [1, 7, 1, 13, 1], [9, 15, 1, 13, 22]  # decode, chunk, first token, prefill, decode
+    head_size, scale = 8, 8**-0.5
+    query, kv_cache, metadata, tables = paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, 64,
+                                                    dtype, layout, torch.Generator().manual_seed(0))
+
+    out = torch_backend.paged_attention(query, kv_cache, metadata, scale)
+
+    check_against_dense(out, query, kv_cache, metadata, tables, scale, tolerance)
+
+
 def test_decode_works_in_and_out_of_inference_mode():
     """The decode path reuses gather buffers; one made under inference_mode (the engine) must not be
     reused outside it (a test calling the reference directly), where writing it would raise."""
-    kv_cache = new_kv_cache("head_major", 8, 2, 4, torch.float32)
-    query = torch.randn(2, 4, 4)
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens=torch.tensor([5, 9], dtype=torch.int32),
-        block_tables=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), slot_mapping=torch.full((2,), -1),
-        max_query_len=1, max_seq_len=9, query_lens_cpu=[1, 1], seq_lens_cpu=[5, 9])
+    query, kv_cache, metadata, _ = paged_batch([1, 1], [5, 9], 4, 2, 4, 8, torch.float32, "head_major",
+                                               torch.Generator().manual_seed(0))
     with torch.inference_mode():
         inside = torch_backend.paged_attention(query, kv_cache, metadata, 0.5)
     outside = torch_backend.paged_attention(query, kv_cache, metadata, 0.5)
@@ -99,30 +104,12 @@ def test_decode_works_in_and_out_of_inference_mode():
 def test_many_decodes_of_spread_lengths_match_dense_attention(dtype, tolerance):
     """Many decodes of spread context lengths (padded to the longest), with a prefill chunk in the middle of
     the batch, so decode rows are not simply rows 0..B-1."""
-    num_heads, num_kv_heads, head_size, num_blocks = 4, 2, 8, 512
     gen = torch.Generator().manual_seed(1)
     seq_lens = torch.randint(1, 90, (40,), generator=gen).tolist()
     query_lens = [1] * 40
     query_lens[17], seq_lens[17] = 6, 30  # a prefill chunk in the middle
-    kv_cache = new_kv_cache("head_major", num_blocks, num_kv_heads, head_size, dtype, gen)
-    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [[free_blocks.pop() for _ in range(math.ceil(n / BLOCK_SIZE))] for n in seq_lens]
-    block_tables = torch.zeros((len(tables), max(map(len, tables))), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = torch.tensor(t)
-    query = torch.randn(sum(query_lens), num_heads, head_size, generator=gen).to(dtype)
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
-        slot_mapping=torch.full((sum(query_lens),), -1), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+    query, kv_cache, metadata, tables = paged_batch(query_lens, seq_lens, 4, 2, 8, 512, dtype, "head_major", gen)
 
     out = torch_backend.paged_attention(query, kv_cache, metadata, 0.3)
 
-    start = 0
-    for table, q_len, s_len in zip(tables, query_lens, seq_lens):
-        k = kv_cache[0, table].flatten(0, 1)[:s_len]
-        v = kv_cache[1, table].flatten(0, 1)[:s_len]
-        expected = dense_attention(query[start : start + q_len], k, v, 0.3)
-        torch.testing.assert_close(out[start : start + q_len].double(), expected, atol=tolerance, rtol=tolerance)
-        start += q_len
+    check_against_dense(out, query, kv_cache, metadata, tables, 0.3, tolerance)
