@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,20 @@ def default_model_path() -> str:
 def ensure_converted(gguf_path: Path, name: str) -> Path:
     stat = gguf_path.stat()
     target = cache_dir() / "models" / f"{name}-v{_CONVERSION_VERSION}-{stat.st_size}"
+    if not (target / "config.json").exists():
+        logger.info("converting %s to a Hugging Face directory in %s (once)", gguf_path.name, target)
+    return write_model_dir_once(target, lambda out: convert_gguf(gguf_path, out))
+
+
+def write_model_dir_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """Make model directory `target` with write(tmp_dir) unless it exists. Written into a temporary
+    directory and renamed into place, so two processes racing never see (or leave) half a model."""
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to a Hugging Face directory in %s (once)", gguf_path.name, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        convert_gguf(gguf_path, tmp)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -8,9 +8,6 @@ does not depend on them), written once into the cache directory."""
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,32 +39,21 @@ def parse_args(argv):
 
 def splittable_default_model() -> str:
     """The default model with 8 attention heads over 2 KV heads (head size 72) and random weights."""
-    from pagoda.default_model import cache_dir, default_model_path
+    from pagoda.default_model import cache_dir, default_model_path, write_model_dir_once
 
     source = Path(default_model_path())
-    target = cache_dir() / "bench" / f"{source.name}-8-heads"
-    if (target / "config.json").exists():
-        return str(target)
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    config = json.loads((source / "config.json").read_text())
-    config.update(num_attention_heads=8, num_key_value_heads=2, head_dim=config["hidden_size"] // 8)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".bench-model-", dir=target.parent))
-    try:
+    def write(out: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        config = json.loads((source / "config.json").read_text())
+        config.update(num_attention_heads=8, num_key_value_heads=2, head_dim=config["hidden_size"] // 8)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+        AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32).save_pretrained(out)
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
+
+    return str(write_model_dir_once(cache_dir() / "bench" / f"{source.name}-8-heads", write))
 
 
 def run(args, name: str, requests) -> dict:
