@@ -1,15 +1,29 @@
 """The torch attention backend (the CPU path and the kernels' reference) against dense attention,
 for a batch mixing decodes, a chunked prefill and a fresh prefill, in each dtype and in both cache
-layouts: token-major (contiguous) and head-major (what the model runner allocates)."""
+layouts: token-major (contiguous) and head-major (what the model runner allocates).
+
+Decodes go through the C++ kernel when it builds, else through batched matmuls: both are tested."""
 
 import math
+import shutil
 
 import pytest
 import torch
 
-from pagoda.attention import AttentionMetadata, torch_backend
+from pagoda.attention import AttentionMetadata, cpu_kernels, torch_backend
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True, params=["cpp_kernel", "torch_matmuls"])
+def decode_path(request, monkeypatch):
+    if request.param == "torch_matmuls":
+        monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    elif shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the kernel cannot be built here")
+    else:
+        assert cpu_kernels.available(), "the C++ decode kernel failed to build (see the log)"
+    return request.param
 
 BLOCK_SIZE = 4
 

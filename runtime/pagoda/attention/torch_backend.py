@@ -9,6 +9,7 @@ one contiguous run: decode gathers a head's context in long copies and multiplie
 import torch
 import torch.nn.functional as F
 
+from pagoda.attention import cpu_kernels
 from pagoda.attention.metadata import AttentionMetadata
 
 
@@ -71,8 +72,25 @@ def paged_attention(
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     if decode_rows:
-        _batched_decode(query, key_cache, value_cache, metadata, decode_rows, scale, out)
+        if query.device.type == "cpu" and cpu_kernels.available():
+            _kernel_decode(query, key_cache, value_cache, metadata, decode_rows, scale, out)
+        else:
+            _batched_decode(query, key_cache, value_cache, metadata, decode_rows, scale, out)
     return out
+
+
+def _kernel_decode(query, key_cache, value_cache, metadata, rows, scale, out):
+    """All single-token queries through the C++ kernel, which reads the paged cache in place."""
+    if len(rows) == metadata.num_seqs:  # query row i is sequence i
+        cpu_kernels.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
+                                           metadata.seq_lens, scale, out)
+        return
+    rows_t = torch.tensor(rows, device=query.device)
+    token_idx = metadata.query_start_loc[rows_t].long()
+    o = torch.empty((len(rows), *query.shape[1:]), dtype=query.dtype, device=query.device)
+    cpu_kernels.paged_decode_attention(query[token_idx], key_cache, value_cache, metadata.block_tables[rows_t],
+                                       metadata.seq_lens[rows_t], scale, o)
+    out[token_idx] = o
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}
