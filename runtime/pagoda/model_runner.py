@@ -11,6 +11,7 @@ import torch
 from pagoda.attention import AttentionMetadata, get_backend
 from pagoda.config import EngineConfig
 from pagoda.layers.attention import forward_context
+from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
 from pagoda.sampler import SampledToken, Sampler, SamplingTensors
@@ -65,6 +66,8 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         load_weights(self.model, config.model.path)
         self.model.eval()
+        if packing_supported(self.device, self.dtype):
+            pack_weights(self.model)
         self.attention_layers = self.model.attention_layers()
         self.kv_caches: list[torch.Tensor] = []
         self.seqs: dict[int, RunnerSeq] = {}

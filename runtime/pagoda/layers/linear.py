@@ -2,10 +2,10 @@
 out of a lazily sliced checkpoint tensor, so a rank never reads rows or columns it does not own."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
+from pagoda.layers.packed_weights import linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -32,6 +32,8 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> N
 
 
 class ReplicatedLinear(nn.Module):
+    packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -45,11 +47,13 @@ class ReplicatedLinear(nn.Module):
         copy_checked(param, loaded[:])
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by output columns: rank r holds rows [r*n, (r+1)*n) of the weight."""
+    packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
+
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
         super().__init__()
@@ -70,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param, loaded[self.tp_rank * n : (self.tp_rank + 1) * n])
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self, self.bias)
         return tp_all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -125,6 +129,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """Y = X A with A split by input rows; partial sums are all-reduced, then the bias is added once."""
+    packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
+
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -147,5 +153,5 @@ class RowParallelLinear(nn.Module):
         copy_checked(param, loaded[:])
 
     def forward(self, x):
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(linear(x, self))
         return y + self.bias if self.bias is not None else y

@@ -132,6 +132,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tied:
                 self.lm_head.weight = self.model.embed_tokens.weight
+                self.lm_head.shares_weight = True
 
     def forward(self, input_ids, positions, hidden=None, residual=None):
         return self.model(input_ids, positions, hidden, residual)

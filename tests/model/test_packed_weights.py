@@ -1,0 +1,61 @@
+"""bfloat16 on CPU: matmul weights packed for oneDNN give what the plain weights give, use no extra memory,
+and a tied LM head keeps the embedding's plain weight."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda import LLM, SamplingParams
+from pagoda.layers import packed_weights
+from pagoda.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(not packed_weights.packing_supported(torch.device("cpu"), torch.bfloat16),
+                       reason="oneDNN bfloat16 matmuls are not available on this CPU"),
+]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_layer_matches_plain_matmul(rows, bias):
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(96, 160, bias=bias).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    weight = layer.weight.detach().clone()
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    expected = F.linear(x, weight, layer.bias)
+
+    packed_weights.pack_weights(layer)
+
+    assert layer.weight is None and layer.packed_weight is not None
+    torch.testing.assert_close(layer(x), expected, atol=0.1, rtol=1.6e-2)
+
+
+def top_logprobs(llm: LLM) -> list[dict[int, float]]:
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 14, 3], [7] * 30, list(range(3, 60)))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True),
+                        use_tqdm=False)
+    return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with attention bias
+def test_engine_packs_its_weights_and_gives_the_plain_logprobs(tiny_model_factory, monkeypatch, arch):
+    path = str(tiny_model_factory(arch))
+    packed = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
+    model = packed.engine.executor.runner.model
+    monkeypatch.setattr("pagoda.model_runner.packing_supported", lambda device, dtype: False)
+    plain = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
+
+    expected, actual = top_logprobs(plain), top_logprobs(packed)
+
+    for want, got in zip(expected, actual):
+        shared = want.keys() & got.keys()
+        assert len(shared) >= 4, (want, got)
+        for token in shared:
+            assert got[token] == pytest.approx(want[token], abs=0.05)
+    assert all(m.weight is None for m in model.modules() if isinstance(m, RowParallelLinear))
+    assert model.lm_head.packed_weight is not None
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (arch == "qwen2")
