@@ -38,6 +38,14 @@ ARG TORCH_VERSION=2.13.0
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PAGODA_CACHE_DIR=/var/cache/pagoda HOME=/home/pagoda
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The CPU image compiles its C++ decode-attention kernel on first use, for the node's CPU (without a
+# compiler the engine falls back to a slower torch path); the CUDA image uses Triton's kernels instead.
+ARG GXX_VERSION=4:12.2.0-3
+RUN if [ "${RUNTIME_VARIANT}" = cpu ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends "g++=${GXX_VERSION}" \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 # torch first and from the right index, so the [runtime] extra never pulls another build.
 RUN case "${RUNTIME_VARIANT}" in \
       cpu)  pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu ;; \

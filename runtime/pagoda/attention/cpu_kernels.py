@@ -19,7 +19,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
-# -ffast-math lets GCC vectorise the dot-product reductions and expf (the code has no inf/NaN tricks)
+MAX_HEAD_SIZE = 256  # kMaxHeadSize in the source; larger heads take the torch path
+# -ffast-math lets GCC vectorise the dot-product reductions (the code relies on no inf/NaN semantics)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 _lock = threading.Lock()

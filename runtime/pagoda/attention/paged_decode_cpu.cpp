@@ -56,8 +56,8 @@ inline void prefetch_rows(const scalar_t* block, int64_t rows, int64_t pos_strid
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
-constexpr int kMaxHeadSize = 256;
-constexpr int kMaxGroup = 16;
+constexpr int64_t kMaxHeadSize = 256;  // MAX_HEAD_SIZE in cpu_kernels.py
+constexpr int64_t kMaxGroup = 16;
 
 // kHeadSize > 0 fixes the head size at compile time (the common sizes), so the per-row loops unroll into
 // registers; 0 reads it from head_size.
@@ -156,10 +156,14 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
-      decode(q + i * q_seq + h * group * q_head, q_head,
-                           k + h * head_stride, v + h * head_stride, block_stride, pos_stride, head_stride,
-                           tables + i * table_stride, lens[i], block_size, group, head_size,
-                           static_cast<float>(scale), o + i * o_seq + h * group * o_head, o_head, scores);
+      // wider groups (multi-query models) in chunks that fit the per-thread accumulators
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        const int64_t first_head = h * group + g0;
+        decode(q + i * q_seq + first_head * q_head, q_head, k + h * head_stride, v + h * head_stride,
+               block_stride, pos_stride, head_stride, tables + i * table_stride, lens[i], block_size,
+               std::min(kMaxGroup, group - g0), head_size, static_cast<float>(scale),
+               o + i * o_seq + first_head * o_head, o_head, scores);
+      }
     }
   });
 }
@@ -182,8 +186,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
                   block_tables.stride(1) == 1 && seq_lens.is_contiguous(),
               "block_tables and seq_lens must be int32 with contiguous rows");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= kMaxGroup,
-              "query heads must be a multiple of KV heads, at most ", kMaxGroup, " per KV head");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(2) <= kMaxHeadSize,
               "head size must match the cache and be at most ", kMaxHeadSize);
   TORCH_CHECK(out.sizes() == query.sizes(), "out must have the query's shape");

@@ -72,7 +72,7 @@ def paged_attention(
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     if decode_rows:
-        if query.device.type == "cpu" and cpu_kernels.available():
+        if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.available():
             _kernel_decode(query, key_cache, value_cache, metadata, decode_rows, scale, out)
         else:
             _batched_decode(query, key_cache, value_cache, metadata, decode_rows, scale, out)
