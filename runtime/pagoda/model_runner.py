@@ -10,6 +10,7 @@ import torch
 
 from pagoda.attention import AttentionMetadata, get_backend
 from pagoda.config import EngineConfig
+from pagoda.cpu_allocator import keep_freed_memory
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.model_loader import load_weights
@@ -55,6 +56,8 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.attn_backend = get_backend(config.attention_backend)
         self.triton_ops = config.attention_backend == "triton"
+        if self.device.type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
