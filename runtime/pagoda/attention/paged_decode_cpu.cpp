@@ -42,17 +42,6 @@ inline float exp_nonpositive(float x) {
   return p * two_to_i;
 }
 
-// Blocks sit at random places in the cache, beyond the hardware prefetcher's reach: ask for the next
-// block's rows while this one is being used.
-template <typename scalar_t>
-inline void prefetch_rows(const scalar_t* block, int64_t rows, int64_t pos_stride, int64_t head_size) {
-  const int64_t row_bytes = head_size * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t t = 0; t < rows; ++t) {
-    const char* row = reinterpret_cast<const char*>(block + t * pos_stride);
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
-  }
-}
-
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
@@ -83,9 +72,6 @@ void decode_one(
   for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
     const scalar_t* k_block = k_cache + block_table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, seq_len - t0);
-    if (t0 + block_size < seq_len)
-      prefetch_rows(k_cache + block_table[t0 / block_size + 1] * block_stride,
-                    std::min(block_size, seq_len - t0 - block_size), pos_stride, head_size);
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* k = k_block + t * pos_stride;
       for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(k[d]);
@@ -115,9 +101,6 @@ void decode_one(
   for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
     const scalar_t* v_block = v_cache + block_table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, seq_len - t0);
-    if (t0 + block_size < seq_len)
-      prefetch_rows(v_cache + block_table[t0 / block_size + 1] * block_stride,
-                    std::min(block_size, seq_len - t0 - block_size), pos_stride, head_size);
     for (int64_t t = 0; t < n; ++t) {
       const scalar_t* v = v_block + t * pos_stride;
       for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(v[d]);
