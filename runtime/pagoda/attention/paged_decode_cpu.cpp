@@ -42,6 +42,18 @@ inline float exp_nonpositive(float x) {
   return p * two_to_i;
 }
 
+// Calls visit(row, t) for each position t < seq_len of a context, row pointing at its entry in one KV
+// head's cache, walking the block table one block at a time.
+template <typename scalar_t, typename Visit>
+inline void for_each_row(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                         int64_t block_stride, int64_t pos_stride, Visit&& visit) {
+  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
+    const scalar_t* block = cache + block_table[t0 / block_size] * block_stride;
+    const int64_t n = std::min(block_size, seq_len - t0);
+    for (int64_t t = 0; t < n; ++t) visit(block + t * pos_stride, t0 + t);
+  }
+}
+
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
@@ -69,19 +81,14 @@ void decode_one(
   float* s = scores.data();  // [G, seq_len]
 
   float row[kMaxHeadSize];
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const scalar_t* k_block = k_cache + block_table[t0 / block_size] * block_stride;
-    const int64_t n = std::min(block_size, seq_len - t0);
-    for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* k = k_block + t * pos_stride;
-      for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(k[d]);
-      for (int64_t g = 0; g < group; ++g) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < head_size; ++d) dot += qf[g][d] * row[d];
-        s[g * seq_len + t0 + t] = dot;
-      }
+  for_each_row(k_cache, block_table, seq_len, block_size, block_stride, pos_stride, [&](const scalar_t* k, int64_t t) {
+    for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(k[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_size; ++d) dot += qf[g][d] * row[d];
+      s[g * seq_len + t] = dot;
     }
-  }
+  });
 
   float acc[kMaxGroup][kMaxHeadSize];
   for (int64_t g = 0; g < group; ++g) {
@@ -98,18 +105,13 @@ void decode_one(
     for (int64_t d = 0; d < head_size; ++d) acc[g][d] = 0.f;
   }
 
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const scalar_t* v_block = v_cache + block_table[t0 / block_size] * block_stride;
-    const int64_t n = std::min(block_size, seq_len - t0);
-    for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* v = v_block + t * pos_stride;
-      for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(v[d]);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = s[g * seq_len + t0 + t];
-        for (int64_t d = 0; d < head_size; ++d) acc[g][d] += p * row[d];
-      }
+  for_each_row(v_cache, block_table, seq_len, block_size, block_stride, pos_stride, [&](const scalar_t* v, int64_t t) {
+    for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(v[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = s[g * seq_len + t];
+      for (int64_t d = 0; d < head_size; ++d) acc[g][d] += p * row[d];
     }
-  }
+  });
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_size; ++d) out[g * out_head_stride + d] = from_float<scalar_t>(acc[g][d]);
 }
