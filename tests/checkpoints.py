@@ -74,3 +74,22 @@ def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_
     max_shard = None if shards == 1 else f"{sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1}KB"
     model.save_pretrained(out, **({"max_shard_size": max_shard} if max_shard else {}))
     return out
+
+
+def load_hf_reference(path):
+    """The transformers model of a checkpoint, in float32, as the reference for greedy parity tests."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    names = set()
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names.update(f.keys())
+    if "lm_head.weight" not in names:
+        # A tied checkpoint holds only the embedding. Once, in a full CI run, transformers 5.23 reported
+        # lm_head.weight MISSING and left it freshly initialised (not reproduced since): tie it explicitly,
+        # so the reference is always the model the checkpoint describes.
+        model.lm_head.weight = model.get_input_embeddings().weight
+    return model

