@@ -81,3 +81,16 @@ def test_refuses_bad_input_with_a_message(change, message):
     with pytest.raises(RuntimeError, match=message):
         cpu_kernels.paged_decode_attention(args["query"], kv_cache[0], kv_cache[1], args["block_tables"],
                                            args["seq_lens"], 1.0, torch.empty_like(args["query"]))
+
+
+def test_scores_far_below_the_maximum_get_zero_weight():
+    """Scores hundreds below the row's maximum underflow to zero weight (the kernel's own exp must not
+    wrap its exponent around into huge weights)."""
+    query, kv_cache, metadata, tables = decode_batch([7, 33], 2, 1, 64, torch.float32, seed=5)
+    query = query * 40  # scaled scores spread over several hundred
+    out = torch.empty_like(query)
+
+    cpu_kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
+                                       0.125, out)
+
+    check_against_dense(out, query, kv_cache, metadata, tables, 0.125, 1e-4)

@@ -26,9 +26,10 @@ inline float to_float(c10::BFloat16 x) {
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 // exp(x) for the softmax's x <= 0, in plain arithmetic that vectorises (std::exp stays a scalar call):
-// 2^(x log2 e) = 2^i * 2^f with f in [0, 1) by a degree-5 fit, relative error under 2e-7.
+// 2^(x log2 e) = 2^i * 2^f with f in [0, 1) by a degree-5 fit, relative error under 2e-7. The exponent is
+// clamped at -126, the smallest normal float's, so 2^i stays a valid float (exp(-87.3) ~ 1e-38: zero weight).
 inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -126.f) * 1.44269504f;
+  const float t = std::max(x * 1.44269504f, -126.f);
   const float i = std::floor(t), f = t - i;
   float p = 1.87537657e-3f;
   p = p * f + 8.98725919e-3f;
