@@ -7,13 +7,9 @@ as torch.compile's freezing pass does, removes that; the plain copy is freed, so
 memory (a tied LM head keeps the embedding's plain copy for lookups, as before).
 """
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
