@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda.attention import AttentionMetadata, get_backend
+from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
 from pagoda.config import EngineConfig
 from pagoda.cpu_allocator import keep_freed_memory
 from pagoda.layers.attention import forward_context
@@ -58,6 +58,8 @@ class ModelRunner:
         self.triton_ops = config.attention_backend == "triton"
         if self.device.type == "cpu":
             keep_freed_memory()
+            if config.attention_backend == "torch":
+                cpu_kernels.available()  # build the decode kernel now, not inside the first request
         torch.manual_seed(config.seed)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
