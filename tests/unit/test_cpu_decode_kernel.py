@@ -62,7 +62,8 @@ def test_matches_the_torch_path_on_long_contexts_in_bfloat16():
     cpu_kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
                                        0.125, out)
     reference = torch.empty_like(query)
-    torch_backend._batched_decode(query, kv_cache[0], kv_cache[1], metadata, list(range(12)), 0.125, reference)
+    torch_backend._batched_decode(query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
+                                  max(seq_lens), 0.125, reference)
 
     torch.testing.assert_close(out.float(), reference.float(), atol=1.6e-2, rtol=1e-2)
 

@@ -72,25 +72,32 @@ def paged_attention(
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     if decode_rows:
-        if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.available():
-            _kernel_decode(query, key_cache, value_cache, metadata, decode_rows, scale, out)
-        else:
-            _batched_decode(query, key_cache, value_cache, metadata, decode_rows, scale, out)
+        _decode_rows(query, key_cache, value_cache, metadata, decode_rows, scale, out)
     return out
 
 
-def _kernel_decode(query, key_cache, value_cache, metadata, rows, scale, out):
-    """All single-token queries through the C++ kernel, which reads the paged cache in place."""
+def _decode_rows(query, key_cache, value_cache, metadata, rows, scale, out):
+    """The batch's single-token queries (sequences `rows`) as one dense decode batch: gathered out of the
+    query rows, and scattered back, only when prefill chunks sit among them."""
+    max_len = max(metadata.seq_lens_cpu[i] for i in rows)
     if len(rows) == metadata.num_seqs:  # query row i is sequence i
-        cpu_kernels.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
-                                           metadata.seq_lens, scale, out)
+        _decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, max_len, scale, out)
         return
     rows_t = torch.tensor(rows, device=query.device)
-    token_idx = metadata.query_start_loc[rows_t].long()
+    token_idx = metadata.query_start_loc[rows_t].long()  # query row of each decode sequence
     o = torch.empty((len(rows), *query.shape[1:]), dtype=query.dtype, device=query.device)
-    cpu_kernels.paged_decode_attention(query[token_idx], key_cache, value_cache, metadata.block_tables[rows_t],
-                                       metadata.seq_lens[rows_t], scale, o)
+    _decode(query[token_idx], key_cache, value_cache, metadata.block_tables[rows_t], metadata.seq_lens[rows_t],
+            max_len, scale, o)
     out[token_idx] = o
+
+
+def _decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):
+    """query/out [B, Hq, D], sequence i's context through block_tables[i]: the C++ kernel, which reads the
+    paged cache in place, when it is built; else batched matmuls."""
+    if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.available():
+        cpu_kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    else:
+        _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out)
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}
@@ -110,26 +117,17 @@ def _workspace(slot: int, num_blocks: int, cache_of_one_head: torch.Tensor) -> t
     return buf[:num_blocks]
 
 
-def _batched_decode(query, key_cache, value_cache, metadata, rows, scale, out):
-    """All single-token queries at once, one KV head at a time: gather the head's blocks of every context
-    (padded to the longest, whole blocks, contiguous) and attend with two batched matmuls, softmax in
-    float32. Faster on CPU than SDPA, whose kernel is tuned for long queries, in every dtype."""
+def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):
+    """One KV head at a time: gather the head's blocks of every context (padded to the longest, whole
+    blocks, contiguous) and attend with two batched matmuls, softmax in float32. Faster on CPU than SDPA,
+    whose kernel is tuned for long queries, in every dtype."""
     device = query.device
-    all_decode = len(rows) == metadata.num_seqs  # then query row i is sequence i: no indexing needed
-    max_len = max(metadata.seq_lens_cpu[i] for i in rows)
     block_size, num_kv_heads, head_size = key_cache.shape[1:]
     num_blocks = (max_len + block_size - 1) // block_size
-    if all_decode:
-        seq_lens = metadata.seq_lens.long()
-        tables = metadata.block_tables[:, :num_blocks]
-    else:
-        rows_t = torch.tensor(rows, device=device)
-        token_idx = metadata.query_start_loc[rows_t].long()  # query row of each decode sequence
-        seq_lens = metadata.seq_lens[rows_t].long()
-        tables = metadata.block_tables[rows_t, :num_blocks]
-    tables = tables.long().clamp_min(0).flatten()  # [B * nb]
-    batch, padded_len = len(rows), num_blocks * block_size
-    q = (query if all_decode else query[token_idx]).view(batch, num_kv_heads, -1, head_size)  # [B, H_kv, G, D]
+    seq_lens = seq_lens.long()
+    tables = block_tables[:, :num_blocks].long().clamp_min(0).flatten()  # [B * nb]
+    batch, padded_len = query.shape[0], num_blocks * block_size
+    q = query.reshape(batch, num_kv_heads, -1, head_size)  # [B, H_kv, G, D]
     masked_out = (torch.arange(padded_len, device=device)[None, :] >= seq_lens[:, None])[:, None, :]  # [B, 1, L]
     o = torch.empty_like(q)
     for h in range(num_kv_heads):
@@ -141,7 +139,4 @@ def _batched_decode(query, key_cache, value_cache, metadata, rows, scale, out):
         scores = torch.bmm(q[:, h], k.transpose(1, 2)).float().mul_(scale)  # [B, G, L]
         scores.masked_fill_(masked_out, float("-inf"))
         o[:, h] = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)
-    if all_decode:
-        out.copy_(o.view(batch, -1, head_size))
-    else:
-        out[token_idx] = o.view(batch, -1, head_size)
+    out.copy_(o.view(batch, -1, head_size))
