@@ -3,6 +3,8 @@
 import logging
 from dataclasses import dataclass, field
 
+from pagoda.errors import InvalidParam
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -105,17 +107,38 @@ class EngineConfig:
         from pagoda.attention import resolve_backend_name
         from pagoda.model_loader import load_hf_config, resolve_model_path
 
+        # every check that needs only the arguments comes first: nothing is converted or loaded for a bad value
         _check_positive(args, "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
                         "nnodes")
         if args.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {args.block_size}")
+            raise InvalidParam("block_size", f"block_size must be one of 8, 16, 32, 64, 128; got {args.block_size}")
         if args.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {args.dtype!r}")
+            raise InvalidParam("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {args.dtype!r}")
         if not 0 < args.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {args.gpu_memory_utilization}")
+            raise InvalidParam("gpu_memory_utilization",
+                               f"gpu_memory_utilization must be in (0, 1]; got {args.gpu_memory_utilization}")
         if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB; got {args.kv_cache_memory}")
+            raise InvalidParam("kv_cache_memory", f"kv_cache_memory must be > 0 GiB; got {args.kv_cache_memory}")
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+            raise InvalidParam("max_num_batched_tokens",
+                               f"max_num_batched_tokens must be >= 1; got {args.max_num_batched_tokens}")
+        backend = args.distributed_executor_backend
+        world = args.tensor_parallel_size * args.pipeline_parallel_size
+        if backend is None:
+            backend = "uni" if world == 1 else "mp"
+        if backend not in ("uni", "mp"):
+            raise InvalidParam("distributed_executor_backend",
+                               f"distributed_executor_backend must be 'uni' or 'mp'; got {backend!r}")
+        if backend == "uni" and world > 1:
+            raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'uni' runs one "
+                               f"process: tensor_parallel_size x pipeline_parallel_size must be 1, got {world}")
+        if not 0 <= args.node_rank < args.nnodes:
+            raise InvalidParam("node_rank", f"node_rank must be in [0, nnodes={args.nnodes}); got {args.node_rank}")
+        if args.nnodes > 1 and args.nnodes != args.pipeline_parallel_size:
+            raise InvalidParam("nnodes", f"nnodes ({args.nnodes}) must equal pipeline_parallel_size "
+                                         f"({args.pipeline_parallel_size}): each node is one pipeline stage")
         device = resolve_device(args.device)
+        attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
 
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
@@ -124,31 +147,15 @@ class EngineConfig:
 
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens
-            if budget < 1:
-                raise ValueError(f"max_num_batched_tokens must be >= 1; got {budget}")
             if not args.enable_chunked_prefill and budget < max_model_len:
-                raise ValueError(
+                raise InvalidParam(
+                    "max_num_batched_tokens",
                     f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}): "
                     "without chunked prefill a prompt must fit in one step; enable chunked prefill "
                     "or raise max_num_batched_tokens")
         else:
             budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
         budget = max(budget, args.max_num_seqs) if not args.enable_chunked_prefill else budget
-
-        backend = args.distributed_executor_backend
-        world = args.tensor_parallel_size * args.pipeline_parallel_size
-        if backend is None:
-            backend = "uni" if world == 1 else "mp"
-        if backend not in ("uni", "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp'; got {backend!r}")
-        if backend == "uni" and world > 1:
-            raise ValueError("distributed_executor_backend 'uni' runs one process: "
-                             f"tensor_parallel_size x pipeline_parallel_size must be 1, got {world}")
-        if not 0 <= args.node_rank < args.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes={args.nnodes}); got {args.node_rank}")
-        if args.nnodes > 1 and args.nnodes != args.pipeline_parallel_size:
-            raise ValueError(f"nnodes ({args.nnodes}) must equal pipeline_parallel_size "
-                             f"({args.pipeline_parallel_size}): each node is one pipeline stage")
 
         served = args.served_model_name or (args.model if args.model else "SmolLM2-135M-Instruct")
         return cls(
@@ -167,7 +174,7 @@ class EngineConfig:
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, distributed_timeout=args.distributed_timeout),
             device=device,
-            attention_backend=resolve_backend_name(args.attention_backend, torch.device(device).type),
+            attention_backend=attention_backend,
             seed=args.seed,
             args=args,
         )
@@ -177,7 +184,7 @@ def _check_positive(args: EngineArgs, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+            raise InvalidParam(name, f"{name} must be an integer >= 1; got {value!r}")
 
 
 def resolve_device(device: str) -> str:
@@ -186,7 +193,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+        raise InvalidParam("device", f"device must be auto, cpu or cuda; got {device!r}")
     return device
 
 
@@ -219,7 +226,8 @@ def _resolve_max_model_len(requested: int | None, hf_config) -> int:
     if requested is None:
         return limit
     if requested < 1:
-        raise ValueError(f"max_model_len must be >= 1; got {requested}")
+        raise InvalidParam("max_model_len", f"max_model_len must be >= 1; got {requested}")
     if requested > limit:
-        raise ValueError(f"max_model_len ({requested}) is larger than the model's maximum ({limit})")
+        raise InvalidParam("max_model_len",
+                           f"max_model_len ({requested}) is larger than the model's maximum ({limit})")
     return requested

@@ -15,7 +15,8 @@ from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
-from pagoda.sampler import SampledToken, Sampler, SamplingTensors
+from pagoda.runner_output import ModelRunnerOutput
+from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import SchedulerOutput
 
@@ -140,14 +141,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
-                ) -> dict[int, list[SampledToken]] | IntermediateTensors | None:
+                ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run this stage's layers over the scheduled tokens. The last stage returns the sampled tokens of
         every sequence that sampled; earlier stages return what the next stage needs (None if empty)."""
         self._apply_deltas(out)
         if out.blocks_to_copy:
             self._copy_blocks(out.blocks_to_copy)
         if out.is_empty:
-            return {} if self.is_last_stage else None
+            return ModelRunnerOutput() if self.is_last_stage else None
         input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out)
         hidden_in = residual_in = None
         if intermediate is not None:
@@ -157,16 +158,44 @@ class ModelRunner:
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
         if not sample_rows:
-            return {}
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows])  # every TP rank: the gather is collective
         if not self.samples:
-            return {}
-        sampling = self._sampling_tensors(sample_seq_ids)
-        tokens = self.sampler(logits, sampling)
-        result: dict[int, list[SampledToken]] = {}
+            return ModelRunnerOutput()
+        result = ModelRunnerOutput()
+        generators = self._generators(sample_seq_ids, result.failed)
+        if result.failed:  # sample the others only
+            keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in result.failed]
+            logits, generators = logits[keep], [generators[i] for i in keep]
+            sample_seq_ids = [sample_seq_ids[i] for i in keep]
+            if not sample_seq_ids:
+                return result
+        tokens = self.sampler(logits, self._sampling_tensors(sample_seq_ids, generators))
         for seq_id, token in zip(sample_seq_ids, tokens):
-            result.setdefault(seq_id, []).append(token)
+            result.sampled.setdefault(seq_id, []).append(token)
         return result
+
+    def _generators(self, seq_ids: list[int], failed: dict[int, str]) -> list[torch.Generator | None]:
+        """Each seeded sequence's own generator (made on its first sample). A failure here concerns one
+        sequence: it is reported in `failed` and the batch goes on without it."""
+        generators = []
+        for seq_id in seq_ids:
+            seed = self.seqs[seq_id].params.seed
+            gen = None
+            if seed is not None:
+                gen = self.seq_generators.get(seq_id)
+                if gen is None:
+                    try:
+                        gen = self.new_generator(seed)
+                    except Exception as e:  # noqa: BLE001 - handed to the engine as this sequence's failure
+                        failed[seq_id] = f"seeding its generator failed: {e!r}"
+                    else:
+                        self.seq_generators[seq_id] = gen
+            generators.append(gen)
+        return generators
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _apply_deltas(self, out: SchedulerOutput) -> None:
         for seq_id in out.finished_seq_ids:
@@ -236,7 +265,7 @@ class ModelRunner:
             seq_lens_cpu=list(seq_lens),
         )
 
-    def _sampling_tensors(self, seq_ids: list[int]) -> SamplingTensors:
+    def _sampling_tensors(self, seq_ids: list[int], generators: list) -> SamplingTensors:
         seqs = [self.seqs[i] for i in seq_ids]
         params = [s.params for s in seqs]
         vocab = self.vocab_size
@@ -251,19 +280,10 @@ class ModelRunner:
             if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 banned += [(row, t) for t in stops if t < vocab]
-        generators = []
-        for seq_id, p in zip(seq_ids, params):
-            gen = None
-            if p.seed is not None:
-                gen = self.seq_generators.get(seq_id)
-                if gen is None:
-                    gen = torch.Generator(device=self.device).manual_seed(p.seed)
-                    self.seq_generators[seq_id] = gen
-            generators.append(gen)
         return SamplingTensors(
             temperature=f32([p.temperature for p in params]),
             top_p=f32([p.top_p for p in params]),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=self.device),
+            top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=self.device),
             min_p=f32([p.min_p for p in params]),
             presence_penalty=f32([p.presence_penalty for p in params]),
             frequency_penalty=f32([p.frequency_penalty for p in params]),

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.runner_output import SampledToken
+
 
 @dataclass
 class SamplingTensors:
@@ -28,15 +30,6 @@ class SamplingTensors:
     any_top_p: bool
     any_min_p: bool
     any_penalty: bool
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None  # raw model logprob of the sampled token
-    rank: int | None = None
-    top_token_ids: list[int] | None = None
-    top_logprobs: list[float] | None = None
 
 
 class Sampler:

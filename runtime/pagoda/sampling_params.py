@@ -1,6 +1,15 @@
-"""Per-request sampling settings, vLLM-compatible. Validated once, at construction."""
+"""Per-request sampling settings, vLLM-compatible. Validated once, at construction: every value that
+passes can be turned into tensors and generators without raising (ranges as vLLM's)."""
 
+import math
 from dataclasses import dataclass, field
+
+from pagoda.errors import InvalidParam
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass
@@ -27,48 +36,78 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
+        elif isinstance(self.stop, list | tuple):
+            self.stop_strings = list(self.stop)
+        elif self.stop is None:
+            self.stop_strings = []
         else:
-            self.stop_strings = list(self.stop or [])
+            raise InvalidParam("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list | tuple):
+            raise InvalidParam("stop_token_ids", f"stop_token_ids must be a list of integers, got "
+                                                 f"{self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
         if self.top_k == 0:
             self.top_k = -1
-        self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> InvalidParam:
+            return InvalidParam(name, f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1 (off) or >= 1")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", "must be >= 0")
+        def integer(name: str, low: int, high: int = INT64_MAX, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if not _is_int(value) or not low <= value <= high:
+                upper = "" if high == INT64_MAX else f" and <= {high}"
+                raise bad(name, f"must be an integer >= {low}{upper}")
+
+        def number(name: str, low: float, high: float, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+            if value < low or value > high or (low_open and value == low):
+                if high == math.inf:
+                    raise bad(name, f"must be {'>' if low_open else '>='} {low}")
+                raise bad(name, f"must be in {'(' if low_open else '['}{low}, {high}]")
+
+        integer("n", 1)
+        number("temperature", 0.0, math.inf)
+        number("top_p", 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            raise bad("top_k", "must be -1 (off) or an integer >= 1")
+        number("min_p", 0.0, 1.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, math.inf, low_open=True)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", "must be in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                                             f"({self.max_tokens})")
+        integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop_strings):
+            raise bad("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None:
+            # every output draws from its own generator seeded with seed + index: all must fit an int64
+            if not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+                raise bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (and seed + n - 1 too)")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -1,6 +1,7 @@
 import pytest
 
 from pagoda.config import EngineArgs
+from pagoda.errors import InvalidParam
 from pagoda.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -14,6 +15,29 @@ pytestmark = pytest.mark.unit
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seed", 2**63), ("seed", -(2**63) - 1), ("seed", 99999999999999999999999), ("seed", 1.5), ("seed", True),
+    ("temperature", float("nan")), ("temperature", float("inf")), ("top_p", float("nan")),
+    ("min_p", float("nan")), ("presence_penalty", float("inf")), ("repetition_penalty", float("nan")),
+    ("repetition_penalty", float("inf")), ("top_k", 2**64), ("top_k", 1.5), ("max_tokens", 2**70),
+    ("max_tokens", True), ("n", True), ("logprobs", -1), ("stop_token_ids", [2**64]), ("stop", 5),
+    ("stop", ["x" * 5000]), ("stop", ["s"] * 100), ("ignore_eos", "yes"), ("min_tokens", 1.5),
+])
+def test_out_of_range_values_are_refused_with_the_field(field, value):
+    """Nothing that passes SamplingParams may raise later, when it becomes tensors or generators."""
+    with pytest.raises(InvalidParam) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field
+
+
+def test_seed_plus_n_must_fit_int64():
+    """Output i draws from seed + i: the last one must still be a valid seed."""
+    SamplingParams(seed=2**63 - 1, n=1)
+    SamplingParams(seed=-(2**63), n=4)
+    with pytest.raises(InvalidParam, match="seed"):
+        SamplingParams(seed=2**63 - 1, n=2)
 
 
 def test_stop_string_and_top_k_zero_normalised():

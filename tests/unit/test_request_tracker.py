@@ -32,3 +32,17 @@ def test_every_token_after_the_first_is_one_inter_token_latency(seen):
     assert got["pagoda:inter_token_latency_seconds_count"] == 4
     assert got["pagoda:inter_token_latency_seconds_sum"] == pytest.approx(2.0)  # 1.0 s to 3.0 s
     assert got["pagoda:e2e_request_latency_seconds_count"] == 1
+
+
+def test_inter_token_latency_is_per_sequence_with_n_choices():
+    """n = 2 choices stepping together: every token of each is one interval of 0.5 s, not half of it."""
+    metrics = ServerMetrics("m", lambda: None)
+    tracker = metrics.tracker()
+    for step in range(1, 5):
+        metrics_ = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.1, first_token_time=1.0,
+                                  last_token_time=1.0 + 0.5 * (step - 1), finished_time=None)
+        choices = [CompletionOutput(i, "", list(range(step))) for i in range(2)]
+        tracker.observe(RequestOutput("r", "p", [1], choices, False, metrics_))
+    got = samples(metrics)
+    assert got["pagoda:inter_token_latency_seconds_count"] == 6  # 3 intervals x 2 sequences
+    assert got["pagoda:inter_token_latency_seconds_sum"] == pytest.approx(3.0)

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 
 from pagoda.config import EngineConfig
-from pagoda.sampler import SampledToken
+from pagoda.runner_output import ModelRunnerOutput
 from pagoda.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,10 @@ class UniProcExecutor:
     def submit(self, out: SchedulerOutput):
         return self.runner.execute(out)
 
-    def wait(self, handle) -> dict[int, list[SampledToken]]:
+    def wait(self, handle) -> ModelRunnerOutput:
         return handle
 
-    def execute(self, out: SchedulerOutput) -> dict[int, list[SampledToken]]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.wait(self.submit(out))
 
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:
@@ -142,7 +142,7 @@ class MultiprocExecutor:
             comm.send_tensor(result.residual, self.tp_size, pending=self.pending)
         return None
 
-    def wait(self, handle) -> dict[int, list[SampledToken]]:
+    def wait(self, handle) -> ModelRunnerOutput:
         from pagoda.distributed import comm
 
         if self.pp_size == 1:
@@ -150,7 +150,7 @@ class MultiprocExecutor:
         self._check()
         return comm.recv_object((self.pp_size - 1) * self.tp_size, self.group.cpu_group)
 
-    def execute(self, out: SchedulerOutput) -> dict[int, list[SampledToken]]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.wait(self.submit(out))
 
     def _check(self) -> None:

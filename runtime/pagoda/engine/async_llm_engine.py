@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from pagoda.config import EngineArgs
 from pagoda.engine import EngineDeadError
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.errors import RequestFailed
 from pagoda.outputs import EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -116,10 +117,33 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop (requests still waiting get EngineDeadError), then the engine's workers.
+        Idempotent; also runs on `with` exit and when the object is garbage-collected."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
-        self.engine.shutdown()
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "AsyncLLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLMEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def __del__(self) -> None:
+        if hasattr(self, "_stopping"):
+            self.shutdown()
 
     def add_group_failure_callback(self, callback) -> None:
         """callback(message) runs (in a background thread) when a rank of the distributed group dies or
@@ -169,6 +193,9 @@ class AsyncLLMEngine:
                     self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids)
                 except ValueError as e:
                     self._send(request_id, e)
+                except Exception as e:  # noqa: BLE001 - this request failed, not the engine
+                    logger.exception("adding request %s failed", request_id)
+                    self._send(request_id, RequestFailed(f"adding the request failed: {e!r}"))
             elif kind == "abort":
                 aborted = self.engine.abort_request(command[1])
                 if aborted is not None:  # a consumer still waiting gets its final, aborted output
@@ -176,7 +203,7 @@ class AsyncLLMEngine:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            self._send(out.request_id, out)
+            self._send(out.request_id, RequestFailed(out.error) if out.error is not None else out)
 
     def _send(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)

@@ -13,9 +13,11 @@ from collections import deque
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.detokenizer import detokenize_incrementally, flush
+from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.request_state import RequestState
+from pagoda.errors import InvalidParam
 from pagoda.outputs import EngineStats, Logprob, RequestMetrics, RequestOutput
-from pagoda.sampler import SampledToken
+from pagoda.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import Scheduler
 from pagoda.sequence import Sequence
@@ -33,6 +35,8 @@ class LLMEngine:
         started = time.time()
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.eos_token_ids = eos_token_ids_for(config, self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, config.model.hf_config.vocab_size,
+                                              config.model.max_model_len, config.scheduler.max_num_seqs)
         self.executor = create_executor(config, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
@@ -71,49 +75,22 @@ class LLMEngine:
     # --- requests ---------------------------------------------------------------------------------
 
     def process_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
-        """Tokenize and validate a prompt (str, token ids, or {"prompt_token_ids": [...]})."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                text, token_ids = prompt["prompt"], None
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, token_ids = prompt, None
-        elif isinstance(prompt, list | tuple):
-            text, token_ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if token_ids is None:
-            if not isinstance(text, str) or not text:
-                raise ValueError("prompt must not be empty")
-            token_ids = self.tokenizer.encode(text)
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.config.model.hf_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        self.check_length(len(token_ids), params)
-        return text, list(token_ids)
-
-    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        limit = self.config.model.max_model_len
-        wanted = num_prompt_tokens + (params.max_tokens or 1)
-        if num_prompt_tokens >= limit or wanted > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
-                f"({num_prompt_tokens} in the prompt, {params.max_tokens or 1} for the completion).")
+        """Tokenize and validate a prompt (str, token ids, or {"prompt_token_ids": [...]}); raises
+        InvalidParam (a ValueError) naming the field."""
+        processed = self.input_processor.process(prompt, params)
+        return processed.text, processed.token_ids
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
+            raise InvalidParam("request_id", f"request_id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.process_prompt(prompt, params)
         else:
-            self.check_length(len(prompt_token_ids), params)
+            self.input_processor.check_token_ids(prompt_token_ids)
+            self.input_processor.check_params(params)
+            self.input_processor.check_length(len(prompt_token_ids), params)
         arrival = arrival_time or time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival))
         seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
@@ -167,34 +144,26 @@ class LLMEngine:
         if not self.in_flight:
             return []
         scheduler, sched_out, handle = self.in_flight.popleft()
-        sampled = self.executor.wait(handle)
+        result = self.executor.wait(handle)
         scheduler.step_done(sched_out)
-        return self._process_samples(sampled)
+        return self._process_result(result)
 
-    def _process_samples(self, sampled: dict[int, list[SampledToken]]) -> list[RequestOutput]:
+    def _process_result(self, result: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
         changed: dict[str, RequestState] = {}
-        for seq_id, tokens in sampled.items():
+        for seq_id, message in result.failed.items():
             state = self.seq_to_request.get(seq_id)
-            if state is None:  # aborted while its step ran
+            if state is not None:
+                self._fail_request(state, message)
+                changed[state.request_id] = state
+        for seq_id, tokens in result.sampled.items():
+            state = self.seq_to_request.get(seq_id)
+            if state is None or state.finished:  # aborted (or failed) while its step ran
                 continue
-            seq = next(s for s in state.seqs if s.seq_id == seq_id)
-            targets = [seq]
-            if len(tokens) > 1:  # end of prompt for n > 1: fork the other outputs
-                seq.pending_forks = 0
-                for i in range(1, len(tokens)):
-                    child = seq.fork(i)
-                    self.block_manager.fork(seq, child)
-                    state.add_seq(child, copy_from=seq)
-                    self.seq_to_request[child.seq_id] = state
-                    self.scheduler_of[child.seq_id] = self.scheduler_of[seq.seq_id]
-                    self.scheduler_of[seq.seq_id].add_running(child)
-                    targets.append(child)
-            for target, token in zip(targets, tokens):
-                self._append_token(state, target, token)
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
+            try:
+                self._process_tokens(state, seq_id, tokens, now)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not take the engine down
+                self._fail_request(state, f"processing its output failed: {e!r}")
             changed[state.request_id] = state
         outputs = []
         for state in changed.values():
@@ -204,6 +173,35 @@ class LLMEngine:
                 for seq in state.seqs:
                     self.seq_to_request.pop(seq.seq_id, None)
         return outputs
+
+    def _fail_request(self, state: RequestState, message: str) -> None:
+        """Finish one request with an error; its sequences free their blocks, the engine goes on."""
+        logger.error("request %s failed: %s", state.request_id, message)
+        state.error = message
+        for seq in state.seqs:
+            scheduler = self.scheduler_of.pop(seq.seq_id, None)
+            if not seq.is_finished and scheduler is not None:
+                scheduler.finish(seq, "error")
+        self._count_finish("error")
+
+    def _process_tokens(self, state: RequestState, seq_id: int, tokens: list[SampledToken], now: float) -> None:
+        seq = next(s for s in state.seqs if s.seq_id == seq_id)
+        targets = [seq]
+        if len(tokens) > 1:  # end of prompt for n > 1: fork the other outputs
+            seq.pending_forks = 0
+            for i in range(1, len(tokens)):
+                child = seq.fork(i)
+                self.block_manager.fork(seq, child)
+                state.add_seq(child, copy_from=seq)
+                self.seq_to_request[child.seq_id] = state
+                self.scheduler_of[child.seq_id] = self.scheduler_of[seq.seq_id]
+                self.scheduler_of[seq.seq_id].add_running(child)
+                targets.append(child)
+        for target, token in zip(targets, tokens):
+            self._append_token(state, target, token)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
 
     def _append_token(self, state: RequestState, seq: Sequence, token: SampledToken) -> None:
         seq.append_token(token.token_id)
@@ -262,7 +260,10 @@ class LLMEngine:
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons)})
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Release the executor's workers and process group. Idempotent."""
+        executor, self.executor = getattr(self, "executor", None), None
+        if executor is not None:
+            executor.shutdown()
 
 
 def eos_token_ids_for(config: EngineConfig, tokenizer=None) -> set[int]:

@@ -27,6 +27,7 @@ class RequestState:
     seqs: list[Sequence] = field(default_factory=list)
     outputs: dict[int, SeqOutputState] = field(default_factory=dict)  # by seq id
     aborted: bool = False
+    error: str | None = None  # why this request failed inside the engine (it alone)
 
     def add_seq(self, seq: Sequence, copy_from: Sequence | None = None) -> None:
         self.seqs.append(seq)
@@ -43,15 +44,15 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.aborted or (len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs))
+        return self.aborted or self.error is not None or (len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs))
 
     def to_output(self) -> RequestOutput:
         completions = []
         by_index = {s.index: s for s in self.seqs}
         for index in range(self.params.n):
             seq = by_index.get(index)
-            if seq is None:  # aborted before the prompt finished and forked
-                completions.append(CompletionOutput(index, "", [], finish_reason="abort"))
+            if seq is None:  # aborted (or failed) before the prompt finished and forked
+                completions.append(CompletionOutput(index, "", [], finish_reason="error" if self.error else "abort"))
                 continue
             state = self.outputs[seq.seq_id]
             text = state.detok.text
@@ -66,4 +67,4 @@ class RequestState:
         if finished and self.metrics.finished_time is None:
             self.metrics.finished_time = time.time()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-                             self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0)
+                             self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error)

@@ -23,6 +23,22 @@ class LLM:
             EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, **kwargs))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop worker processes and release the process group, shared memory and ports. Idempotent;
+        also runs on `with LLM(...) as llm:` exit and when the object is garbage-collected."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

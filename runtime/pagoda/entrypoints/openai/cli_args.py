@@ -29,6 +29,7 @@ class ServerArgs:
     max_queued_requests: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    trust_request_chat_template: bool = False  # let requests bring their own chat_template (runs on the server)
 
 
 def env_name(flag: str) -> str:
@@ -154,6 +155,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--shutdown-timeout", default=ServerArgs.shutdown_timeout, type=non_negative_float,
           help="seconds running requests get to finish after SIGTERM")
     p.add("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS)
+    p.add("--trust-request-chat-template", default=ServerArgs.trust_request_chat_template, boolean=True,
+          help="accept a chat_template in requests (a client's Jinja template then runs on the server)")
 
 
 _ENGINE_FLAG_FIELDS = ("model", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size",
@@ -169,7 +172,8 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
     queued = ns.max_queued_requests
     server = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key,
                         max_queued_requests=4 * ns.max_num_seqs if queued is None else queued,
-                        shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level)
+                        shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level,
+                        trust_request_chat_template=ns.trust_request_chat_template)
     return engine, server
 
 

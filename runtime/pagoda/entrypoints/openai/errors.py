@@ -39,13 +39,7 @@ class APIError(Exception):
 
 
 def invalid_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param or param_from_message(message))
-
-
-def param_from_message(message: str) -> str | None:
-    """SamplingParams errors start with the field's name (`top_p must be in (0, 1]`)."""
-    match = re.match(r"([a-z_]+) (?:must|\()", message)
-    return match.group(1) if match else None
+    return APIError(400, message, param=param)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

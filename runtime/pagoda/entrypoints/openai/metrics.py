@@ -84,11 +84,12 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Follows one request's cumulative outputs and observes its latencies once each."""
+    """Follows one request's cumulative outputs and observes its latencies once each. Inter-token latency
+    is per sequence: each of n choices' tokens counts the interval since that choice's previous token."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
-        self.num_tokens = 0
+        self.num_tokens: dict[int, int] = {}  # choice index -> tokens seen
         self.last_token_time: float | None = None
         self.done = False
 
@@ -96,21 +97,27 @@ class RequestTracker:
         m = out.metrics
         if m is None or self.done:
             return
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
         if m.first_token_time is not None and self.last_token_time is None:
             self.metrics.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
             if m.first_scheduled_time is not None:
                 self.metrics.queue.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
             self.last_token_time = m.first_token_time
-            self.num_tokens = len(out.outputs)  # the first step's token of each choice; later ones follow
-        if m.last_token_time is not None and num_tokens > self.num_tokens:
-            # outputs may bunch up behind a slow client: spread the interval over the tokens it carried
-            new = num_tokens - self.num_tokens
-            gap = max(m.last_token_time - self.last_token_time, 0.0) / new
-            for _ in range(new):
-                self.metrics.itl.observe(gap)
-            self.last_token_time = m.last_token_time
-            self.num_tokens = num_tokens
+            # the first step's token of each choice is the TTFT's; later ones are inter-token intervals
+            self.num_tokens = {c.index: min(len(c.token_ids), 1) for c in out.outputs}
+        if m.last_token_time is not None and self.last_token_time is not None:
+            interval = max(m.last_token_time - self.last_token_time, 0.0)
+            observed = False
+            for c in out.outputs:
+                new = len(c.token_ids) - self.num_tokens.get(c.index, 1)
+                if new <= 0:
+                    continue
+                # outputs may bunch up behind a slow client: spread the interval over the tokens it carried
+                for _ in range(new):
+                    self.metrics.itl.observe(interval / new)
+                self.num_tokens[c.index] = len(c.token_ids)
+                observed = True
+            if observed:
+                self.last_token_time = m.last_token_time
         if out.finished:
             self.done = True
             end = m.finished_time or m.last_token_time

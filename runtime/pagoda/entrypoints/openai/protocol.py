@@ -1,12 +1,32 @@
-"""The OpenAI wire format (the subset Pagoda serves), with vLLM's sampling extras."""
+"""The OpenAI wire format (the subset Pagoda serves), with vLLM's sampling extras.
+
+The field constraints here are the published OpenAPI document's, so they say what the server accepts;
+SamplingParams checks the same ranges again for the Python API (and what a schema cannot say).
+"""
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.errors import InvalidParam
+from pagoda.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TokenIds = Annotated[list[NonNegativeInt64], Field(min_length=1)]
+MAX_PROMPTS = 4096  # prompts in one completions request (the admission limit usually binds first)
 
 
 def random_id(prefix: str) -> str:
@@ -14,8 +34,9 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    # clients send fields we don't know (e.g. `logit_bias` set to null): accept and ignore them, as vLLM does
-    model_config = ConfigDict(extra="ignore")
+    # clients send bookkeeping fields we don't know (`user`, `metadata`, `store`): accept and ignore them,
+    # as OpenAI and vLLM do; fields that would change the answer are listed in UNSUPPORTED instead
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -41,36 +62,70 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat, including vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: PositiveInt64 = 1
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = 0.0
     user: str | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: NonNegativeInt64 = 0
+    stop_token_ids: list[NonNegativeInt64] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Fields OpenAI or vLLM define that Pagoda does not implement yet. A value that asks for something
+    # (anything but null, empty or the neutral value) is refused with a 400 naming the field: a client
+    # must never get an answer that silently ignored what it asked for.
+    logit_bias: dict[str, Any] | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    use_beam_search: bool | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "logit_bias", "best_of", "response_format", "guided_json", "guided_regex", "guided_choice",
+        "guided_grammar", "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words",
+        "logits_processors", "use_beam_search")
+
+    def check_supported(self) -> None:
+        """Raise InvalidParam for the first field that asks for something Pagoda cannot do yet."""
+        for name in self.UNSUPPORTED:
+            value = getattr(self, name)
+            if value is None or value is False or value == {} or value == [] or self._neutral(name, value):
+                continue
+            raise InvalidParam(name, f"{name} is not supported by this server")
+
+    def _neutral(self, name: str, value) -> bool:
+        return ((name == "best_of" and value == self.n)
+                or (name == "response_format" and value == {"type": "text"}))
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
+        self.check_supported()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed,
             max_tokens=max_tokens,
@@ -97,11 +152,14 @@ class UsageInfo(OpenAIModel):
 # --- completions ---------------------------------------------------------------------------------
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: PositiveInt64 | None = 16  # null too means OpenAI's default, 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = False
     suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("suffix",)
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -148,12 +206,30 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: PositiveInt64 | None = None
+    max_completion_tokens: PositiveInt64 | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    # not implemented yet: refused when they ask for something (see SamplingFields.check_supported)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    continue_final_message: bool | None = None
+    echo: bool | None = None
+    documents: list[Any] | None = None
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + (
+        "tools", "tool_choice", "functions", "function_call", "continue_final_message", "echo", "documents")
+
+    def _neutral(self, name: str, value) -> bool:
+        # without tools, "none" and "auto" ask for nothing
+        return super()._neutral(name, value) or (name == "tool_choice" and value in ("none", "auto")
+                                                 and not self.tools)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from pagoda.engine import EngineDeadError
 from pagoda.entrypoints.openai.errors import APIError, invalid_request, sse_error
 from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.errors import RequestFailed
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -63,14 +64,14 @@ class OpenAIServing:
         try:
             return request.sampling_params(max_tokens, logprobs)
         except (ValueError, TypeError) as e:
-            raise invalid_request(str(e)) from None
+            raise invalid_request(str(e), getattr(e, "param", None)) from None
 
     async def validate_prompt(self, prompt, params: SamplingParams) -> dict:
         """Tokenize (off the event loop) and check the length now, so errors come before a stream starts."""
         try:
             text, token_ids = await self.engine.process_prompt(prompt, params)
         except ValueError as e:
-            raise invalid_request(str(e), param="prompt" if "context length" in str(e) else None) from None
+            raise invalid_request(str(e), getattr(e, "param", None)) from None
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -82,15 +83,10 @@ class OpenAIServing:
                 yield out
         except EngineDeadError as e:
             raise APIError(500, f"the engine failed: {e}", code="engine_dead") from None
+        except RequestFailed as e:  # this request alone: the engine goes on serving
+            raise APIError(500, f"the request failed inside the engine: {e}", code="request_failed") from None
         except ValueError as e:
-            raise invalid_request(str(e)) from None
-
-    async def final_output(self, prompt: dict, params: SamplingParams, request_id: str) -> RequestOutput:
-        last = None
-        async for out in self.generate(prompt, params, request_id):
-            last = out
-        assert last is not None and last.finished
-        return last
+            raise invalid_request(str(e), getattr(e, "param", None)) from None
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

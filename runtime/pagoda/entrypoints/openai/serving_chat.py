@@ -1,9 +1,13 @@
 """`POST /v1/chat/completions`: messages through the model's chat template, n choices, streamed or not."""
 
 import asyncio
+import functools
+import inspect
 import time
 from collections.abc import AsyncIterator
 
+import jinja2
+import jinja2.meta
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -29,18 +33,45 @@ from pagoda.outputs import Logprob, RequestOutput
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                extra: dict | None = None) -> tuple[str, list[int]]:
-    """Blocking (the template engine and the tokenizer): call it in a worker thread."""
-    if not getattr(tokenizer, "chat_template", None):
+                extra: dict | None = None, chat_template: str | None = None) -> tuple[str, list[int]]:
+    """Blocking (the template engine and the tokenizer): call it in a worker thread. `extra` is filtered
+    to the variables the template reads; `chat_template` must already be allowed by the caller."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise invalid_request("this model has no chat template: use /v1/completions", "messages")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    extra = template_kwargs(tokenizer, template, extra) if extra else {}
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **(extra or {}))
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # jinja raises its own errors (e.g. raise_exception for an unsupported role order)
         raise invalid_request(f"the chat template rejected the messages: {e}", "messages") from None
     # the template already wrote the special tokens (BOS included): don't add them twice
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_kwargs(tokenizer, template, kwargs: dict) -> dict:
+    """chat_template_kwargs reduced to the variables the template reads, never apply_chat_template's own
+    parameters (a client must not pick the template, or tokenization, through them)."""
+    if isinstance(template, dict):  # several named templates: the default one is used
+        template = template.get("default") or next(iter(template.values()), "")
+    allowed = _template_variables(template) - _reserved_names(type(tokenizer))
+    return {k: v for k, v in kwargs.items() if k in allowed}
+
+
+@functools.lru_cache(maxsize=32)
+def _template_variables(template: str) -> frozenset[str]:
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except jinja2.TemplateSyntaxError as e:
+        raise invalid_request(f"the chat template does not parse: {e}", "chat_template") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _reserved_names(tokenizer_class) -> frozenset[str]:
+    own = set(inspect.signature(tokenizer_class.apply_chat_template).parameters) - {"self", "kwargs"}
+    return frozenset(own | {"messages", "conversation", "chat_template", "tools", "documents",
+                            "add_generation_prompt", "continue_final_message"})
 
 
 def _top(lp: Logprob) -> TopLogprob:
@@ -59,8 +90,15 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, trust_request_chat_template: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trust_request_chat_template = trust_request_chat_template
+
     async def create(self, request: ChatCompletionRequest, raw: Request):
         self.check_model(request.model)
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise invalid_request("a chat_template in the request is refused: the server runs the model's own "
+                                  "template unless started with --trust-request-chat-template", "chat_template")
         if request.top_logprobs is not None and not request.logprobs:
             raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
         top_k = (request.top_logprobs or 0) if request.logprobs else None
@@ -73,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
             e.param = renamed.get(e.param, e.param)
             raise
         text, token_ids = await asyncio.to_thread(render_chat, self.tokenizer, request.messages,
-                                                  request.add_generation_prompt, request.chat_template_kwargs)
+                                                  request.add_generation_prompt, request.chat_template_kwargs,
+                                                  request.chat_template)
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
         request_id = random_id("chatcmpl")
         release = self.admission.acquire()
@@ -129,17 +168,18 @@ class OpenAIServingChat(OpenAIServing):
                     if finished[c.index]:
                         continue
                     text = c.text[sent_text[c.index]:]
+                    reason = finish_reason(c)
+                    if not text and reason is None:
+                        continue  # nothing to show yet: its tokens' logprobs go with the next chunk
                     start = sent_tokens[c.index]
                     logprobs = None
-                    if top_k is not None and c.logprobs is not None and len(c.token_ids) > start:
+                    if top_k is not None and c.logprobs is not None:
                         logprobs = chat_logprobs(c.logprobs[start:], c.token_ids[start:], top_k)
-                    reason = finish_reason(c)
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     finished[c.index] = reason is not None
-                    if text or reason is not None:
-                        choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text or None),
-                                                        logprobs=logprobs, finish_reason=reason,
-                                                        stop_reason=c.stop_reason if reason else None))
+                    choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text or None),
+                                                    logprobs=logprobs, finish_reason=reason,
+                                                    stop_reason=c.stop_reason if reason else None))
                 if choices:
                     yield chunk(choices)
             if request.include_usage_in_stream and final is not None:

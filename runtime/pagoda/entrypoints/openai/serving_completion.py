@@ -2,6 +2,7 @@
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -37,6 +38,7 @@ def finish_reason(c: CompletionOutput) -> str | None:
 
 def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int,
                         text_offset: int) -> CompletionLogprobs:
+    """text_offset: where the first token's text starts in the choice's whole text (echoed prompt included)."""
     """The legacy completions layout: parallel lists of tokens, their logprobs and top alternatives."""
     result = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries, strict=True):
@@ -55,10 +57,13 @@ def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int],
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request):
         self.check_model(request.model)
-        if request.suffix:
-            raise invalid_request("suffix is not supported", "suffix")
-        params = self.make_params(request, request.max_tokens, request.logprobs)
-        prompts = [await self.validate_prompt(p, params) for p in split_prompts(request.prompt)]
+        params = self.make_params(request, 16 if request.max_tokens is None else request.max_tokens,
+                                  request.logprobs)
+        raw_prompts = split_prompts(request.prompt)
+        if len(raw_prompts) > self.admission.limit:  # 429 would ask to retry something that can never fit
+            raise invalid_request(f"{len(raw_prompts)} prompts in one request, more than this server admits at "
+                                  f"once ({self.admission.limit}): split the batch", "prompt")
+        prompts = [await self.validate_prompt(p, params) for p in raw_prompts]
         request_id = random_id("cmpl")
         release = self.admission.acquire(len(prompts))
         streams = [self.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
@@ -114,9 +119,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[dict],
                       streams, release) -> AsyncIterator[str]:
         created = int(time.time())
-        sent_text: dict[tuple[int, int], int] = {}
-        sent_tokens: dict[tuple[int, int], int] = {}
-        finished: set[tuple[int, int]] = set()
+        sent: dict[tuple[int, int], _SentSoFar] = {}
         prompt_tokens: dict[int, int] = {}
         completion_tokens: dict[tuple[int, int], int] = {}
 
@@ -130,29 +133,32 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices = []
                 for c in out.outputs:
                     key = (i, c.index)
-                    if key in finished:
+                    completion_tokens[key] = len(c.token_ids)
+                    first = key not in sent
+                    so_far = sent.setdefault(key, _SentSoFar())
+                    if so_far.finished:
                         continue
-                    first = key not in sent_text
                     prefix = self._echo_text(prompts[i]) if request.echo and first else ""
-                    text = c.text[sent_text.get(key, 0):]
-                    start = sent_tokens.get(key, 0)
+                    if first:
+                        so_far.offset = len(prefix)
+                    text = c.text[so_far.text :]
+                    reason = finish_reason(c)
+                    if not (prefix or text or reason is not None):
+                        continue  # nothing to show yet (held-back stop string, partial character): wait
                     logprobs = None
                     if request.logprobs is not None and c.logprobs is not None:
-                        offset = sent_text.get(key, 0) + len(prefix)
+                        start = so_far.tokens
                         logprobs = completion_logprobs(c.logprobs[start:], c.token_ids[start:], request.logprobs,
-                                                       offset)
+                                                       so_far.offset)
+                        if logprobs.tokens:
+                            so_far.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                         if prefix:
                             logprobs = _concat(self._prompt_logprobs(prompts[i]), logprobs)
-                    reason = finish_reason(c)
-                    sent_text[key] = len(c.text)
-                    sent_tokens[key] = len(c.token_ids)
-                    completion_tokens[key] = len(c.token_ids)
-                    if reason is not None:
-                        finished.add(key)
-                    if prefix or text or reason is not None:
-                        choices.append(CompletionChoice(index=i * request.n + c.index, text=prefix + text,
-                                                        logprobs=logprobs, finish_reason=reason,
-                                                        stop_reason=c.stop_reason if reason else None))
+                    so_far.text, so_far.tokens = len(c.text), len(c.token_ids)
+                    so_far.finished = reason is not None
+                    choices.append(CompletionChoice(index=i * request.n + c.index, text=prefix + text,
+                                                    logprobs=logprobs, finish_reason=reason,
+                                                    stop_reason=c.stop_reason if reason else None))
                 if choices:
                     yield chunk(choices)
             if request.include_usage_in_stream:
@@ -161,6 +167,16 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield chunk([], UsageInfo(prompt_tokens=total, completion_tokens=used, total_tokens=total + used))
         finally:
             release()
+
+
+@dataclass
+class _SentSoFar:
+    """What one choice's stream has sent: characters, tokens, and where the next token's text starts."""
+
+    text: int = 0
+    tokens: int = 0
+    offset: int = 0
+    finished: bool = False
 
 
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:

@@ -1,0 +1,79 @@
+"""Input processing: a prompt (text, token ids, or {"prompt"/"prompt_token_ids"}) and its sampling
+parameters become validated token ids, before the request reaches the engine core. Everything a client
+can get wrong is caught here, as InvalidParam naming the field, so nothing it sends raises in a step."""
+
+from dataclasses import dataclass
+
+from pagoda.errors import InvalidParam
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+
+    def process(self, prompt, params: SamplingParams) -> ProcessedPrompt:
+        if not isinstance(params, SamplingParams):
+            raise InvalidParam("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._split(prompt)
+        if token_ids is None:
+            if not isinstance(text, str) or not text:
+                raise InvalidParam("prompt", "prompt must not be empty")
+            # a string of n characters never encodes to more than ~4n tokens: refuse absurd ones unread
+            if len(text) > 64 * self.max_model_len:
+                raise InvalidParam("prompt", f"the prompt has {len(text)} characters, more than this model's "
+                                             f"maximum context length of {self.max_model_len} tokens can hold")
+            token_ids = self.tokenizer.encode(text)
+        self.check_token_ids(token_ids)
+        self.check_params(params)
+        self.check_length(len(token_ids), params)
+        return ProcessedPrompt(text, list(token_ids))
+
+    @staticmethod
+    def _split(prompt) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise InvalidParam("prompt", f"prompt must be a string, got {type(text).__name__}")
+                return text, prompt["prompt_token_ids"]
+            if "prompt" in prompt:
+                return prompt["prompt"], None
+            raise InvalidParam("prompt", "prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, list | tuple):
+            return None, list(prompt)
+        raise InvalidParam("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_token_ids(self, token_ids) -> None:
+        if not isinstance(token_ids, list | tuple) or not token_ids:
+            raise InvalidParam("prompt", "prompt must not be empty")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidParam("prompt", f"prompt token ids must be integers in [0, {vocab})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        if params.n > self.max_num_seqs:
+            raise InvalidParam("n", f"n ({params.n}) must be <= max_num_seqs ({self.max_num_seqs}): every "
+                                    "output is a running sequence")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidParam("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size})")
+
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        wanted = num_prompt_tokens + (params.max_tokens or 1)
+        if num_prompt_tokens >= limit or wanted > limit:
+            raise InvalidParam(
+                "prompt" if num_prompt_tokens >= limit else "max_tokens",
+                f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens or 1} for the completion).")

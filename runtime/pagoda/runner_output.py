@@ -1,0 +1,20 @@
+"""What one model step hands back to the engine core (torch-free: it crosses processes pickled)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # raw model logprob of the sampled token
+    rank: int | None = None
+    top_token_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    # seq id -> its new tokens: one, or n at the end of an n > 1 prompt (the forks' first tokens)
+    sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # seq id -> why this step failed for it alone: its request is finished with an error, the rest go on
+    failed: dict[int, str] = field(default_factory=dict)
