@@ -1,6 +1,7 @@
 """`pagoda serve` with test hooks: a slower model load (TEST_SERVE_LOAD_DELAY seconds, to observe the
 loading state), slower steps (TEST_SERVE_STEP_DELAY seconds, for long requests) and an engine step that
-raises once a prompt contains KILL_ENGINE (engine death)."""
+raises once a prompt contains KILL_ENGINE (engine death), and output processing that raises for a request
+whose prompt contains FAIL_REQUEST (one request's failure: the engine must go on)."""
 
 import os
 import sys
@@ -11,8 +12,9 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.cli import main
 
 KILL = "KILL_ENGINE"
+FAIL = "FAIL_REQUEST"
 STEP_DELAY = float(os.environ.get("TEST_SERVE_STEP_DELAY", "0"))
-_add_request, _step = LLMEngine.add_request, LLMEngine.step
+_add_request, _step, _process_tokens = LLMEngine.add_request, LLMEngine.step, LLMEngine._process_tokens
 _from_engine_args = AsyncLLMEngine.from_engine_args.__func__
 
 
@@ -29,12 +31,18 @@ def step(self):
     return _step(self)
 
 
+def process_tokens(self, state, *args, **kwargs):
+    if isinstance(state.prompt, str) and FAIL in state.prompt:
+        raise RuntimeError("injected request failure")
+    return _process_tokens(self, state, *args, **kwargs)
+
+
 def from_engine_args(cls, args):
     time.sleep(float(os.environ.get("TEST_SERVE_LOAD_DELAY", "0")))
     return _from_engine_args(cls, args)
 
 
-LLMEngine.add_request, LLMEngine.step = add_request, step
+LLMEngine.add_request, LLMEngine.step, LLMEngine._process_tokens = add_request, step, process_tokens
 AsyncLLMEngine.from_engine_args = classmethod(from_engine_args)
 
 if __name__ == "__main__":

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 import pagoda
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.openai.cli_args import ServerArgs, flagify
-from pagoda.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from pagoda.entrypoints.openai.errors import APIError, document_errors, error_response, install_error_handlers
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -207,6 +208,13 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     async def version() -> JSONResponse:
         return JSONResponse({"version": pagoda.__version__})
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_errors(get_openapi(title=app.title, version=app.version,
+                                                             routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

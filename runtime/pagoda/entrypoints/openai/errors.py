@@ -67,7 +67,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # a union type reports each failed alternative as a location: keep the field path only
-    loc = [part for part in loc if not re.match(r"^(str|int|list\[.*\]|.*\[.*\])$", part)]
+    loc = [part for part in loc if not re.match(r"^(str|int|float|bool|constrained-\w+|list\[.*\]|.*\[.*\])$", part)]
     param = ".".join(loc) or None
     if param is None:
         return f"invalid request body: {first.get('msg')}", None
@@ -92,3 +92,34 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving a request")
         return error_response(500, f"internal server error: {exc!r}")
+
+
+def document_errors(schema: dict) -> dict:
+    """Make the OpenAPI document say what the server answers: request-body errors are 400 (not FastAPI's
+    422), in OpenAI's error shape, with every other status a route can return."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+                      .pop("$defs", {}))
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = {500}
+            if method == "post" or "parameters" in operation:
+                statuses.add(400)
+            if path.startswith("/v1/"):
+                statuses |= {401, 503}
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                statuses |= {404, 429}
+            if path.startswith("/v1/models/") or path in ("/tokenize", "/detokenize"):
+                statuses |= {404, 503}
+            if path == "/health":
+                statuses.add(503)
+            for status in sorted(statuses):
+                phrase = HTTPStatus(status).phrase
+                responses.setdefault(str(status), {"description": phrase, **error})
+    return schema

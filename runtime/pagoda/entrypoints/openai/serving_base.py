@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from pagoda.engine import EngineDeadError
@@ -149,6 +150,22 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 def sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that give back their admission slot however the response ends. The events'
+    generator releases it in its `finally`, but a client that disconnects before the body starts can get
+    the generator cancelled before it ever ran, and then its `finally` never runs: release here too."""
+
+    def __init__(self, events: AsyncIterator[str], release: Callable[[], None]):
+        super().__init__(sse_stream(events), media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 import jinja2
 import jinja2.meta
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from pagoda.entrypoints.openai.errors import APIError, invalid_request
 from pagoda.entrypoints.openai.protocol import (
@@ -27,7 +26,12 @@ from pagoda.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagoda.entrypoints.openai.serving_base import OpenAIServing, cancel_on_disconnect, sse, sse_stream
+from pagoda.entrypoints.openai.serving_base import (
+    EventStreamResponse,
+    OpenAIServing,
+    cancel_on_disconnect,
+    sse,
+)
 from pagoda.entrypoints.openai.serving_completion import finish_reason
 from pagoda.outputs import Logprob, RequestOutput
 
@@ -118,8 +122,7 @@ class OpenAIServingChat(OpenAIServing):
         release = self.admission.acquire()
         stream = self.generate(prompt, params, request_id)
         if request.stream:
-            return StreamingResponse(sse_stream(self._stream(request, request_id, stream, top_k, release)),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._stream(request, request_id, stream, top_k, release), release)
         try:
             final = await cancel_on_disconnect(raw, self._last(stream))
         finally:

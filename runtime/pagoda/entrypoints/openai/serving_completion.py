@@ -5,7 +5,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from pagoda.entrypoints.openai.errors import invalid_request
 from pagoda.entrypoints.openai.protocol import (
@@ -16,7 +15,13 @@ from pagoda.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagoda.entrypoints.openai.serving_base import OpenAIServing, cancel_on_disconnect, merge, sse, sse_stream
+from pagoda.entrypoints.openai.serving_base import (
+    EventStreamResponse,
+    OpenAIServing,
+    cancel_on_disconnect,
+    merge,
+    sse,
+)
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -69,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = [self.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
         if request.stream:
             events = self._stream(request, request_id, prompts, streams, release)
-            return StreamingResponse(sse_stream(events), media_type="text/event-stream")
+            return EventStreamResponse(events, release)
         try:
             finals = await cancel_on_disconnect(raw, self._collect(streams, len(prompts)))
         finally:
