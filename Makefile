@@ -10,7 +10,7 @@ PORT ?= 8000
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast bench lint images e2e-kind clean
+.PHONY: setup serve test test-fast fuzz bench lint images e2e-kind clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)
+
+# The fuzz tier, long: every schemathesis phase and many hypothesis examples (make test runs it short).
+fuzz: setup
+	PAGODA_FUZZ_EXAMPLES=300 PAGODA_FUZZ_PHASES=examples,coverage,fuzzing,stateful \
+		$(PY) -m pytest tests -m fuzz $(PYTEST_ARGS)
 
 bench: setup
 	$(VENV)/bin/pagoda bench throughput

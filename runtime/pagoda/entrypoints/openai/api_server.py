@@ -210,8 +210,18 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = document_errors(get_openapi(title=app.title, version=app.version,
-                                                             routes=app.routes))
+            schema = document_errors(get_openapi(title=app.title, version=app.version, routes=app.routes))
+            paths = schema["paths"]
+            paths["/health"]["get"]["responses"]["200"] = {"description": "Ready: the model is loaded and the "
+                                                                          "whole group has joined (empty body)"}
+            paths["/metrics"]["get"]["responses"]["200"] = {
+                "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+            for path in ("/v1/completions", "/v1/chat/completions"):  # `stream: true` answers server-sent events
+                ok = paths[path]["post"]["responses"]["200"]
+                ok.setdefault("content", {})["text/event-stream"] = {"schema": {
+                    "type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
+            app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pagoda.errors import InvalidParam
 from pagoda.sampling_params import (
@@ -26,6 +26,9 @@ PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenIds = Annotated[list[NonNegativeInt64], Field(min_length=1)]
+# A field Pagoda does not implement yet: validation takes any value (so check_supported can refuse it by
+# name), the published schema allows only null (so clients and fuzzers see what is accepted).
+Unsupported = Annotated[Any, WithJsonSchema({"type": "null"})]
 MAX_PROMPTS = 4096  # prompts in one completions request (the admission limit usually binds first)
 
 
@@ -36,7 +39,8 @@ def random_id(prefix: str) -> str:
 class OpenAIModel(BaseModel):
     # clients send bookkeeping fields we don't know (`user`, `metadata`, `store`): accept and ignore them,
     # as OpenAI and vLLM do; fields that would change the answer are listed in UNSUPPORTED instead
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: `"echo": 0` or `"n": "2"` is a type error, as the schema says, not silently coerced
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -84,19 +88,19 @@ class SamplingFields(OpenAIModel):
     # Fields OpenAI or vLLM define that Pagoda does not implement yet. A value that asks for something
     # (anything but null, empty or the neutral value) is refused with a 400 naming the field: a client
     # must never get an answer that silently ignored what it asked for.
-    logit_bias: dict[str, Any] | None = None
-    best_of: int | None = None
-    response_format: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[Any] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    logits_processors: list[Any] | None = None
-    use_beam_search: bool | None = None
+    logit_bias: Unsupported = None
+    best_of: Unsupported = None
+    response_format: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    structured_outputs: Unsupported = None
+    prompt_logprobs: Unsupported = None
+    allowed_token_ids: Unsupported = None
+    bad_words: Unsupported = None
+    logits_processors: Unsupported = None
+    use_beam_search: Unsupported = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
         "logit_bias", "best_of", "response_format", "guided_json", "guided_regex", "guided_choice",
@@ -157,7 +161,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: PositiveInt64 | None = 16  # null too means OpenAI's default, 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: Unsupported = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("suffix",)
 
@@ -214,14 +218,14 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     # not implemented yet: refused when they ask for something (see SamplingFields.check_supported)
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None
-    function_call: str | dict[str, Any] | None = None
-    continue_final_message: bool | None = None
-    echo: bool | None = None
-    documents: list[Any] | None = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    parallel_tool_calls: bool | None = None  # meaningless without tools: accepted and ignored
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    continue_final_message: Unsupported = None
+    echo: Unsupported = None
+    documents: Unsupported = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + (
         "tools", "tool_choice", "functions", "function_call", "continue_final_message", "echo", "documents")
@@ -313,7 +317,7 @@ class ModelList(OpenAIModel):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -326,7 +330,7 @@ class TokenizeResponse(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[NonNegativeInt64]
 
 
 class DetokenizeResponse(OpenAIModel):
