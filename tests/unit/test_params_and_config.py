@@ -96,3 +96,10 @@ def test_triton_backend_without_cuda_is_refused_at_config_time(tiny_llama_dir, m
         EngineArgs(model=str(tiny_llama_dir), attention_backend="triton").create_config()
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' tests run them in the interpreter
     assert EngineArgs(model=str(tiny_llama_dir), attention_backend="triton").create_config().attention_backend == "triton"
+
+
+def test_configuration_errors_come_before_any_loading():
+    """A bad backend is refused before the model path is even looked at (nothing loads, nothing converts)."""
+    with pytest.raises(InvalidParam) as err:
+        EngineArgs(model="/does/not/exist", distributed_executor_backend="ray").create_config()
+    assert err.value.param == "distributed_executor_backend"
