@@ -11,7 +11,8 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None = the default model
+    model: str | None = None  # None = the default model; a local path or a Hub id ORG/NAME
+    revision: str | None = None  # of a Hub id: branch, tag or commit (default: main)
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
@@ -117,7 +118,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GiB; got {args.kv_cache_memory}")
         device = resolve_device(args.device)
 
-        path = resolve_model_path(args.model)
+        path = resolve_model_path(args.model, args.revision)
         hf_config = load_hf_config(path)
         dtype = resolve_dtype(args.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
