@@ -12,6 +12,7 @@ becomes a `ValueError` naming the model and revision, so the CLI prints one line
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,13 @@ def is_repo_id(model: str) -> bool:
     return True
 
 
-def download_model(repo_id: str, revision: str | None = None, local_dir: str | None = None) -> str:
+def download_model(repo_id: str, revision: str | None = None, local_dir: str | None = None,
+                   check_config: Callable[[str], object] | None = None) -> str:
     """Fetch the engine's files of `repo_id` at `revision` (default: the main branch) and return the
     local directory: a snapshot in the Hub cache, or `local_dir`. Files already there are not fetched
-    again, and a transfer cut mid-file resumes with an HTTP Range request."""
+    again, and a transfer cut mid-file resumes with an HTTP Range request. `check_config(directory)`
+    runs once the config is there, before the weights: it refuses a model the engine cannot run
+    without downloading gigabytes first."""
     from huggingface_hub import snapshot_download
 
     def fetch(patterns: list[str]) -> str:
@@ -56,6 +60,11 @@ def download_model(repo_id: str, revision: str | None = None, local_dir: str | N
     if not (directory / "config.json").is_file():
         raise ValueError(f"model {_named(repo_id, revision)} on the Hub has no config.json: "
                          "not a Hugging Face transformers model")
+    if check_config is not None:
+        try:
+            check_config(str(directory))
+        except ValueError as e:
+            raise ValueError(f"model {_named(repo_id, revision)}: {e}") from None
     directory = Path(fetch(METADATA_FILES + _weight_patterns(directory)))
     if not any(directory.glob("*.safetensors")):
         raise ValueError(f"model {_named(repo_id, revision)} on the Hub has no .safetensors weights "

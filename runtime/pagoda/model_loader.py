@@ -27,7 +27,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     path = Path(model).expanduser()
     if not path.exists():
         if hub.is_repo_id(model):
-            return hub.download_model(model, revision)
+            return hub.download_model(model, revision, check_config=load_hf_config)
         raise ValueError(f"model path {model!r} does not exist (Pagoda loads local Hugging Face "
                          "directories, .gguf files, or Hub ids ORG/NAME)")
     if revision is not None:

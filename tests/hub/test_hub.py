@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_hub import FakeHub
+from fake_hub import FakeHub, HubRepo
 
 from pagoda import hub as pagoda_hub
 
@@ -34,6 +34,9 @@ def fake_hub(tiny_dir, tiny_model_factory):
     hub.add_model_dir("org/private", tiny_dir, token=TOKEN)
     # one weights file larger than huggingface_hub's 10 MiB write chunk, so a cut transfer can resume
     hub.add_model_dir("org/wide", tiny_model_factory("llama", hidden=512, num_heads=8, num_layers=2))
+    hub.repos["org/gpt2"] = HubRepo({"config.json": json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                                "model_type": "gpt2"}).encode(),
+                                     "model.safetensors": b"\0" * 1000})
     hub.start()
     yield hub
     hub.stop()
@@ -107,6 +110,13 @@ def test_wrong_revision_unknown_model_and_bad_id_are_named_without_traceback(fak
         result = pagoda("download", *args, env=env)
         assert result.returncode != 0 and message in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+def test_unsupported_architecture_is_refused_before_the_weights_are_fetched(fake_hub, tmp_path):
+    result = pagoda("download", "org/gpt2", env=hub_env(fake_hub, tmp_path / "hf"))
+    assert result.returncode != 0, result.stdout
+    assert "model 'org/gpt2': unsupported architecture ['GPT2LMHeadModel']" in result.stderr, result.stderr
+    assert not [p for p in resolve_gets(fake_hub, "org/gpt2") if p.endswith(".safetensors")]
 
 
 def test_private_model_needs_hf_token(fake_hub, tmp_path):

@@ -71,11 +71,12 @@ def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 def download(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from pagoda import hub
     from pagoda.entrypoints.openai.cli_args import flagify
+    from pagoda.model_loader import load_hf_config
 
     if not hub.is_repo_id(ns.model):
         parser.error(f"argument ORG/NAME: {ns.model!r} is not a Hub model id")
     try:
-        path = hub.download_model(ns.model, ns.revision, local_dir=ns.dir)
+        path = hub.download_model(ns.model, ns.revision, local_dir=ns.dir, check_config=load_hf_config)
     except ValueError as e:
         parser.error(flagify(str(e)))
     print(path)
