@@ -148,7 +148,8 @@ def test_offline_mode_serves_from_the_cache_and_says_so_when_missing(fake_hub, t
     assert "Traceback" not in missing.stderr
 
 
-def test_serve_by_hub_id_answers_the_openai_client(fake_hub, tmp_path):
+def test_serve_by_hub_id_of_the_downloaded_model_answers_the_openai_client(fake_hub, tmp_path):
+    """Download once, then serve from the cache with the network off: what a pod does after a download Job."""
     from openai import OpenAI
     from server.live_server import start_server
 
@@ -157,7 +158,10 @@ def test_serve_by_hub_id_answers_the_openai_client(fake_hub, tmp_path):
     assert bad.process.wait(120) != 0
     assert "--revision 'nope' of model 'org/tiny' not found" in bad.log() and "Traceback" not in bad.log()
 
-    server = start_server("org/tiny", tmp_path, "--revision", "v1", env=env)
+    assert pagoda("download", "org/tiny", "--revision", "v1", env=env).returncode == 0
+    start = len(fake_hub.requests)
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
+    server = start_server("org/tiny", tmp_path, "--revision", "v1", env=offline)
     try:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")
         assert [m.id for m in client.models.list().data] == ["org/tiny"]
@@ -166,6 +170,7 @@ def test_serve_by_hub_id_answers_the_openai_client(fake_hub, tmp_path):
         assert completion.usage.completion_tokens == 5 and completion.choices[0].text
     finally:
         server.stop()
+    assert len(fake_hub.requests) == start, "serving a downloaded model went to the Hub"
     snapshots = list((tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots").iterdir())
     assert len(snapshots) == 1 and (snapshots[0] / "model-00002-of-00002.safetensors").is_file()
 
