@@ -12,7 +12,8 @@ becomes a `ValueError` naming the model and revision, so the CLI prints one line
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def download_model(repo_id: str, revision: str | None = None, local_dir: str | N
             return snapshot_download(repo_id, revision=revision, local_dir=local_dir,
                                      allow_patterns=patterns, ignore_patterns=_SUBFOLDERS)
 
+    logger.info("model %s: a Hub id, fetching what %s lacks", _named(repo_id, revision), local_dir or "the Hub cache")
     directory = Path(fetch(METADATA_FILES))  # small files first: the index says which shards to get
     if not (directory / "config.json").is_file():
         raise ValueError(f"model {_named(repo_id, revision)} on the Hub has no config.json: "
@@ -86,45 +88,43 @@ def _named(repo_id: str, revision: str | None) -> str:
     return f"{repo_id!r}" + (f" (revision {revision!r})" if revision else "")
 
 
-class _clear_errors:
+@contextmanager
+def _clear_errors(repo_id: str, revision: str | None) -> Iterator[None]:
     """Turns huggingface_hub's exceptions into one-line ValueErrors that say what to do."""
-
-    def __init__(self, repo_id: str, revision: str | None):
-        self.repo_id, self.revision = repo_id, revision
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, tb):
-        if error is None:
-            return False
-        from huggingface_hub import constants
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            HfHubHTTPError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
-
-        name, hub = _named(self.repo_id, self.revision), constants.ENDPOINT
-        if isinstance(error, RevisionNotFoundError):
-            message = f"revision {self.revision or 'main'!r} of model {self.repo_id!r} not found on the Hub ({hub})"
-        elif isinstance(error, GatedRepoError):
-            message = (f"model {self.repo_id!r} is gated on the Hub ({hub}): accept its terms there and set "
-                       "HF_TOKEN to a token of that account")
-        elif isinstance(error, RepositoryNotFoundError):
-            message = (f"model {self.repo_id!r} is neither a local directory nor a model on the Hub ({hub}); "
-                       "if it is private, set HF_TOKEN")
-        elif isinstance(error, LocalEntryNotFoundError):
-            why = ("offline mode is on (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE
-                   else f"the Hub ({hub}) cannot be reached")
-            message = f"model {name} is not (completely) in the local Hub cache and {why}"
-        elif isinstance(error, HfHubHTTPError):
-            message = f"downloading model {name} from the Hub ({hub}) failed: {str(error).splitlines()[0]}"
-        elif isinstance(error, OSError) or type(error).__module__.split(".")[0] in ("httpx", "httpx2"):
-            # disk full, or the network failing mid-transfer after huggingface_hub's own retries
-            message = f"downloading model {name} failed: {type(error).__name__}: {error}"
-        else:
-            return False
+    try:
+        yield
+    except Exception as error:
+        message = _explain(error, repo_id, revision)
+        if message is None:
+            raise
         raise ValueError(message) from None
+
+
+def _explain(error: Exception, repo_id: str, revision: str | None) -> str | None:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    name, hub = _named(repo_id, revision), constants.ENDPOINT
+    if isinstance(error, RevisionNotFoundError):
+        return f"revision {revision or 'main'!r} of model {repo_id!r} not found on the Hub ({hub})"
+    if isinstance(error, GatedRepoError):
+        return (f"model {repo_id!r} is gated on the Hub ({hub}): accept its terms there and set HF_TOKEN "
+                "to a token of that account")
+    if isinstance(error, RepositoryNotFoundError):
+        return (f"model {repo_id!r} is neither a local directory nor a model on the Hub ({hub}); "
+                "if it is private, set HF_TOKEN")
+    if isinstance(error, LocalEntryNotFoundError):
+        why = "offline mode is on (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else f"the Hub ({hub}) cannot be reached"
+        return f"model {name} is not (completely) in the local Hub cache and {why}"
+    if isinstance(error, HfHubHTTPError):
+        return f"downloading model {name} from the Hub ({hub}) failed: {str(error).splitlines()[0]}"
+    if isinstance(error, OSError) or type(error).__module__.split(".")[0] in ("httpx", "httpx2"):
+        # disk full, or the network failing mid-transfer after huggingface_hub's own retries
+        return f"downloading model {name} failed: {type(error).__name__}: {error}"
+    return None

@@ -158,12 +158,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS)
 
 
-_ENGINE_FLAG_FIELDS = ("model", "revision", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size",
+_ENGINE_FLAG_FIELDS = ("model", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size",
                        "pp_layer_partition", "nnodes", "node_rank", "master_addr", "master_port",
                        "distributed_timeout", "dtype", "max_model_len", "block_size", "max_num_seqs",
                        "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
                        "gpu_memory_utilization", "kv_cache_memory", "attention_backend", "seed",
-                       "max_queued_requests")
+                       "max_queued_requests", "revision")
 
 
 def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
