@@ -201,6 +201,7 @@ def test_llm_by_hub_id_generates_what_the_local_copy_does(fake_hub, tiny_dir, tm
     assert out["error"] == "revision 'nope' of model 'org/tiny' not found on the Hub (" + fake_hub.url + ")"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("text", "is_id"), [
     ("org/name", True), ("Qwen/Qwen2.5-0.5B-Instruct", True), ("gpt2", True),
     ("/models/x", False), ("./x", False), ("~/x", False), ("a/b/c", False), ("org/", False), ("a--b", False),
@@ -209,6 +210,7 @@ def test_is_repo_id(text, is_id):
     assert pagoda_hub.is_repo_id(text) is is_id
 
 
+@pytest.mark.unit
 def test_revision_with_a_local_directory_is_refused(tiny_dir):
     from pagoda.model_loader import resolve_model_path
 
