@@ -13,7 +13,8 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None = the default model
+    model: str | None = None  # None = the default model; a local path or a Hub id ORG/NAME
+    revision: str | None = None  # of a Hub id: branch, tag or commit (default: main)
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
@@ -140,7 +141,7 @@ class EngineConfig:
         device = resolve_device(args.device)
         attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
 
-        path = resolve_model_path(args.model)
+        path = resolve_model_path(args.model, args.revision)
         hf_config = load_hf_config(path)
         dtype = resolve_dtype(args.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)

@@ -14,15 +14,24 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+    """The local directory of a model argument: the default model, a directory, a .gguf file (converted
+    once), or a Hub id `ORG/NAME` (downloaded once into the Hub cache, see pagoda.hub)."""
+    from pagoda import hub
     from pagoda.default_model import default_model_path, ensure_converted
 
     if model is None:
+        if revision is not None:
+            raise ValueError("revision needs a Hub model id (ORG/NAME), not the default model")
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
+        if hub.is_repo_id(model):
+            return hub.download_model(model, revision, check_config=load_hf_config)
         raise ValueError(f"model path {model!r} does not exist (Pagoda loads local Hugging Face "
-                         "directories or .gguf files; it never downloads)")
+                         "directories, .gguf files, or Hub ids ORG/NAME)")
+    if revision is not None:
+        raise ValueError(f"revision {revision!r} applies to Hub model ids, but {model!r} is a local path")
     if path.is_file() and path.suffix == ".gguf":
         return str(ensure_converted(path, path.stem))
     if not (path / "config.json").is_file():

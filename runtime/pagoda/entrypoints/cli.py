@@ -1,4 +1,5 @@
-"""The `pagoda` command: `pagoda serve [MODEL] ...` and `pagoda bench {throughput,kernels,serve}`.
+"""The `pagoda` command: `pagoda serve [MODEL] ...`, `pagoda download ORG/NAME` and
+`pagoda bench {throughput,kernels,serve}`.
 
 Heavy imports (torch, the engine, uvicorn) happen only once a subcommand runs, so `--help` is instant.
 """
@@ -21,11 +22,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda: paged-attention LLM serving.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    commands = parser.add_subparsers(dest="command", metavar="{serve,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,download,bench}")
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server",
                                 description="Run the OpenAI-compatible server (vLLM's `vllm serve` flags). "
                                             "Every flag can also come from PAGODA_<FLAG>; flags win.")
     add_serve_arguments(serve)
+    download = commands.add_parser(
+        "download", help="fetch a model from the Hugging Face Hub without serving it",
+        description="Fetch the files the engine needs (config, tokenizer, safetensors) of a Hub model into "
+                    "the Hub cache or --dir, then print the local path. Honours HF_TOKEN, HF_ENDPOINT, "
+                    "HF_HOME and HF_HUB_OFFLINE; files already there are not fetched again.")
+    download.add_argument("model", metavar="ORG/NAME", help="a Hub model id")
+    download.add_argument("--revision", help="branch, tag or commit (default: main)")
+    download.add_argument("--dir", help="a directory to put the files in (default: the Hub cache)")
     bench = commands.add_parser("bench", help="benchmarks: throughput (offline), kernels, serve (HTTP)")
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS), help="which benchmark")
     return parser
@@ -59,6 +68,21 @@ def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     return run_server(engine_args, server_args)
 
 
+def download(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from pagoda import hub
+    from pagoda.entrypoints.openai.cli_args import flagify
+    from pagoda.model_loader import load_hf_config
+
+    if not hub.is_repo_id(ns.model):
+        parser.error(f"argument ORG/NAME: {ns.model!r} is not a Hub model id")
+    try:
+        path = hub.download_model(ns.model, ns.revision, local_dir=ns.dir, check_config=load_hf_config)
+    except ValueError as e:
+        parser.error(flagify(str(e)))
+    print(path)
+    return 0
+
+
 def _find_worker_rank_runner():
     """The distributed executor plugs in `pagoda.distributed.worker.run_worker_rank(engine_args, ready)`."""
     try:
@@ -87,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(pagoda.__version__)
         return 0
+    subparsers = parser._subparsers._group_actions[0].choices
     if ns.command == "serve":
-        serve_parser = parser._subparsers._group_actions[0].choices["serve"]
-        return serve(serve_parser, ns)
+        return serve(subparsers["serve"], ns)
+    if ns.command == "download":
+        return download(subparsers["download"], ns)
     parser.print_help()
     return 2
 

@@ -124,8 +124,10 @@ class _EnvParser:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = _ENGINE_DEFAULTS
     parser.add_argument("model", nargs="?", default=os.environ.get(env_name("model")) or None,
-                        help="a Hugging Face model directory (default: SmolLM2-135M-Instruct) [env PAGODA_MODEL]")
+                        help="a Hugging Face model directory, .gguf file or Hub id ORG/NAME "
+                             "(default: SmolLM2-135M-Instruct) [env PAGODA_MODEL]")
     p = _EnvParser(parser)
+    p.add("--revision", help="branch, tag or commit of a Hub model id (default: main)")
     p.add("--served-model-name", help="the name clients pass as `model`")
     p.add("--host", default=ServerArgs.host)
     p.add("--port", default=ServerArgs.port, type=port_number)
@@ -164,7 +166,7 @@ _ENGINE_FLAG_FIELDS = ("model", "served_model_name", "tensor_parallel_size", "pi
                        "distributed_timeout", "dtype", "max_model_len", "block_size", "max_num_seqs",
                        "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
                        "gpu_memory_utilization", "kv_cache_memory", "attention_backend", "seed",
-                       "max_queued_requests")
+                       "max_queued_requests", "revision")
 
 
 def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
