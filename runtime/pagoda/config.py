@@ -62,7 +62,6 @@ class CacheConfig:
     enable_prefix_caching: bool
     gpu_memory_utilization: float
     kv_cache_memory_gib: float | None
-    num_blocks: int = 0  # set once the cache is allocated
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pagoda.models import get_model_class
 from pagoda.runner_output import ModelRunnerOutput
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import SchedulerOutput
+from pagoda.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -11,41 +11,11 @@ only what changed since the runner last saw the sequence.
 """
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import SchedulerConfig
-from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagoda.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSeq:
-    seq_id: int
-    num_new_tokens: int  # tokens to compute this step
-    num_computed_tokens: int  # tokens whose KV is already cached, before this step
-    new_token_ids: list[int]  # tokens the runner has not seen yet (all of them on reset)
-    block_ids_start: int  # the runner's block table from this index on is replaced by block_ids
-    block_ids: list[int]
-    num_samples: int  # 0 mid-prompt; 1 normally; n where a request forks into n at the end of its prompt
-    reset: bool = False  # new to the runner (or resumed after preemption): forget what it had
-    num_prompt_tokens: int = 0
-    params: SamplingParams | None = None  # sent on reset only
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    finished_seq_ids: list[int] = field(default_factory=list)  # the runner may drop their state
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -65,11 +35,22 @@ class Scheduler:
         self.waiting.append(seq)
         self._live[seq.seq_id] = seq
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one: already holds blocks."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        self._live[seq.seq_id] = seq
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        """Output `index` of an n > 1 request, forked from `parent` at the end of its prompt: it shares the
+        parent's blocks (copy-on-write) and runs from now on."""
+        child = parent.fork(index)
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        self._live[child.seq_id] = child
+        return child
+
+    def owns(self, seq_id: int) -> bool:
+        return seq_id in self._live
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """A waiting or running sequence of this scheduler (None once finished)."""
+        return self._live.get(seq_id)
 
     @property
     def num_unfinished(self) -> int:

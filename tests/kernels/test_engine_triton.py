@@ -26,7 +26,7 @@ def generate(path, backend, device, **kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
               for prompts in (FIRST, SECOND)]
-    assert llm.engine.scheduler.prefix_cache_hits > 0
+    assert llm.engine.get_stats().prefix_cache_hits > 0
     llm.engine.block_manager.check_no_leaks()
     return tokens
 

@@ -72,8 +72,8 @@ def test_matches_transformers_under_scheduler_settings(tiny_model_factory, refer
 def test_matches_transformers_when_preemption_happens(tiny_model_factory, reference):
     # 10 blocks of 16 tokens; the first three sequences alone grow to 11: sequences are preempted and recomputed
     llm, got = pagoda_greedy(tiny_model_factory("llama"), max_model_len=160, kv_cache_memory=10 * 8192 / 2**30)
-    assert llm.engine.config.cache.num_blocks == 10
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.num_blocks == 10
+    assert llm.engine.get_stats().num_preemptions > 0
     assert got == reference("llama")
 
 
@@ -83,7 +83,7 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_model_factory, reference):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     first = llm.generate(PROMPTS, params, use_tqdm=False)
     again = llm.generate(PROMPTS[::-1], params, use_tqdm=False)[::-1]
-    assert llm.engine.scheduler.prefix_cache_hits > 0
+    assert llm.engine.get_stats().prefix_cache_hits > 0
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first] == reference("llama")
     assert again[1].num_cached_tokens >= 16
 

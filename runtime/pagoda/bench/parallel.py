@@ -66,7 +66,7 @@ def run(args, name: str, requests) -> dict:
         engine.add_request(str(i), None, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),
                            prompt_token_ids=r.prompt_token_ids)
     parallel_state.comm_seconds = 0.0
-    engine.schedule_seconds = 0.0
+    engine.core.schedule_seconds = 0.0
     steps = 0
     with PeakMemory() as mem:
         start = time.perf_counter()
@@ -76,9 +76,9 @@ def run(args, name: str, requests) -> dict:
         elapsed = time.perf_counter() - start
     result = summarize(f"pagoda {name}", requests, elapsed, mem.peak_bytes)
     result["steps"] = steps
-    result["overhead_fraction"] = (parallel_state.comm_seconds + engine.schedule_seconds) / elapsed
+    result["overhead_fraction"] = (parallel_state.comm_seconds + engine.core.schedule_seconds) / elapsed
     result["comm_fraction"] = parallel_state.comm_seconds / elapsed
-    result["schedule_fraction"] = engine.schedule_seconds / elapsed
+    result["schedule_fraction"] = engine.core.schedule_seconds / elapsed
     engine.shutdown()
     return result
 

@@ -73,8 +73,8 @@ def run_pagoda(args, requests):
     with PeakMemory() as mem:
         start = time.perf_counter()
         while engine.has_unfinished_requests():
-            running = [s for s in engine.scheduler.running]
-            pure_decode = not engine.scheduler.waiting and all(
+            running = [s for sc in engine.schedulers for s in sc.running]
+            pure_decode = not any(sc.waiting for sc in engine.schedulers) and all(
                 s.num_computed_tokens == s.num_tokens - 1 for s in running)
             step_start = time.perf_counter()
             engine.step()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from pagoda.config import EngineConfig
 from pagoda.runner_output import ModelRunnerOutput
-from pagoda.scheduler import SchedulerOutput
+from pagoda.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

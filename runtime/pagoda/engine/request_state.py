@@ -4,6 +4,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.detokenizer import DetokenizerState, new_state
+from pagoda.engine.stop_checker import hold_back_chars, visible_text
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence
@@ -37,10 +38,9 @@ class RequestState:
                 DetokenizerState(src.detok.prefix_offset, src.detok.read_offset, src.detok.text),
                 None if src.logprobs is None else list(src.logprobs), src.cumulative_logprob, src.hold_back)
             return
-        hold = max((len(s) for s in self.params.stop_strings), default=0)
         self.outputs[seq.seq_id] = SeqOutputState(
             new_state(seq.num_prompt_tokens), [] if self.params.logprobs is not None else None,
-            0.0 if self.params.logprobs is not None else None, max(hold - 1, 0))
+            0.0 if self.params.logprobs is not None else None, hold_back_chars(self.params))
 
     @property
     def finished(self) -> bool:
@@ -55,9 +55,7 @@ class RequestState:
                 completions.append(CompletionOutput(index, "", [], finish_reason="error" if self.error else "abort"))
                 continue
             state = self.outputs[seq.seq_id]
-            text = state.detok.text
-            if not seq.is_finished and state.hold_back:
-                text = text[: max(len(text) - state.hold_back, 0)]
+            text = visible_text(state.detok.text, state.hold_back, seq.is_finished)
             completions.append(CompletionOutput(
                 index=index, text=text, token_ids=seq.output_token_ids,
                 cumulative_logprob=state.cumulative_logprob,
@@ -68,3 +66,46 @@ class RequestState:
             self.metrics.finished_time = time.time()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
                              self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error)
+
+
+class RequestTable:
+    """Every unfinished request, by id and by each of its sequences' ids: the one place that knows which
+    request a sequence belongs to."""
+
+    def __init__(self):
+        self._by_id: dict[str, RequestState] = {}
+        self._by_seq: dict[int, RequestState] = {}
+
+    def add(self, state: RequestState) -> None:
+        self._by_id[state.request_id] = state
+        for seq in state.seqs:
+            self._by_seq[seq.seq_id] = state
+
+    def add_seq(self, state: RequestState, seq: Sequence, copy_from: Sequence) -> None:
+        state.add_seq(seq, copy_from)
+        self._by_seq[seq.seq_id] = state
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._by_id.get(request_id)
+
+    def of_seq(self, seq_id: int) -> RequestState | None:
+        return self._by_seq.get(seq_id)
+
+    def remove(self, request_id: str) -> RequestState | None:
+        state = self._by_id.pop(request_id, None)
+        if state is not None:
+            for seq in state.seqs:
+                self._by_seq.pop(seq.seq_id, None)
+        return state
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self):
+        return iter(self._by_id)
+
+    def values(self):
+        return self._by_id.values()

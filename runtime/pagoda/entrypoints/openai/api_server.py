@@ -93,13 +93,14 @@ def _attach_engine(state: ServerState, engine) -> None:
         engine.add_group_failure_callback(
             lambda message: loop.call_soon_threadsafe(loop.call_later, 2.0, state.on_fatal))
     cache, par = config.cache, config.parallel
+    num_blocks = engine.get_stats().num_blocks_total
     host = state.server_args.host
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{state.server_args.port}/v1"
     logger.info("serving model %s from %s: dtype=%s, max_model_len=%d, tensor_parallel_size=%d, "
                 "pipeline_parallel_size=%d, KV cache %d blocks x %d = %d tokens, max_num_seqs=%d, "
                 "max queued requests=%d", name, config.model.path, config.model.dtype, config.model.max_model_len,
-                par.tensor_parallel_size, par.pipeline_parallel_size, cache.num_blocks, cache.block_size,
-                cache.num_blocks * cache.block_size, config.scheduler.max_num_seqs,
+                par.tensor_parallel_size, par.pipeline_parallel_size, num_blocks, cache.block_size,
+                num_blocks * cache.block_size, config.scheduler.max_num_seqs,
                 state.server_args.max_queued_requests)
     logger.info("ready in %.1fs: OpenAI API at %s", time.time() - state.started, url)
 

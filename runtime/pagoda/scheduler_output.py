@@ -1,0 +1,34 @@
+"""What the scheduler hands the model runner each step (torch-free: it crosses processes pickled)."""
+
+from dataclasses import dataclass, field
+
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    seq_id: int
+    num_new_tokens: int  # tokens to compute this step
+    num_computed_tokens: int  # tokens whose KV is already cached, before this step
+    new_token_ids: list[int]  # tokens the runner has not seen yet (all of them on reset)
+    block_ids_start: int  # the runner's block table from this index on is replaced by block_ids
+    block_ids: list[int]
+    num_samples: int  # 0 mid-prompt; 1 normally; n where a request forks into n at the end of its prompt
+    reset: bool = False  # new to the runner (or resumed after preemption): forget what it had
+    num_prompt_tokens: int = 0
+    params: SamplingParams | None = None  # sent on reset only
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    finished_seq_ids: list[int] = field(default_factory=list)  # the runner may drop their state
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
