@@ -3,6 +3,7 @@
 import logging
 from dataclasses import dataclass, field
 
+from pagoda.default_model import DEFAULT_MODEL_NAME
 from pagoda.errors import InvalidParam
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class EngineArgs:
         return EngineConfig.from_args(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     path: str
     tokenizer_path: str
@@ -56,7 +57,7 @@ class ModelConfig:
     max_model_len: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int
     enable_prefix_caching: bool
@@ -64,7 +65,7 @@ class CacheConfig:
     kv_cache_memory_gib: float | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -72,7 +73,7 @@ class SchedulerConfig:
     max_model_len: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -83,14 +84,18 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     distributed_timeout: float = 300.0
+    pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
+    """Built once from EngineArgs, validated, never changed after (a part that needs another value, such as
+    a free port, makes a changed copy with dataclasses.replace)."""
+
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
@@ -157,7 +162,7 @@ class EngineConfig:
             budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
         budget = max(budget, args.max_num_seqs) if not args.enable_chunked_prefill else budget
 
-        served = args.served_model_name or (args.model if args.model else "SmolLM2-135M-Instruct")
+        served = args.served_model_name or args.model or DEFAULT_MODEL_NAME
         return cls(
             model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
                               hf_config=hf_config, dtype=dtype, max_model_len=max_model_len),
@@ -172,7 +177,8 @@ class EngineConfig:
                 pipeline_parallel_size=args.pipeline_parallel_size,
                 distributed_executor_backend=backend, pp_layer_partition=args.pp_layer_partition,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port, distributed_timeout=args.distributed_timeout),
+                master_port=args.master_port, distributed_timeout=args.distributed_timeout,
+                pipeline_fill=args.pipeline_fill),
             device=device,
             attention_backend=attention_backend,
             seed=args.seed,

@@ -5,6 +5,7 @@ up to `pipeline_depth` schedules are in flight at once, so every stage has work 
 engines).
 """
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -62,13 +63,14 @@ class MultiprocExecutor:
         from pagoda.model_runner import ModelRunner
 
         p = config.parallel
+        if p.nnodes == 1 and p.master_port == 29500:  # one machine: never collide with another group
+            p = dataclasses.replace(p, master_port=free_port())
+            config = dataclasses.replace(config, parallel=p)
         self.config = config
         self.tp_size, self.pp_size = p.tensor_parallel_size, p.pipeline_parallel_size
-        self.pipeline_depth = self.pp_size if config.args.pipeline_fill else 1
+        self.pipeline_depth = self.pp_size if p.pipeline_fill else 1
         self.failure: str | None = None
         self._callbacks: list[Callable[[str], None]] = []
-        if p.nnodes == 1 and p.master_port == 29500:  # one machine: never collide with another group
-            p.master_port = free_port()
         local_ranks = range(1, p.world_size) if p.nnodes == 1 else range(1, self.tp_size)
         ranks_on_node = p.world_size if p.nnodes == 1 else self.tp_size
         self.children = spawn_local_workers(config, list(local_ranks), eos_token_ids, ranks_on_node)

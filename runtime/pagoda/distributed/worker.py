@@ -114,7 +114,7 @@ def spawn_local_workers(config: EngineConfig, ranks: list[int], eos_token_ids: s
 def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
     """A worker node (--node-rank > 0): runs its first local rank here and the others as child processes.
     Returns when the group shuts down cleanly; raises (so the process exits non-zero) otherwise."""
-    from pagoda.engine.llm_engine import eos_token_ids_for
+    from pagoda.generation_config import eos_token_ids_for
 
     config = engine_args.create_config()
     p = config.parallel

@@ -6,11 +6,13 @@ environment; a bad value from either ends in an argparse error naming the flag (
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 from dataclasses import dataclass
 
 from pagoda.config import DTYPES, EngineArgs
+from pagoda.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "PAGODA_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -125,7 +127,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = _ENGINE_DEFAULTS
     parser.add_argument("model", nargs="?", default=os.environ.get(env_name("model")) or None,
                         help="a Hugging Face model directory, .gguf file or Hub id ORG/NAME "
-                             "(default: SmolLM2-135M-Instruct) [env PAGODA_MODEL]")
+                             f"(default: {DEFAULT_MODEL_NAME}) [env PAGODA_MODEL]")
     p = _EnvParser(parser)
     p.add("--revision", help="branch, tag or commit of a Hub model id (default: main)")
     p.add("--served-model-name", help="the name clients pass as `model`")
@@ -161,27 +163,30 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
           help="accept a chat_template in requests (a client's Jinja template then runs on the server)")
 
 
-_ENGINE_FLAG_FIELDS = ("model", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size",
-                       "pp_layer_partition", "nnodes", "node_rank", "master_addr", "master_port",
-                       "distributed_timeout", "dtype", "max_model_len", "block_size", "max_num_seqs",
-                       "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
-                       "gpu_memory_utilization", "kv_cache_memory", "attention_backend", "seed",
-                       "max_queued_requests", "revision")
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
+_SERVER_FIELDS = frozenset(f.name for f in dataclasses.fields(ServerArgs))
 
 
 def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
-    engine = EngineArgs(**{name: getattr(ns, name) for name in _ENGINE_FLAG_FIELDS})
-    queued = ns.max_queued_requests
-    server = ServerArgs(host=ns.host, port=ns.port, api_key=ns.api_key,
-                        max_queued_requests=4 * ns.max_num_seqs if queued is None else queued,
-                        shutdown_timeout=ns.shutdown_timeout, log_level=ns.log_level,
-                        trust_request_chat_template=ns.trust_request_chat_template)
+    """The parsed flags, each to the arguments that own it (a flag's name is its field's name)."""
+    values = vars(ns)
+    engine = EngineArgs(**{name: value for name, value in values.items() if name in _ENGINE_FIELDS})
+    server = ServerArgs(**{name: value for name, value in values.items() if name in _SERVER_FIELDS})
+    if server.max_queued_requests is None:
+        server = dataclasses.replace(server, max_queued_requests=4 * engine.max_num_seqs)
     return engine, server
 
 
 def flagify(message: str) -> str:
     """Engine validation errors name fields (`block_size must ...`); the CLI user knows flags."""
-    for name in sorted(_ENGINE_FLAG_FIELDS, key=len, reverse=True):
-        if name != "model":
-            message = re.sub(rf"(?<![\w-]){name}(?!\w)", "--" + name.replace("_", "-"), message)
+    for name in sorted(_serve_flag_fields(), key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){name}(?!\w)", "--" + name.replace("_", "-"), message)
     return message
+
+
+@functools.cache
+def _serve_flag_fields() -> frozenset[str]:
+    """The engine fields that `pagoda serve` has a flag for (read from the parser, not listed again)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(parser)
+    return frozenset(a.dest for a in parser._actions if a.option_strings and a.dest in _ENGINE_FIELDS)
