@@ -26,6 +26,7 @@ LABEL_GROUP = "pagoda.dev/group"
 LABEL_ROLE = "pagoda.dev/role"
 LABEL_REVISION = "pagoda.dev/revision"
 ANNOTATION_APPLIED_HASH = "pagoda.dev/applied-hash"
+ANNOTATION_VALID_SPEC = "pagoda.dev/last-valid-spec"
 ANNOTATION_EPOCH = "pagoda.dev/epoch"
 ANNOTATION_RECREATIONS = "pagoda.dev/recreations"
 ANNOTATION_RECREATED_AT = "pagoda.dev/recreated-at"
@@ -138,7 +139,8 @@ def pod_revision(spec: DeploymentSpec, epoch: int) -> str:
     """Identifies everything that shapes a group's pods; a change means the group must be replaced.
 
     replicas and the Service do not shape pods, so scaling and Service edits never restart a group."""
-    shaping = {k: v for k, v in spec.__dict__.items() if k not in ("replicas", "service_type", "service_port")}
+    shaping = {k: v for k, v in spec.__dict__.items()
+               if k not in ("replicas", "service_type", "service_port", "source")}
     return digest({"spec": shaping, "epoch": epoch})
 
 
@@ -306,7 +308,9 @@ def build_headless_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": headless_service_name(spec), "namespace": spec.namespace,
-                     "labels": deployment_labels(spec), "ownerReferences": [owner_reference(owner)]},
+                     "labels": deployment_labels(spec), "ownerReferences": [owner_reference(owner)],
+                     # Durable memory of the last spec that parsed, for when a later edit does not.
+                     "annotations": {ANNOTATION_VALID_SPEC: spec.source}},
         "spec": {
             "clusterIP": "None",
             # Pods must resolve the head before anyone is Ready: readiness needs the rendezvous.

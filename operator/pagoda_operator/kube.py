@@ -86,6 +86,9 @@ class Cluster:
                 return None
             raise
 
+    def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get("Service", namespace, name)
+
     def list_statefulsets(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         sel = ",".join(f"{k}={v}" for k, v in selector.items())
         items = self._dict(self.apps.list_namespaced_stateful_set(namespace, label_selector=sel)).get("items") or []

@@ -24,7 +24,7 @@ import kubernetes
 from . import builders as b
 from .kube import Cluster
 from .settings import OperatorSettings
-from .spec import DeploymentSpec, InvalidSpec, parse_spec
+from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
 from .status import GroupObservation, build_status, invalid_status, now_iso, pod_revision_of, status_changed
 
 log = logging.getLogger("pagoda_operator")
@@ -96,13 +96,11 @@ class Reconciler:
         namespace, name = meta.get("namespace") or "default", meta["name"]
         generation = meta.get("generation")
         previous = body.get("status") or {}
-        try:
-            spec = parse_spec(body, default_image=self.settings.runtime_image,
-                              max_world_size=self.settings.max_world_size)
-        except InvalidSpec as e:
-            status = invalid_status(str(e), generation=generation, previous=previous)
+        spec, spec_error = self._resolve_spec(body)
+        if spec is None:
+            status = invalid_status(spec_error, generation=generation, previous=previous)
             self._write_status(namespace, name, status, previous)
-            raise kopf.PermanentError(f"InvalidSpec: {e}") from e
+            raise kopf.PermanentError(f"InvalidSpec: {spec_error}")
 
         self.cluster.apply(b.build_headless_service(spec, body))
         self.cluster.apply(b.build_head_service(spec, body))
@@ -129,9 +127,36 @@ class Reconciler:
                 self._apply_group(spec, body, group.index, record)
                 group.record = record
 
-        status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous)
+        status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
+                              spec_error=spec_error)
         self._write_status(namespace, name, status, previous)
         return status
+
+    def _resolve_spec(self, body: dict[str, Any]) -> tuple[DeploymentSpec | None, str | None]:
+        """The spec to act on, and why the current one is rejected (None when it is valid).
+
+        An invalid edit must not stop the management of the groups still serving: then the last
+        valid spec (recorded on the headless Service) is reconciled in full, with the current
+        replicas when those are valid, so restarts, scaling and drift repair go on."""
+        parse = {"default_image": self.settings.runtime_image, "max_world_size": self.settings.max_world_size}
+        try:
+            return parse_spec(body, **parse), None
+        except InvalidSpec as e:
+            error = str(e)
+        meta = body.get("metadata") or {}
+        namespace = meta.get("namespace") or "default"
+        headless = self.cluster.get_service(namespace, f"{meta['name']}-headless")
+        source = (((headless or {}).get("metadata") or {}).get("annotations") or {}).get(b.ANNOTATION_VALID_SPEC)
+        if not source:
+            return None, error
+        replicas = (body.get("spec") or {}).get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            replicas = (body.get("status") or {}).get("replicas", 1)
+        try:
+            return parse_spec({**body, "spec": with_replicas(source, replicas)}, **parse), error
+        except (InvalidSpec, ValueError) as e:  # e.g. the operator's limits changed since
+            log.warning("last valid spec of %s/%s no longer parses: %s", namespace, meta["name"], e)
+            return None, error
 
     def _observe(self, spec: DeploymentSpec, statefulsets: list[dict[str, Any]],
                  pods: list[dict[str, Any]]) -> list[GroupObservation]:

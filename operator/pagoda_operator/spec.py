@@ -5,6 +5,7 @@ The CRD schema rejects what it can (types, minimums, enums); this module checks 
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -66,6 +67,9 @@ class DeploymentSpec:
     env: list[dict[str, Any]] | None = None
     pod_annotations: dict[str, str] | None = None
     pod_labels: dict[str, str] | None = None
+    # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
+    # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
+    source: str = field(default="", compare=False)
 
     @property
     def model_name(self) -> str:
@@ -91,6 +95,18 @@ def _int(value: Any, what: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidSpec(f"{what} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def spec_source(spec: dict[str, Any]) -> str:
+    """The user's spec without replicas (scaling must not look like an edit), as stable JSON."""
+    return json.dumps({k: v for k, v in spec.items() if k != "replicas"}, sort_keys=True, separators=(",", ":"))
+
+
+def with_replicas(source: str, replicas: Any) -> dict[str, Any]:
+    """A recorded spec with the replicas of the current one, so scaling works on the last valid spec."""
+    spec = json.loads(source)
+    spec["replicas"] = replicas
+    return spec
 
 
 def parse_spec(
@@ -169,6 +185,7 @@ def parse_spec(
         env=spec.get("env"),
         pod_annotations=spec.get("podAnnotations"),
         pod_labels=spec.get("podLabels"),
+        source=spec_source(spec),
     )
     gpus = parsed.gpus_per_pod
     if gpus and gpus < tp:

@@ -17,7 +17,7 @@ FAILING_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "OOMKilled",
 })
-CONDITION_TYPES = ("Available", "Progressing", "Degraded")
+CONDITION_TYPES = ("Available", "Progressing", "Degraded", "SpecValid")
 
 
 def now_iso() -> str:
@@ -112,9 +112,11 @@ def merge_conditions(new: list[dict[str, str]], previous: list[dict[str, Any]] |
 def build_status(
     spec: DeploymentSpec, groups: list[GroupObservation], *, generation: int | None,
     extra_groups: int = 0, previous: dict[str, Any] | None = None, timestamp: str | None = None,
+    spec_error: str | None = None,
 ) -> dict[str, Any]:
-    """The status for a valid spec. `groups` are the wanted groups 0..replicas-1, observed after this
-    reconcile's actions; `extra_groups` counts groups above replicas still being removed."""
+    """The status while a valid spec is reconciled. `groups` are the wanted groups 0..replicas-1,
+    observed after this reconcile's actions; `extra_groups` counts groups above replicas still being
+    removed; `spec_error` says why the current spec was rejected when `spec` is the last valid one."""
     timestamp = timestamp or now_iso()
     ready = sum(1 for g in groups if g.ready)
     wanted = spec.replicas
@@ -147,8 +149,15 @@ def build_status(
     elif owed:
         degraded = _condition("Degraded", True, "GroupRestarting",
                               f"groups {owed} lost a pod and wait for their restart backoff")
+    elif spec_error:
+        degraded = _condition("Degraded", True, "InvalidSpec",
+                              f"the last edit is rejected, the previous spec stays in force: {spec_error}")
     else:
         degraded = _condition("Degraded", False, "AsExpected", "no failures observed")
+    if spec_error:
+        spec_valid = _condition("SpecValid", False, "InvalidSpec", spec_error)
+    else:
+        spec_valid = _condition("SpecValid", True, "Valid", "the spec is accepted")
 
     all_pods = [p for g in groups for p in g.pods]
     if degraded["status"] == "True":
@@ -168,7 +177,8 @@ def build_status(
         "endpoint": endpoint(spec),
         "selector": selector_string(head_selector(spec)),
         "observedGeneration": generation,
-        "conditions": merge_conditions([available, progressing, degraded], prev.get("conditions"), timestamp),
+        "conditions": merge_conditions([available, progressing, degraded, spec_valid], prev.get("conditions"),
+                                       timestamp),
     }
 
 
@@ -179,6 +189,7 @@ def invalid_status(message: str, *, generation: int | None, previous: dict[str, 
         _condition("Available", False, "InvalidSpec", message),
         _condition("Progressing", False, "InvalidSpec", message),
         _condition("Degraded", True, "InvalidSpec", message),
+        _condition("SpecValid", False, "InvalidSpec", message),
     ]
     return {
         "phase": "Failed",

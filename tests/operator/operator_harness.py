@@ -139,6 +139,14 @@ class FakeCluster:
     async def delete_pod(self, name: str) -> None:
         await self._json("DELETE", f"{PODS.format(ns=self.ns)}/{name}")
 
+    async def converge_groups(self, name: str, groups: int, timeout: float = 15.0) -> dict[str, Any]:
+        """Keep playing the controllers until `groups` groups are Ready, whatever the phase."""
+        async def ready() -> dict[str, Any] | None:
+            await self.reconcile_pods()
+            status = await self.status(name)
+            return status if status.get("readyReplicas") == groups else None
+        return await eventually(ready, timeout, f"{name} has {groups} groups Ready")
+
     async def converge(self, name: str, timeout: float = 15.0) -> dict[str, Any]:
         """Keep playing the controllers until the LLMDeployment reports Ready."""
         async def ready() -> dict[str, Any] | None:

@@ -233,7 +233,7 @@ async def test_pipeline_size_change_replaces_the_group_topology(cluster, operato
     assert sorted(await cluster.pods("llama")) == ["llama-g0-head-0"] and status["readyReplicas"] == 1
 
 
-async def test_a_later_invalid_edit_keeps_the_running_groups(cluster, operator):
+async def test_a_later_invalid_edit_keeps_the_last_valid_spec_managed(cluster, operator):
     await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
     await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
     await cluster.converge("llama")
@@ -242,8 +242,39 @@ async def test_a_later_invalid_edit_keeps_the_running_groups(cluster, operator):
     await cluster.update_spec("llama", {"engine": {"extraArgs": ["--node-rank", "1"]}})
     cond = await eventually(lambda: _reason(cluster, "llama", "Degraded", "InvalidSpec"), what="InvalidSpec")
     assert "--node-rank" in cond["message"]
-    assert (await cluster.status("llama"))["phase"] == "Failed"
+    valid = await cluster.condition("llama", "SpecValid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec" and "--node-rank" in valid["message"]
+    status = await cluster.status("llama")
+    # The groups still serve and the status says so.
+    assert status["phase"] == "Degraded" and status["readyReplicas"] == 1 and status["observedGeneration"] == 2
+    assert (await cluster.condition("llama", "Available"))["status"] == "True"
     assert await cluster.statefulsets("llama") == before  # nothing half-changed
+
+    # Restarts and scaling still work, on the last valid spec.
+    await cluster.set_pod("llama-g0-worker-1", ready=False, restarts=1)
+    await eventually(lambda: _annotation(cluster, "llama-g0-head", "pagoda.dev/epoch", "1"), what="recreated")
+    await cluster.update_spec("llama", {"replicas": 2})
+    sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 4), what="scaled to 2 groups")
+    args = sts["llama-g1-head"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args.count("--node-rank") == 1  # not the rejected extraArgs
+    status = await cluster.converge_groups("llama", 2)
+    assert status["phase"] == "Degraded" and (await cluster.condition("llama", "SpecValid"))["status"] == "False"
+
+    # Fixing the spec clears the condition and rolls out the fix.
+    await cluster.update_spec("llama", {"engine": {"extraArgs": ["--kv-cache-memory", "4"]}})
+    await eventually(lambda: _reason_false(cluster, "llama", "SpecValid", "Valid"), what="SpecValid again")
+    status = await cluster.converge("llama")
+    assert status["readyReplicas"] == 2
+
+
+async def _annotation(cluster, sts_name, key, value):
+    sts = (await cluster.statefulsets()).get(sts_name)
+    return sts if sts and sts["metadata"].get("annotations", {}).get(key) == value else None
+
+
+async def _reason_false(cluster, name, ctype, reason):
+    cond = await cluster.condition(name, ctype)
+    return cond if cond.get("reason") == reason else None
 
 
 async def test_a_deleted_statefulset_is_put_back(cluster, operator):

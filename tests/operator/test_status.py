@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 
 from pagoda_operator import builders as b
 from pagoda_operator.reconcile import Reconciler
 from pagoda_operator.settings import OperatorSettings
-from pagoda_operator.spec import parse_spec
+from pagoda_operator.spec import parse_spec, with_replicas
 from pagoda_operator.status import GroupObservation, build_status, invalid_status
 
 pytestmark = pytest.mark.operator
@@ -43,7 +44,7 @@ def test_all_pods_ready_is_ready():
     status = build_status(SPEC, groups, generation=4)
     assert status["phase"] == "Ready" and status["readyReplicas"] == 2 and status["observedGeneration"] == 4
     assert conditions(status) == {"Available": ("True", "GroupsReady"), "Progressing": ("False", "Complete"),
-                                  "Degraded": ("False", "AsExpected")}
+                                  "Degraded": ("False", "AsExpected"), "SpecValid": ("True", "Valid")}
     assert status["endpoint"] == "http://m.ns.svc:8000/v1"
     assert status["selector"] == "pagoda.dev/llmdeployment=m,pagoda.dev/role=head"
 
@@ -83,16 +84,41 @@ def test_transition_times_move_only_on_status_changes():
     groups = [group(i, [pod("h"), pod("w")]) for i in range(2)]
     first = build_status(SPEC, groups, generation=1, timestamp="T1")
     same = build_status(SPEC, groups, generation=1, previous=first, timestamp="T2")
-    assert [c["lastTransitionTime"] for c in same["conditions"]] == ["T1", "T1", "T1"]
+    assert [c["lastTransitionTime"] for c in same["conditions"]] == ["T1", "T1", "T1", "T1"]
     groups[1].pods = [pod("h"), pod("w", ready=False)]
     changed = build_status(SPEC, groups, generation=1, previous=first, timestamp="T3")
     times = {c["type"]: c["lastTransitionTime"] for c in changed["conditions"]}
-    assert times == {"Available": "T1", "Progressing": "T3", "Degraded": "T1"}
+    assert times == {"Available": "T1", "Progressing": "T3", "Degraded": "T1", "SpecValid": "T1"}
+
+
+def test_rejected_edit_reports_the_groups_of_the_last_valid_spec():
+    groups = [group(i, [pod("h"), pod("w")]) for i in range(2)]
+    status = build_status(SPEC, groups, generation=5, spec_error="bad extraArgs")
+    assert conditions(status)["SpecValid"] == ("False", "InvalidSpec")
+    assert conditions(status)["Available"] == ("True", "GroupsReady") and status["readyReplicas"] == 2
+    assert conditions(status)["Degraded"] == ("True", "InvalidSpec") and status["phase"] == "Degraded"
+    assert status["observedGeneration"] == 5
+    groups[0].pods[1] = pod("w", ready=False, waiting="CrashLoopBackOff")
+    crashing = build_status(SPEC, groups, generation=5, spec_error="bad extraArgs")
+    assert conditions(crashing)["Degraded"] == ("True", "PodFailing")  # the pod failure says more
+    assert conditions(crashing)["SpecValid"] == ("False", "InvalidSpec")
+
+
+def test_last_valid_spec_is_recorded_without_replicas():
+    body = {"metadata": {"name": "m", "namespace": "ns"}, "spec": {"replicas": 3, "image": "x"}}
+    spec = parse_spec(body, default_image="i")
+    headless = b.build_headless_service(spec, body)
+    source = headless["metadata"]["annotations"][b.ANNOTATION_VALID_SPEC]
+    assert json.loads(source) == {"image": "x"}
+    scaled = parse_spec({**body, "spec": with_replicas(source, 5)}, default_image="i")
+    assert scaled.replicas == 5 and scaled.image == "x"
+    assert parse_spec({**body, "spec": {"replicas": 1, "image": "x"}}, default_image="i").source == source
 
 
 def test_invalid_status():
     status = invalid_status("TP too big", generation=3)
     assert status["phase"] == "Failed" and conditions(status)["Degraded"] == ("True", "InvalidSpec")
+    assert conditions(status)["SpecValid"] == ("False", "InvalidSpec")
     assert all(c["message"] == "TP too big" for c in status["conditions"])
 
 
