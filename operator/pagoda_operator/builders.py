@@ -31,6 +31,7 @@ ANNOTATION_EPOCH = "pagoda.dev/epoch"
 ANNOTATION_RECREATIONS = "pagoda.dev/recreations"
 ANNOTATION_RECREATED_AT = "pagoda.dev/recreated-at"
 ANNOTATION_RECREATE_PENDING = "pagoda.dev/recreate-pending"
+ANNOTATION_MEMBERS = "pagoda.dev/members"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
@@ -47,11 +48,15 @@ class GroupRecord:
 
     epoch: bumped to recreate the group (it changes the pod revision, so old pods are told apart);
     recreations/recreated_at: consecutive recreations and the last one, for the backoff;
-    pending: a recreation was asked for during the backoff and is still owed."""
+    pending: a recreation was asked for during the backoff and is still owed;
+    members: (pod name, pod UID) of every pod seen in the group at its revision. A member that is gone
+    or came back with another UID was lost: kept here, not in memory, so neither an API error nor an
+    operator restart can forget it (a recreated pod has the same name, revision and 0 restarts)."""
     epoch: int = 0
     recreations: int = 0
     recreated_at: str = ""
     pending: bool = False
+    members: tuple[tuple[str, str], ...] = ()
 
     def annotations(self) -> dict[str, str]:
         return {
@@ -59,6 +64,7 @@ class GroupRecord:
             ANNOTATION_RECREATIONS: str(self.recreations),
             ANNOTATION_RECREATED_AT: self.recreated_at,
             ANNOTATION_RECREATE_PENDING: "true" if self.pending else "false",
+            ANNOTATION_MEMBERS: json.dumps(dict(self.members), sort_keys=True, separators=(",", ":")),
         }
 
     @classmethod
@@ -69,7 +75,18 @@ class GroupRecord:
             recreations=int(a.get(ANNOTATION_RECREATIONS) or 0),
             recreated_at=a.get(ANNOTATION_RECREATED_AT) or "",
             pending=a.get(ANNOTATION_RECREATE_PENDING) == "true",
+            members=_members(a.get(ANNOTATION_MEMBERS)),
         )
+
+
+def _members(text: str | None) -> tuple[tuple[str, str], ...]:
+    try:
+        members = json.loads(text or "{}")
+    except ValueError:
+        return ()  # an edited, unreadable annotation: start recording again
+    if not isinstance(members, dict):
+        return ()
+    return tuple(sorted((str(k), str(v)) for k, v in members.items()))
 
 
 def digest(obj: Any, length: int = 10) -> str:

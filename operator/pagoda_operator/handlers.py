@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -19,15 +18,6 @@ from .reconcile import Reconciler
 from .settings import OperatorSettings
 
 log = logging.getLogger("pagoda_operator")
-
-
-def plain(obj: Any) -> Any:
-    """kopf hands out read-only mapping views; the reconciler wants plain dicts."""
-    if isinstance(obj, Mapping):
-        return {k: plain(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [plain(v) for v in obj]
-    return obj
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -92,10 +82,9 @@ def on_child_event(event: kopf.RawEvent, body: kopf.Body, namespace: str | None,
     owner_name = (body.get("metadata", {}).get("labels") or {}).get(LABEL_DEPLOYMENT)
     if not owner_name or not namespace:
         return
-    lost = plain(body) if event.get("type") == "DELETED" and body.get("kind", "Pod") == "Pod" else None
-    if lost:
-        log.debug("pod %s/%s is gone", namespace, body.get("metadata", {}).get("name"))
+    if event.get("type") == "DELETED":
+        log.debug("%s %s/%s is gone", body.get("kind", "Pod"), namespace, body.get("metadata", {}).get("name"))
     try:
-        memo.reconciler.reconcile(namespace, owner_name, lost_pod=lost)
+        memo.reconciler.reconcile(namespace, owner_name)
     except kopf.PermanentError as e:
         log.debug("owner %s/%s not reconciled: %s", namespace, owner_name, e)

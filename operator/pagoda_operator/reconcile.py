@@ -42,7 +42,6 @@ class Reconciler:
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _queued: set[tuple[str, str]] = field(default_factory=set)
-    _lost: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -66,32 +65,29 @@ class Reconciler:
 
     # ----- the pass -----
 
-    def reconcile(self, namespace: str, name: str, lost_pod: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def reconcile(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Run a pass for one LLMDeployment, coalescing bursts: while a pass runs, later triggers
         leave one queued pass behind them and return at once (None), instead of piling up threads."""
         key = (namespace, name)
         with self._locks_guard:
-            if lost_pod is not None:
-                self._lost.setdefault(key, []).append(lost_pod)
             if key in self._queued:
                 return None  # the queued pass has not started yet: it will see this change too
             self._queued.add(key)
         with self.lock(namespace, name):
             with self._locks_guard:
                 self._queued.discard(key)
-                lost = self._lost.pop(key, [])
             try:
                 # Events may carry an older copy; decide on the latest spec and status.
                 body = self.cluster.get_llmdeployment(namespace, name)
                 if body is None:
                     return {}  # deleted meanwhile: garbage collection takes the children
-                return self._reconcile(body, lost)
+                return self._reconcile(body)
             except kubernetes.client.ApiException as e:
                 if e.status in (400, 403, 422):
                     raise kopf.PermanentError(f"Kubernetes rejected a child: {e.status} {e.reason}: {e.body}") from e
                 raise kopf.TemporaryError(f"Kubernetes API error {e.status} {e.reason}", delay=5) from e
 
-    def _reconcile(self, body: dict[str, Any], lost_pods: list[dict[str, Any]]) -> dict[str, Any]:
+    def _reconcile(self, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace") or "default", meta["name"]
         generation = meta.get("generation")
@@ -118,7 +114,7 @@ class Reconciler:
                 self._replace(spec, body, group, group.record, statefulsets)
         if spec.restart_policy == "RecreateGroupOnPodRestart":
             for group in groups:
-                self._maybe_recreate(spec, body, group, lost_pods, statefulsets)
+                self._maybe_recreate(spec, body, group, statefulsets)
         self._roll(spec, body, groups, statefulsets)
         for group in groups:
             if group.ready and (group.record.recreations or group.record.pending):
@@ -204,9 +200,12 @@ class Reconciler:
         group.pods = [p for p in group.pods if pod_revision_of(p) == group.revision]
 
     def _maybe_recreate(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                        lost_pods: list[dict[str, Any]], statefulsets: list[dict[str, Any]]) -> None:
-        lost = any(_group_of(p) == group.index and pod_revision_of(p) == group.revision for p in lost_pods)
-        if not (group.exists and (lost or group.restarted or group.record.pending)):
+                        statefulsets: list[dict[str, Any]]) -> None:
+        if not group.exists:
+            return
+        lost = group.lost
+        if not (lost or group.restarted or group.record.pending):
+            self._record_members(spec, body, group)
             return
         wait = self.recreate_wait(group.record)
         if wait > 0:
@@ -216,11 +215,19 @@ class Reconciler:
                 group.record = replace(group.record, pending=True)
                 self._apply_group_metadata(spec, body, group)
             return
-        log.info("recreating group %s of %s/%s: a pod restarted or disappeared",
-                 group.index, spec.namespace, spec.name)
+        log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name,
+                 f"pods {lost} were lost" if lost else "a pod restarted")
         record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"), pending=False)
         self._replace(spec, body, group, record, statefulsets)
+
+    def _record_members(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
+        """Add newly seen pods of the group to its durable member list (see GroupRecord)."""
+        members = {**dict(group.record.members), **group.live_members}
+        if group.stale or members == dict(group.record.members):
+            return
+        group.record = replace(group.record, members=tuple(sorted(members.items())))
+        self._apply_group(spec, body, group.index, group.record)
 
     def _apply_group_metadata(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
         """Record bookkeeping without touching the pod template (the group keeps its revision)."""
@@ -238,7 +245,7 @@ class Reconciler:
                 continue  # keep serving: wait until the group being replaced is Ready
             log.info("rolling group %s of %s/%s to revision %s", group.index, spec.namespace, spec.name,
                      group.wanted_revision)
-            self._replace(spec, body, group, replace(group.record, pending=False), statefulsets)
+            self._replace(spec, body, group, replace(group.record, pending=False, members=()), statefulsets)
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any]) -> None:
         if status_changed(status, previous):

@@ -81,6 +81,18 @@ class GroupObservation:
         return all(pod_revision_of(p) == self.revision and pod_is_ready(p) for p in self.pods)
 
     @property
+    def live_members(self) -> dict[str, str]:
+        """name -> UID of the group's pods at its revision that are not going away."""
+        return {p["metadata"]["name"]: p["metadata"].get("uid") or "" for p in self.current_pods
+                if not p["metadata"].get("deletionTimestamp")}
+
+    @property
+    def lost(self) -> list[str]:
+        """Recorded members that are gone, terminating, or were replaced by a pod with another UID."""
+        live = self.live_members
+        return [name for name, uid in self.record.members if live.get(name) != uid]
+
+    @property
     def restarted(self) -> bool:
         return any(pod_restarts(p) > 0 for p in self.current_pods)
 

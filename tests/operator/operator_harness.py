@@ -11,6 +11,7 @@ import asyncio
 import copy
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -114,7 +115,7 @@ class FakeCluster:
                 template = copy.deepcopy(sts["spec"]["template"])
                 meta = template["metadata"]
                 meta["labels"]["apps.kubernetes.io/pod-index"] = str(ordinal)
-                meta.update(name=pod_name, namespace=self.ns)
+                meta.update(name=pod_name, namespace=self.ns, uid=str(uuid.uuid4()))  # as the API server
                 pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
                 await self._json("POST", PODS.format(ns=self.ns), pod)
                 await self.set_pod(pod_name, ready=ready)

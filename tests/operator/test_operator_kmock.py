@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from operator_harness import eventually, labels
 
@@ -159,6 +161,32 @@ async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, opera
     assert status["readyReplicas"] == 2
     sts = await cluster.statefulsets("llama")
     assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/recreations"] == "0"  # reset once Ready
+
+
+async def test_a_pod_lost_while_the_operator_is_down_still_recreates_its_group(cluster, operator):
+    await cluster.create("llama", GPU_SPEC)
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
+    await cluster.converge("llama")
+    await eventually(lambda: _members_recorded(cluster, "llama-g1-head", 2), what="members recorded")
+    await operator.stop()
+
+    # The StatefulSet controller replaces the deleted pod at once: same name, same revision,
+    # 0 restarts, Ready. Only its UID tells it apart.
+    await cluster.delete_pod("llama-g1-worker-1")
+    await cluster.reconcile_pods()
+    assert (await cluster.pods("llama"))["llama-g1-worker-1"]["status"]["containerStatuses"][0]["restartCount"] == 0
+
+    await operator.start()
+    await eventually(lambda: _annotation(cluster, "llama-g1-head", "pagoda.dev/epoch", "1"), what="group 1 recreated")
+    assert (await cluster.statefulsets("llama"))["llama-g0-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "0"
+    status = await cluster.converge("llama")
+    assert status["readyReplicas"] == 2
+
+
+async def _members_recorded(cluster, sts_name, count):
+    sts = (await cluster.statefulsets()).get(sts_name) or {}
+    members = json.loads(sts.get("metadata", {}).get("annotations", {}).get("pagoda.dev/members") or "{}")
+    return members if len(members) == count and all(members.values()) else None
 
 
 async def test_invalid_spec_sets_condition_and_creates_nothing(cluster, operator):

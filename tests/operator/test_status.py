@@ -115,6 +115,21 @@ def test_last_valid_spec_is_recorded_without_replicas():
     assert parse_spec({**body, "spec": {"replicas": 1, "image": "x"}}, default_image="i").source == source
 
 
+def test_lost_members_are_told_by_uid_not_by_name():
+    def member(name, uid, **kw):
+        p = pod(name, **kw)
+        p["metadata"]["uid"] = uid
+        return p
+    record = b.GroupRecord(members=(("h", "u1"), ("w", "u2")))
+    assert group(0, [member("h", "u1"), member("w", "u2")], record=record).lost == []
+    assert group(0, [member("h", "u1"), member("w", "u3")], record=record).lost == ["w"]  # replaced
+    assert group(0, [member("h", "u1")], record=record).lost == ["w"]  # gone
+    assert group(0, [member("h", "u1"), member("w", "u2", terminating=True)], record=record).lost == ["w"]
+    assert group(0, [member("h", "u1"), member("w", "u9")]).lost == []  # nothing recorded yet
+    assert b.GroupRecord.from_annotations(record.annotations()) == record
+    assert b.GroupRecord.from_annotations({b.ANNOTATION_MEMBERS: "not json"}).members == ()
+
+
 def test_invalid_status():
     status = invalid_status("TP too big", generation=3)
     assert status["phase"] == "Failed" and conditions(status)["Degraded"] == ("True", "InvalidSpec")
