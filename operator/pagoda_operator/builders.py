@@ -272,7 +272,8 @@ def build_pod_template(
 
 
 def with_applied_hash(manifest: dict[str, Any]) -> dict[str, Any]:
-    """Stamp a manifest with the hash of its own content, so re-applying an unchanged one is skipped."""
+    """Stamp a manifest with the hash of its own content: when the operator stops setting a field, the
+    hash differs, so the object is re-applied and server-side apply removes the field."""
     manifest["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = digest(manifest)
     return manifest
 

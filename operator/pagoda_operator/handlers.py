@@ -82,9 +82,11 @@ def on_child_event(event: kopf.RawEvent, body: kopf.Body, namespace: str | None,
     owner_name = (body.get("metadata", {}).get("labels") or {}).get(LABEL_DEPLOYMENT)
     if not owner_name or not namespace:
         return
-    if event.get("type") == "DELETED":
-        log.debug("%s %s/%s is gone", body.get("kind", "Pod"), namespace, body.get("metadata", {}).get("name"))
+    deleted = None
+    if event.get("type") == "DELETED" and body.get("kind", "Pod") == "Pod":
+        log.debug("pod %s/%s is gone", namespace, body.get("metadata", {}).get("name"))
+        deleted = {"metadata": {"name": body["metadata"]["name"], "labels": dict(body["metadata"].get("labels") or {})}}
     try:
-        memo.reconciler.reconcile(namespace, owner_name)
+        memo.reconciler.reconcile(namespace, owner_name, deleted_pod=deleted)
     except kopf.PermanentError as e:
         log.debug("owner %s/%s not reconciled: %s", namespace, owner_name, e)

@@ -1,7 +1,8 @@
 """Thin access to the Kubernetes API: load credentials, apply manifests idempotently, list and delete.
 
-Every write goes through here. Applying is server-side apply (so fields the operator stops setting
-are removed) and is skipped when the live object already carries the desired content hash."""
+Every write goes through here. Applying is server-side apply with the operator's field manager and
+force (so fields the operator stops setting are removed and edits of its fields are taken back), and
+is skipped only when the live object still holds every field the operator sets (see drift.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import kopf
 import kubernetes
 
-from .builders import ANNOTATION_APPLIED_HASH, API_VERSION, GROUP_API
+from .builders import API_VERSION, GROUP_API
+from .drift import covers
 
 FIELD_MANAGER = "pagoda-operator"
 PLURAL = "llmdeployments"
@@ -106,9 +108,7 @@ class Cluster:
         meta = manifest["metadata"]
         kind, namespace, name = manifest["kind"], meta["namespace"], meta["name"]
         live = self._get(kind, namespace, name)
-        wanted = meta["annotations"][ANNOTATION_APPLIED_HASH]
-        if live is not None and ((live.get("metadata") or {}).get("annotations") or {}).get(
-                ANNOTATION_APPLIED_HASH) == wanted:
+        if live is not None and covers(live, manifest):
             return False
         patch = (self.apps.patch_namespaced_stateful_set if kind == "StatefulSet"
                  else self.core.patch_namespaced_service)

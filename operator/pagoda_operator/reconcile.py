@@ -42,6 +42,9 @@ class Reconciler:
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _queued: set[tuple[str, str]] = field(default_factory=set)
+    # Pods whose DELETED event arrived: a hint that covers pods deleted before any pass recorded them
+    # as members. Kept until a pass completes; the durable member list covers everything else.
+    _deleted: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -65,29 +68,34 @@ class Reconciler:
 
     # ----- the pass -----
 
-    def reconcile(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def reconcile(self, namespace: str, name: str, deleted_pod: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Run a pass for one LLMDeployment, coalescing bursts: while a pass runs, later triggers
         leave one queued pass behind them and return at once (None), instead of piling up threads."""
         key = (namespace, name)
         with self._locks_guard:
+            if deleted_pod is not None:
+                self._deleted.setdefault(key, []).append(deleted_pod)
             if key in self._queued:
                 return None  # the queued pass has not started yet: it will see this change too
             self._queued.add(key)
         with self.lock(namespace, name):
             with self._locks_guard:
                 self._queued.discard(key)
+                deleted = self._deleted.pop(key, [])
             try:
                 # Events may carry an older copy; decide on the latest spec and status.
                 body = self.cluster.get_llmdeployment(namespace, name)
                 if body is None:
                     return {}  # deleted meanwhile: garbage collection takes the children
-                return self._reconcile(body)
+                return self._reconcile(body, deleted)
             except kubernetes.client.ApiException as e:
+                with self._locks_guard:  # the pass did not finish: the next one must still see them
+                    self._deleted.setdefault(key, [])[:0] = deleted
                 if e.status in (400, 403, 422):
                     raise kopf.PermanentError(f"Kubernetes rejected a child: {e.status} {e.reason}: {e.body}") from e
                 raise kopf.TemporaryError(f"Kubernetes API error {e.status} {e.reason}", delay=5) from e
 
-    def _reconcile(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _reconcile(self, body: dict[str, Any], deleted: list[dict[str, Any]] = ()) -> dict[str, Any]:
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace") or "default", meta["name"]
         generation = meta.get("generation")
@@ -114,7 +122,7 @@ class Reconciler:
                 self._replace(spec, body, group, group.record, statefulsets)
         if spec.restart_policy == "RecreateGroupOnPodRestart":
             for group in groups:
-                self._maybe_recreate(spec, body, group, statefulsets)
+                self._maybe_recreate(spec, body, group, statefulsets, deleted)
         self._roll(spec, body, groups, statefulsets)
         for group in groups:
             if group.ready and (group.record.recreations or group.record.pending):
@@ -200,10 +208,11 @@ class Reconciler:
         group.pods = [p for p in group.pods if pod_revision_of(p) == group.revision]
 
     def _maybe_recreate(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                        statefulsets: list[dict[str, Any]]) -> None:
+                        statefulsets: list[dict[str, Any]], deleted: list[dict[str, Any]]) -> None:
         if not group.exists:
             return
-        lost = group.lost
+        lost = group.lost + [p["metadata"]["name"] for p in deleted if _group_of(p) == group.index
+                             and pod_revision_of(p) == group.revision and p["metadata"]["name"] not in group.lost]
         if not (lost or group.restarted or group.record.pending):
             self._record_members(spec, body, group)
             return

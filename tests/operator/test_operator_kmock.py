@@ -305,6 +305,50 @@ async def _reason_false(cluster, name, ctype, reason):
     return cond if cond.get("reason") == reason else None
 
 
+async def test_edited_children_are_repaired(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
+    await cluster.converge("llama")
+    sts_path = "/apis/apps/v1/namespaces/serving/statefulsets"
+    worker = (await cluster.statefulsets("llama"))["llama-g0-worker"]
+    containers = worker["spec"]["template"]["spec"]["containers"]
+    edited = [{**containers[0], "image": "someone/else:latest"}]
+    # kubectl scale, kubectl edit of the image, kubectl label --overwrite, and a Service selector edit.
+    await cluster._json("PATCH", f"{sts_path}/llama-g0-worker", {"spec": {
+        "replicas": 0, "template": {"spec": {"containers": edited}}}})
+    await cluster._json("PATCH", f"{sts_path}/llama-g0-head", {"metadata": {"labels": {"pagoda.dev/role": "x"}}})
+    await cluster._json("PATCH", "/api/v1/namespaces/serving/services/llama",
+                        {"spec": {"selector": {"pagoda.dev/role": "worker"}}})
+
+    async def repaired():
+        sts = await cluster.statefulsets("llama")
+        worker, head = sts["llama-g0-worker"], sts["llama-g0-head"]
+        service = (await cluster.services())["llama"]
+        return (worker["spec"]["replicas"] == 1
+                and worker["spec"]["template"]["spec"]["containers"][0]["image"] == GPU_SPEC["image"]
+                and labels(head)["pagoda.dev/role"] == "head"
+                and service["spec"]["selector"]["pagoda.dev/role"] == "head")
+    await eventually(repaired, what="owned fields reverted")
+
+
+def test_drift_is_judged_on_the_fields_the_operator_sets():
+    from pagoda_operator.drift import covers
+    wanted = {"spec": {"replicas": 1, "template": {"spec": {"containers": [
+        {"name": "pagoda", "image": "a", "env": [{"name": "X", "value": "1"}]}]}}}}
+    live = {"spec": {"replicas": 1, "revisionHistoryLimit": 10, "template": {"spec": {"containers": [
+        {"name": "pagoda", "image": "a", "terminationMessagePath": "/dev/termination-log",
+         "env": [{"name": "X", "value": "1"}, {"name": "ADDED", "value": "by someone"}]},
+        {"name": "sidecar"}]}}}}
+    assert covers(live, wanted)  # defaults and other managers' additions are not drift
+    live["spec"]["replicas"] = 3
+    assert not covers(live, wanted)
+    live["spec"]["replicas"] = 1
+    live["spec"]["template"]["spec"]["containers"][0]["env"] = [{"name": "X", "value": "2"}]
+    assert not covers(live, wanted)
+    assert covers({"limits": {"nvidia.com/gpu": "8"}}, {"limits": {"nvidia.com/gpu": 8}})
+    assert not covers({"args": ["serve", "--a"]}, {"args": ["serve", "--a", "--b"]})
+
+
 async def test_a_deleted_statefulset_is_put_back(cluster, operator):
     await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
     await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
