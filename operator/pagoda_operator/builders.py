@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import GPU_RESOURCE, DeploymentSpec
+from .spec import DeploymentSpec
 
 GROUP_API = "pagoda.dev"
 API_VERSION = f"{GROUP_API}/v1alpha1"
@@ -203,7 +203,7 @@ def build_resources(spec: DeploymentSpec) -> dict[str, Any]:
     if spec.resources:
         return spec.resources
     gpus = str(spec.tensor_parallel_size)
-    return {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}}
+    return {"limits": {spec.gpu_resource_name: gpus}, "requests": {spec.gpu_resource_name: gpus}}
 
 
 def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> dict[str, Any]:

@@ -23,6 +23,9 @@ OWNED_FLAGS = (
 # Directories a model volume must not shadow inside the container.
 RESERVED_PATHS = ("/dev", "/proc", "/sys", "/etc", "/usr", "/bin", "/lib", "/tmp", "/var/run")
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# An extended resource name: a DNS-subdomain prefix and a name (nvidia.com/gpu, amd.com/gpu,
+# nvidia.com/mig-1g.10gb).
+EXTENDED_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 class InvalidSpec(ValueError):
@@ -67,6 +70,7 @@ class DeploymentSpec:
     env: list[dict[str, Any]] | None = None
     pod_annotations: dict[str, str] | None = None
     pod_labels: dict[str, str] | None = None
+    gpu_resource_name: str = GPU_RESOURCE
     # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
     # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
     source: str = field(default="", compare=False)
@@ -82,13 +86,23 @@ class DeploymentSpec:
     @property
     def gpus_per_pod(self) -> int:
         """GPUs each pod asks for: the explicit resources win, else one per TP rank."""
-        if self.resources:
-            for section in ("limits", "requests"):
-                value = (self.resources.get(section) or {}).get(GPU_RESOURCE)
-                if value is not None:
-                    return int(value)
-            return 0
-        return self.tensor_parallel_size
+        return gpu_count(self.resources, self.gpu_resource_name, self.tensor_parallel_size)
+
+
+def gpu_count(resources: dict[str, Any] | None, resource_name: str, tensor_parallel_size: int) -> int:
+    """GPUs in a resources block (limits first); InvalidSpec for anything but a whole number."""
+    if not resources:
+        return tensor_parallel_size
+    for section in ("limits", "requests"):
+        value = (resources.get(section) or {}).get(resource_name)
+        if value is None:
+            continue
+        text = str(value).strip()
+        if isinstance(value, bool) or not text.isdigit():
+            raise InvalidSpec(f"resources.{section}[{resource_name}] must be a whole number of GPUs, "
+                              f"got {value!r}")
+        return int(text)
+    return 0
 
 
 def _int(value: Any, what: str, minimum: int) -> int:
@@ -112,7 +126,19 @@ def with_replicas(source: str, replicas: Any) -> dict[str, Any]:
 def parse_spec(
     body: dict[str, Any], *, default_image: str, max_world_size: int = 256
 ) -> DeploymentSpec:
-    """Turn an LLMDeployment object into a DeploymentSpec or raise InvalidSpec with a readable message."""
+    """Turn an LLMDeployment object into a DeploymentSpec or raise InvalidSpec with a readable message.
+
+    Whatever the spec holds, the only exception that leaves is InvalidSpec: a value of the wrong shape
+    that slipped past the schema (an older CRD, a client that skips validation) is a bad spec too."""
+    try:
+        return _parse_spec(body, default_image=default_image, max_world_size=max_world_size)
+    except InvalidSpec:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise InvalidSpec(f"the spec has a value of the wrong type or shape: {type(e).__name__}: {e}") from e
+
+
+def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int) -> DeploymentSpec:
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
     name = meta.get("name") or ""
@@ -146,6 +172,10 @@ def parse_spec(
             raise InvalidSpec(f"model.volume must hold exactly one volume source, got {sorted(sources)}")
 
     resources = spec.get("resources") or None
+    gpu_resource_name = spec.get("gpuResourceName") or GPU_RESOURCE
+    if not isinstance(gpu_resource_name, str) or not EXTENDED_RESOURCE.match(gpu_resource_name):
+        raise InvalidSpec(f"gpuResourceName {gpu_resource_name!r} must be an extended resource name "
+                          "such as nvidia.com/gpu, amd.com/gpu or nvidia.com/mig-1g.10gb")
     engine = spec.get("engine") or {}
     extra_args = tuple(str(a) for a in engine.get("extraArgs") or ())
     for arg in extra_args:
@@ -185,10 +215,11 @@ def parse_spec(
         env=spec.get("env"),
         pod_annotations=spec.get("podAnnotations"),
         pod_labels=spec.get("podLabels"),
+        gpu_resource_name=gpu_resource_name,
         source=spec_source(spec),
     )
     gpus = parsed.gpus_per_pod
     if gpus and gpus < tp:
-        raise InvalidSpec(f"resources give {gpus} {GPU_RESOURCE} per pod but tensorParallelSize is {tp}: "
+        raise InvalidSpec(f"resources give {gpus} {gpu_resource_name} per pod but tensorParallelSize is {tp}: "
                           "each pod needs one GPU per tensor-parallel rank")
     return parsed

@@ -144,6 +144,17 @@ def test_pass_through_fields_and_user_env_cannot_override_the_rank():
     assert pod["containers"][0]["image"] == "my/runtime:1"
 
 
+def test_gpu_resource_name_is_a_spec_field():
+    spec, manifests = build({"tensorParallelSize": 2, "gpuResourceName": "amd.com/gpu"})
+    assert containers_of(manifests)[0]["resources"] == {"limits": {"amd.com/gpu": "2"}, "requests": {"amd.com/gpu": "2"}}
+    spec, _ = build({"tensorParallelSize": 1, "gpuResourceName": "nvidia.com/mig-1g.10gb",
+                     "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}})
+    assert spec.gpus_per_pod == 1
+    with pytest.raises(InvalidSpec, match="1 nvidia.com/mig-1g.10gb per pod"):
+        build({"tensorParallelSize": 2, "gpuResourceName": "nvidia.com/mig-1g.10gb",
+               "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}}})
+
+
 def test_explicit_gpu_resources_win():
     _, manifests = build({"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}})
     assert containers_of(manifests)[0]["resources"] == {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}
@@ -197,6 +208,12 @@ def test_applied_hash_is_stable_and_tracks_content():
     ({"engine": {"extraArgs": ["--tensor-parallel-size=2"]}}, "must not set --tensor-parallel-size"),
     ({"replicas": -1}, "replicas must be"),
     ({"tensorParallelSize": "8"}, "tensorParallelSize must be"),
+    ({"resources": {"limits": {"nvidia.com/gpu": "1.5"}}}, r"resources.limits\[nvidia.com/gpu\] must be a whole"),
+    ({"resources": {"requests": {"nvidia.com/gpu": "2k"}}}, "whole number of GPUs"),
+    ({"gpuResourceName": "gpu"}, "extended resource name"),
+    ({"model": {"path": 5}}, "wrong type or shape"),
+    ({"engine": {"extraArgs": 5}}, "wrong type or shape"),
+    ({"service": "LoadBalancer"}, "wrong type or shape"),
 ])
 def test_invalid_specs_are_rejected_with_a_reason(spec, message):
     with pytest.raises(InvalidSpec, match=message):

@@ -197,6 +197,13 @@ async def test_invalid_spec_sets_condition_and_creates_nothing(cluster, operator
     assert await cluster.statefulsets("huge") == {} and await cluster.services() == {}
 
 
+async def test_a_decimal_gpu_count_is_an_invalid_spec_not_a_crash(cluster, operator):
+    await cluster.create("half", {"resources": {"limits": {"nvidia.com/gpu": "1.5"}}})
+    cond = await eventually(lambda: _reason_false(cluster, "half", "SpecValid", "InvalidSpec"), what="InvalidSpec")
+    assert "whole number" in cond["message"] and "1.5" in cond["message"]
+    assert (await cluster.status("half"))["phase"] == "Failed"
+
+
 async def test_operator_restart_changes_nothing(kmock, cluster, operator):
     await cluster.create("llama", GPU_SPEC)
     await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
