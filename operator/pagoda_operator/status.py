@@ -171,27 +171,37 @@ def build_status(
     else:
         spec_valid = _condition("SpecValid", True, "Valid", "the spec is accepted")
 
-    all_pods = [p for g in groups for p in g.pods]
-    if degraded["status"] == "True":
-        phase = "Degraded"
-    elif ready == wanted and progressing["status"] == "False":
-        phase = "Ready"
-    elif ready == 0 and all((p.get("status") or {}).get("phase", "Pending") == "Pending" for p in all_pods):
-        phase = "Pending"
-    else:
-        phase = "Progressing"
+    phase = phase_of(available, progressing, degraded, groups)
 
     prev = previous or {}
     return {
         "phase": phase,
-        "replicas": wanted,
+        # As LeaderWorkerSet: groups that exist (the scale subresource's current count), Ready, and
+        # on the current revision.
+        "replicas": sum(1 for g in groups if g.exists) + extra_groups,
         "readyReplicas": ready,
+        "updatedReplicas": sum(1 for g in groups if g.exists and not g.stale),
         "endpoint": endpoint(spec),
         "selector": selector_string(head_selector(spec)),
         "observedGeneration": generation,
         "conditions": merge_conditions([available, progressing, degraded, spec_valid], prev.get("conditions"),
                                        timestamp),
     }
+
+
+def phase_of(available: dict[str, str], progressing: dict[str, str], degraded: dict[str, str],
+             groups: list[GroupObservation]) -> str:
+    """The one-word summary, derived from the conditions so the two never disagree."""
+    if degraded["status"] == "True":
+        return "Degraded"
+    if progressing["status"] == "True":
+        all_pods = [p for g in groups for p in g.pods]
+        nothing_runs = all((p.get("status") or {}).get("phase", "Pending") == "Pending" for p in all_pods)
+        starting_up = groups and not any(g.ready for g in groups) and nothing_runs
+        return "Pending" if starting_up else "Progressing"
+    if available["status"] == "True":
+        return "Ready"
+    return "ScaledToZero"  # complete, nothing wanted
 
 
 def invalid_status(message: str, *, generation: int | None, previous: dict[str, Any] | None = None,

@@ -116,7 +116,7 @@ async def test_scale_up_and_down_by_whole_groups(cluster, operator):
     sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 6), what="3 groups")
     assert {labels(s)["pagoda.dev/group"] for s in sts.values()} == {"0", "1", "2"}
     status = await cluster.converge("llama")
-    assert status["replicas"] == 3 and status["readyReplicas"] == 3
+    assert status["replicas"] == 3 and status["readyReplicas"] == 3 and status["updatedReplicas"] == 3
 
     await cluster.update_spec("llama", {"replicas": 1})
     sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 2), what="back to 1 group")
@@ -124,6 +124,12 @@ async def test_scale_up_and_down_by_whole_groups(cluster, operator):
     status = await cluster.converge("llama")
     assert status["replicas"] == 1 and status["readyReplicas"] == 1
     assert sorted(await cluster.pods("llama")) == ["llama-g0-head-0", "llama-g0-worker-1"]
+
+    await cluster.update_spec("llama", {"replicas": 0})
+    status = await eventually(lambda: _phase_in(cluster, "llama", {"ScaledToZero"}), what="ScaledToZero")
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (0, 0, 0)
+    assert await cluster.statefulsets("llama") == {}
+    assert (await cluster.condition("llama", "Available"))["reason"] == "ScaledToZero"
 
 
 async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, operator):

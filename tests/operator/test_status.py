@@ -80,6 +80,30 @@ def test_pending_progressing_degraded():
     assert conditions(owed)["Degraded"] == ("True", "GroupRestarting")
 
 
+def test_counts_follow_leaderworkerset():
+    groups = [group(0, [pod("h"), pod("w")], wanted="new"), group(1, [pod("h"), pod("w")]),
+              group(2, [], revision=None)]
+    status = build_status(SPEC, groups, generation=1, extra_groups=1)
+    # replicas: groups that exist (0, 1 and one being removed); updated: on the current template.
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (3, 2, 1)
+
+
+def test_phase_agrees_with_the_conditions():
+    zero = parse_spec({"metadata": {"name": "m", "namespace": "ns"}, "spec": {"replicas": 0}}, default_image="i")
+    done = build_status(zero, [], generation=1)
+    assert done["phase"] == "ScaledToZero" and conditions(done)["Available"] == ("False", "ScaledToZero")
+    assert conditions(done)["Progressing"] == ("False", "Complete") and done["replicas"] == 0
+    removing = build_status(zero, [], generation=1, extra_groups=2)
+    assert removing["phase"] == "Progressing" and removing["replicas"] == 2
+    for status in (done, removing, build_status(SPEC, [group(i, [pod("h"), pod("w")]) for i in range(2)],
+                                                 generation=1)):
+        c = conditions(status)
+        if status["phase"] == "Ready":
+            assert c["Available"][0] == "True" and c["Progressing"][0] == "False" and c["Degraded"][0] == "False"
+        if status["phase"] == "Progressing":
+            assert c["Progressing"][0] == "True"
+
+
 def test_transition_times_move_only_on_status_changes():
     groups = [group(i, [pod("h"), pod("w")]) for i in range(2)]
     first = build_status(SPEC, groups, generation=1, timestamp="T1")
