@@ -152,13 +152,16 @@ def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
 
 # ----- the runtime container -----
 
-def pod_revision(spec: DeploymentSpec, epoch: int) -> str:
-    """Identifies everything that shapes a group's pods; a change means the group must be replaced.
+def group_roles(spec: DeploymentSpec) -> list[str]:
+    return ["head"] + (["worker"] if spec.pipeline_parallel_size > 1 else [])
 
-    replicas and the Service do not shape pods, so scaling and Service edits never restart a group."""
-    shaping = {k: v for k, v in spec.__dict__.items()
-               if k not in ("replicas", "service_type", "service_port", "source")}
-    return digest({"spec": shaping, "epoch": epoch})
+
+def group_revision(spec: DeploymentSpec, group: int, epoch: int, cluster_domain: str = "cluster.local") -> str:
+    """The hash of the group's rendered pod templates (and its epoch): whatever changes a pod — a spec
+    edit, or an operator upgrade that renders other probes or args — changes the revision, so the
+    group is replaced; what does not (replicas, the Service, restartPolicy) never restarts it."""
+    templates = [_pod_template(spec, group, role, cluster_domain) for role in group_roles(spec)]
+    return digest({"templates": templates, "epoch": epoch})
 
 
 def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> list[str]:
@@ -243,8 +246,14 @@ def build_volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
 def build_pod_template(
     spec: DeploymentSpec, group: int, role: str, epoch: int, cluster_domain: str = "cluster.local"
 ) -> dict[str, Any]:
-    labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role),
-              LABEL_REVISION: pod_revision(spec, epoch)}
+    template = _pod_template(spec, group, role, cluster_domain)
+    template["metadata"]["labels"][LABEL_REVISION] = group_revision(spec, group, epoch, cluster_domain)
+    return template
+
+
+def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: str) -> dict[str, Any]:
+    """The pod template without its revision label (which is the hash of this)."""
+    labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role)}
     group_pods = {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group)}
     pod_spec: dict[str, Any] = {
         "containers": [build_container(spec, group, cluster_domain)],
@@ -291,7 +300,7 @@ def build_statefulset(
             "name": statefulset_name(spec, group, role),
             "namespace": spec.namespace,
             "labels": {**deployment_labels(spec), LABEL_GROUP: str(group), LABEL_ROLE: role,
-                       LABEL_REVISION: pod_revision(spec, record.epoch)},
+                       LABEL_REVISION: group_revision(spec, group, record.epoch, cluster_domain)},
             "annotations": annotations,
             "ownerReferences": [owner_reference(owner)],
         },
@@ -317,8 +326,7 @@ def build_group(
     record: GroupRecord = GroupRecord(), cluster_domain: str = "cluster.local",
 ) -> list[dict[str, Any]]:
     """The StatefulSets of one group: a head, and workers when the pipeline spans several pods."""
-    roles = ["head"] + (["worker"] if spec.pipeline_parallel_size > 1 else [])
-    return [build_statefulset(spec, owner, group, role, record, cluster_domain) for role in roles]
+    return [build_statefulset(spec, owner, group, role, record, cluster_domain) for role in group_roles(spec)]
 
 
 def build_headless_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:

@@ -172,7 +172,7 @@ class Reconciler:
             groups.append(GroupObservation(
                 index=index,
                 size=spec.pipeline_parallel_size,
-                wanted_revision=b.pod_revision(spec, record.epoch),
+                wanted_revision=b.group_revision(spec, index, record.epoch, self.settings.cluster_domain),
                 revision=_label(head, b.LABEL_REVISION) if head else None,
                 record=record,
                 pods=[p for p in pods if _group_of(p) == index],
@@ -201,7 +201,8 @@ class Reconciler:
             if _group_of(sts) == group.index and sts["metadata"]["name"] not in wanted_names:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
         group.record = record
-        group.revision = group.wanted_revision = b.pod_revision(spec, record.epoch)
+        group.revision = group.wanted_revision = b.group_revision(spec, group.index, record.epoch,
+                                                                  self.settings.cluster_domain)
         for pod in group.pods:
             if pod_revision_of(pod) != group.revision:
                 self.cluster.delete_pod(spec.namespace, pod["metadata"]["name"])

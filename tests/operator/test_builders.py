@@ -171,16 +171,24 @@ def test_startup_probe_is_generous_and_probes_hit_health():
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800  # 70B loads
 
 
-def test_revision_changes_with_pod_shape_not_with_replicas_or_service():
-    base = parse_spec(llmd({"replicas": 1}), default_image="i")
-    same = [parse_spec(llmd({"replicas": 5}), default_image="i"),
-            parse_spec(llmd({"replicas": 1, "service": {"port": 9000}}), default_image="i")]
-    changed = [parse_spec(llmd({"engine": {"maxNumSeqs": 2}}), default_image="i"),
-               parse_spec(llmd({}), default_image="other"),
-               parse_spec(llmd({"tensorParallelSize": 2}), default_image="i")]
-    assert all(b.pod_revision(s, 0) == b.pod_revision(base, 0) for s in same)
-    assert all(b.pod_revision(s, 0) != b.pod_revision(base, 0) for s in changed)
-    assert b.pod_revision(base, 1) != b.pod_revision(base, 0)  # recreating a group changes its pods
+def test_revision_is_the_hash_of_the_rendered_pod_templates(monkeypatch):
+    def rev(spec, **kw):
+        return b.group_revision(parse_spec(llmd(spec), default_image=kw.pop("image", "i")), 0, 0, **kw)
+    base = rev({"replicas": 1})
+    same = [rev({"replicas": 5}), rev({"replicas": 1, "service": {"port": 9000}}), rev({"restartPolicy": "None"})]
+    changed = [rev({"engine": {"maxNumSeqs": 2}}), rev({}, image="other"), rev({"tensorParallelSize": 2}),
+               rev({}, cluster_domain="example.org")]
+    assert all(r == base for r in same)  # no pod changes: no restart
+    assert len({base, *changed}) == len(changed) + 1
+    spec = parse_spec(llmd({}), default_image="i")
+    assert b.group_revision(spec, 0, 1) != b.group_revision(spec, 0, 0)  # recreating a group changes its pods
+    # An operator upgrade that renders other probes changes the revision although the spec did not change.
+    monkeypatch.setattr(b, "PROBE_PERIOD_SECONDS", 20)
+    assert b.group_revision(spec, 0, 0) != base
+    # Every pod of the group carries the group's revision.
+    group = b.build_group(parse_spec(llmd({"pipelineParallelSize": 2}), default_image="i"), llmd({}), 0)
+    revisions = {m["spec"]["template"]["metadata"]["labels"][b.LABEL_REVISION] for m in group}
+    assert revisions == {m["metadata"]["labels"][b.LABEL_REVISION] for m in group} and len(revisions) == 1
 
 
 def test_applied_hash_is_stable_and_tracks_content():

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.operator
 
 SPEC = parse_spec({"metadata": {"name": "m", "namespace": "ns"}, "spec": {"pipelineParallelSize": 2, "replicas": 2}},
                   default_image="i")
-REV = b.pod_revision(SPEC, 0)
+REV = b.group_revision(SPEC, 0, 0)
 
 
 def pod(name, ready=True, revision=REV, restarts=0, waiting=None, terminating=False, phase="Running"):
