@@ -32,6 +32,7 @@ ANNOTATION_RECREATIONS = "pagoda.dev/recreations"
 ANNOTATION_RECREATED_AT = "pagoda.dev/recreated-at"
 ANNOTATION_RECREATE_PENDING = "pagoda.dev/recreate-pending"
 ANNOTATION_MEMBERS = "pagoda.dev/members"
+ANNOTATION_REPLACED_AT = "pagoda.dev/replaced-at"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
@@ -49,6 +50,8 @@ class GroupRecord:
     epoch: bumped to recreate the group (it changes the pod revision, so old pods are told apart);
     recreations/recreated_at: consecutive recreations and the last one, for the backoff;
     pending: a recreation was asked for during the backoff and is still owed;
+    replaced_at: when the group last got a new revision (created, rolled or recreated), for the
+    rollout's progress deadline;
     members: (pod name, pod UID) of every pod seen in the group at its revision. A member that is gone
     or came back with another UID was lost: kept here, not in memory, so neither an API error nor an
     operator restart can forget it (a recreated pod has the same name, revision and 0 restarts)."""
@@ -57,6 +60,7 @@ class GroupRecord:
     recreated_at: str = ""
     pending: bool = False
     members: tuple[tuple[str, str], ...] = ()
+    replaced_at: str = ""
 
     def annotations(self) -> dict[str, str]:
         return {
@@ -65,6 +69,7 @@ class GroupRecord:
             ANNOTATION_RECREATED_AT: self.recreated_at,
             ANNOTATION_RECREATE_PENDING: "true" if self.pending else "false",
             ANNOTATION_MEMBERS: json.dumps(dict(self.members), sort_keys=True, separators=(",", ":")),
+            ANNOTATION_REPLACED_AT: self.replaced_at,
         }
 
     @classmethod
@@ -76,6 +81,7 @@ class GroupRecord:
             recreated_at=a.get(ANNOTATION_RECREATED_AT) or "",
             pending=a.get(ANNOTATION_RECREATE_PENDING) == "true",
             members=_members(a.get(ANNOTATION_MEMBERS)),
+            replaced_at=a.get(ANNOTATION_REPLACED_AT) or "",
         )
 
 

@@ -25,20 +25,17 @@ from . import builders as b
 from .kube import Cluster
 from .settings import OperatorSettings
 from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
-from .status import GroupObservation, build_status, invalid_status, now_iso, pod_revision_of, status_changed
+from .status import GroupObservation, build_status, invalid_status, pod_revision_of, status_changed
+from .times import seconds_since, to_iso, utcnow
 
 log = logging.getLogger("pagoda_operator")
-
-
-def _utcnow() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
 
 
 @dataclass
 class Reconciler:
     cluster: Cluster
     settings: OperatorSettings
-    clock: Callable[[], datetime.datetime] = _utcnow
+    clock: Callable[[], datetime.datetime] = utcnow
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _queued: set[tuple[str, str]] = field(default_factory=set)
@@ -60,10 +57,9 @@ class Reconciler:
         return min(cap, base * 2 ** (recreations - 1))
 
     def recreate_wait(self, record: b.GroupRecord) -> float:
-        if not record.recreated_at:
+        elapsed = seconds_since(record.recreated_at, self.clock())
+        if elapsed is None:
             return 0.0
-        last = datetime.datetime.fromisoformat(record.recreated_at.replace("Z", "+00:00"))
-        elapsed = (self.clock() - last).total_seconds()
         return max(0.0, self.recreate_delay(record.recreations) - elapsed)
 
     # ----- the pass -----
@@ -132,7 +128,7 @@ class Reconciler:
                 group.record = record
 
         status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
-                              spec_error=spec_error)
+                              spec_error=spec_error, now=self.clock())
         self._write_status(namespace, name, status, previous)
         return status
 
@@ -195,14 +191,16 @@ class Reconciler:
                  record: b.GroupRecord, statefulsets: list[dict[str, Any]]) -> None:
         """Point the group's StatefulSets at the wanted template, then delete every pod of another
         revision; the StatefulSet controller recreates them all together (Parallel, OnDelete)."""
+        revision = b.group_revision(spec, group.index, record.epoch, self.settings.cluster_domain)
+        if revision != group.revision:
+            record = replace(record, replaced_at=to_iso(self.clock()))  # the progress deadline starts now
         self._apply_group(spec, body, group.index, record)
         wanted_names = {m["metadata"]["name"] for m in b.build_group(spec, body, group.index, record)}
         for sts in statefulsets:  # e.g. the worker StatefulSet after pipelineParallelSize became 1
             if _group_of(sts) == group.index and sts["metadata"]["name"] not in wanted_names:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
         group.record = record
-        group.revision = group.wanted_revision = b.group_revision(spec, group.index, record.epoch,
-                                                                  self.settings.cluster_domain)
+        group.revision = group.wanted_revision = revision
         for pod in group.pods:
             if pod_revision_of(pod) != group.revision:
                 self.cluster.delete_pod(spec.namespace, pod["metadata"]["name"])
@@ -228,7 +226,7 @@ class Reconciler:
         log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name,
                  f"pods {lost} were lost" if lost else "a pod restarted")
         record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
-                               recreated_at=self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"), pending=False)
+                               recreated_at=to_iso(self.clock()), pending=False)
         self._replace(spec, body, group, record, statefulsets)
 
     def _record_members(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
@@ -247,12 +245,16 @@ class Reconciler:
 
     def _roll(self, spec: DeploymentSpec, body: dict[str, Any], groups: list[GroupObservation],
               statefulsets: list[dict[str, Any]]) -> None:
+        """Replace stale groups from `partition` up: a group that is not Ready at once (it serves
+        nothing), a Ready one only while fewer than `maxUnavailable` groups are not Ready."""
+        unavailable = sum(1 for g in groups if not g.ready)
         for group in groups:
-            if not group.stale:
+            if not group.stale or group.index < spec.partition:
                 continue
-            others_unready = any(not g.ready for g in groups if g is not group)
-            if group.ready and others_unready:
-                continue  # keep serving: wait until the group being replaced is Ready
+            if group.ready:
+                if unavailable >= spec.max_unavailable:
+                    continue  # keep serving until a group being replaced is Ready
+                unavailable += 1
             log.info("rolling group %s of %s/%s to revision %s", group.index, spec.namespace, spec.name,
                      group.wanted_revision)
             self._replace(spec, body, group, replace(group.record, pending=False, members=()), statefulsets)
@@ -275,4 +277,4 @@ def _group_of(obj: dict[str, Any]) -> int:
         return -1
 
 
-__all__ = ["Reconciler", "now_iso"]
+__all__ = ["Reconciler"]

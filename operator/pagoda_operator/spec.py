@@ -71,6 +71,11 @@ class DeploymentSpec:
     pod_annotations: dict[str, str] | None = None
     pod_labels: dict[str, str] | None = None
     gpu_resource_name: str = GPU_RESOURCE
+    # rollout: groups replaced at once, groups below the partition index kept on their revision,
+    # and how long a replaced group may take to get Ready before the rollout is reported stalled.
+    max_unavailable: int = 1
+    partition: int = 0
+    progress_deadline_seconds: int | None = None
     # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
     # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
     source: str = field(default="", compare=False)
@@ -82,6 +87,11 @@ class DeploymentSpec:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def progress_deadline(self) -> int:
+        """Default: the model may take startupTimeoutSeconds to load, plus 10 minutes to schedule and pull."""
+        return self.progress_deadline_seconds or self.startup_timeout_seconds + 600
 
     @property
     def gpus_per_pod(self) -> int:
@@ -182,6 +192,12 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         if arg.split("=", 1)[0] in OWNED_FLAGS:
             raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]}: "
                               "the operator sets it from the spec")
+    rollout = spec.get("rollout") or {}
+    max_unavailable = _int(rollout.get("maxUnavailable", 1), "rollout.maxUnavailable", 1)
+    partition = _int(rollout.get("partition", 0), "rollout.partition", 0)
+    deadline = rollout.get("progressDeadlineSeconds")
+    if deadline is not None:
+        deadline = _int(deadline, "rollout.progressDeadlineSeconds", 60)
     parsed = DeploymentSpec(
         name=name,
         namespace=meta.get("namespace") or "default",
@@ -216,6 +232,9 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         pod_annotations=spec.get("podAnnotations"),
         pod_labels=spec.get("podLabels"),
         gpu_resource_name=gpu_resource_name,
+        max_unavailable=max_unavailable,
+        partition=partition,
+        progress_deadline_seconds=deadline,
         source=spec_source(spec),
     )
     gpus = parsed.gpus_per_pod

@@ -11,6 +11,7 @@ from typing import Any
 
 from .builders import LABEL_REVISION, GroupRecord, endpoint, head_selector, selector_string
 from .spec import DeploymentSpec
+from .times import seconds_since, to_iso, utcnow
 
 # Container states that mean the pod will not become Ready without someone changing something.
 FAILING_REASONS = frozenset({
@@ -18,10 +19,6 @@ FAILING_REASONS = frozenset({
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "OOMKilled",
 })
 CONDITION_TYPES = ("Available", "Progressing", "Degraded", "SpecValid")
-
-
-def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def pod_is_ready(pod: dict[str, Any]) -> bool:
@@ -124,15 +121,19 @@ def merge_conditions(new: list[dict[str, str]], previous: list[dict[str, Any]] |
 def build_status(
     spec: DeploymentSpec, groups: list[GroupObservation], *, generation: int | None,
     extra_groups: int = 0, previous: dict[str, Any] | None = None, timestamp: str | None = None,
-    spec_error: str | None = None,
+    spec_error: str | None = None, now: datetime.datetime | None = None,
 ) -> dict[str, Any]:
     """The status while a valid spec is reconciled. `groups` are the wanted groups 0..replicas-1,
     observed after this reconcile's actions; `extra_groups` counts groups above replicas still being
     removed; `spec_error` says why the current spec was rejected when `spec` is the last valid one."""
-    timestamp = timestamp or now_iso()
+    now = now or utcnow()
+    timestamp = timestamp or to_iso(now)
     ready = sum(1 for g in groups if g.ready)
     wanted = spec.replicas
-    stale = [g.index for g in groups if g.stale]
+    held = [g.index for g in groups if g.stale and g.index < spec.partition]
+    stale = [g.index for g in groups if g.stale and g.index >= spec.partition]
+    stalled = [g.index for g in groups if g.exists and not g.stale and not g.ready
+               and (seconds_since(g.record.replaced_at, now) or 0) > spec.progress_deadline]
     missing = [g.index for g in groups if not g.exists]
     starting = [g.index for g in groups if g.exists and not g.stale and not g.ready]
     failures = [f"group {g.index} {g.failure}" for g in groups if g.failure]
@@ -145,14 +146,23 @@ def build_status(
     else:
         available = _condition("Available", False, "NoGroupReady", f"0/{wanted} groups ready")
 
-    if stale:
+    if stalled:
+        progressing = _condition("Progressing", False, "ProgressDeadlineExceeded",
+                                 f"groups {stalled} are not Ready {spec.progress_deadline}s after they were "
+                                 "replaced (rollout.progressDeadlineSeconds)")
+    elif stale:
         progressing = _condition("Progressing", True, "RollingUpdate",
-                                 f"groups {stale} run an older spec; replacing one group at a time")
+                                 f"groups {stale} run an older pod template; replacing up to "
+                                 f"{spec.max_unavailable} at a time")
     elif missing or extra_groups:
         progressing = _condition("Progressing", True, "Scaling",
                                  f"creating groups {missing}" if missing else f"removing {extra_groups} groups")
     elif starting:
         progressing = _condition("Progressing", True, "GroupsStarting", f"groups {starting} are not Ready yet")
+    elif held:
+        progressing = _condition("Progressing", False, "Partitioned",
+                                 f"groups {held} stay on their previous pod template (rollout.partition "
+                                 f"{spec.partition}); the others run the current one")
     else:
         progressing = _condition("Progressing", False, "Complete", f"all {wanted} groups run the current spec")
 
@@ -161,6 +171,8 @@ def build_status(
     elif owed:
         degraded = _condition("Degraded", True, "GroupRestarting",
                               f"groups {owed} lost a pod and wait for their restart backoff")
+    elif stalled:
+        degraded = _condition("Degraded", True, "ProgressDeadlineExceeded", progressing["message"])
     elif spec_error:
         degraded = _condition("Degraded", True, "InvalidSpec",
                               f"the last edit is rejected, the previous spec stays in force: {spec_error}")
@@ -218,7 +230,7 @@ def invalid_status(message: str, *, generation: int | None, previous: dict[str, 
         "replicas": prev.get("replicas", 0),
         "readyReplicas": prev.get("readyReplicas", 0),
         "observedGeneration": generation,
-        "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp or now_iso()),
+        "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp or to_iso(utcnow())),
     }
 
 

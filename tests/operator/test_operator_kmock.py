@@ -107,6 +107,38 @@ async def test_spec_change_rolls_one_group_at_a_time(cluster, operator):
         assert "128" in pod["spec"]["containers"][0]["args"]
 
 
+async def test_rollout_max_unavailable_and_partition(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 4, "rollout": {"maxUnavailable": 2, "partition": 1}})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 8))
+    await cluster.converge("llama")
+    old = {n: labels(s)["pagoda.dev/revision"] for n, s in (await cluster.statefulsets("llama")).items()}
+
+    await cluster.update_spec("llama", {"engine": {"maxNumSeqs": 128}})
+
+    def rolled(sts):
+        return sorted({labels(s)["pagoda.dev/group"] for n, s in sts.items() if labels(s)["pagoda.dev/revision"] != old[n]})
+    async def two_rolled():
+        sts = await cluster.statefulsets("llama")
+        return sts if rolled(sts) == ["1", "2"] else None
+    sts = await eventually(two_rolled, what="groups 1 and 2 replaced together")
+    assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/replaced-at"]
+    pods = await cluster.pods("llama")
+    assert "llama-g3-head-0" in pods and "llama-g0-head-0" in pods  # still serving
+
+    status = await cluster.converge_groups("llama", 4)
+    sts = await cluster.statefulsets("llama")
+    assert rolled(sts) == ["1", "2", "3"]  # group 0 is below the partition
+    assert (await cluster.condition("llama", "Progressing"))["reason"] == "Partitioned"
+    assert status["updatedReplicas"] == 3 and status["phase"] == "Ready"
+
+    await cluster.update_spec("llama", {"rollout": {"partition": 0}})
+    async def complete():
+        await cluster.reconcile_pods()
+        return await _reason_false(cluster, "llama", "Progressing", "Complete")
+    await eventually(complete, timeout=20, what="rollout complete")
+    assert rolled(await cluster.statefulsets("llama")) == ["0", "1", "2", "3"]
+
+
 async def test_scale_up_and_down_by_whole_groups(cluster, operator):
     await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
     await eventually(lambda: _has(cluster.statefulsets("llama"), 2))

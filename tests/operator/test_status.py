@@ -104,6 +104,33 @@ def test_phase_agrees_with_the_conditions():
             assert c["Progressing"][0] == "True"
 
 
+def test_a_stalled_rollout_is_reported_after_its_deadline():
+    spec = parse_spec({"metadata": {"name": "m", "namespace": "ns"},
+                       "spec": {"pipelineParallelSize": 2, "replicas": 2, "rollout": {"progressDeadlineSeconds": 600}}},
+                      default_image="i")
+    replaced = b.GroupRecord(replaced_at="2026-01-01T00:00:00Z")
+    groups = [group(0, [pod("h", ready=False, phase="Pending"), pod("w", ready=False, phase="Pending")],
+                    record=replaced), group(1, [pod("h"), pod("w")], wanted="new")]
+    early = build_status(spec, groups, generation=2, now=datetime.datetime(2026, 1, 1, 0, 9, tzinfo=datetime.UTC))
+    assert conditions(early)["Progressing"] == ("True", "RollingUpdate") and early["phase"] == "Progressing"
+    late = build_status(spec, groups, generation=2, now=datetime.datetime(2026, 1, 1, 0, 11, tzinfo=datetime.UTC))
+    assert conditions(late)["Progressing"] == ("False", "ProgressDeadlineExceeded")
+    assert "[0]" in next(c["message"] for c in late["conditions"] if c["type"] == "Progressing")
+    assert conditions(late)["Degraded"] == ("True", "ProgressDeadlineExceeded") and late["phase"] == "Degraded"
+    assert parse_spec({"metadata": {"name": "m"}, "spec": {"startupTimeoutSeconds": 100}},
+                      default_image="i").progress_deadline == 700
+
+
+def test_groups_below_the_partition_are_held_not_rolling():
+    spec = parse_spec({"metadata": {"name": "m", "namespace": "ns"},
+                       "spec": {"pipelineParallelSize": 2, "replicas": 2, "rollout": {"partition": 1}}},
+                      default_image="i")
+    groups = [group(0, [pod("h"), pod("w")], wanted="new"), group(1, [pod("h"), pod("w")])]
+    status = build_status(spec, groups, generation=2)
+    assert conditions(status)["Progressing"] == ("False", "Partitioned") and status["phase"] == "Ready"
+    assert status["updatedReplicas"] == 1
+
+
 def test_transition_times_move_only_on_status_changes():
     groups = [group(i, [pod("h"), pod("w")]) for i in range(2)]
     first = build_status(SPEC, groups, generation=1, timestamp="T1")
