@@ -101,6 +101,13 @@ class Cluster:
         items = self._dict(self.core.list_namespaced_pod(namespace, label_selector=sel)).get("items") or []
         return [i for i in items if labels_match(i, selector)]
 
+    def list_events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
+        """core/v1 Events about one object (kubectl describe's list)."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        items = self._dict(self.core.list_namespaced_event(namespace, field_selector=selector)).get("items") or []
+        return [e for e in items if (e.get("involvedObject") or {}).get("kind") == kind
+                and (e.get("involvedObject") or {}).get("name") == name]  # emulators may not filter
+
     # ----- writes -----
 
     def apply(self, manifest: dict[str, Any]) -> bool:

@@ -26,7 +26,7 @@ from .kube import Cluster
 from .settings import OperatorSettings
 from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
 from .status import GroupObservation, build_status, invalid_status, pod_revision_of, status_changed
-from .times import seconds_since, to_iso, utcnow
+from .times import from_iso, seconds_since, to_iso, utcnow
 
 log = logging.getLogger("pagoda_operator")
 
@@ -173,7 +173,29 @@ class Reconciler:
                 record=record,
                 pods=[p for p in pods if _group_of(p) == index],
             ))
+        for group in groups:
+            group.create_errors = self._create_errors(spec, group, statefulsets)
         return groups
+
+    def _create_errors(self, spec: DeploymentSpec, group: GroupObservation,
+                       statefulsets: list[dict[str, Any]]) -> list[str]:
+        """Why pods the group's StatefulSets want do not exist: read only when pods are missing
+        (cheap in steady state), and only what happened since the group got its template."""
+        if not group.exists or len(group.current_pods) >= group.size:
+            return []
+        since = from_iso(group.record.replaced_at)
+        errors = []
+        for sts in statefulsets:
+            if _group_of(sts) != group.index:
+                continue
+            for cond in (sts.get("status") or {}).get("conditions") or []:
+                if cond.get("reason") == "FailedCreate" and cond.get("status") == "True":
+                    errors.append(cond.get("message") or "FailedCreate")
+            for event in self.cluster.list_events(spec.namespace, "StatefulSet", sts["metadata"]["name"]):
+                when = from_iso(event.get("lastTimestamp") or event.get("eventTime") or "")
+                if event.get("reason") == "FailedCreate" and (since is None or when is None or when >= since):
+                    errors.append(event.get("message") or "FailedCreate")
+        return list(dict.fromkeys(errors))
 
     def _remove_extra_groups(self, spec: DeploymentSpec, statefulsets: list[dict[str, Any]]) -> int:
         """Scale down: delete whole groups above replicas (their pods go with them). Returns how many."""

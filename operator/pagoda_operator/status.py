@@ -50,6 +50,14 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def pod_unschedulable(pod: dict[str, Any]) -> str | None:
+    """The scheduler's message when it cannot place the pod (no node with free GPUs, taints, affinity)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return c.get("message") or "Unschedulable"
+    return None
+
+
 @dataclass
 class GroupObservation:
     index: int
@@ -58,6 +66,9 @@ class GroupObservation:
     revision: str | None            # what the group's StatefulSets run now (None: not created)
     record: GroupRecord = field(default_factory=GroupRecord)
     pods: list[dict[str, Any]] = field(default_factory=list)
+    # Why the StatefulSet controller could not create missing pods (ResourceQuota, Pod Security
+    # admission, ...): the messages of its FailedCreate Events and conditions.
+    create_errors: list[str] = field(default_factory=list)
 
     @property
     def exists(self) -> bool:
@@ -92,6 +103,14 @@ class GroupObservation:
     @property
     def restarted(self) -> bool:
         return any(pod_restarts(p) > 0 for p in self.current_pods)
+
+    @property
+    def unschedulable(self) -> str | None:
+        for pod in self.current_pods:
+            message = pod_unschedulable(pod)
+            if message:
+                return f"pod {pod['metadata'].get('name')}: {message}"
+        return None
 
     @property
     def failure(self) -> str | None:
@@ -137,6 +156,8 @@ def build_status(
     missing = [g.index for g in groups if not g.exists]
     starting = [g.index for g in groups if g.exists and not g.stale and not g.ready]
     failures = [f"group {g.index} {g.failure}" for g in groups if g.failure]
+    rejected = [f"group {g.index}: {m}" for g in groups for m in g.create_errors]
+    unschedulable = [f"group {g.index} {g.unschedulable}" for g in groups if g.unschedulable]
     owed = [g.index for g in groups if g.record.pending]
 
     if wanted == 0:
@@ -168,6 +189,10 @@ def build_status(
 
     if failures:
         degraded = _condition("Degraded", True, "PodFailing", "; ".join(failures))
+    elif rejected:
+        degraded = _condition("Degraded", True, "FailedCreate", "; ".join(rejected))
+    elif unschedulable:
+        degraded = _condition("Degraded", True, "Unschedulable", "; ".join(unschedulable))
     elif owed:
         degraded = _condition("Degraded", True, "GroupRestarting",
                               f"groups {owed} lost a pod and wait for their restart backoff")

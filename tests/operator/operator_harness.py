@@ -100,13 +100,15 @@ class FakeCluster:
 
     # ----- playing the StatefulSet controller and the kubelet -----
 
-    async def reconcile_pods(self, ready: bool = True) -> list[str]:
+    async def reconcile_pods(self, ready: bool = True, skip: frozenset[str] = frozenset()) -> list[str]:
         """Create missing pods of every StatefulSet from its template; delete pods whose StatefulSet is
         gone (garbage collection). Returns the names of the pods created."""
         statefulsets = await self.statefulsets()
         pods = await self.pods()
         created = []
         for sts_name, sts in statefulsets.items():
+            if sts_name in skip:
+                continue  # e.g. a ResourceQuota rejects its pods
             start = sts["spec"].get("ordinals", {}).get("start", 0)
             for ordinal in range(start, start + sts["spec"]["replicas"]):
                 pod_name = f"{sts_name}-{ordinal}"
@@ -127,15 +129,30 @@ class FakeCluster:
         return created
 
     async def set_pod(self, name: str, *, ready: bool = True, restarts: int = 0,
-                      waiting_reason: str | None = None, phase: str = "Running") -> None:
+                      waiting_reason: str | None = None, phase: str = "Running",
+                      unschedulable: str | None = None) -> None:
         state = {"waiting": {"reason": waiting_reason}} if waiting_reason else {"running": {}}
+        conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+        if unschedulable:  # what the scheduler writes when no node fits
+            phase, ready = "Pending", False
+            conditions = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                           "message": unschedulable}]
         status = {
             "phase": phase,
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "conditions": conditions,
             "containerStatuses": [{"name": "pagoda", "ready": ready, "restartCount": restarts, "state": state,
                                    "image": "x", "imageID": "", "started": ready}],
         }
         await self._json("PATCH", f"{PODS.format(ns=self.ns)}/{name}/status", {"status": status})
+
+    async def record_event(self, kind: str, name: str, reason: str, message: str) -> None:
+        """An Event as a controller posts it (the StatefulSet controller's FailedCreate, say)."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        await self._json("POST", f"/api/v1/namespaces/{self.ns}/events", {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{name}.{uuid.uuid4().hex[:8]}", "namespace": self.ns},
+            "involvedObject": {"kind": kind, "name": name, "namespace": self.ns},
+            "reason": reason, "message": message, "type": "Warning", "lastTimestamp": now})
 
     async def delete_pod(self, name: str) -> None:
         await self._json("DELETE", f"{PODS.format(ns=self.ns)}/{name}")

@@ -164,6 +164,28 @@ async def test_scale_up_and_down_by_whole_groups(cluster, operator):
     assert (await cluster.condition("llama", "Available"))["reason"] == "ScaledToZero"
 
 
+async def test_scheduling_and_admission_failures_show_in_the_status(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 2, "restartPolicy": "None"})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
+    # Group 0: the scheduler finds no node; group 1: a ResourceQuota rejects the worker pod.
+    await cluster.reconcile_pods(ready=False, skip=frozenset({"llama-g1-worker"}))
+    await cluster.set_pod("llama-g0-worker-1", unschedulable="0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+    await cluster.record_event("StatefulSet", "llama-g1-worker", "FailedCreate",
+                               'create Pod llama-g1-worker-1 in StatefulSet llama-g1-worker failed error: pods '
+                               '"llama-g1-worker-1" is forbidden: exceeded quota: gpus')
+    cond = await eventually(lambda: _reason(cluster, "llama", "Degraded", "FailedCreate"), what="FailedCreate")
+    assert "exceeded quota: gpus" in cond["message"] and "group 1" in cond["message"]
+    assert (await cluster.status("llama"))["phase"] == "Degraded"
+
+    await cluster.reconcile_pods(ready=False)  # the quota was raised
+    cond = await eventually(lambda: _reason(cluster, "llama", "Degraded", "Unschedulable"), what="Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in cond["message"] and "llama-g0-worker-1" in cond["message"]
+
+    for pod in await cluster.pods("llama"):
+        await cluster.set_pod(pod)
+    await eventually(lambda: _phase_in(cluster, "llama", {"Ready"}), what="Ready once scheduled")
+
+
 async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, operator):
     await cluster.create("llama", GPU_SPEC)
     await eventually(lambda: _has(cluster.statefulsets("llama"), 4))

@@ -131,6 +131,20 @@ def test_groups_below_the_partition_are_held_not_rolling():
     assert status["updatedReplicas"] == 1
 
 
+def test_unschedulable_pods_and_rejected_creations_are_named():
+    stuck = pod("w", ready=False, phase="Pending")
+    stuck["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                      "message": "0/2 nodes are available: 2 Insufficient amd.com/gpu."}]
+    status = build_status(SPEC, [group(0, [pod("h"), stuck]), group(1, [pod("h"), pod("w")])], generation=1)
+    assert conditions(status)["Degraded"] == ("True", "Unschedulable") and status["phase"] == "Degraded"
+    assert "group 0 pod w: 0/2 nodes" in next(c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+    rejected = group(1, [pod("h")])
+    rejected.create_errors = ['pods "w" is forbidden: violates PodSecurity "restricted:latest"']
+    status = build_status(SPEC, [group(0, [pod("h"), stuck]), rejected], generation=1)
+    assert conditions(status)["Degraded"] == ("True", "FailedCreate")
+    assert "PodSecurity" in next(c["message"] for c in status["conditions"] if c["type"] == "Degraded")
+
+
 def test_transition_times_move_only_on_status_changes():
     groups = [group(i, [pod("h"), pod("w")]) for i in range(2)]
     first = build_status(SPEC, groups, generation=1, timestamp="T1")
