@@ -41,6 +41,11 @@ PROBE_PERIOD_SECONDS = 10
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
 CONTAINER = "pagoda"
+# Shutdown: the head keeps serving for PRESTOP_SECONDS after it is told to stop, while the endpoints
+# controller and kube-proxy take it out of the Service; then SIGTERM starts the runtime's drain, which
+# gets the rest of the grace period minus a margin for the engine to stop.
+PRESTOP_SECONDS = 10
+SHUTDOWN_MARGIN_SECONDS = 10
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,18 @@ def group_revision(spec: DeploymentSpec, group: int, epoch: int, cluster_domain:
     return digest({"templates": templates, "epoch": epoch})
 
 
+def drain_seconds(spec: DeploymentSpec) -> int:
+    """The runtime's --shutdown-timeout: what the grace period leaves after the preStop and a margin."""
+    return spec.termination_grace_period_seconds - PRESTOP_SECONDS - SHUTDOWN_MARGIN_SECONDS
+
+
+def build_lifecycle(spec: DeploymentSpec, role: str) -> dict[str, Any]:
+    """The head waits before its drain so the Service stops sending first; workers wait out the
+    head's whole drain, as the head cannot finish a request once a pipeline stage has exited."""
+    seconds = PRESTOP_SECONDS if role == "head" else PRESTOP_SECONDS + drain_seconds(spec)
+    return {"preStop": {"exec": {"command": ["sleep", str(seconds)]}}}
+
+
 def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> list[str]:
     """`pagoda serve` arguments; the node rank comes from the env var via Kubernetes' $(VAR) expansion."""
     args = ["serve"]
@@ -185,6 +202,7 @@ def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.
         "--node-rank", "$(PAGODA_NODE_RANK)",
         "--master-addr", master_addr(spec, group, cluster_domain),
         "--master-port", str(MASTER_PORT),
+        "--shutdown-timeout", str(drain_seconds(spec)),
     ]
     e = spec.engine
     for flag, value in (("--max-model-len", e.max_model_len), ("--max-num-seqs", e.max_num_seqs),
@@ -215,7 +233,8 @@ def build_resources(spec: DeploymentSpec) -> dict[str, Any]:
     return {"limits": {spec.gpu_resource_name: gpus}, "requests": {spec.gpu_resource_name: gpus}}
 
 
-def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> dict[str, Any]:
+def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local",
+                    role: str = "head") -> dict[str, Any]:
     health = {"httpGet": {"path": "/health", "port": "http"}}
     mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
     if spec.model_volume:
@@ -238,6 +257,7 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
                          "failureThreshold": math.ceil(spec.startup_timeout_seconds / PROBE_PERIOD_SECONDS)},
         "readinessProbe": {**health, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**health, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "lifecycle": build_lifecycle(spec, role),
     }
 
 
@@ -262,7 +282,7 @@ def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: s
     labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role)}
     group_pods = {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group)}
     pod_spec: dict[str, Any] = {
-        "containers": [build_container(spec, group, cluster_domain)],
+        "containers": [build_container(spec, group, cluster_domain, role)],
         "volumes": build_volumes(spec),
         # PP stages belong on different nodes; on GPUs this is a hard rule (each pod fills a node),
         # on CPU a preference so that a one-node cluster can still run a group.
@@ -272,7 +292,7 @@ def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: s
             "whenUnsatisfiable": "DoNotSchedule" if spec.gpus_per_pod else "ScheduleAnyway",
             "labelSelector": {"matchLabels": group_pods},
         }],
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
     }
     for key, value in (("nodeSelector", spec.node_selector), ("tolerations", spec.tolerations),
                        ("affinity", spec.affinity), ("priorityClassName", spec.priority_class_name),

@@ -138,9 +138,9 @@ class Cluster:
             if e.status != 404:
                 raise
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
         try:
-            self.core.delete_namespaced_pod(name, namespace)
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_period_seconds)
         except kubernetes.client.ApiException as e:
             if e.status != 404:
                 raise

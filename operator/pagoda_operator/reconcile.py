@@ -29,6 +29,8 @@ from .status import GroupObservation, build_status, invalid_status, pod_revision
 from .times import from_iso, seconds_since, to_iso, utcnow
 
 log = logging.getLogger("pagoda_operator")
+# A group whose torch.distributed world broke cannot finish requests: its pods need no drain.
+BROKEN_GROUP_GRACE_SECONDS = 5
 
 
 @dataclass
@@ -210,9 +212,10 @@ class Reconciler:
             self.cluster.apply(manifest)
 
     def _replace(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                 record: b.GroupRecord, statefulsets: list[dict[str, Any]]) -> None:
+                 record: b.GroupRecord, statefulsets: list[dict[str, Any]], broken: bool = False) -> None:
         """Point the group's StatefulSets at the wanted template, then delete every pod of another
-        revision; the StatefulSet controller recreates them all together (Parallel, OnDelete)."""
+        revision; the StatefulSet controller recreates them all together (Parallel, OnDelete).
+        A broken group serves nothing, so its pods skip the graceful drain."""
         revision = b.group_revision(spec, group.index, record.epoch, self.settings.cluster_domain)
         if revision != group.revision:
             record = replace(record, replaced_at=to_iso(self.clock()))  # the progress deadline starts now
@@ -225,7 +228,8 @@ class Reconciler:
         group.revision = group.wanted_revision = revision
         for pod in group.pods:
             if pod_revision_of(pod) != group.revision:
-                self.cluster.delete_pod(spec.namespace, pod["metadata"]["name"])
+                self.cluster.delete_pod(spec.namespace, pod["metadata"]["name"],
+                                        grace_period_seconds=BROKEN_GROUP_GRACE_SECONDS if broken else None)
         group.pods = [p for p in group.pods if pod_revision_of(p) == group.revision]
 
     def _maybe_recreate(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
@@ -249,7 +253,7 @@ class Reconciler:
                  f"pods {lost} were lost" if lost else "a pod restarted")
         record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=to_iso(self.clock()), pending=False)
-        self._replace(spec, body, group, record, statefulsets)
+        self._replace(spec, body, group, record, statefulsets, broken=True)
 
     def _record_members(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
         """Add newly seen pods of the group to its durable member list (see GroupRecord)."""

@@ -18,7 +18,7 @@ MAX_NAME_LENGTH = 40
 # Flags the operator sets itself; letting extraArgs repeat them would desynchronise the group.
 OWNED_FLAGS = (
     "--served-model-name", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
-    "--nnodes", "--node-rank", "--master-addr", "--master-port",
+    "--nnodes", "--node-rank", "--master-addr", "--master-port", "--shutdown-timeout",
 )
 # Directories a model volume must not shadow inside the container.
 RESERVED_PATHS = ("/dev", "/proc", "/sys", "/etc", "/usr", "/bin", "/lib", "/tmp", "/var/run")
@@ -73,6 +73,7 @@ class DeploymentSpec:
     gpu_resource_name: str = GPU_RESOURCE
     # rollout: groups replaced at once, groups below the partition index kept on their revision,
     # and how long a replaced group may take to get Ready before the rollout is reported stalled.
+    termination_grace_period_seconds: int = 90
     max_unavailable: int = 1
     partition: int = 0
     progress_deadline_seconds: int | None = None
@@ -192,6 +193,7 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         if arg.split("=", 1)[0] in OWNED_FLAGS:
             raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]}: "
                               "the operator sets it from the spec")
+    grace = _int(spec.get("terminationGracePeriodSeconds", 90), "terminationGracePeriodSeconds", 30)
     rollout = spec.get("rollout") or {}
     max_unavailable = _int(rollout.get("maxUnavailable", 1), "rollout.maxUnavailable", 1)
     partition = _int(rollout.get("partition", 0), "rollout.partition", 0)
@@ -232,6 +234,7 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         pod_annotations=spec.get("podAnnotations"),
         pod_labels=spec.get("podLabels"),
         gpu_resource_name=gpu_resource_name,
+        termination_grace_period_seconds=grace,
         max_unavailable=max_unavailable,
         partition=partition,
         progress_deadline_seconds=deadline,

@@ -155,6 +155,21 @@ def test_gpu_resource_name_is_a_spec_field():
                "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}}})
 
 
+def test_shutdown_outlasts_the_drain_and_the_service_stops_sending_first():
+    spec, manifests = build({"pipelineParallelSize": 2})
+    head, worker = (m for m in manifests if m["kind"] == "StatefulSet")
+    pod = head["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 90
+    drain = int(flag(pod["containers"][0]["args"], "--shutdown-timeout"))
+    head_wait = int(pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    worker_wait = int(worker["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert head_wait > 0 and head_wait + drain < 90  # the drain ends before the kubelet's SIGKILL
+    assert worker_wait == head_wait + drain  # pipeline stages outlive the head's drain
+    _, manifests = build({"terminationGracePeriodSeconds": 600})
+    c = containers_of(manifests)[0]
+    assert int(flag(c["args"], "--shutdown-timeout")) == 580
+
+
 def test_explicit_gpu_resources_win():
     _, manifests = build({"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}})
     assert containers_of(manifests)[0]["resources"] == {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}
@@ -214,6 +229,8 @@ def test_applied_hash_is_stable_and_tracks_content():
     ({"tensorParallelSize": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}}, "one GPU per tensor-parallel rank"),
     ({"engine": {"extraArgs": ["--node-rank", "3"]}}, "must not set --node-rank"),
     ({"engine": {"extraArgs": ["--tensor-parallel-size=2"]}}, "must not set --tensor-parallel-size"),
+    ({"engine": {"extraArgs": ["--shutdown-timeout", "5"]}}, "must not set --shutdown-timeout"),
+    ({"terminationGracePeriodSeconds": 10}, "terminationGracePeriodSeconds must be"),
     ({"replicas": -1}, "replicas must be"),
     ({"tensorParallelSize": "8"}, "tensorParallelSize must be"),
     ({"resources": {"limits": {"nvidia.com/gpu": "1.5"}}}, r"resources.limits\[nvidia.com/gpu\] must be a whole"),

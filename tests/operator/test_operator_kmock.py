@@ -186,7 +186,7 @@ async def test_scheduling_and_admission_failures_show_in_the_status(cluster, ope
     await eventually(lambda: _phase_in(cluster, "llama", {"Ready"}), what="Ready once scheduled")
 
 
-async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, operator):
+async def test_pod_restart_recreates_the_whole_group_with_backoff(kmock, cluster, operator):
     await cluster.create("llama", GPU_SPEC)
     await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
     await cluster.converge("llama")
@@ -199,6 +199,8 @@ async def test_pod_restart_recreates_the_whole_group_with_backoff(cluster, opera
         pods = await cluster.pods("llama")
         return pods if "llama-g1-head-0" not in pods and "llama-g1-worker-1" not in pods else None
     pods = await eventually(group1_pods_deleted, what="group 1 recreated")
+    deletes = [r for r in kmock if "DELETE" in str(r.method) and r.url.path.endswith("/pods/llama-g1-head-0")]
+    assert deletes and deletes[0].url.query.get("gracePeriodSeconds") == "5"  # a broken group needs no drain
     sts = await cluster.statefulsets("llama")
     assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "1"
     assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/recreations"] == "1"
