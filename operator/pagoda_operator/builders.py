@@ -33,6 +33,7 @@ ANNOTATION_RECREATED_AT = "pagoda.dev/recreated-at"
 ANNOTATION_RECREATE_PENDING = "pagoda.dev/recreate-pending"
 ANNOTATION_MEMBERS = "pagoda.dev/members"
 ANNOTATION_REPLACED_AT = "pagoda.dev/replaced-at"
+ANNOTATION_READY_SINCE = "pagoda.dev/ready-since"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
@@ -57,6 +58,8 @@ class GroupRecord:
     pending: a recreation was asked for during the backoff and is still owed;
     replaced_at: when the group last got a new revision (created, rolled or recreated), for the
     rollout's progress deadline;
+    ready_since: when a group that has been recreated became Ready, so its backoff is forgotten only
+    once it has stayed Ready for a while (a group that crashes right after Ready keeps backing off);
     members: (pod name, pod UID) of every pod seen in the group at its revision. A member that is gone
     or came back with another UID was lost: kept here, not in memory, so neither an API error nor an
     operator restart can forget it (a recreated pod has the same name, revision and 0 restarts)."""
@@ -66,6 +69,7 @@ class GroupRecord:
     pending: bool = False
     members: tuple[tuple[str, str], ...] = ()
     replaced_at: str = ""
+    ready_since: str = ""
 
     def annotations(self) -> dict[str, str]:
         return {
@@ -75,6 +79,7 @@ class GroupRecord:
             ANNOTATION_RECREATE_PENDING: "true" if self.pending else "false",
             ANNOTATION_MEMBERS: json.dumps(dict(self.members), sort_keys=True, separators=(",", ":")),
             ANNOTATION_REPLACED_AT: self.replaced_at,
+            ANNOTATION_READY_SINCE: self.ready_since,
         }
 
     @classmethod
@@ -87,6 +92,7 @@ class GroupRecord:
             pending=a.get(ANNOTATION_RECREATE_PENDING) == "true",
             members=_members(a.get(ANNOTATION_MEMBERS)),
             replaced_at=a.get(ANNOTATION_REPLACED_AT) or "",
+            ready_since=a.get(ANNOTATION_READY_SINCE) or "",
         )
 
 

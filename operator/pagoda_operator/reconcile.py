@@ -123,9 +123,8 @@ class Reconciler:
                 self._maybe_recreate(spec, body, group, statefulsets, deleted)
         self._roll(spec, body, groups, statefulsets)
         for group in groups:
-            if group.ready and (group.record.recreations or group.record.pending):
-                # A group that made it to Ready has stopped crashing: forget its backoff.
-                record = replace(group.record, recreations=0, pending=False)
+            record = backoff_after(group.record, group.ready, self.clock(), self.settings.recreate_backoff_reset_seconds)
+            if record != group.record and not group.stale:
                 self._apply_group(spec, body, group.index, record)
                 group.record = record
 
@@ -290,6 +289,21 @@ class Reconciler:
             log.debug("status of %s/%s changes: %s", namespace, name,
                       {k: (previous.get(k), v) for k, v in status.items() if previous.get(k) != v})
             self.cluster.patch_status(namespace, name, status)
+
+
+def backoff_after(record: b.GroupRecord, ready: bool, now: datetime.datetime, reset_seconds: float) -> b.GroupRecord:
+    """The group's backoff bookkeeping after this pass: a recreated group that has stayed Ready for
+    `reset_seconds` has stopped crashing and starts again from no backoff; leaving Ready restarts
+    the clock. Nothing is tracked for a group that was never recreated."""
+    if not record.recreations:
+        return record if not record.ready_since else replace(record, ready_since="")
+    if not ready:
+        return replace(record, ready_since="")
+    if not record.ready_since:
+        return replace(record, ready_since=to_iso(now))
+    if (seconds_since(record.ready_since, now) or 0) >= reset_seconds:
+        return replace(record, recreations=0, ready_since="")
+    return record
 
 
 def _label(obj: dict[str, Any] | None, key: str) -> str | None:

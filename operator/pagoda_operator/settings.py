@@ -20,6 +20,7 @@ class OperatorSettings:
     resync_seconds: float = 30.0              # periodic reconcile: deferred restarts, missed events
     recreate_backoff_seconds: float = 10.0    # first delay between recreations of a crashing group
     recreate_backoff_max_seconds: float = 300.0
+    recreate_backoff_reset_seconds: float = 600.0  # Ready this long: the group stopped crashing
 
     @property
     def clusterwide(self) -> bool:
@@ -45,6 +46,8 @@ class OperatorSettings:
                 recreate_backoff_seconds=float(get("RECREATE_BACKOFF_SECONDS", str(cls.recreate_backoff_seconds))),
                 recreate_backoff_max_seconds=float(
                     get("RECREATE_BACKOFF_MAX_SECONDS", str(cls.recreate_backoff_max_seconds))),
+                recreate_backoff_reset_seconds=float(
+                    get("RECREATE_BACKOFF_RESET_SECONDS", str(cls.recreate_backoff_reset_seconds))),
             )
         except ValueError as e:
             raise SystemExit(f"invalid {PREFIX}* setting: {e}") from e

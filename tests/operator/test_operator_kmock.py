@@ -221,8 +221,11 @@ async def test_pod_restart_recreates_the_whole_group_with_backoff(kmock, cluster
     await eventually(recreated_twice, timeout=15, what="second recreation after backoff")
     status = await cluster.converge("llama")
     assert status["readyReplicas"] == 2
-    sts = await cluster.statefulsets("llama")
-    assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/recreations"] == "0"  # reset once Ready
+    # The backoff is forgotten only after the group has stayed Ready for a while (3 s here).
+    sts = await eventually(lambda: _annotation(cluster, "llama-g1-head", "pagoda.dev/ready-since", None, nonempty=True),
+                           what="ready-since recorded")
+    assert sts["metadata"]["annotations"]["pagoda.dev/recreations"] == "2"
+    await eventually(lambda: _annotation(cluster, "llama-g1-head", "pagoda.dev/recreations", "0"), what="reset")
 
 
 async def test_a_pod_lost_while_the_operator_is_down_still_recreates_its_group(cluster, operator):
@@ -364,9 +367,10 @@ async def test_a_later_invalid_edit_keeps_the_last_valid_spec_managed(cluster, o
     assert status["readyReplicas"] == 2
 
 
-async def _annotation(cluster, sts_name, key, value):
+async def _annotation(cluster, sts_name, key, value, nonempty=False):
     sts = (await cluster.statefulsets()).get(sts_name)
-    return sts if sts and sts["metadata"].get("annotations", {}).get(key) == value else None
+    found = sts and sts["metadata"].get("annotations", {}).get(key)
+    return sts if (found if nonempty else found == value) else None
 
 
 async def _reason_false(cluster, name, ctype, reason):

@@ -202,6 +202,18 @@ def test_invalid_status():
     assert all(c["message"] == "TP too big" for c in status["conditions"])
 
 
+def test_backoff_is_forgotten_only_after_staying_ready():
+    from pagoda_operator.reconcile import backoff_after
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    crashed = b.GroupRecord(recreations=3)
+    ready = backoff_after(crashed, True, t0, 600)
+    assert ready.ready_since == "2026-01-01T00:00:00Z" and ready.recreations == 3
+    assert backoff_after(ready, True, t0 + datetime.timedelta(seconds=599), 600) == ready
+    assert backoff_after(ready, False, t0 + datetime.timedelta(seconds=30), 600) == crashed  # crashed after Ready
+    assert backoff_after(ready, True, t0 + datetime.timedelta(seconds=600), 600) == b.GroupRecord()
+    assert backoff_after(b.GroupRecord(), True, t0, 600) == b.GroupRecord()  # nothing to track, nothing written
+
+
 def test_recreate_backoff_doubles_up_to_the_cap():
     now = datetime.datetime(2026, 1, 1, 0, 0, 10, tzinfo=datetime.timezone.utc)
     r = Reconciler(cluster=None, settings=OperatorSettings(recreate_backoff_seconds=10, recreate_backoff_max_seconds=60),
