@@ -18,6 +18,8 @@ from .reconcile import Reconciler
 from .settings import OperatorSettings
 
 log = logging.getLogger("pagoda_operator")
+# The children whose changes re-run their owner's pass: (group or group/version, version or plural, ...)
+CHILD_RESOURCES = (("v1", "pods"), ("apps", "v1", "statefulsets"))
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -27,6 +29,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
     settings.scanning.disabled = True  # no need to watch CRDs: fewer permissions
     settings.posting.level = logging.WARNING  # k8s Events only for problems
+    # Server-side filtering: watch only the pods and StatefulSets the operator owns, not every pod of
+    # the cluster (the handlers' label filters alone would run client-side, after the transfer).
+    for resource in CHILD_RESOURCES:
+        settings.watching.label_selectors[resource] = LABEL_DEPLOYMENT
     operator_settings: OperatorSettings = memo.settings
     config = load_configuration()
     memo.reconciler = Reconciler(Cluster(kubernetes.client.ApiClient(config)), operator_settings)

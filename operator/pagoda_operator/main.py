@@ -10,7 +10,8 @@ from .kube import PLURAL, VERSION
 from .settings import OperatorSettings
 
 
-def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+def build_registry() -> kopf.OperatorRegistry:
+    """The handlers and their triggers; settings reach the handlers through the memo, not here."""
     registry = kopf.OperatorRegistry()
     resource = (GROUP_API, VERSION, PLURAL)
     owned = {LABEL_DEPLOYMENT: kopf.PRESENT}
@@ -20,15 +21,15 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     kopf.on.login(registry=registry)(handlers.login)
     for trigger in (kopf.on.create, kopf.on.update, kopf.on.resume):
         trigger(*resource, registry=registry, id="reconcile", backoff=5)(handlers.on_llmdeployment)
-    kopf.on.event("v1", "pods", labels=owned, registry=registry)(handlers.on_child_event)
-    kopf.on.event("apps", "v1", "statefulsets", labels=owned, registry=registry)(handlers.on_child_event)
+    for child in handlers.CHILD_RESOURCES:
+        kopf.on.event(*child, labels=owned, registry=registry)(handlers.on_child_event)
     return registry
 
 
 def run(settings: OperatorSettings) -> None:
     """Run the operator until it is told to stop (SIGTERM/SIGINT)."""
     kopf.run(
-        registry=build_registry(settings),
+        registry=build_registry(),
         memo=kopf.Memo(settings=settings),
         clusterwide=settings.clusterwide,
         namespaces=settings.namespaces,

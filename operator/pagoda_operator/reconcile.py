@@ -34,6 +34,17 @@ BROKEN_GROUP_GRACE_SECONDS = 5
 
 
 @dataclass
+class Listed:
+    """The StatefulSets listed at the start of a pass. `unwritten` keeps the copies this pass has not
+    written over, so applies compare against them instead of reading each object again."""
+    statefulsets: list[dict[str, Any]]
+    unwritten: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.unwritten = {s["metadata"]["name"]: s for s in self.statefulsets}
+
+
+@dataclass
 class Reconciler:
     cluster: Cluster
     settings: OperatorSettings
@@ -108,24 +119,32 @@ class Reconciler:
         self.cluster.apply(b.build_head_service(spec, body))
 
         owned = {b.LABEL_DEPLOYMENT: name}
-        statefulsets = self.cluster.list_statefulsets(namespace, owned)
+        # StatefulSets carry the groups' durable records (epoch, members, backoff): read them
+        # consistently. Pods change most and are many: read them from the API server's watch cache.
+        statefulsets = self.cluster.list_statefulsets(namespace, owned, cached=False)
         pods = self.cluster.list_pods(namespace, owned)
         extra = self._remove_extra_groups(spec, statefulsets)
         groups = self._observe(spec, statefulsets, pods)
+        if any(g.lost for g in groups):
+            # The cached read may be a moment behind: confirm a loss with a consistent read before
+            # recreating a whole group on it.
+            pods = self.cluster.list_pods(namespace, owned, cached=False)
+            groups = self._observe(spec, statefulsets, pods)
+        listed = Listed(statefulsets)
 
         for group in groups:
             if not group.stale:
                 # Create missing groups; repair drift (a deleted or edited StatefulSet) and finish a
                 # replacement an earlier pass did not complete. A no-op when everything matches.
-                self._replace(spec, body, group, group.record, statefulsets)
+                self._replace(spec, body, group, group.record, listed)
         if spec.restart_policy == "RecreateGroupOnPodRestart":
             for group in groups:
-                self._maybe_recreate(spec, body, group, statefulsets, deleted)
-        self._roll(spec, body, groups, statefulsets)
+                self._maybe_recreate(spec, body, group, listed, deleted)
+        self._roll(spec, body, groups, listed)
         for group in groups:
             record = backoff_after(group.record, group.ready, self.clock(), self.settings.recreate_backoff_reset_seconds)
             if record != group.record and not group.stale:
-                self._apply_group(spec, body, group.index, record)
+                self._apply_group(spec, body, group.index, record, listed)
                 group.record = record
 
         status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
@@ -206,21 +225,26 @@ class Reconciler:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
         return len(extra)
 
-    def _apply_group(self, spec: DeploymentSpec, body: dict[str, Any], index: int, record: b.GroupRecord) -> None:
+    def _apply_group(self, spec: DeploymentSpec, body: dict[str, Any], index: int, record: b.GroupRecord,
+                     listed: Listed) -> None:
+        """Apply the group's StatefulSets, comparing with the copies listed at the start of the pass
+        (no extra reads); a copy this pass has written over is dropped, so a later apply reads it."""
         for manifest in b.build_group(spec, body, index, record, self.settings.cluster_domain):
-            self.cluster.apply(manifest)
+            name = manifest["metadata"]["name"]
+            if self.cluster.apply(manifest, live=listed.unwritten.get(name)):
+                listed.unwritten.pop(name, None)
 
     def _replace(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                 record: b.GroupRecord, statefulsets: list[dict[str, Any]], broken: bool = False) -> None:
+                 record: b.GroupRecord, listed: Listed, broken: bool = False) -> None:
         """Point the group's StatefulSets at the wanted template, then delete every pod of another
         revision; the StatefulSet controller recreates them all together (Parallel, OnDelete).
         A broken group serves nothing, so its pods skip the graceful drain."""
         revision = b.group_revision(spec, group.index, record.epoch, self.settings.cluster_domain)
         if revision != group.revision:
             record = replace(record, replaced_at=to_iso(self.clock()))  # the progress deadline starts now
-        self._apply_group(spec, body, group.index, record)
+        self._apply_group(spec, body, group.index, record, listed)
         wanted_names = {m["metadata"]["name"] for m in b.build_group(spec, body, group.index, record)}
-        for sts in statefulsets:  # e.g. the worker StatefulSet after pipelineParallelSize became 1
+        for sts in listed.statefulsets:  # e.g. the worker StatefulSet after pipelineParallelSize became 1
             if _group_of(sts) == group.index and sts["metadata"]["name"] not in wanted_names:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
         group.record = record
@@ -232,13 +256,13 @@ class Reconciler:
         group.pods = [p for p in group.pods if pod_revision_of(p) == group.revision]
 
     def _maybe_recreate(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                        statefulsets: list[dict[str, Any]], deleted: list[dict[str, Any]]) -> None:
+                        listed: Listed, deleted: list[dict[str, Any]]) -> None:
         if not group.exists:
             return
         lost = group.lost + [p["metadata"]["name"] for p in deleted if _group_of(p) == group.index
                              and pod_revision_of(p) == group.revision and p["metadata"]["name"] not in group.lost]
         if not (lost or group.restarted or group.record.pending):
-            self._record_members(spec, body, group)
+            self._record_members(spec, body, group, listed)
             return
         wait = self.recreate_wait(group.record)
         if wait > 0:
@@ -246,30 +270,32 @@ class Reconciler:
                 log.info("group %s of %s/%s lost a pod; recreating in %.0fs (backoff)",
                          group.index, spec.namespace, spec.name, wait)
                 group.record = replace(group.record, pending=True)
-                self._apply_group_metadata(spec, body, group)
+                self._apply_group_metadata(spec, body, group, listed)
             return
         log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name,
                  f"pods {lost} were lost" if lost else "a pod restarted")
         record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=to_iso(self.clock()), pending=False)
-        self._replace(spec, body, group, record, statefulsets, broken=True)
+        self._replace(spec, body, group, record, listed, broken=True)
 
-    def _record_members(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
+    def _record_members(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
+                        listed: Listed) -> None:
         """Add newly seen pods of the group to its durable member list (see GroupRecord)."""
         members = {**dict(group.record.members), **group.live_members}
         if group.stale or members == dict(group.record.members):
             return
         group.record = replace(group.record, members=tuple(sorted(members.items())))
-        self._apply_group(spec, body, group.index, group.record)
+        self._apply_group(spec, body, group.index, group.record, listed)
 
-    def _apply_group_metadata(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
+    def _apply_group_metadata(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
+                              listed: Listed) -> None:
         """Record bookkeeping without touching the pod template (the group keeps its revision)."""
         if group.stale:
             return  # the rollout will replace this group anyway
-        self._apply_group(spec, body, group.index, group.record)
+        self._apply_group(spec, body, group.index, group.record, listed)
 
     def _roll(self, spec: DeploymentSpec, body: dict[str, Any], groups: list[GroupObservation],
-              statefulsets: list[dict[str, Any]]) -> None:
+              listed: Listed) -> None:
         """Replace stale groups from `partition` up: a group that is not Ready at once (it serves
         nothing), a Ready one only while fewer than `maxUnavailable` groups are not Ready."""
         unavailable = sum(1 for g in groups if not g.ready)
@@ -282,7 +308,7 @@ class Reconciler:
                 unavailable += 1
             log.info("rolling group %s of %s/%s to revision %s", group.index, spec.namespace, spec.name,
                      group.wanted_revision)
-            self._replace(spec, body, group, replace(group.record, pending=False, members=()), statefulsets)
+            self._replace(spec, body, group, replace(group.record, pending=False, members=()), listed)
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any]) -> None:
         if status_changed(status, previous):

@@ -187,7 +187,7 @@ class OperatorProcess:
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(kopf.operator(
-                registry=build_registry(self.settings), memo=kopf.Memo(settings=self.settings),
+                registry=build_registry(), memo=kopf.Memo(settings=self.settings),
                 clusterwide=True, standalone=True, stop_flag=self.stop_flag, ready_flag=ready_flag))
         finally:
             loop.close()

@@ -290,6 +290,24 @@ async def test_operator_restart_changes_nothing(kmock, cluster, operator):
         k: v for k, v in before_status.items() if k != "kopf"}
 
 
+async def test_watches_filter_server_side_and_pod_lists_use_the_watch_cache(kmock, cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
+    await cluster.converge("llama")
+    watches = {r.url.path: r.url.query for r in kmock if r.url.query.get("watch") == "true"}
+    for path in ("/api/v1/pods", "/apis/apps/v1/statefulsets"):
+        assert watches[path].get("labelSelector") == "pagoda.dev/llmdeployment", watches
+    operator_requests = [r for r in kmock if r.headers.get("User-Agent", "").startswith("OpenAPI")]
+    pod_lists = [r.url.query for r in operator_requests if r.url.path == "/api/v1/namespaces/serving/pods"
+                 and "GET" in str(r.method)]
+    assert pod_lists and all(q.get("resourceVersion") == "0" for q in pod_lists)
+    assert all(q.get("labelSelector") == "pagoda.dev/llmdeployment=llama" for q in pod_lists)
+    # In steady state, applies compare with the listed StatefulSets: no GET of each one per pass.
+    seen = len(list(kmock))
+    await eventually(lambda: _resync_seen(kmock, seen), what="two more passes")
+    gets = [r for r in list(kmock)[seen:] if "GET" in str(r.method) and "/statefulsets/" in r.url.path]
+    assert gets == []
+
+
 async def test_operator_never_writes_the_spec(kmock, cluster, operator):
     await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
     await cluster.converge("llama")
