@@ -394,13 +394,36 @@ def build_head_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str,
     })
 
 
+def build_disruption_budget(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
+    """One budget over every pod of the deployment, allowing one pod at a time.
+
+    Evicting any pod breaks its whole group, so the budget must stop a node drain from taking a
+    stage of several groups. Counting pods does that: after one eviction, that pod (and soon its
+    group) is not Ready, the budget allows nothing more until every pod is Ready again, by which
+    time the operator has recreated the group. A starting or broken group also holds drains back
+    (its pods are not Ready), except that pods which are not Ready at all may be evicted: a crash
+    loop must not block a drain forever."""
+    return with_applied_hash({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": deployment_labels(spec),
+                     "ownerReferences": [owner_reference(owner)]},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": {LABEL_DEPLOYMENT: spec.name}},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    })
+
+
 def build_all(
     spec: DeploymentSpec, owner: dict[str, Any], records: dict[int, GroupRecord] | None = None,
     cluster_domain: str = "cluster.local",
 ) -> list[dict[str, Any]]:
     """Every manifest of a steady-state deployment (used by tests and for validation)."""
     records = records or {}
-    manifests = [build_headless_service(spec, owner), build_head_service(spec, owner)]
+    manifests = [build_headless_service(spec, owner), build_head_service(spec, owner),
+                 build_disruption_budget(spec, owner)]
     for group in range(spec.replicas):
         manifests += build_group(spec, owner, group, records.get(group, GroupRecord()), cluster_domain)
     return manifests

@@ -59,6 +59,17 @@ class Cluster:
         self.core = kubernetes.client.CoreV1Api(api)
         self.apps = kubernetes.client.AppsV1Api(api)
         self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.policy = kubernetes.client.PolicyV1Api(api)
+        # kind -> (read, patch, create) for every kind the operator applies
+        self.verbs = {
+            "StatefulSet": (self.apps.read_namespaced_stateful_set, self.apps.patch_namespaced_stateful_set,
+                            self.apps.create_namespaced_stateful_set),
+            "Service": (self.core.read_namespaced_service, self.core.patch_namespaced_service,
+                        self.core.create_namespaced_service),
+            "PodDisruptionBudget": (self.policy.read_namespaced_pod_disruption_budget,
+                                    self.policy.patch_namespaced_pod_disruption_budget,
+                                    self.policy.create_namespaced_pod_disruption_budget),
+        }
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return self.api.sanitize_for_serialization(obj) if obj is not None else {}
@@ -80,7 +91,7 @@ class Cluster:
                 self.custom.list_namespaced_custom_object(GROUP_API, VERSION, ns, PLURAL).get("items") or []]
 
     def _get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        read = self.apps.read_namespaced_stateful_set if kind == "StatefulSet" else self.core.read_namespaced_service
+        read = self.verbs[kind][0]
         try:
             return self._dict(read(name, namespace))
         except kubernetes.client.ApiException as e:
@@ -120,8 +131,7 @@ class Cluster:
         live = live or self._get(kind, namespace, name)
         if live is not None and covers(live, manifest):
             return False
-        patch = (self.apps.patch_namespaced_stateful_set if kind == "StatefulSet"
-                 else self.core.patch_namespaced_service)
+        _, patch, create = self.verbs[kind]
         try:
             # Server-side apply creates missing objects too, and owns every field it sets from the start.
             patch(name, namespace, manifest, field_manager=FIELD_MANAGER, force=True,
@@ -129,8 +139,6 @@ class Cluster:
         except kubernetes.client.ApiException as e:
             if e.status != 404:  # API servers (or emulators) without apply-creates
                 raise
-            create = (self.apps.create_namespaced_stateful_set if kind == "StatefulSet"
-                      else self.core.create_namespaced_service)
             create(namespace, manifest, field_manager=FIELD_MANAGER)
         return True
 

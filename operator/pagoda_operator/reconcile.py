@@ -117,6 +117,7 @@ class Reconciler:
 
         self.cluster.apply(b.build_headless_service(spec, body))
         self.cluster.apply(b.build_head_service(spec, body))
+        self.cluster.apply(b.build_disruption_budget(spec, body))
 
         owned = {b.LABEL_DEPLOYMENT: name}
         # StatefulSets carry the groups' durable records (epoch, members, backoff): read them

@@ -26,6 +26,7 @@ async def cluster(kmock, tmp_path, monkeypatch) -> AsyncIterator[FakeCluster]:
     kmock.resources["apps/v1/statefulsets"] = info(kind="StatefulSet", namespaced=True, verbs=VERBS)
     kmock.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     kmock.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=VERBS)
+    kmock.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
     kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(

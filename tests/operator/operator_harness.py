@@ -98,6 +98,10 @@ class FakeCluster:
         items = (await self._json("GET", SERVICES.format(ns=self.ns)))["items"]
         return {s["metadata"]["name"]: s for s in items}
 
+    async def disruption_budgets(self) -> dict[str, dict[str, Any]]:
+        items = (await self._json("GET", f"/apis/policy/v1/namespaces/{self.ns}/poddisruptionbudgets"))["items"]
+        return {s["metadata"]["name"]: s for s in items}
+
     # ----- playing the StatefulSet controller and the kubelet -----
 
     async def reconcile_pods(self, ready: bool = True, skip: frozenset[str] = frozenset()) -> list[str]:

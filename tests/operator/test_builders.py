@@ -82,6 +82,18 @@ def test_services_select_heads_and_publish_not_ready_addresses():
     assert head["spec"]["ports"][0]["port"] == 9000 and head["spec"]["ports"][0]["targetPort"] == "http"
 
 
+def test_one_disruption_budget_lets_a_drain_break_one_group_at_a_time():
+    _, manifests = build({"replicas": 3, "pipelineParallelSize": 2})
+    (pdb,) = (m for m in manifests if m["kind"] == "PodDisruptionBudget")
+    assert pdb["metadata"]["name"] == "demo" and pdb["metadata"]["ownerReferences"][0]["uid"] == "1234"
+    # Every pod of every group, one at a time: after one eviction nothing more until all are Ready.
+    assert pdb["spec"]["selector"] == {"matchLabels": {b.LABEL_DEPLOYMENT: "demo"}}
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a crash loop never blocks a drain
+    pods = [m["spec"]["template"]["metadata"]["labels"] for m in manifests if m["kind"] == "StatefulSet"]
+    assert all(p.items() >= pdb["spec"]["selector"]["matchLabels"].items() for p in pods)
+
+
 def test_default_model_means_no_model_argument_and_no_volume():
     _, manifests = build({"resources": {"requests": {"cpu": "1"}}})
     c = containers_of(manifests)[0]

@@ -37,6 +37,8 @@ async def test_create_builds_groups_services_and_reports_ready(cluster, operator
     assert "--max-num-seqs" in args and container["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert container["env"][0]["name"] == "PAGODA_NODE_RANK"
 
+    pdbs = await eventually(lambda: _has(cluster.disruption_budgets(), 1), what="PodDisruptionBudget")
+    assert pdbs["llama"]["spec"]["maxUnavailable"] == 1
     services = await eventually(lambda: _has(cluster.services(), 2), what="services")
     assert services["llama"]["spec"]["selector"] == {"pagoda.dev/llmdeployment": "llama", "pagoda.dev/role": "head"}
     assert services["llama-headless"]["spec"]["publishNotReadyAddresses"] is True

@@ -153,6 +153,7 @@ def test_rbac_is_least_privilege():
         ("pagoda.dev", "llmdeployments/finalizers", "update")} | {
         ("apps", "statefulsets", v) for v in ("get", "list", "watch", "create", "patch", "delete")} | {
         ("", "services", v) for v in ("get", "create", "patch")} | {
+        ("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")} | {
         ("", "pods", v) for v in ("list", "watch", "delete")} | {("", "events", v) for v in ("create", "list")}
     assert granted == expected
     assert not any("*" in x for g in granted for x in g)
