@@ -41,6 +41,15 @@ MASTER_PORT = 29500
 PROBE_PERIOD_SECONDS = 10
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
+TMP_VOLUME = "tmp"
+KERNELS_VOLUME = "kernels"
+# The runtime image's cache: the default model (converted at build time, read-only here) and the CPU
+# attention kernel, compiled at start for the node's CPU, which needs a writable directory.
+KERNELS_DIR = "/var/cache/pagoda/cpu_kernels"
+RUNTIME_UID = 10001  # the runtime image's user (Dockerfile)
+# Caches the libraries write at run time, moved under /tmp: the root filesystem is read-only.
+CACHE_ENV = {"XDG_CACHE_HOME": "/tmp/cache", "TRITON_CACHE_DIR": "/tmp/triton",
+             "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions"}
 CONTAINER = "pagoda"
 # Shutdown: the head keeps serving for PRESTOP_SECONDS after it is told to stop, while the endpoints
 # controller and kube-proxy take it out of the Service; then SIGTERM starts the runtime's drain, which
@@ -229,7 +238,25 @@ def build_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     owned = {item["name"] for item in env}
-    return env + [item for item in spec.env or [] if item.get("name") not in owned]
+    user = [item for item in spec.env or [] if item.get("name") not in owned]
+    named = {item.get("name") for item in user}
+    defaults = [{"name": k, "value": v} for k, v in CACHE_ENV.items() if k not in named]  # the user's win
+    return env + defaults + user
+
+
+def pod_security_context(spec: DeploymentSpec) -> dict[str, Any]:
+    """The restricted Pod Security Standard by default; spec.podSecurityContext replaces it."""
+    if spec.pod_security_context is not None:
+        return spec.pod_security_context
+    return {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context(spec: DeploymentSpec) -> dict[str, Any]:
+    if spec.security_context is not None:
+        return spec.security_context
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def build_resources(spec: DeploymentSpec) -> dict[str, Any]:
@@ -242,7 +269,8 @@ def build_resources(spec: DeploymentSpec) -> dict[str, Any]:
 def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local",
                     role: str = "head") -> dict[str, Any]:
     health = {"httpGet": {"path": "/health", "port": "http"}}
-    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, {"name": TMP_VOLUME, "mountPath": "/tmp"},
+              {"name": KERNELS_VOLUME, "mountPath": KERNELS_DIR}]
     if spec.model_volume:
         mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model_path, "readOnly": True})
     return {
@@ -264,11 +292,13 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
         "readinessProbe": {**health, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**health, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
         "lifecycle": build_lifecycle(spec, role),
+        "securityContext": container_security_context(spec),
     }
 
 
 def build_volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+                                     {"name": TMP_VOLUME, "emptyDir": {}}, {"name": KERNELS_VOLUME, "emptyDir": {}}]
     if spec.model_volume:
         source = {k: v for k, v in spec.model_volume.items() if k != "name"}
         volumes.append({"name": MODEL_VOLUME, **source})
@@ -299,6 +329,7 @@ def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: s
             "labelSelector": {"matchLabels": group_pods},
         }],
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        "securityContext": pod_security_context(spec),
     }
     for key, value in (("nodeSelector", spec.node_selector), ("tolerations", spec.tolerations),
                        ("affinity", spec.affinity), ("priorityClassName", spec.priority_class_name),

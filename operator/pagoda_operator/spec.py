@@ -71,9 +71,12 @@ class DeploymentSpec:
     pod_annotations: dict[str, str] | None = None
     pod_labels: dict[str, str] | None = None
     gpu_resource_name: str = GPU_RESOURCE
+    # Replace the restricted-profile defaults when set (e.g. to run an image as root).
+    pod_security_context: dict[str, Any] | None = None
+    security_context: dict[str, Any] | None = None
+    termination_grace_period_seconds: int = 90
     # rollout: groups replaced at once, groups below the partition index kept on their revision,
     # and how long a replaced group may take to get Ready before the rollout is reported stalled.
-    termination_grace_period_seconds: int = 90
     max_unavailable: int = 1
     partition: int = 0
     progress_deadline_seconds: int | None = None
@@ -234,6 +237,8 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         pod_annotations=spec.get("podAnnotations"),
         pod_labels=spec.get("podLabels"),
         gpu_resource_name=gpu_resource_name,
+        pod_security_context=spec.get("podSecurityContext"),
+        security_context=spec.get("securityContext"),
         termination_grace_period_seconds=grace,
         max_unavailable=max_unavailable,
         partition=partition,

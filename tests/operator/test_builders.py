@@ -94,11 +94,72 @@ def test_one_disruption_budget_lets_a_drain_break_one_group_at_a_time():
     assert all(p.items() >= pdb["spec"]["selector"]["matchLabels"].items() for p in pods)
 
 
+def restricted_violations(pod: dict) -> list[str]:
+    """The checks of Kubernetes' `restricted` Pod Security Standard (v1.30) that a pod spec can fail."""
+    problems = []
+    psc = pod.get("securityContext") or {}
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+    for v in pod.get("volumes") or []:
+        if not set(v) - {"name"} <= allowed_volumes:
+            problems.append(f"volume {v['name']}")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            problems.append(key)
+    for c in pod["containers"]:
+        sc = c.get("securityContext") or {}
+        if sc.get("privileged"):
+            problems.append("privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append("allowPrivilegeEscalation")
+        if not (sc.get("runAsNonRoot") or (psc.get("runAsNonRoot") and sc.get("runAsNonRoot") is not False)):
+            problems.append("runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            problems.append("runAsUser 0")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append("seccompProfile")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []) or set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            problems.append("capabilities")
+        if any(p.get("hostPort") for p in c.get("ports") or []):
+            problems.append("hostPort")
+    return problems
+
+
+def test_pods_meet_the_restricted_pod_security_standard_by_default():
+    _, manifests = build({"pipelineParallelSize": 2, "model": {
+        "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "w"}}}})
+    for sts in (m for m in manifests if m["kind"] == "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        assert restricted_violations(pod) == []
+        c = pod["containers"][0]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        # Where the runtime writes: /tmp (library caches moved there) and the CPU kernel build directory.
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tmp", b.KERNELS_DIR, "/dev/shm"} <= mounts
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert all(env[k].startswith("/tmp/") for k in b.CACHE_ENV)
+    # The checker does catch a violation.
+    assert restricted_violations({"containers": [{"name": "x"}], "volumes": [{"name": "h", "hostPath": {}}]})
+
+
+def test_security_contexts_can_be_relaxed_and_cache_env_overridden():
+    _, manifests = build({"podSecurityContext": {"runAsUser": 0}, "securityContext": {"privileged": True},
+                          "env": [{"name": "XDG_CACHE_HOME", "value": "/cache"}]})
+    pod = next(m for m in manifests if m["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsUser": 0}
+    assert pod["containers"][0]["securityContext"] == {"privileged": True}
+    env = [e for e in pod["containers"][0]["env"] if e["name"] == "XDG_CACHE_HOME"]
+    assert env == [{"name": "XDG_CACHE_HOME", "value": "/cache"}]
+    assert restricted_violations(pod)
+
+
 def test_default_model_means_no_model_argument_and_no_volume():
     _, manifests = build({"resources": {"requests": {"cpu": "1"}}})
     c = containers_of(manifests)[0]
     assert c["args"][:2] == ["serve", "--served-model-name"] and flag(c["args"], "--served-model-name") == "demo"
-    assert [m["name"] for m in c["volumeMounts"]] == ["dshm"]
+    assert [m["name"] for m in c["volumeMounts"]] == ["dshm", "tmp", "kernels"]
     assert c["resources"] == {"requests": {"cpu": "1"}}  # CPU: no GPU asked for
     pod = next(m for m in manifests if m["kind"] == "StatefulSet")["spec"]["template"]["spec"]
     assert pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
