@@ -34,6 +34,7 @@ ANNOTATION_RECREATE_PENDING = "pagoda.dev/recreate-pending"
 ANNOTATION_MEMBERS = "pagoda.dev/members"
 ANNOTATION_REPLACED_AT = "pagoda.dev/replaced-at"
 ANNOTATION_READY_SINCE = "pagoda.dev/ready-since"
+ANNOTATION_GENERATION = "pagoda.dev/generation"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
@@ -79,6 +80,7 @@ class GroupRecord:
     members: tuple[tuple[str, str], ...] = ()
     replaced_at: str = ""
     ready_since: str = ""
+    generation: str = ""  # the LLMDeployment's generation when the group got its current template
 
     def annotations(self) -> dict[str, str]:
         return {
@@ -89,6 +91,7 @@ class GroupRecord:
             ANNOTATION_MEMBERS: json.dumps(dict(self.members), sort_keys=True, separators=(",", ":")),
             ANNOTATION_REPLACED_AT: self.replaced_at,
             ANNOTATION_READY_SINCE: self.ready_since,
+            ANNOTATION_GENERATION: self.generation,
         }
 
     @classmethod
@@ -102,6 +105,7 @@ class GroupRecord:
             members=_members(a.get(ANNOTATION_MEMBERS)),
             replaced_at=a.get(ANNOTATION_REPLACED_AT) or "",
             ready_since=a.get(ANNOTATION_READY_SINCE) or "",
+            generation=a.get(ANNOTATION_GENERATION) or "",
         )
 
 

@@ -7,6 +7,8 @@ is skipped only when the live object still holds every field the operator sets (
 from __future__ import annotations
 
 import os
+import socket
+import uuid
 from typing import Any
 
 import kopf
@@ -155,6 +157,22 @@ class Cluster:
         except kubernetes.client.ApiException as e:
             if e.status != 404:
                 raise
+
+    def record_event(self, involved: dict[str, Any], event_type: str, reason: str, message: str,
+                     timestamp: str) -> None:
+        """A core/v1 Event about an object, as `kubectl describe` and `kubectl get events` show them."""
+        meta = involved.get("metadata") or {}
+        namespace = meta.get("namespace") or "default"
+        self.core.create_namespaced_event(namespace, {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+            "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                               "name": meta.get("name"), "namespace": namespace, "uid": meta.get("uid")},
+            "type": event_type, "reason": reason, "message": message[:1024],
+            "firstTimestamp": timestamp, "lastTimestamp": timestamp, "count": 1,
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER, "reportingInstance": socket.gethostname(),
+        })
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(

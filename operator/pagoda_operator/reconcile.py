@@ -60,6 +60,17 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
+    # ----- events -----
+
+    def _event(self, body: dict[str, Any], event_type: str, reason: str, message: str) -> None:
+        """Tell the user on the LLMDeployment (kubectl describe); an Event that cannot be written
+        must not stop the pass."""
+        try:
+            self.cluster.record_event(body, event_type, reason, message, to_iso(self.clock()))
+        except kubernetes.client.ApiException as e:
+            log.warning("could not record event %s on %s: %s %s", reason,
+                        (body.get("metadata") or {}).get("name"), e.status, e.reason)
+
     # ----- backoff -----
 
     def recreate_delay(self, recreations: int) -> float:
@@ -110,6 +121,10 @@ class Reconciler:
         generation = meta.get("generation")
         previous = body.get("status") or {}
         spec, spec_error = self._resolve_spec(body)
+        was = _condition_of(previous, "SpecValid")
+        if spec_error and (was.get("status") != "False" or was.get("message") != spec_error):
+            kept = " (the previous spec stays in force)" if spec is not None else ""
+            self._event(body, "Warning", "InvalidSpec", spec_error + kept)
         if spec is None:
             status = invalid_status(spec_error, generation=generation, previous=previous)
             self._write_status(namespace, name, status, previous)
@@ -124,7 +139,7 @@ class Reconciler:
         # consistently. Pods change most and are many: read them from the API server's watch cache.
         statefulsets = self.cluster.list_statefulsets(namespace, owned, cached=False)
         pods = self.cluster.list_pods(namespace, owned)
-        extra = self._remove_extra_groups(spec, statefulsets)
+        extra = self._remove_extra_groups(spec, body, statefulsets)
         groups = self._observe(spec, statefulsets, pods)
         if any(g.lost for g in groups):
             # The cached read may be a moment behind: confirm a loss with a consistent read before
@@ -133,6 +148,9 @@ class Reconciler:
             groups = self._observe(spec, statefulsets, pods)
         listed = Listed(statefulsets)
 
+        creating = [g.index for g in groups if not g.exists]
+        if creating:
+            self._event(body, "Normal", "ScalingUp", f"replicas is {spec.replicas}: creating groups {creating}")
         for group in groups:
             if not group.stale:
                 # Create missing groups; repair drift (a deleted or edited StatefulSet) and finish a
@@ -150,6 +168,10 @@ class Reconciler:
 
         status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
                               spec_error=spec_error, now=self.clock())
+        before, after = _condition_of(previous, "Degraded"), _condition_of(status, "Degraded")
+        if after.get("status") == "True" and after.get("reason") not in ("InvalidSpec", "GroupRestarting") and (
+                before.get("status") != "True" or before.get("reason") != after.get("reason")):
+            self._event(body, "Warning", after["reason"], after.get("message", ""))
         self._write_status(namespace, name, status, previous)
         return status
 
@@ -218,9 +240,15 @@ class Reconciler:
                     errors.append(event.get("message") or "FailedCreate")
         return list(dict.fromkeys(errors))
 
-    def _remove_extra_groups(self, spec: DeploymentSpec, statefulsets: list[dict[str, Any]]) -> int:
+    def _remove_extra_groups(self, spec: DeploymentSpec, body: dict[str, Any],
+                             statefulsets: list[dict[str, Any]]) -> int:
         """Scale down: delete whole groups above replicas (their pods go with them). Returns how many."""
         extra = {_group_of(s) for s in statefulsets if _group_of(s) >= spec.replicas}
+        removing = sorted(_group_of(s) for s in statefulsets
+                          if _group_of(s) >= spec.replicas and not s["metadata"].get("deletionTimestamp")
+                          and _label(s, b.LABEL_ROLE) == "head")
+        if removing:
+            self._event(body, "Normal", "ScalingDown", f"replicas is {spec.replicas}: removing groups {removing}")
         for sts in statefulsets:
             if _group_of(sts) >= spec.replicas:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
@@ -241,8 +269,9 @@ class Reconciler:
         revision; the StatefulSet controller recreates them all together (Parallel, OnDelete).
         A broken group serves nothing, so its pods skip the graceful drain."""
         revision = b.group_revision(spec, group.index, record.epoch, self.settings.cluster_domain)
-        if revision != group.revision:
-            record = replace(record, replaced_at=to_iso(self.clock()))  # the progress deadline starts now
+        if revision != group.revision:  # the progress deadline starts now
+            record = replace(record, replaced_at=to_iso(self.clock()),
+                             generation=str((body.get("metadata") or {}).get("generation") or ""))
         self._apply_group(spec, body, group.index, record, listed)
         wanted_names = {m["metadata"]["name"] for m in b.build_group(spec, body, group.index, record)}
         for sts in listed.statefulsets:  # e.g. the worker StatefulSet after pipelineParallelSize became 1
@@ -270,11 +299,14 @@ class Reconciler:
             if not group.record.pending:
                 log.info("group %s of %s/%s lost a pod; recreating in %.0fs (backoff)",
                          group.index, spec.namespace, spec.name, wait)
+                self._event(body, "Warning", "BackOff", f"group {group.index} broke again "
+                            f"({group.record.recreations} recreations in a row): recreating it in {wait:.0f}s")
                 group.record = replace(group.record, pending=True)
                 self._apply_group_metadata(spec, body, group, listed)
             return
-        log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name,
-                 f"pods {lost} were lost" if lost else "a pod restarted")
+        why = f"pods {lost} were lost" if lost else "a pod restarted"
+        log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name, why)
+        self._event(body, "Warning", "RecreatingGroup", f"group {group.index}: {why}; replacing all its pods")
         record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=to_iso(self.clock()), pending=False)
         self._replace(spec, body, group, record, listed, broken=True)
@@ -309,6 +341,15 @@ class Reconciler:
                 unavailable += 1
             log.info("rolling group %s of %s/%s to revision %s", group.index, spec.namespace, spec.name,
                      group.wanted_revision)
+            # The group got its template at this very generation: the spec did not change, the
+            # operator's rendering of it did.
+            if group.record.generation and group.record.generation == str(body["metadata"].get("generation")):
+                self._event(body, "Warning", "TemplateChanged",
+                            f"replacing group {group.index}: its pod template changed without a spec edit "
+                            "(an operator upgrade or a new default runtime image)")
+            else:
+                self._event(body, "Normal", "RollingUpdate",
+                            f"replacing group {group.index} with revision {group.wanted_revision}")
             self._replace(spec, body, group, replace(group.record, pending=False, members=()), listed)
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any]) -> None:
@@ -331,6 +372,10 @@ def backoff_after(record: b.GroupRecord, ready: bool, now: datetime.datetime, re
     if (seconds_since(record.ready_since, now) or 0) >= reset_seconds:
         return replace(record, recreations=0, ready_since="")
     return record
+
+
+def _condition_of(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == ctype), {})
 
 
 def _label(obj: dict[str, Any] | None, key: str) -> str | None:

@@ -98,6 +98,15 @@ class FakeCluster:
         items = (await self._json("GET", SERVICES.format(ns=self.ns)))["items"]
         return {s["metadata"]["name"]: s for s in items}
 
+    async def events(self, name: str) -> list[dict[str, Any]]:
+        """Events about the LLMDeployment `name`, oldest first."""
+        items = (await self._json("GET", f"/api/v1/namespaces/{self.ns}/events"))["items"]
+        return [e for e in items if e.get("involvedObject", {}).get("kind") == "LLMDeployment"
+                and e["involvedObject"].get("name") == name]
+
+    async def event_reasons(self, name: str) -> list[str]:
+        return [e["reason"] for e in await self.events(name)]
+
     async def disruption_budgets(self) -> dict[str, dict[str, Any]]:
         items = (await self._json("GET", f"/apis/policy/v1/namespaces/{self.ns}/poddisruptionbudgets"))["items"]
         return {s["metadata"]["name"]: s for s in items}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -54,6 +55,9 @@ async def test_create_builds_groups_services_and_reports_ready(cluster, operator
     assert conds["Degraded"]["status"] == "False"
     pods = await cluster.pods("llama")
     assert sorted(pods) == ["llama-g0-head-0", "llama-g0-worker-1", "llama-g1-head-0", "llama-g1-worker-1"]
+    (event,) = await cluster.events("llama")
+    assert (event["type"], event["reason"]) == ("Normal", "ScalingUp") and "[0, 1]" in event["message"]
+    assert event["involvedObject"]["uid"] == "uid-llama"
 
 
 async def test_status_follows_pod_readiness_and_failures(cluster, operator):
@@ -126,6 +130,7 @@ async def test_rollout_max_unavailable_and_partition(cluster, operator):
     assert sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/replaced-at"]
     pods = await cluster.pods("llama")
     assert "llama-g3-head-0" in pods and "llama-g0-head-0" in pods  # still serving
+    assert (await cluster.event_reasons("llama")).count("RollingUpdate") == 2
 
     status = await cluster.converge_groups("llama", 4)
     sts = await cluster.statefulsets("llama")
@@ -155,6 +160,7 @@ async def test_scale_up_and_down_by_whole_groups(cluster, operator):
     await cluster.update_spec("llama", {"replicas": 1})
     sts = await eventually(lambda: _has(cluster.statefulsets("llama"), 2), what="back to 1 group")
     assert set(sts) == {"llama-g0-head", "llama-g0-worker"}
+    assert "ScalingDown" in await cluster.event_reasons("llama")
     status = await cluster.converge("llama")
     assert status["replicas"] == 1 and status["readyReplicas"] == 1
     assert sorted(await cluster.pods("llama")) == ["llama-g0-head-0", "llama-g0-worker-1"]
@@ -181,6 +187,7 @@ async def test_scheduling_and_admission_failures_show_in_the_status(cluster, ope
 
     await cluster.reconcile_pods(ready=False)  # the quota was raised
     cond = await eventually(lambda: _reason(cluster, "llama", "Degraded", "Unschedulable"), what="Unschedulable")
+    assert {"FailedCreate", "Unschedulable"} <= set(await cluster.event_reasons("llama"))
     assert "Insufficient nvidia.com/gpu" in cond["message"] and "llama-g0-worker-1" in cond["message"]
 
     for pod in await cluster.pods("llama"):
@@ -221,6 +228,8 @@ async def test_pod_restart_recreates_the_whole_group_with_backoff(kmock, cluster
         sts = await cluster.statefulsets("llama")
         return sts["llama-g1-head"]["metadata"]["annotations"]["pagoda.dev/epoch"] == "2"
     await eventually(recreated_twice, timeout=15, what="second recreation after backoff")
+    reasons = await cluster.event_reasons("llama")
+    assert reasons.count("RecreatingGroup") == 2 and reasons.count("BackOff") == 1
     status = await cluster.converge("llama")
     assert status["readyReplicas"] == 2
     # The backoff is forgotten only after the group has stayed Ready for a while (3 s here).
@@ -310,6 +319,27 @@ async def test_watches_filter_server_side_and_pod_lists_use_the_watch_cache(kmoc
     assert gets == []
 
 
+async def test_an_operator_upgrade_that_changes_pods_rolls_out_with_a_warning(cluster, operator):
+    await cluster.create("llama", {**GPU_SPEC, "image": None, "replicas": 2})
+    await eventually(lambda: _has(cluster.statefulsets("llama"), 4))
+    await cluster.converge("llama")
+    await operator.stop()
+    operator.settings = dataclasses.replace(operator.settings, runtime_image="pagoda-runtime:next")
+    await operator.start()
+
+    async def one_group_replaced():
+        sts = await cluster.statefulsets("llama")
+        images = [s["spec"]["template"]["spec"]["containers"][0]["image"] for s in sts.values()]
+        return sts if images.count("pagoda-runtime:next") == 2 else None
+    await eventually(one_group_replaced, what="the first group on the new image")
+    events = [e for e in await cluster.events("llama") if e["reason"] == "TemplateChanged"]
+    assert events and events[0]["type"] == "Warning" and "without a spec edit" in events[0]["message"]
+    assert "RollingUpdate" not in await cluster.event_reasons("llama")
+    await cluster.converge("llama", timeout=20)
+    images = {s["spec"]["template"]["spec"]["containers"][0]["image"] for s in (await cluster.statefulsets()).values()}
+    assert images == {"pagoda-runtime:next"}
+
+
 async def test_operator_never_writes_the_spec(kmock, cluster, operator):
     await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
     await cluster.converge("llama")
@@ -353,7 +383,8 @@ async def test_pipeline_size_change_replaces_the_group_topology(cluster, operato
     assert sorted(await cluster.pods("llama")) == ["llama-g0-head-0"] and status["readyReplicas"] == 1
 
 
-async def test_a_later_invalid_edit_keeps_the_last_valid_spec_managed(cluster, operator):
+async def test_a_later_invalid_edit_keeps_the_last_valid_spec_managed(kmock, cluster, operator):
+    cluster_kmock = kmock
     await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
     await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
     await cluster.converge("llama")
@@ -369,6 +400,9 @@ async def test_a_later_invalid_edit_keeps_the_last_valid_spec_managed(cluster, o
     assert status["phase"] == "Degraded" and status["readyReplicas"] == 1 and status["observedGeneration"] == 2
     assert (await cluster.condition("llama", "Available"))["status"] == "True"
     assert await cluster.statefulsets("llama") == before  # nothing half-changed
+    seen = len(list(cluster_kmock))
+    await eventually(lambda: _resync_seen(cluster_kmock, seen), what="more passes")
+    assert (await cluster.event_reasons("llama")).count("InvalidSpec") == 1  # once, not once per pass
 
     # Restarts and scaling still work, on the last valid spec.
     await cluster.set_pod("llama-g0-worker-1", ready=False, restarts=1)
