@@ -52,6 +52,7 @@ class Reconciler:
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _queued: set[tuple[str, str]] = field(default_factory=set)
+    passes: int = 0  # passes run by this process (a standby replica runs none)
     # Pods whose DELETED event arrived: a hint that covers pods deleted before any pass recorded them
     # as members. Kept until a pass completes; the durable member list covers everything else.
     _deleted: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
@@ -102,6 +103,7 @@ class Reconciler:
             with self._locks_guard:
                 self._queued.discard(key)
                 deleted = self._deleted.pop(key, [])
+                self.passes += 1
             try:
                 # Events may carry an older copy; decide on the latest spec and status.
                 body = self.cluster.get_llmdeployment(namespace, name)

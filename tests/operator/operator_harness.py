@@ -195,12 +195,14 @@ class OperatorProcess:
         self.settings = settings
         self.thread: threading.Thread | None = None
         self.stop_flag = threading.Event()
+        self.memo: kopf.Memo | None = None
 
     def _run(self, ready_flag: threading.Event) -> None:
         loop = asyncio.new_event_loop()
         try:
+            self.memo = kopf.Memo(settings=self.settings, request_stop=self.stop_flag.set)
             loop.run_until_complete(kopf.operator(
-                registry=build_registry(), memo=kopf.Memo(settings=self.settings),
+                registry=build_registry(), memo=self.memo,
                 clusterwide=True, standalone=True, stop_flag=self.stop_flag, ready_flag=ready_flag))
         finally:
             loop.close()

@@ -338,3 +338,9 @@ def test_settings_from_env():
     assert OperatorSettings.from_env({}).clusterwide
     with pytest.raises(SystemExit, match="PAGODA_OPERATOR_"):
         OperatorSettings.from_env({"PAGODA_OPERATOR_RESYNC_SECONDS": "soon"})
+    elected = OperatorSettings.from_env({"PAGODA_OPERATOR_LEADER_ELECTION": "true", "PAGODA_OPERATOR_IDENTITY": "pod-1",
+                                         "PAGODA_OPERATOR_LEASE_NAMESPACE": "ops"})
+    assert elected.leader_election and elected.identity == "pod-1" and elected.lease_namespace == "ops"
+    assert not OperatorSettings.from_env({}).leader_election and OperatorSettings.from_env({}).identity
+    with pytest.raises(SystemExit, match="LEADER_ELECTION"):
+        OperatorSettings.from_env({"PAGODA_OPERATOR_LEADER_ELECTION": "yes please"})
