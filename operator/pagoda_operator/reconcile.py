@@ -12,6 +12,7 @@ surge group would block the rollout forever."""
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -25,10 +26,18 @@ from . import builders as b
 from .kube import Cluster
 from .settings import OperatorSettings
 from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
-from .status import GroupObservation, build_status, invalid_status, pod_revision_of, status_changed
+from .status import (
+    GroupObservation,
+    build_status,
+    invalid_status,
+    pod_revision_of,
+    rejected_status,
+    status_changed,
+)
 from .times import from_iso, seconds_since, to_iso, utcnow
 
 log = logging.getLogger("pagoda_operator")
+EVENT_REPEAT_SECONDS = 600
 # A group whose torch.distributed world broke cannot finish requests: its pods need no drain.
 BROKEN_GROUP_GRACE_SECONDS = 5
 
@@ -53,6 +62,7 @@ class Reconciler:
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _queued: set[tuple[str, str]] = field(default_factory=set)
     passes: int = 0  # passes run by this process (a standby replica runs none)
+    _recent_events: dict[tuple[str, ...], datetime.datetime] = field(default_factory=dict)
     # Pods whose DELETED event arrived: a hint that covers pods deleted before any pass recorded them
     # as members. Kept until a pass completes; the durable member list covers everything else.
     _deleted: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
@@ -65,7 +75,18 @@ class Reconciler:
 
     def _event(self, body: dict[str, Any], event_type: str, reason: str, message: str) -> None:
         """Tell the user on the LLMDeployment (kubectl describe); an Event that cannot be written
-        must not stop the pass."""
+        must not stop the pass. The same Event is not repeated within EVENT_REPEAT_SECONDS (a pass
+        that keeps meeting the same situation says it once, as kubectl's event aggregation would)."""
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace") or "", meta.get("name") or "", reason, message)
+        now = self.clock()
+        with self._locks_guard:
+            last = self._recent_events.get(key)
+            if last is not None and (now - last).total_seconds() < EVENT_REPEAT_SECONDS:
+                return
+            self._recent_events = {k: t for k, t in self._recent_events.items()
+                                   if (now - t).total_seconds() < EVENT_REPEAT_SECONDS}
+            self._recent_events[key] = now
         try:
             self.cluster.record_event(body, event_type, reason, message, to_iso(self.clock()))
         except kubernetes.client.ApiException as e:
@@ -104,6 +125,7 @@ class Reconciler:
                 self._queued.discard(key)
                 deleted = self._deleted.pop(key, [])
                 self.passes += 1
+            body = None
             try:
                 # Events may carry an older copy; decide on the latest spec and status.
                 body = self.cluster.get_llmdeployment(namespace, name)
@@ -114,8 +136,25 @@ class Reconciler:
                 with self._locks_guard:  # the pass did not finish: the next one must still see them
                     self._deleted.setdefault(key, [])[:0] = deleted
                 if e.status in (400, 403, 422):
-                    raise kopf.PermanentError(f"Kubernetes rejected a child: {e.status} {e.reason}: {e.body}") from e
+                    message = f"Kubernetes rejected a child: {e.status} {e.reason}: {api_message(e)}"
+                    if body is not None and e.status != 403:  # 400/422: something in the spec it cannot take
+                        self._report_rejection(body, message)
+                    raise kopf.PermanentError(message) from e
                 raise kopf.TemporaryError(f"Kubernetes API error {e.status} {e.reason}", delay=5) from e
+
+    def _report_rejection(self, body: dict[str, Any], message: str) -> None:
+        """The API server refused a child built from the spec (a pass-through field it validates,
+        such as a securityContext or a volume): say so in the status and an Event, not only in logs."""
+        previous = body.get("status") or {}
+        status = rejected_status(message, generation=(body.get("metadata") or {}).get("generation"),
+                                 previous=previous)
+        if _condition_of(previous, "SpecValid").get("message") != message:
+            self._event(body, "Warning", "Rejected", message)
+        try:
+            self._write_status(body["metadata"].get("namespace") or "default", body["metadata"]["name"], status,
+                               previous)
+        except kubernetes.client.ApiException as e:
+            log.warning("could not write the status of %s: %s %s", body["metadata"]["name"], e.status, e.reason)
 
     def _reconcile(self, body: dict[str, Any], deleted: list[dict[str, Any]] = ()) -> dict[str, Any]:
         meta = body.get("metadata") or {}
@@ -374,6 +413,14 @@ def backoff_after(record: b.GroupRecord, ready: bool, now: datetime.datetime, re
     if (seconds_since(record.ready_since, now) or 0) >= reset_seconds:
         return replace(record, recreations=0, ready_since="")
     return record
+
+
+def api_message(error: kubernetes.client.ApiException) -> str:
+    """The API server's own explanation (the Status object's message), else the raw body."""
+    try:
+        return json.loads(error.body or "")["message"]
+    except (ValueError, KeyError, TypeError):
+        return str(error.body or error.reason)
 
 
 def _condition_of(status: dict[str, Any], ctype: str) -> dict[str, Any]:

@@ -259,6 +259,21 @@ def invalid_status(message: str, *, generation: int | None, previous: dict[str, 
     }
 
 
+def rejected_status(message: str, *, generation: int | None, previous: dict[str, Any] | None = None,
+                    timestamp: str | None = None) -> dict[str, Any]:
+    """The API server refused a child: what was observed before stays (the groups did not change),
+    the spec is marked not realisable with the server's reason."""
+    prev = dict(previous or {})
+    prev.pop("kopf", None)
+    kept = [c for c in prev.get("conditions") or [] if c.get("type") not in ("Degraded", "SpecValid")]
+    conditions = [{k: c[k] for k in ("type", "status", "reason", "message") if k in c} for c in kept] + [
+        _condition("Degraded", True, "Rejected", message),
+        _condition("SpecValid", False, "Rejected", message),
+    ]
+    return {**prev, "phase": "Degraded", "observedGeneration": generation,
+            "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp or to_iso(utcnow()))}
+
+
 def status_changed(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
     old = old or {}
     return any(old.get(k) != v for k, v in new.items())
