@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +143,17 @@ def test_pods_meet_the_restricted_pod_security_standard_by_default():
         assert all(env[k].startswith("/tmp/") for k in b.CACHE_ENV)
     # The checker does catch a violation.
     assert restricted_violations({"containers": [{"name": "x"}], "volumes": [{"name": "h", "hostPath": {}}]})
+
+
+def test_the_runtime_image_runs_as_the_user_the_pods_ask_for():
+    """Both runtime variants (cpu, cuda) come from one stage whose last USER is the pods' runAsUser."""
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    stage = dockerfile.split("AS runtime", 1)[1]
+    users = [line.split()[1] for line in stage.splitlines() if line.startswith("USER ")]
+    assert users and users[-1] == str(b.RUNTIME_UID) != "0"
+    assert "FROM" not in stage  # the runtime stage is the last: nothing switches the user back
+    spec, _ = build({})
+    assert b.pod_security_context(spec)["runAsUser"] == b.RUNTIME_UID
 
 
 def test_security_contexts_can_be_relaxed_and_cache_env_overridden():
