@@ -106,7 +106,8 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     return connection_info(load_configuration())
 
 
-def on_llmdeployment(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+def on_llmdeployment(event: kopf.RawEvent, body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                     **_: Any) -> None:
     """Any event of an LLMDeployment (listed at start, created, changed, deleted): converge.
 
     A raw event handler, not kopf's create/update handlers: the pass is level-triggered and needs no
@@ -114,6 +115,9 @@ def on_llmdeployment(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> No
     A failed pass is retried by the next event or the periodic resync."""
     if not leading(memo):
         return
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    if event.get("type") == "MODIFIED" and meta.get("generation") == status.get("observedGeneration"):
+        return  # no spec change since the last pass: our own status write, or labels and annotations
     try:
         memo.reconciler.reconcile(namespace, name)
     except kopf.PermanentError as e:

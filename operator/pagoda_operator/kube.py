@@ -119,7 +119,8 @@ class Cluster:
     def list_events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
         """core/v1 Events about one object (kubectl describe's list)."""
         selector = f"involvedObject.kind={kind},involvedObject.name={name}"
-        items = self._dict(self.core.list_namespaced_event(namespace, field_selector=selector)).get("items") or []
+        items = self._dict(self.core.list_namespaced_event(
+            namespace, field_selector=selector, **_cache(True))).get("items") or []
         return [e for e in items if (e.get("involvedObject") or {}).get("kind") == kind
                 and (e.get("involvedObject") or {}).get("name") == name]  # emulators may not filter
 
