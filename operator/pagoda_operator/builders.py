@@ -50,7 +50,7 @@ KERNELS_DIR = "/var/cache/pagoda/cpu_kernels"
 RUNTIME_UID = 10001  # the runtime image's user (Dockerfile)
 # Caches the libraries write at run time, moved under /tmp: the root filesystem is read-only.
 CACHE_ENV = {"XDG_CACHE_HOME": "/tmp/cache", "TRITON_CACHE_DIR": "/tmp/triton",
-             "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions"}
+             "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions", "CUDA_CACHE_PATH": "/tmp/cuda"}
 CONTAINER = "pagoda"
 # Shutdown: the head keeps serving for PRESTOP_SECONDS after it is told to stop, while the endpoints
 # controller and kube-proxy take it out of the Service; then SIGTERM starts the runtime's drain, which
