@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
+from .records import ANNOTATION_EPOCH, GroupRecord
 from .spec import DeploymentSpec
 
 GROUP_API = "pagoda.dev"
@@ -27,14 +27,6 @@ LABEL_ROLE = "pagoda.dev/role"
 LABEL_REVISION = "pagoda.dev/revision"
 ANNOTATION_APPLIED_HASH = "pagoda.dev/applied-hash"
 ANNOTATION_VALID_SPEC = "pagoda.dev/last-valid-spec"
-ANNOTATION_EPOCH = "pagoda.dev/epoch"
-ANNOTATION_RECREATIONS = "pagoda.dev/recreations"
-ANNOTATION_RECREATED_AT = "pagoda.dev/recreated-at"
-ANNOTATION_RECREATE_PENDING = "pagoda.dev/recreate-pending"
-ANNOTATION_MEMBERS = "pagoda.dev/members"
-ANNOTATION_REPLACED_AT = "pagoda.dev/replaced-at"
-ANNOTATION_READY_SINCE = "pagoda.dev/ready-since"
-ANNOTATION_GENERATION = "pagoda.dev/generation"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
@@ -57,66 +49,6 @@ CONTAINER = "pagoda"
 # gets the rest of the grace period minus a margin for the engine to stop.
 PRESTOP_SECONDS = 10
 SHUTDOWN_MARGIN_SECONDS = 10
-
-
-@dataclass(frozen=True)
-class GroupRecord:
-    """Per-group bookkeeping kept as annotations on the group's head StatefulSet.
-
-    epoch: bumped to recreate the group (it changes the pod revision, so old pods are told apart);
-    recreations/recreated_at: consecutive recreations and the last one, for the backoff;
-    pending: a recreation was asked for during the backoff and is still owed;
-    replaced_at: when the group last got a new revision (created, rolled or recreated), for the
-    rollout's progress deadline;
-    ready_since: when a group that has been recreated became Ready, so its backoff is forgotten only
-    once it has stayed Ready for a while (a group that crashes right after Ready keeps backing off);
-    members: (pod name, pod UID) of every pod seen in the group at its revision. A member that is gone
-    or came back with another UID was lost: kept here, not in memory, so neither an API error nor an
-    operator restart can forget it (a recreated pod has the same name, revision and 0 restarts)."""
-    epoch: int = 0
-    recreations: int = 0
-    recreated_at: str = ""
-    pending: bool = False
-    members: tuple[tuple[str, str], ...] = ()
-    replaced_at: str = ""
-    ready_since: str = ""
-    generation: str = ""  # the LLMDeployment's generation when the group got its current template
-
-    def annotations(self) -> dict[str, str]:
-        return {
-            ANNOTATION_EPOCH: str(self.epoch),
-            ANNOTATION_RECREATIONS: str(self.recreations),
-            ANNOTATION_RECREATED_AT: self.recreated_at,
-            ANNOTATION_RECREATE_PENDING: "true" if self.pending else "false",
-            ANNOTATION_MEMBERS: json.dumps(dict(self.members), sort_keys=True, separators=(",", ":")),
-            ANNOTATION_REPLACED_AT: self.replaced_at,
-            ANNOTATION_READY_SINCE: self.ready_since,
-            ANNOTATION_GENERATION: self.generation,
-        }
-
-    @classmethod
-    def from_annotations(cls, annotations: dict[str, str] | None) -> GroupRecord:
-        a = annotations or {}
-        return cls(
-            epoch=int(a.get(ANNOTATION_EPOCH) or 0),
-            recreations=int(a.get(ANNOTATION_RECREATIONS) or 0),
-            recreated_at=a.get(ANNOTATION_RECREATED_AT) or "",
-            pending=a.get(ANNOTATION_RECREATE_PENDING) == "true",
-            members=_members(a.get(ANNOTATION_MEMBERS)),
-            replaced_at=a.get(ANNOTATION_REPLACED_AT) or "",
-            ready_since=a.get(ANNOTATION_READY_SINCE) or "",
-            generation=a.get(ANNOTATION_GENERATION) or "",
-        )
-
-
-def _members(text: str | None) -> tuple[tuple[str, str], ...]:
-    try:
-        members = json.loads(text or "{}")
-    except ValueError:
-        return ()  # an edited, unreadable annotation: start recording again
-    if not isinstance(members, dict):
-        return ()
-    return tuple(sorted((str(k), str(v)) for k, v in members.items()))
 
 
 def digest(obj: Any, length: int = 10) -> str:

@@ -24,6 +24,7 @@ import kubernetes
 
 from . import builders as b
 from .kube import Cluster
+from .records import GroupRecord, backoff_after
 from .settings import OperatorSettings
 from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
 from .status import (
@@ -102,7 +103,7 @@ class Reconciler:
         base, cap = self.settings.recreate_backoff_seconds, self.settings.recreate_backoff_max_seconds
         return min(cap, base * 2 ** (recreations - 1))
 
-    def recreate_wait(self, record: b.GroupRecord) -> float:
+    def recreate_wait(self, record: GroupRecord) -> float:
         elapsed = seconds_since(record.recreated_at, self.clock())
         if elapsed is None:
             return 0.0
@@ -248,7 +249,7 @@ class Reconciler:
         groups = []
         for index in range(spec.replicas):
             head = heads.get(index)
-            record = b.GroupRecord.from_annotations((head or {}).get("metadata", {}).get("annotations"))
+            record = GroupRecord.from_annotations((head or {}).get("metadata", {}).get("annotations"))
             groups.append(GroupObservation(
                 index=index,
                 size=spec.pipeline_parallel_size,
@@ -295,7 +296,7 @@ class Reconciler:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
         return len(extra)
 
-    def _apply_group(self, spec: DeploymentSpec, body: dict[str, Any], index: int, record: b.GroupRecord,
+    def _apply_group(self, spec: DeploymentSpec, body: dict[str, Any], index: int, record: GroupRecord,
                      listed: Listed) -> None:
         """Apply the group's StatefulSets, comparing with the copies listed at the start of the pass
         (no extra reads); a copy this pass has written over is dropped, so a later apply reads it."""
@@ -305,7 +306,7 @@ class Reconciler:
                 listed.unwritten.pop(name, None)
 
     def _replace(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                 record: b.GroupRecord, listed: Listed, broken: bool = False) -> None:
+                 record: GroupRecord, listed: Listed, broken: bool = False) -> None:
         """Point the group's StatefulSets at the wanted template, then delete every pod of another
         revision; the StatefulSet controller recreates them all together (Parallel, OnDelete).
         A broken group serves nothing, so its pods skip the graceful drain."""
@@ -348,7 +349,7 @@ class Reconciler:
         why = f"pods {lost} were lost" if lost else "a pod restarted"
         log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name, why)
         self._event(body, "Warning", "RecreatingGroup", f"group {group.index}: {why}; replacing all its pods")
-        record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
+        record = GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=to_iso(self.clock()), pending=False)
         self._replace(spec, body, group, record, listed, broken=True)
 
@@ -398,21 +399,6 @@ class Reconciler:
             log.debug("status of %s/%s changes: %s", namespace, name,
                       {k: (previous.get(k), v) for k, v in status.items() if previous.get(k) != v})
             self.cluster.patch_status(namespace, name, status)
-
-
-def backoff_after(record: b.GroupRecord, ready: bool, now: datetime.datetime, reset_seconds: float) -> b.GroupRecord:
-    """The group's backoff bookkeeping after this pass: a recreated group that has stayed Ready for
-    `reset_seconds` has stopped crashing and starts again from no backoff; leaving Ready restarts
-    the clock. Nothing is tracked for a group that was never recreated."""
-    if not record.recreations:
-        return record if not record.ready_since else replace(record, ready_since="")
-    if not ready:
-        return replace(record, ready_since="")
-    if not record.ready_since:
-        return replace(record, ready_since=to_iso(now))
-    if (seconds_since(record.ready_since, now) or 0) >= reset_seconds:
-        return replace(record, recreations=0, ready_since="")
-    return record
 
 
 def api_message(error: kubernetes.client.ApiException) -> str:

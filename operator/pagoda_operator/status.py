@@ -9,7 +9,8 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
-from .builders import LABEL_REVISION, GroupRecord, endpoint, head_selector, selector_string
+from .builders import LABEL_REVISION, endpoint, head_selector, selector_string
+from .records import GroupRecord
 from .spec import DeploymentSpec
 from .times import seconds_since, to_iso, utcnow
 
@@ -18,7 +19,6 @@ FAILING_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "OOMKilled",
 })
-CONDITION_TYPES = ("Available", "Progressing", "Degraded", "SpecValid")
 
 
 def pod_is_ready(pod: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pagoda_operator import builders as b
+from pagoda_operator import records
 from pagoda_operator.reconcile import Reconciler
 from pagoda_operator.settings import OperatorSettings
 from pagoda_operator.spec import parse_spec, with_replicas
@@ -192,7 +193,7 @@ def test_lost_members_are_told_by_uid_not_by_name():
     assert group(0, [member("h", "u1"), member("w", "u2", terminating=True)], record=record).lost == ["w"]
     assert group(0, [member("h", "u1"), member("w", "u9")]).lost == []  # nothing recorded yet
     assert b.GroupRecord.from_annotations(record.annotations()) == record
-    assert b.GroupRecord.from_annotations({b.ANNOTATION_MEMBERS: "not json"}).members == ()
+    assert b.GroupRecord.from_annotations({records.ANNOTATION_MEMBERS: "not json"}).members == ()
 
 
 def test_invalid_status():
@@ -203,7 +204,7 @@ def test_invalid_status():
 
 
 def test_backoff_is_forgotten_only_after_staying_ready():
-    from pagoda_operator.reconcile import backoff_after
+    from pagoda_operator.records import backoff_after
     t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     crashed = b.GroupRecord(recreations=3)
     ready = backoff_after(crashed, True, t0, 600)
