@@ -29,8 +29,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.posting.level = logging.WARNING  # k8s Events only for problems
     # Server-side filtering: watch only the pods and StatefulSets the operator owns, not every pod of
     # the cluster (the handlers' label filters alone would run client-side, after the transfer).
-    for resource in CHILD_RESOURCES:
-        settings.watching.label_selectors[resource] = LABEL_DEPLOYMENT
+    selectors = getattr(settings.watching, "label_selectors", None)  # kopf >= 1.45
+    if selectors is None:
+        log.warning("this kopf has no server-side label selectors: child watches see every pod")
+    for resource in CHILD_RESOURCES if selectors is not None else ():
+        selectors[resource] = LABEL_DEPLOYMENT
     operator_settings: OperatorSettings = memo.settings
     api = kubernetes.client.ApiClient(load_configuration())
     memo.reconciler = Reconciler(Cluster(api), operator_settings)
