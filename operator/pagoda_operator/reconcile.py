@@ -346,9 +346,11 @@ class Reconciler:
                 group.record = replace(group.record, pending=True)
                 self._apply_group_metadata(spec, body, group, listed)
             return
-        why = f"pods {lost} were lost" if lost else "a pod restarted"
+        why = (f"pods {lost} were lost" if lost else "a pod restarted" if group.restarted
+               else "a pod restarted or was lost while it waited for its backoff")
         log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name, why)
-        self._event(body, "Warning", "RecreatingGroup", f"group {group.index}: {why}; replacing all its pods")
+        self._event(body, "Warning", "RecreatingGroup", f"group {group.index}: {why}; replacing all its pods "
+                    f"(recreation {group.record.recreations + 1} in a row)")
         record = GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=to_iso(self.clock()), pending=False)
         self._replace(spec, body, group, record, listed, broken=True)
