@@ -384,7 +384,6 @@ async def test_pipeline_size_change_replaces_the_group_topology(cluster, operato
 
 
 async def test_a_later_invalid_edit_keeps_the_last_valid_spec_managed(kmock, cluster, operator):
-    cluster_kmock = kmock
     await cluster.create("llama", {**GPU_SPEC, "replicas": 1})
     await eventually(lambda: _has(cluster.statefulsets("llama"), 2))
     await cluster.converge("llama")
@@ -400,8 +399,8 @@ async def test_a_later_invalid_edit_keeps_the_last_valid_spec_managed(kmock, clu
     assert status["phase"] == "Degraded" and status["readyReplicas"] == 1 and status["observedGeneration"] == 2
     assert (await cluster.condition("llama", "Available"))["status"] == "True"
     assert await cluster.statefulsets("llama") == before  # nothing half-changed
-    seen = len(list(cluster_kmock))
-    await eventually(lambda: _resync_seen(cluster_kmock, seen), what="more passes")
+    seen = len(list(kmock))
+    await eventually(lambda: _resync_seen(kmock, seen), what="more passes")
     assert (await cluster.event_reasons("llama")).count("InvalidSpec") == 1  # once, not once per pass
 
     # Restarts and scaling still work, on the last valid spec.
