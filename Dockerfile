@@ -60,6 +60,8 @@ RUN WHEEL="$(ls /wheels/pagoda-*.whl)" \
     && useradd --uid 10001 --create-home --home-dir /home/pagoda --shell /usr/sbin/nologin pagoda \
     && mkdir -p "${PAGODA_CACHE_DIR}" \
     && chown -R 10001:10001 "${PAGODA_CACHE_DIR}"
+# Both variants (cpu and cuda) run as this numeric non-root user: the operator's pods default to
+# runAsNonRoot with runAsUser 10001 (the restricted Pod Security Standard).
 USER 10001
 # Convert the default model at build time: pods start serving it without writing anything.
 RUN python -c "from pagoda.default_model import default_model_path; print(default_model_path())"

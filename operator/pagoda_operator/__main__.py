@@ -17,6 +17,9 @@ HELP = """Settings come from the environment:
   PAGODA_OPERATOR_MAX_WORLD_SIZE    largest TP x PP per group (default 256)
   PAGODA_OPERATOR_RESYNC_SECONDS    periodic reconcile interval (default 30)
   PAGODA_OPERATOR_RECREATE_BACKOFF_SECONDS / _MAX_SECONDS   group restart backoff (default 10 / 300)
+  PAGODA_OPERATOR_RECREATE_BACKOFF_RESET_SECONDS  time Ready before the backoff is forgotten (default 600)
+  PAGODA_OPERATOR_LEADER_ELECTION   true: only the holder of a Lease acts (default false)
+  PAGODA_OPERATOR_LEASE_NAME / _LEASE_NAMESPACE / _IDENTITY   the Lease, and this replica's name in it
 """
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
-from .spec import GPU_RESOURCE, DeploymentSpec
+from .records import ANNOTATION_EPOCH, GroupRecord
+from .spec import DeploymentSpec
 
 GROUP_API = "pagoda.dev"
 API_VERSION = f"{GROUP_API}/v1alpha1"
@@ -26,10 +26,7 @@ LABEL_GROUP = "pagoda.dev/group"
 LABEL_ROLE = "pagoda.dev/role"
 LABEL_REVISION = "pagoda.dev/revision"
 ANNOTATION_APPLIED_HASH = "pagoda.dev/applied-hash"
-ANNOTATION_EPOCH = "pagoda.dev/epoch"
-ANNOTATION_RECREATIONS = "pagoda.dev/recreations"
-ANNOTATION_RECREATED_AT = "pagoda.dev/recreated-at"
-ANNOTATION_RECREATE_PENDING = "pagoda.dev/recreate-pending"
+ANNOTATION_VALID_SPEC = "pagoda.dev/last-valid-spec"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
@@ -37,38 +34,21 @@ MASTER_PORT = 29500
 PROBE_PERIOD_SECONDS = 10
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
+TMP_VOLUME = "tmp"
+KERNELS_VOLUME = "kernels"
+# The runtime image's cache: the default model (converted at build time, read-only here) and the CPU
+# attention kernel, compiled at start for the node's CPU, which needs a writable directory.
+KERNELS_DIR = "/var/cache/pagoda/cpu_kernels"
+RUNTIME_UID = 10001  # the runtime image's user (Dockerfile)
+# Caches the libraries write at run time, moved under /tmp: the root filesystem is read-only.
+CACHE_ENV = {"XDG_CACHE_HOME": "/tmp/cache", "TRITON_CACHE_DIR": "/tmp/triton",
+             "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions", "CUDA_CACHE_PATH": "/tmp/cuda"}
 CONTAINER = "pagoda"
-
-
-@dataclass(frozen=True)
-class GroupRecord:
-    """Per-group bookkeeping kept as annotations on the group's head StatefulSet.
-
-    epoch: bumped to recreate the group (it changes the pod revision, so old pods are told apart);
-    recreations/recreated_at: consecutive recreations and the last one, for the backoff;
-    pending: a recreation was asked for during the backoff and is still owed."""
-    epoch: int = 0
-    recreations: int = 0
-    recreated_at: str = ""
-    pending: bool = False
-
-    def annotations(self) -> dict[str, str]:
-        return {
-            ANNOTATION_EPOCH: str(self.epoch),
-            ANNOTATION_RECREATIONS: str(self.recreations),
-            ANNOTATION_RECREATED_AT: self.recreated_at,
-            ANNOTATION_RECREATE_PENDING: "true" if self.pending else "false",
-        }
-
-    @classmethod
-    def from_annotations(cls, annotations: dict[str, str] | None) -> GroupRecord:
-        a = annotations or {}
-        return cls(
-            epoch=int(a.get(ANNOTATION_EPOCH) or 0),
-            recreations=int(a.get(ANNOTATION_RECREATIONS) or 0),
-            recreated_at=a.get(ANNOTATION_RECREATED_AT) or "",
-            pending=a.get(ANNOTATION_RECREATE_PENDING) == "true",
-        )
+# Shutdown: the head keeps serving for PRESTOP_SECONDS after it is told to stop, while the endpoints
+# controller and kube-proxy take it out of the Service; then SIGTERM starts the runtime's drain, which
+# gets the rest of the grace period minus a margin for the engine to stop.
+PRESTOP_SECONDS = 10
+SHUTDOWN_MARGIN_SECONDS = 10
 
 
 def digest(obj: Any, length: int = 10) -> str:
@@ -134,12 +114,28 @@ def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
 
 # ----- the runtime container -----
 
-def pod_revision(spec: DeploymentSpec, epoch: int) -> str:
-    """Identifies everything that shapes a group's pods; a change means the group must be replaced.
+def group_roles(spec: DeploymentSpec) -> list[str]:
+    return ["head"] + (["worker"] if spec.pipeline_parallel_size > 1 else [])
 
-    replicas and the Service do not shape pods, so scaling and Service edits never restart a group."""
-    shaping = {k: v for k, v in spec.__dict__.items() if k not in ("replicas", "service_type", "service_port")}
-    return digest({"spec": shaping, "epoch": epoch})
+
+def group_revision(spec: DeploymentSpec, group: int, epoch: int, cluster_domain: str = "cluster.local") -> str:
+    """The hash of the group's rendered pod templates (and its epoch): whatever changes a pod — a spec
+    edit, or an operator upgrade that renders other probes or args — changes the revision, so the
+    group is replaced; what does not (replicas, the Service, restartPolicy) never restarts it."""
+    templates = [_pod_template(spec, group, role, cluster_domain) for role in group_roles(spec)]
+    return digest({"templates": templates, "epoch": epoch})
+
+
+def drain_seconds(spec: DeploymentSpec) -> int:
+    """The runtime's --shutdown-timeout: what the grace period leaves after the preStop and a margin."""
+    return spec.termination_grace_period_seconds - PRESTOP_SECONDS - SHUTDOWN_MARGIN_SECONDS
+
+
+def build_lifecycle(spec: DeploymentSpec, role: str) -> dict[str, Any]:
+    """The head waits before its drain so the Service stops sending first; workers wait out the
+    head's whole drain, as the head cannot finish a request once a pipeline stage has exited."""
+    seconds = PRESTOP_SECONDS if role == "head" else PRESTOP_SECONDS + drain_seconds(spec)
+    return {"preStop": {"exec": {"command": ["sleep", str(seconds)]}}}
 
 
 def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> list[str]:
@@ -157,6 +153,7 @@ def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.
         "--node-rank", "$(PAGODA_NODE_RANK)",
         "--master-addr", master_addr(spec, group, cluster_domain),
         "--master-port", str(MASTER_PORT),
+        "--shutdown-timeout", str(drain_seconds(spec)),
     ]
     e = spec.engine
     for flag, value in (("--max-model-len", e.max_model_len), ("--max-num-seqs", e.max_num_seqs),
@@ -177,19 +174,39 @@ def build_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
     owned = {item["name"] for item in env}
-    return env + [item for item in spec.env or [] if item.get("name") not in owned]
+    user = [item for item in spec.env or [] if item.get("name") not in owned]
+    named = {item.get("name") for item in user}
+    defaults = [{"name": k, "value": v} for k, v in CACHE_ENV.items() if k not in named]  # the user's win
+    return env + defaults + user
+
+
+def pod_security_context(spec: DeploymentSpec) -> dict[str, Any]:
+    """The restricted Pod Security Standard by default; spec.podSecurityContext replaces it."""
+    if spec.pod_security_context is not None:
+        return spec.pod_security_context
+    return {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context(spec: DeploymentSpec) -> dict[str, Any]:
+    if spec.security_context is not None:
+        return spec.security_context
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def build_resources(spec: DeploymentSpec) -> dict[str, Any]:
     if spec.resources:
         return spec.resources
     gpus = str(spec.tensor_parallel_size)
-    return {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}}
+    return {"limits": {spec.gpu_resource_name: gpus}, "requests": {spec.gpu_resource_name: gpus}}
 
 
-def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> dict[str, Any]:
+def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local",
+                    role: str = "head") -> dict[str, Any]:
     health = {"httpGet": {"path": "/health", "port": "http"}}
-    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, {"name": TMP_VOLUME, "mountPath": "/tmp"},
+              {"name": KERNELS_VOLUME, "mountPath": KERNELS_DIR}]
     if spec.model_volume:
         mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model_path, "readOnly": True})
     return {
@@ -210,11 +227,14 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
                          "failureThreshold": math.ceil(spec.startup_timeout_seconds / PROBE_PERIOD_SECONDS)},
         "readinessProbe": {**health, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**health, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "lifecycle": build_lifecycle(spec, role),
+        "securityContext": container_security_context(spec),
     }
 
 
 def build_volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+                                     {"name": TMP_VOLUME, "emptyDir": {}}, {"name": KERNELS_VOLUME, "emptyDir": {}}]
     if spec.model_volume:
         source = {k: v for k, v in spec.model_volume.items() if k != "name"}
         volumes.append({"name": MODEL_VOLUME, **source})
@@ -224,11 +244,17 @@ def build_volumes(spec: DeploymentSpec) -> list[dict[str, Any]]:
 def build_pod_template(
     spec: DeploymentSpec, group: int, role: str, epoch: int, cluster_domain: str = "cluster.local"
 ) -> dict[str, Any]:
-    labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role),
-              LABEL_REVISION: pod_revision(spec, epoch)}
+    template = _pod_template(spec, group, role, cluster_domain)
+    template["metadata"]["labels"][LABEL_REVISION] = group_revision(spec, group, epoch, cluster_domain)
+    return template
+
+
+def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: str) -> dict[str, Any]:
+    """The pod template without its revision label (which is the hash of this)."""
+    labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role)}
     group_pods = {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group)}
     pod_spec: dict[str, Any] = {
-        "containers": [build_container(spec, group, cluster_domain)],
+        "containers": [build_container(spec, group, cluster_domain, role)],
         "volumes": build_volumes(spec),
         # PP stages belong on different nodes; on GPUs this is a hard rule (each pod fills a node),
         # on CPU a preference so that a one-node cluster can still run a group.
@@ -238,7 +264,8 @@ def build_pod_template(
             "whenUnsatisfiable": "DoNotSchedule" if spec.gpus_per_pod else "ScheduleAnyway",
             "labelSelector": {"matchLabels": group_pods},
         }],
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        "securityContext": pod_security_context(spec),
     }
     for key, value in (("nodeSelector", spec.node_selector), ("tolerations", spec.tolerations),
                        ("affinity", spec.affinity), ("priorityClassName", spec.priority_class_name),
@@ -253,7 +280,8 @@ def build_pod_template(
 
 
 def with_applied_hash(manifest: dict[str, Any]) -> dict[str, Any]:
-    """Stamp a manifest with the hash of its own content, so re-applying an unchanged one is skipped."""
+    """Stamp a manifest with the hash of its own content: when the operator stops setting a field, the
+    hash differs, so the object is re-applied and server-side apply removes the field."""
     manifest["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = digest(manifest)
     return manifest
 
@@ -271,7 +299,7 @@ def build_statefulset(
             "name": statefulset_name(spec, group, role),
             "namespace": spec.namespace,
             "labels": {**deployment_labels(spec), LABEL_GROUP: str(group), LABEL_ROLE: role,
-                       LABEL_REVISION: pod_revision(spec, record.epoch)},
+                       LABEL_REVISION: group_revision(spec, group, record.epoch, cluster_domain)},
             "annotations": annotations,
             "ownerReferences": [owner_reference(owner)],
         },
@@ -297,8 +325,7 @@ def build_group(
     record: GroupRecord = GroupRecord(), cluster_domain: str = "cluster.local",
 ) -> list[dict[str, Any]]:
     """The StatefulSets of one group: a head, and workers when the pipeline spans several pods."""
-    roles = ["head"] + (["worker"] if spec.pipeline_parallel_size > 1 else [])
-    return [build_statefulset(spec, owner, group, role, record, cluster_domain) for role in roles]
+    return [build_statefulset(spec, owner, group, role, record, cluster_domain) for role in group_roles(spec)]
 
 
 def build_headless_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
@@ -306,7 +333,9 @@ def build_headless_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": headless_service_name(spec), "namespace": spec.namespace,
-                     "labels": deployment_labels(spec), "ownerReferences": [owner_reference(owner)]},
+                     "labels": deployment_labels(spec), "ownerReferences": [owner_reference(owner)],
+                     # Durable memory of the last spec that parsed, for when a later edit does not.
+                     "annotations": {ANNOTATION_VALID_SPEC: spec.source}},
         "spec": {
             "clusterIP": "None",
             # Pods must resolve the head before anyone is Ready: readiness needs the rendezvous.
@@ -332,13 +361,36 @@ def build_head_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str,
     })
 
 
+def build_disruption_budget(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
+    """One budget over every pod of the deployment, allowing one pod at a time.
+
+    Evicting any pod breaks its whole group, so the budget must stop a node drain from taking a
+    stage of several groups. Counting pods does that: after one eviction, that pod (and soon its
+    group) is not Ready, the budget allows nothing more until every pod is Ready again, by which
+    time the operator has recreated the group. A starting or broken group also holds drains back
+    (its pods are not Ready), except that pods which are not Ready at all may be evicted: a crash
+    loop must not block a drain forever."""
+    return with_applied_hash({
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": spec.name, "namespace": spec.namespace, "labels": deployment_labels(spec),
+                     "ownerReferences": [owner_reference(owner)]},
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": {LABEL_DEPLOYMENT: spec.name}},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    })
+
+
 def build_all(
     spec: DeploymentSpec, owner: dict[str, Any], records: dict[int, GroupRecord] | None = None,
     cluster_domain: str = "cluster.local",
 ) -> list[dict[str, Any]]:
     """Every manifest of a steady-state deployment (used by tests and for validation)."""
     records = records or {}
-    manifests = [build_headless_service(spec, owner), build_head_service(spec, owner)]
+    manifests = [build_headless_service(spec, owner), build_head_service(spec, owner),
+                 build_disruption_budget(spec, owner)]
     for group in range(spec.replicas):
         manifests += build_group(spec, owner, group, records.get(group, GroupRecord()), cluster_domain)
     return manifests

@@ -1,17 +1,21 @@
 """Thin access to the Kubernetes API: load credentials, apply manifests idempotently, list and delete.
 
-Every write goes through here. Applying is server-side apply (so fields the operator stops setting
-are removed) and is skipped when the live object already carries the desired content hash."""
+Every write goes through here. Applying is server-side apply with the operator's field manager and
+force (so fields the operator stops setting are removed and edits of its fields are taken back), and
+is skipped only when the live object still holds every field the operator sets (see drift.py)."""
 
 from __future__ import annotations
 
 import os
+import socket
+import uuid
 from typing import Any
 
 import kopf
 import kubernetes
 
-from .builders import ANNOTATION_APPLIED_HASH, API_VERSION, GROUP_API
+from .builders import API_VERSION, GROUP_API, selector_string
+from .drift import covers
 
 FIELD_MANAGER = "pagoda-operator"
 PLURAL = "llmdeployments"
@@ -45,8 +49,8 @@ def labels_match(obj: dict[str, Any], selector: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def retryable(error: kubernetes.client.ApiException) -> kopf.TemporaryError:
-    return kopf.TemporaryError(f"Kubernetes API error {error.status} {error.reason}: {error.body}", delay=5)
+def _cache(cached: bool) -> dict[str, str]:
+    return {"resource_version": "0"} if cached else {}
 
 
 class Cluster:
@@ -57,6 +61,17 @@ class Cluster:
         self.core = kubernetes.client.CoreV1Api(api)
         self.apps = kubernetes.client.AppsV1Api(api)
         self.custom = kubernetes.client.CustomObjectsApi(api)
+        self.policy = kubernetes.client.PolicyV1Api(api)
+        # kind -> (read, patch, create) for every kind the operator applies
+        self.verbs = {
+            "StatefulSet": (self.apps.read_namespaced_stateful_set, self.apps.patch_namespaced_stateful_set,
+                            self.apps.create_namespaced_stateful_set),
+            "Service": (self.core.read_namespaced_service, self.core.patch_namespaced_service,
+                        self.core.create_namespaced_service),
+            "PodDisruptionBudget": (self.policy.read_namespaced_pod_disruption_budget,
+                                    self.policy.patch_namespaced_pod_disruption_budget,
+                                    self.policy.create_namespaced_pod_disruption_budget),
+        }
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return self.api.sanitize_for_serialization(obj) if obj is not None else {}
@@ -78,7 +93,7 @@ class Cluster:
                 self.custom.list_namespaced_custom_object(GROUP_API, VERSION, ns, PLURAL).get("items") or []]
 
     def _get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        read = self.apps.read_namespaced_stateful_set if kind == "StatefulSet" else self.core.read_namespaced_service
+        read = self.verbs[kind][0]
         try:
             return self._dict(read(name, namespace))
         except kubernetes.client.ApiException as e:
@@ -86,29 +101,40 @@ class Cluster:
                 return None
             raise
 
-    def list_statefulsets(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        sel = ",".join(f"{k}={v}" for k, v in selector.items())
-        items = self._dict(self.apps.list_namespaced_stateful_set(namespace, label_selector=sel)).get("items") or []
+    def get_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get("Service", namespace, name)
+
+    def list_statefulsets(self, namespace: str, selector: dict[str, str], cached: bool = True) -> list[dict[str, Any]]:
+        """cached: served from the API server's watch cache (resourceVersion 0), not a quorum read of
+        etcd; passes run on every child event, so this is the cheap read, possibly a moment behind."""
+        items = self._dict(self.apps.list_namespaced_stateful_set(
+            namespace, label_selector=selector_string(selector), **_cache(cached))).get("items") or []
         return [i for i in items if labels_match(i, selector)]  # also filter here: emulators may not
 
-    def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        sel = ",".join(f"{k}={v}" for k, v in selector.items())
-        items = self._dict(self.core.list_namespaced_pod(namespace, label_selector=sel)).get("items") or []
+    def list_pods(self, namespace: str, selector: dict[str, str], cached: bool = True) -> list[dict[str, Any]]:
+        items = self._dict(self.core.list_namespaced_pod(
+            namespace, label_selector=selector_string(selector), **_cache(cached))).get("items") or []
         return [i for i in items if labels_match(i, selector)]
+
+    def list_events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
+        """core/v1 Events about one object (kubectl describe's list)."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+        items = self._dict(self.core.list_namespaced_event(
+            namespace, field_selector=selector, **_cache(True))).get("items") or []
+        return [e for e in items if (e.get("involvedObject") or {}).get("kind") == kind
+                and (e.get("involvedObject") or {}).get("name") == name]  # emulators may not filter
 
     # ----- writes -----
 
-    def apply(self, manifest: dict[str, Any]) -> bool:
-        """Create or update to match the manifest; return whether anything was written."""
+    def apply(self, manifest: dict[str, Any], live: dict[str, Any] | None = None) -> bool:
+        """Create or update to match the manifest; return whether anything was written. `live`: the
+        object as just listed, to spare a read (it is read when not given)."""
         meta = manifest["metadata"]
         kind, namespace, name = manifest["kind"], meta["namespace"], meta["name"]
-        live = self._get(kind, namespace, name)
-        wanted = meta["annotations"][ANNOTATION_APPLIED_HASH]
-        if live is not None and ((live.get("metadata") or {}).get("annotations") or {}).get(
-                ANNOTATION_APPLIED_HASH) == wanted:
+        live = live or self._get(kind, namespace, name)
+        if live is not None and covers(live, manifest):
             return False
-        patch = (self.apps.patch_namespaced_stateful_set if kind == "StatefulSet"
-                 else self.core.patch_namespaced_service)
+        _, patch, create = self.verbs[kind]
         try:
             # Server-side apply creates missing objects too, and owns every field it sets from the start.
             patch(name, namespace, manifest, field_manager=FIELD_MANAGER, force=True,
@@ -116,8 +142,6 @@ class Cluster:
         except kubernetes.client.ApiException as e:
             if e.status != 404:  # API servers (or emulators) without apply-creates
                 raise
-            create = (self.apps.create_namespaced_stateful_set if kind == "StatefulSet"
-                      else self.core.create_namespaced_service)
             create(namespace, manifest, field_manager=FIELD_MANAGER)
         return True
 
@@ -128,12 +152,28 @@ class Cluster:
             if e.status != 404:
                 raise
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
         try:
-            self.core.delete_namespaced_pod(name, namespace)
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_period_seconds)
         except kubernetes.client.ApiException as e:
             if e.status != 404:
                 raise
+
+    def record_event(self, involved: dict[str, Any], event_type: str, reason: str, message: str,
+                     timestamp: str) -> None:
+        """A core/v1 Event about an object, as `kubectl describe` and `kubectl get events` show them."""
+        meta = involved.get("metadata") or {}
+        namespace = meta.get("namespace") or "default"
+        self.core.create_namespaced_event(namespace, {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+            "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                               "name": meta.get("name"), "namespace": namespace, "uid": meta.get("uid")},
+            "type": event_type, "reason": reason, "message": message[:1024],
+            "firstTimestamp": timestamp, "lastTimestamp": timestamp, "count": 1,
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER, "reportingInstance": socket.gethostname(),
+        })
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object_status(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import kopf
 
 from . import handlers
@@ -10,7 +12,8 @@ from .kube import PLURAL, VERSION
 from .settings import OperatorSettings
 
 
-def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
+def build_registry() -> kopf.OperatorRegistry:
+    """The handlers and their triggers; settings reach the handlers through the memo, not here."""
     registry = kopf.OperatorRegistry()
     resource = (GROUP_API, VERSION, PLURAL)
     owned = {LABEL_DEPLOYMENT: kopf.PRESENT}
@@ -18,20 +21,31 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     kopf.on.startup(registry=registry)(handlers.configure)
     kopf.on.cleanup(registry=registry)(handlers.cleanup)
     kopf.on.login(registry=registry)(handlers.login)
-    for trigger in (kopf.on.create, kopf.on.update, kopf.on.resume):
-        trigger(*resource, registry=registry, id="reconcile", backoff=5)(handlers.on_llmdeployment)
-    kopf.on.event("v1", "pods", labels=owned, registry=registry)(handlers.on_child_event)
-    kopf.on.event("apps", "v1", "statefulsets", labels=owned, registry=registry)(handlers.on_child_event)
+    kopf.on.event(*resource, registry=registry, id="reconcile")(handlers.on_llmdeployment)
+    for child in handlers.CHILD_RESOURCES:
+        kopf.on.event(*child, labels=owned, registry=registry)(handlers.on_child_event)
     return registry
 
 
 def run(settings: OperatorSettings) -> None:
-    """Run the operator until it is told to stop (SIGTERM/SIGINT)."""
+    """Run the operator until it is told to stop (SIGTERM/SIGINT), or until it loses the Lease."""
+    # A Future, not a threading.Event: kopf would wait for an Event in a thread that never ends.
+    stop_flag: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def request_stop() -> None:
+        if not stop_flag.done():
+            stop_flag.set_result(None)
+
+    memo = kopf.Memo(settings=settings, request_stop=request_stop)
     kopf.run(
-        registry=build_registry(settings),
-        memo=kopf.Memo(settings=settings),
+        registry=build_registry(),
+        memo=memo,
         clusterwide=settings.clusterwide,
         namespaces=settings.namespaces,
-        standalone=True,  # one replica (Deployment strategy Recreate); no peering CRDs needed
+        # Our own Lease elects the leader (see leader.py); kopf's peering would pause both replicas.
+        standalone=True,
+        stop_flag=stop_flag,
         liveness_endpoint=f"http://0.0.0.0:{settings.liveness_port}/healthz",
     )
+    if getattr(memo, "lost_lease", False):
+        raise SystemExit("lost the leader election lease; exiting so that the pod restarts as a standby")

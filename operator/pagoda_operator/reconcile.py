@@ -12,6 +12,7 @@ surge group would block the rollout forever."""
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -23,30 +24,75 @@ import kubernetes
 
 from . import builders as b
 from .kube import Cluster
+from .records import GroupRecord, backoff_after
 from .settings import OperatorSettings
-from .spec import DeploymentSpec, InvalidSpec, parse_spec
-from .status import GroupObservation, build_status, invalid_status, now_iso, pod_revision_of, status_changed
+from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
+from .status import (
+    GroupObservation,
+    build_status,
+    invalid_status,
+    pod_revision_of,
+    rejected_status,
+    status_changed,
+)
+from .times import from_iso, seconds_since, to_iso, utcnow
 
 log = logging.getLogger("pagoda_operator")
+EVENT_REPEAT_SECONDS = 600
+# A group whose torch.distributed world broke cannot finish requests: its pods need no drain.
+BROKEN_GROUP_GRACE_SECONDS = 5
 
 
-def _utcnow() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+@dataclass
+class Listed:
+    """The StatefulSets listed at the start of a pass. `unwritten` keeps the copies this pass has not
+    written over, so applies compare against them instead of reading each object again."""
+    statefulsets: list[dict[str, Any]]
+    unwritten: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.unwritten = {s["metadata"]["name"]: s for s in self.statefulsets}
 
 
 @dataclass
 class Reconciler:
     cluster: Cluster
     settings: OperatorSettings
-    clock: Callable[[], datetime.datetime] = _utcnow
+    clock: Callable[[], datetime.datetime] = utcnow
     _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
     _queued: set[tuple[str, str]] = field(default_factory=set)
-    _lost: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    passes: int = 0  # passes run by this process (a standby replica runs none)
+    _recent_events: dict[tuple[str, ...], datetime.datetime] = field(default_factory=dict)
+    # Pods whose DELETED event arrived: a hint that covers pods deleted before any pass recorded them
+    # as members. Kept until a pass completes; the durable member list covers everything else.
+    _deleted: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.Lock())
+
+    # ----- events -----
+
+    def _event(self, body: dict[str, Any], event_type: str, reason: str, message: str) -> None:
+        """Tell the user on the LLMDeployment (kubectl describe); an Event that cannot be written
+        must not stop the pass. The same Event is not repeated within EVENT_REPEAT_SECONDS (a pass
+        that keeps meeting the same situation says it once, as kubectl's event aggregation would)."""
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace") or "", meta.get("name") or "", reason, message)
+        now = self.clock()
+        with self._locks_guard:
+            last = self._recent_events.get(key)
+            if last is not None and (now - last).total_seconds() < EVENT_REPEAT_SECONDS:
+                return
+            self._recent_events = {k: t for k, t in self._recent_events.items()
+                                   if (now - t).total_seconds() < EVENT_REPEAT_SECONDS}
+            self._recent_events[key] = now
+        try:
+            self.cluster.record_event(body, event_type, reason, message, to_iso(self.clock()))
+        except kubernetes.client.ApiException as e:
+            log.warning("could not record event %s on %s: %s %s", reason,
+                        (body.get("metadata") or {}).get("name"), e.status, e.reason)
 
     # ----- backoff -----
 
@@ -57,81 +103,145 @@ class Reconciler:
         base, cap = self.settings.recreate_backoff_seconds, self.settings.recreate_backoff_max_seconds
         return min(cap, base * 2 ** (recreations - 1))
 
-    def recreate_wait(self, record: b.GroupRecord) -> float:
-        if not record.recreated_at:
+    def recreate_wait(self, record: GroupRecord) -> float:
+        elapsed = seconds_since(record.recreated_at, self.clock())
+        if elapsed is None:
             return 0.0
-        last = datetime.datetime.fromisoformat(record.recreated_at.replace("Z", "+00:00"))
-        elapsed = (self.clock() - last).total_seconds()
         return max(0.0, self.recreate_delay(record.recreations) - elapsed)
 
     # ----- the pass -----
 
-    def reconcile(self, namespace: str, name: str, lost_pod: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    def reconcile(self, namespace: str, name: str, deleted_pod: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Run a pass for one LLMDeployment, coalescing bursts: while a pass runs, later triggers
         leave one queued pass behind them and return at once (None), instead of piling up threads."""
         key = (namespace, name)
         with self._locks_guard:
-            if lost_pod is not None:
-                self._lost.setdefault(key, []).append(lost_pod)
+            if deleted_pod is not None:
+                self._deleted.setdefault(key, []).append(deleted_pod)
             if key in self._queued:
                 return None  # the queued pass has not started yet: it will see this change too
             self._queued.add(key)
         with self.lock(namespace, name):
             with self._locks_guard:
                 self._queued.discard(key)
-                lost = self._lost.pop(key, [])
+                deleted = self._deleted.pop(key, [])
+                self.passes += 1
+            body = None
             try:
                 # Events may carry an older copy; decide on the latest spec and status.
                 body = self.cluster.get_llmdeployment(namespace, name)
                 if body is None:
                     return {}  # deleted meanwhile: garbage collection takes the children
-                return self._reconcile(body, lost)
+                return self._reconcile(body, deleted)
             except kubernetes.client.ApiException as e:
+                with self._locks_guard:  # the pass did not finish: the next one must still see them
+                    self._deleted.setdefault(key, [])[:0] = deleted
                 if e.status in (400, 403, 422):
-                    raise kopf.PermanentError(f"Kubernetes rejected a child: {e.status} {e.reason}: {e.body}") from e
+                    message = f"Kubernetes rejected a child: {e.status} {e.reason}: {api_message(e)}"
+                    if body is not None and e.status != 403:  # 400/422: something in the spec it cannot take
+                        self._report_rejection(body, message)
+                    raise kopf.PermanentError(message) from e
                 raise kopf.TemporaryError(f"Kubernetes API error {e.status} {e.reason}", delay=5) from e
 
-    def _reconcile(self, body: dict[str, Any], lost_pods: list[dict[str, Any]]) -> dict[str, Any]:
+    def _report_rejection(self, body: dict[str, Any], message: str) -> None:
+        """The API server refused a child built from the spec (a pass-through field it validates,
+        such as a securityContext or a volume): say so in the status and an Event, not only in logs."""
+        previous = body.get("status") or {}
+        status = rejected_status(message, generation=(body.get("metadata") or {}).get("generation"),
+                                 previous=previous)
+        if _condition_of(previous, "SpecValid").get("message") != message:
+            self._event(body, "Warning", "Rejected", message)
+        try:
+            self._write_status(body["metadata"].get("namespace") or "default", body["metadata"]["name"], status,
+                               previous)
+        except kubernetes.client.ApiException as e:
+            log.warning("could not write the status of %s: %s %s", body["metadata"]["name"], e.status, e.reason)
+
+    def _reconcile(self, body: dict[str, Any], deleted: list[dict[str, Any]] = ()) -> dict[str, Any]:
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace") or "default", meta["name"]
         generation = meta.get("generation")
         previous = body.get("status") or {}
-        try:
-            spec = parse_spec(body, default_image=self.settings.runtime_image,
-                              max_world_size=self.settings.max_world_size)
-        except InvalidSpec as e:
-            status = invalid_status(str(e), generation=generation, previous=previous)
+        spec, spec_error = self._resolve_spec(body)
+        was = _condition_of(previous, "SpecValid")
+        if spec_error and (was.get("status") != "False" or was.get("message") != spec_error):
+            kept = " (the previous spec stays in force)" if spec is not None else ""
+            self._event(body, "Warning", "InvalidSpec", spec_error + kept)
+        if spec is None:
+            status = invalid_status(spec_error, generation=generation, previous=previous)
             self._write_status(namespace, name, status, previous)
-            raise kopf.PermanentError(f"InvalidSpec: {e}") from e
+            raise kopf.PermanentError(f"InvalidSpec: {spec_error}")
 
         self.cluster.apply(b.build_headless_service(spec, body))
         self.cluster.apply(b.build_head_service(spec, body))
+        self.cluster.apply(b.build_disruption_budget(spec, body))
 
         owned = {b.LABEL_DEPLOYMENT: name}
-        statefulsets = self.cluster.list_statefulsets(namespace, owned)
+        # StatefulSets carry the groups' durable records (epoch, members, backoff): read them
+        # consistently. Pods change most and are many: read them from the API server's watch cache.
+        statefulsets = self.cluster.list_statefulsets(namespace, owned, cached=False)
         pods = self.cluster.list_pods(namespace, owned)
-        extra = self._remove_extra_groups(spec, statefulsets)
+        extra = self._remove_extra_groups(spec, body, statefulsets)
         groups = self._observe(spec, statefulsets, pods)
+        if any(g.lost for g in groups):
+            # The cached read may be a moment behind: confirm a loss with a consistent read before
+            # recreating a whole group on it.
+            pods = self.cluster.list_pods(namespace, owned, cached=False)
+            groups = self._observe(spec, statefulsets, pods)
+        listed = Listed(statefulsets)
 
+        creating = [g.index for g in groups if not g.exists]
+        if creating:
+            self._event(body, "Normal", "ScalingUp", f"replicas is {spec.replicas}: creating groups {creating}")
         for group in groups:
             if not group.stale:
                 # Create missing groups; repair drift (a deleted or edited StatefulSet) and finish a
                 # replacement an earlier pass did not complete. A no-op when everything matches.
-                self._replace(spec, body, group, group.record, statefulsets)
+                self._replace(spec, body, group, group.record, listed)
         if spec.restart_policy == "RecreateGroupOnPodRestart":
             for group in groups:
-                self._maybe_recreate(spec, body, group, lost_pods, statefulsets)
-        self._roll(spec, body, groups, statefulsets)
+                self._maybe_recreate(spec, body, group, listed, deleted)
+        self._roll(spec, body, groups, listed)
         for group in groups:
-            if group.ready and (group.record.recreations or group.record.pending):
-                # A group that made it to Ready has stopped crashing: forget its backoff.
-                record = replace(group.record, recreations=0, pending=False)
-                self._apply_group(spec, body, group.index, record)
+            record = backoff_after(group.record, group.ready, self.clock(), self.settings.recreate_backoff_reset_seconds)
+            if record != group.record and not group.stale:
+                self._apply_group(spec, body, group.index, record, listed)
                 group.record = record
 
-        status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous)
+        status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
+                              spec_error=spec_error, now=self.clock())
+        before, after = _condition_of(previous, "Degraded"), _condition_of(status, "Degraded")
+        if after.get("status") == "True" and after.get("reason") not in ("InvalidSpec", "GroupRestarting") and (
+                before.get("status") != "True" or before.get("reason") != after.get("reason")):
+            self._event(body, "Warning", after["reason"], after.get("message", ""))
         self._write_status(namespace, name, status, previous)
         return status
+
+    def _resolve_spec(self, body: dict[str, Any]) -> tuple[DeploymentSpec | None, str | None]:
+        """The spec to act on, and why the current one is rejected (None when it is valid).
+
+        An invalid edit must not stop the management of the groups still serving: then the last
+        valid spec (recorded on the headless Service) is reconciled in full, with the current
+        replicas when those are valid, so restarts, scaling and drift repair go on."""
+        parse = {"default_image": self.settings.runtime_image, "max_world_size": self.settings.max_world_size}
+        try:
+            return parse_spec(body, **parse), None
+        except InvalidSpec as e:
+            error = str(e)
+        meta = body.get("metadata") or {}
+        namespace = meta.get("namespace") or "default"
+        headless = self.cluster.get_service(namespace, f"{meta['name']}-headless")
+        source = (((headless or {}).get("metadata") or {}).get("annotations") or {}).get(b.ANNOTATION_VALID_SPEC)
+        if not source:
+            return None, error
+        replicas = (body.get("spec") or {}).get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            replicas = (body.get("status") or {}).get("replicas", 1)
+        try:
+            return parse_spec({**body, "spec": with_replicas(source, replicas)}, **parse), error
+        except (InvalidSpec, ValueError) as e:  # e.g. the operator's limits changed since
+            log.warning("last valid spec of %s/%s no longer parses: %s", namespace, meta["name"], e)
+            return None, error
 
     def _observe(self, spec: DeploymentSpec, statefulsets: list[dict[str, Any]],
                  pods: list[dict[str, Any]]) -> list[GroupObservation]:
@@ -139,87 +249,170 @@ class Reconciler:
         groups = []
         for index in range(spec.replicas):
             head = heads.get(index)
-            record = b.GroupRecord.from_annotations((head or {}).get("metadata", {}).get("annotations"))
+            record = GroupRecord.from_annotations((head or {}).get("metadata", {}).get("annotations"))
             groups.append(GroupObservation(
                 index=index,
                 size=spec.pipeline_parallel_size,
-                wanted_revision=b.pod_revision(spec, record.epoch),
+                wanted_revision=b.group_revision(spec, index, record.epoch, self.settings.cluster_domain),
                 revision=_label(head, b.LABEL_REVISION) if head else None,
                 record=record,
                 pods=[p for p in pods if _group_of(p) == index],
             ))
+        for group in groups:
+            group.create_errors = self._create_errors(spec, group, statefulsets)
         return groups
 
-    def _remove_extra_groups(self, spec: DeploymentSpec, statefulsets: list[dict[str, Any]]) -> int:
+    def _create_errors(self, spec: DeploymentSpec, group: GroupObservation,
+                       statefulsets: list[dict[str, Any]]) -> list[str]:
+        """Why pods the group's StatefulSets want do not exist: read only when pods are missing
+        (cheap in steady state), and only what happened since the group got its template."""
+        if not group.exists or len(group.current_pods) >= group.size:
+            return []
+        since = from_iso(group.record.replaced_at)
+        errors = []
+        for sts in statefulsets:
+            if _group_of(sts) != group.index:
+                continue
+            for cond in (sts.get("status") or {}).get("conditions") or []:
+                if cond.get("reason") == "FailedCreate" and cond.get("status") == "True":
+                    errors.append(cond.get("message") or "FailedCreate")
+            for event in self.cluster.list_events(spec.namespace, "StatefulSet", sts["metadata"]["name"]):
+                when = from_iso(event.get("lastTimestamp") or event.get("eventTime") or "")
+                if event.get("reason") == "FailedCreate" and (since is None or when is None or when >= since):
+                    errors.append(event.get("message") or "FailedCreate")
+        return list(dict.fromkeys(errors))
+
+    def _remove_extra_groups(self, spec: DeploymentSpec, body: dict[str, Any],
+                             statefulsets: list[dict[str, Any]]) -> int:
         """Scale down: delete whole groups above replicas (their pods go with them). Returns how many."""
         extra = {_group_of(s) for s in statefulsets if _group_of(s) >= spec.replicas}
+        removing = sorted(_group_of(s) for s in statefulsets
+                          if _group_of(s) >= spec.replicas and not s["metadata"].get("deletionTimestamp")
+                          and _label(s, b.LABEL_ROLE) == "head")
+        if removing:
+            self._event(body, "Normal", "ScalingDown", f"replicas is {spec.replicas}: removing groups {removing}")
         for sts in statefulsets:
             if _group_of(sts) >= spec.replicas:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
         return len(extra)
 
-    def _apply_group(self, spec: DeploymentSpec, body: dict[str, Any], index: int, record: b.GroupRecord) -> None:
+    def _apply_group(self, spec: DeploymentSpec, body: dict[str, Any], index: int, record: GroupRecord,
+                     listed: Listed) -> None:
+        """Apply the group's StatefulSets, comparing with the copies listed at the start of the pass
+        (no extra reads); a copy this pass has written over is dropped, so a later apply reads it."""
         for manifest in b.build_group(spec, body, index, record, self.settings.cluster_domain):
-            self.cluster.apply(manifest)
+            name = manifest["metadata"]["name"]
+            if self.cluster.apply(manifest, live=listed.unwritten.get(name)):
+                listed.unwritten.pop(name, None)
 
     def _replace(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                 record: b.GroupRecord, statefulsets: list[dict[str, Any]]) -> None:
+                 record: GroupRecord, listed: Listed, broken: bool = False) -> None:
         """Point the group's StatefulSets at the wanted template, then delete every pod of another
-        revision; the StatefulSet controller recreates them all together (Parallel, OnDelete)."""
-        self._apply_group(spec, body, group.index, record)
+        revision; the StatefulSet controller recreates them all together (Parallel, OnDelete).
+        A broken group serves nothing, so its pods skip the graceful drain."""
+        revision = b.group_revision(spec, group.index, record.epoch, self.settings.cluster_domain)
+        if revision != group.revision:  # the progress deadline starts now
+            record = replace(record, replaced_at=to_iso(self.clock()),
+                             generation=str((body.get("metadata") or {}).get("generation") or ""))
+        self._apply_group(spec, body, group.index, record, listed)
         wanted_names = {m["metadata"]["name"] for m in b.build_group(spec, body, group.index, record)}
-        for sts in statefulsets:  # e.g. the worker StatefulSet after pipelineParallelSize became 1
+        for sts in listed.statefulsets:  # e.g. the worker StatefulSet after pipelineParallelSize became 1
             if _group_of(sts) == group.index and sts["metadata"]["name"] not in wanted_names:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
         group.record = record
-        group.revision = group.wanted_revision = b.pod_revision(spec, record.epoch)
+        group.revision = group.wanted_revision = revision
         for pod in group.pods:
             if pod_revision_of(pod) != group.revision:
-                self.cluster.delete_pod(spec.namespace, pod["metadata"]["name"])
+                self.cluster.delete_pod(spec.namespace, pod["metadata"]["name"],
+                                        grace_period_seconds=BROKEN_GROUP_GRACE_SECONDS if broken else None)
         group.pods = [p for p in group.pods if pod_revision_of(p) == group.revision]
 
     def _maybe_recreate(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
-                        lost_pods: list[dict[str, Any]], statefulsets: list[dict[str, Any]]) -> None:
-        lost = any(_group_of(p) == group.index and pod_revision_of(p) == group.revision for p in lost_pods)
-        if not (group.exists and (lost or group.restarted or group.record.pending)):
+                        listed: Listed, deleted: list[dict[str, Any]]) -> None:
+        if not group.exists:
+            return
+        lost = group.lost + [p["metadata"]["name"] for p in deleted if _group_of(p) == group.index
+                             and pod_revision_of(p) == group.revision and p["metadata"]["name"] not in group.lost]
+        if not (lost or group.restarted or group.record.pending):
+            self._record_members(spec, body, group, listed)
             return
         wait = self.recreate_wait(group.record)
         if wait > 0:
             if not group.record.pending:
                 log.info("group %s of %s/%s lost a pod; recreating in %.0fs (backoff)",
                          group.index, spec.namespace, spec.name, wait)
+                self._event(body, "Warning", "BackOff", f"group {group.index} broke again "
+                            f"({group.record.recreations} recreations in a row): recreating it in {wait:.0f}s")
                 group.record = replace(group.record, pending=True)
-                self._apply_group_metadata(spec, body, group)
+                self._apply_group_metadata(spec, body, group, listed)
             return
-        log.info("recreating group %s of %s/%s: a pod restarted or disappeared",
-                 group.index, spec.namespace, spec.name)
-        record = b.GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
-                               recreated_at=self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"), pending=False)
-        self._replace(spec, body, group, record, statefulsets)
+        why = (f"pods {lost} were lost" if lost else "a pod restarted" if group.restarted
+               else "a pod restarted or was lost while it waited for its backoff")
+        log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name, why)
+        self._event(body, "Warning", "RecreatingGroup", f"group {group.index}: {why}; replacing all its pods "
+                    f"(recreation {group.record.recreations + 1} in a row)")
+        record = GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
+                               recreated_at=to_iso(self.clock()), pending=False)
+        self._replace(spec, body, group, record, listed, broken=True)
 
-    def _apply_group_metadata(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation) -> None:
+    def _record_members(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
+                        listed: Listed) -> None:
+        """Add newly seen pods of the group to its durable member list (see GroupRecord)."""
+        members = {**dict(group.record.members), **group.live_members}
+        if group.stale or members == dict(group.record.members):
+            return
+        group.record = replace(group.record, members=tuple(sorted(members.items())))
+        self._apply_group(spec, body, group.index, group.record, listed)
+
+    def _apply_group_metadata(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
+                              listed: Listed) -> None:
         """Record bookkeeping without touching the pod template (the group keeps its revision)."""
         if group.stale:
             return  # the rollout will replace this group anyway
-        self._apply_group(spec, body, group.index, group.record)
+        self._apply_group(spec, body, group.index, group.record, listed)
 
     def _roll(self, spec: DeploymentSpec, body: dict[str, Any], groups: list[GroupObservation],
-              statefulsets: list[dict[str, Any]]) -> None:
+              listed: Listed) -> None:
+        """Replace stale groups from `partition` up: a group that is not Ready at once (it serves
+        nothing), a Ready one only while fewer than `maxUnavailable` groups are not Ready."""
+        unavailable = sum(1 for g in groups if not g.ready)
         for group in groups:
-            if not group.stale:
+            if not group.stale or group.index < spec.partition:
                 continue
-            others_unready = any(not g.ready for g in groups if g is not group)
-            if group.ready and others_unready:
-                continue  # keep serving: wait until the group being replaced is Ready
+            if group.ready:
+                if unavailable >= spec.max_unavailable:
+                    continue  # keep serving until a group being replaced is Ready
+                unavailable += 1
             log.info("rolling group %s of %s/%s to revision %s", group.index, spec.namespace, spec.name,
                      group.wanted_revision)
-            self._replace(spec, body, group, replace(group.record, pending=False), statefulsets)
+            # The group got its template at this very generation: the spec did not change, the
+            # operator's rendering of it did.
+            if group.record.generation and group.record.generation == str(body["metadata"].get("generation")):
+                self._event(body, "Warning", "TemplateChanged",
+                            f"replacing group {group.index}: its pod template changed without a spec edit "
+                            "(an operator upgrade or a new default runtime image)")
+            else:
+                self._event(body, "Normal", "RollingUpdate",
+                            f"replacing group {group.index} with revision {group.wanted_revision}")
+            self._replace(spec, body, group, replace(group.record, pending=False, members=()), listed)
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any]) -> None:
         if status_changed(status, previous):
             log.debug("status of %s/%s changes: %s", namespace, name,
                       {k: (previous.get(k), v) for k, v in status.items() if previous.get(k) != v})
             self.cluster.patch_status(namespace, name, status)
+
+
+def api_message(error: kubernetes.client.ApiException) -> str:
+    """The API server's own explanation (the Status object's message), else the raw body."""
+    try:
+        return json.loads(error.body or "")["message"]
+    except (ValueError, KeyError, TypeError):
+        return str(error.body or error.reason)
+
+
+def _condition_of(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == ctype), {})
 
 
 def _label(obj: dict[str, Any] | None, key: str) -> str | None:
@@ -233,4 +426,4 @@ def _group_of(obj: dict[str, Any]) -> int:
         return -1
 
 
-__all__ = ["Reconciler", "now_iso"]
+__all__ = ["Reconciler"]

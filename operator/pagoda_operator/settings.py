@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,6 +22,15 @@ class OperatorSettings:
     resync_seconds: float = 30.0              # periodic reconcile: deferred restarts, missed events
     recreate_backoff_seconds: float = 10.0    # first delay between recreations of a crashing group
     recreate_backoff_max_seconds: float = 300.0
+    recreate_backoff_reset_seconds: float = 600.0  # Ready this long: the group stopped crashing
+    # Leader election on a Lease: off for a single process (a laptop), on in the chart.
+    leader_election: bool = False
+    lease_name: str = "pagoda-operator"
+    lease_namespace: str = "default"
+    identity: str = ""                        # default: host name plus a random suffix
+    lease_duration_seconds: int = 15
+    lease_renew_seconds: int = 10
+    lease_retry_seconds: int = 2
 
     @property
     def clusterwide(self) -> bool:
@@ -33,6 +44,9 @@ class OperatorSettings:
             return env.get(PREFIX + name, "").strip() or default
 
         namespaces = tuple(ns.strip() for ns in get("NAMESPACES", "").split(",") if ns.strip())
+        election = get("LEADER_ELECTION", "false").lower()
+        if election not in ("true", "false"):
+            raise SystemExit(f"invalid {PREFIX}LEADER_ELECTION: {election!r} (use true or false)")
         try:
             return cls(
                 namespaces=namespaces,
@@ -45,6 +59,12 @@ class OperatorSettings:
                 recreate_backoff_seconds=float(get("RECREATE_BACKOFF_SECONDS", str(cls.recreate_backoff_seconds))),
                 recreate_backoff_max_seconds=float(
                     get("RECREATE_BACKOFF_MAX_SECONDS", str(cls.recreate_backoff_max_seconds))),
+                recreate_backoff_reset_seconds=float(
+                    get("RECREATE_BACKOFF_RESET_SECONDS", str(cls.recreate_backoff_reset_seconds))),
+                leader_election=election == "true",
+                lease_name=get("LEASE_NAME", cls.lease_name),
+                lease_namespace=get("LEASE_NAMESPACE", cls.lease_namespace),
+                identity=get("IDENTITY", f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"),
             )
         except ValueError as e:
             raise SystemExit(f"invalid {PREFIX}* setting: {e}") from e

@@ -5,6 +5,7 @@ The CRD schema rejects what it can (types, minimums, enums); this module checks 
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -17,11 +18,14 @@ MAX_NAME_LENGTH = 40
 # Flags the operator sets itself; letting extraArgs repeat them would desynchronise the group.
 OWNED_FLAGS = (
     "--served-model-name", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
-    "--nnodes", "--node-rank", "--master-addr", "--master-port",
+    "--nnodes", "--node-rank", "--master-addr", "--master-port", "--shutdown-timeout",
 )
 # Directories a model volume must not shadow inside the container.
 RESERVED_PATHS = ("/dev", "/proc", "/sys", "/etc", "/usr", "/bin", "/lib", "/tmp", "/var/run")
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# An extended resource name: a DNS-subdomain prefix and a name (nvidia.com/gpu, amd.com/gpu,
+# nvidia.com/mig-1g.10gb).
+EXTENDED_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 
 class InvalidSpec(ValueError):
@@ -66,6 +70,19 @@ class DeploymentSpec:
     env: list[dict[str, Any]] | None = None
     pod_annotations: dict[str, str] | None = None
     pod_labels: dict[str, str] | None = None
+    gpu_resource_name: str = GPU_RESOURCE
+    # Replace the restricted-profile defaults when set (e.g. to run an image as root).
+    pod_security_context: dict[str, Any] | None = None
+    security_context: dict[str, Any] | None = None
+    termination_grace_period_seconds: int = 90
+    # rollout: groups replaced at once, groups below the partition index kept on their revision,
+    # and how long a replaced group may take to get Ready before the rollout is reported stalled.
+    max_unavailable: int = 1
+    partition: int = 0
+    progress_deadline_seconds: int | None = None
+    # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
+    # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
+    source: str = field(default="", compare=False)
 
     @property
     def model_name(self) -> str:
@@ -76,15 +93,30 @@ class DeploymentSpec:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def progress_deadline(self) -> int:
+        """Default: the model may take startupTimeoutSeconds to load, plus 10 minutes to schedule and pull."""
+        return self.progress_deadline_seconds or self.startup_timeout_seconds + 600
+
+    @property
     def gpus_per_pod(self) -> int:
         """GPUs each pod asks for: the explicit resources win, else one per TP rank."""
-        if self.resources:
-            for section in ("limits", "requests"):
-                value = (self.resources.get(section) or {}).get(GPU_RESOURCE)
-                if value is not None:
-                    return int(value)
-            return 0
-        return self.tensor_parallel_size
+        return gpu_count(self.resources, self.gpu_resource_name, self.tensor_parallel_size)
+
+
+def gpu_count(resources: dict[str, Any] | None, resource_name: str, tensor_parallel_size: int) -> int:
+    """GPUs in a resources block (limits first); InvalidSpec for anything but a whole number."""
+    if not resources:
+        return tensor_parallel_size
+    for section in ("limits", "requests"):
+        value = (resources.get(section) or {}).get(resource_name)
+        if value is None:
+            continue
+        text = str(value).strip()
+        if isinstance(value, bool) or not text.isdigit():
+            raise InvalidSpec(f"resources.{section}[{resource_name}] must be a whole number of GPUs, "
+                              f"got {value!r}")
+        return int(text)
+    return 0
 
 
 def _int(value: Any, what: str, minimum: int) -> int:
@@ -93,10 +125,34 @@ def _int(value: Any, what: str, minimum: int) -> int:
     return value
 
 
+def spec_source(spec: dict[str, Any]) -> str:
+    """The user's spec without replicas (scaling must not look like an edit), as stable JSON."""
+    return json.dumps({k: v for k, v in spec.items() if k != "replicas"}, sort_keys=True, separators=(",", ":"))
+
+
+def with_replicas(source: str, replicas: Any) -> dict[str, Any]:
+    """A recorded spec with the replicas of the current one, so scaling works on the last valid spec."""
+    spec = json.loads(source)
+    spec["replicas"] = replicas
+    return spec
+
+
 def parse_spec(
     body: dict[str, Any], *, default_image: str, max_world_size: int = 256
 ) -> DeploymentSpec:
-    """Turn an LLMDeployment object into a DeploymentSpec or raise InvalidSpec with a readable message."""
+    """Turn an LLMDeployment object into a DeploymentSpec or raise InvalidSpec with a readable message.
+
+    Whatever the spec holds, the only exception that leaves is InvalidSpec: a value of the wrong shape
+    that slipped past the schema (an older CRD, a client that skips validation) is a bad spec too."""
+    try:
+        return _parse_spec(body, default_image=default_image, max_world_size=max_world_size)
+    except InvalidSpec:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise InvalidSpec(f"the spec has a value of the wrong type or shape: {type(e).__name__}: {e}") from e
+
+
+def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int) -> DeploymentSpec:
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
     name = meta.get("name") or ""
@@ -130,12 +186,23 @@ def parse_spec(
             raise InvalidSpec(f"model.volume must hold exactly one volume source, got {sorted(sources)}")
 
     resources = spec.get("resources") or None
+    gpu_resource_name = spec.get("gpuResourceName") or GPU_RESOURCE
+    if not isinstance(gpu_resource_name, str) or not EXTENDED_RESOURCE.match(gpu_resource_name):
+        raise InvalidSpec(f"gpuResourceName {gpu_resource_name!r} must be an extended resource name "
+                          "such as nvidia.com/gpu, amd.com/gpu or nvidia.com/mig-1g.10gb")
     engine = spec.get("engine") or {}
     extra_args = tuple(str(a) for a in engine.get("extraArgs") or ())
     for arg in extra_args:
         if arg.split("=", 1)[0] in OWNED_FLAGS:
             raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]}: "
                               "the operator sets it from the spec")
+    grace = _int(spec.get("terminationGracePeriodSeconds", 90), "terminationGracePeriodSeconds", 30)
+    rollout = spec.get("rollout") or {}
+    max_unavailable = _int(rollout.get("maxUnavailable", 1), "rollout.maxUnavailable", 1)
+    partition = _int(rollout.get("partition", 0), "rollout.partition", 0)
+    deadline = rollout.get("progressDeadlineSeconds")
+    if deadline is not None:
+        deadline = _int(deadline, "rollout.progressDeadlineSeconds", 60)
     parsed = DeploymentSpec(
         name=name,
         namespace=meta.get("namespace") or "default",
@@ -169,9 +236,17 @@ def parse_spec(
         env=spec.get("env"),
         pod_annotations=spec.get("podAnnotations"),
         pod_labels=spec.get("podLabels"),
+        gpu_resource_name=gpu_resource_name,
+        pod_security_context=spec.get("podSecurityContext"),
+        security_context=spec.get("securityContext"),
+        termination_grace_period_seconds=grace,
+        max_unavailable=max_unavailable,
+        partition=partition,
+        progress_deadline_seconds=deadline,
+        source=spec_source(spec),
     )
     gpus = parsed.gpus_per_pod
     if gpus and gpus < tp:
-        raise InvalidSpec(f"resources give {gpus} {GPU_RESOURCE} per pod but tensorParallelSize is {tp}: "
+        raise InvalidSpec(f"resources give {gpus} {gpu_resource_name} per pod but tensorParallelSize is {tp}: "
                           "each pod needs one GPU per tensor-parallel rank")
     return parsed

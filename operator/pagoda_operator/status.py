@@ -9,19 +9,16 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
-from .builders import LABEL_REVISION, GroupRecord, endpoint, head_selector, selector_string
+from .builders import LABEL_REVISION, endpoint, head_selector, selector_string
+from .records import GroupRecord
 from .spec import DeploymentSpec
+from .times import seconds_since, to_iso, utcnow
 
 # Container states that mean the pod will not become Ready without someone changing something.
 FAILING_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "OOMKilled",
 })
-CONDITION_TYPES = ("Available", "Progressing", "Degraded")
-
-
-def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def pod_is_ready(pod: dict[str, Any]) -> bool:
@@ -53,6 +50,14 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def pod_unschedulable(pod: dict[str, Any]) -> str | None:
+    """The scheduler's message when it cannot place the pod (no node with free GPUs, taints, affinity)."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return c.get("message") or "Unschedulable"
+    return None
+
+
 @dataclass
 class GroupObservation:
     index: int
@@ -61,6 +66,9 @@ class GroupObservation:
     revision: str | None            # what the group's StatefulSets run now (None: not created)
     record: GroupRecord = field(default_factory=GroupRecord)
     pods: list[dict[str, Any]] = field(default_factory=list)
+    # Why the StatefulSet controller could not create missing pods (ResourceQuota, Pod Security
+    # admission, ...): the messages of its FailedCreate Events and conditions.
+    create_errors: list[str] = field(default_factory=list)
 
     @property
     def exists(self) -> bool:
@@ -81,8 +89,28 @@ class GroupObservation:
         return all(pod_revision_of(p) == self.revision and pod_is_ready(p) for p in self.pods)
 
     @property
+    def live_members(self) -> dict[str, str]:
+        """name -> UID of the group's pods at its revision that are not going away."""
+        return {p["metadata"]["name"]: p["metadata"].get("uid") or "" for p in self.current_pods
+                if not p["metadata"].get("deletionTimestamp")}
+
+    @property
+    def lost(self) -> list[str]:
+        """Recorded members that are gone, terminating, or were replaced by a pod with another UID."""
+        live = self.live_members
+        return [name for name, uid in self.record.members if live.get(name) != uid]
+
+    @property
     def restarted(self) -> bool:
         return any(pod_restarts(p) > 0 for p in self.current_pods)
+
+    @property
+    def unschedulable(self) -> str | None:
+        for pod in self.current_pods:
+            message = pod_unschedulable(pod)
+            if message:
+                return f"pod {pod['metadata'].get('name')}: {message}"
+        return None
 
     @property
     def failure(self) -> str | None:
@@ -112,16 +140,24 @@ def merge_conditions(new: list[dict[str, str]], previous: list[dict[str, Any]] |
 def build_status(
     spec: DeploymentSpec, groups: list[GroupObservation], *, generation: int | None,
     extra_groups: int = 0, previous: dict[str, Any] | None = None, timestamp: str | None = None,
+    spec_error: str | None = None, now: datetime.datetime | None = None,
 ) -> dict[str, Any]:
-    """The status for a valid spec. `groups` are the wanted groups 0..replicas-1, observed after this
-    reconcile's actions; `extra_groups` counts groups above replicas still being removed."""
-    timestamp = timestamp or now_iso()
+    """The status while a valid spec is reconciled. `groups` are the wanted groups 0..replicas-1,
+    observed after this reconcile's actions; `extra_groups` counts groups above replicas still being
+    removed; `spec_error` says why the current spec was rejected when `spec` is the last valid one."""
+    now = now or utcnow()
+    timestamp = timestamp or to_iso(now)
     ready = sum(1 for g in groups if g.ready)
     wanted = spec.replicas
-    stale = [g.index for g in groups if g.stale]
+    held = [g.index for g in groups if g.stale and g.index < spec.partition]
+    stale = [g.index for g in groups if g.stale and g.index >= spec.partition]
+    stalled = [g.index for g in groups if g.exists and not g.stale and not g.ready
+               and (seconds_since(g.record.replaced_at, now) or 0) > spec.progress_deadline]
     missing = [g.index for g in groups if not g.exists]
     starting = [g.index for g in groups if g.exists and not g.stale and not g.ready]
     failures = [f"group {g.index} {g.failure}" for g in groups if g.failure]
+    rejected = [f"group {g.index}: {m}" for g in groups for m in g.create_errors]
+    unschedulable = [f"group {g.index} {g.unschedulable}" for g in groups if g.unschedulable]
     owed = [g.index for g in groups if g.record.pending]
 
     if wanted == 0:
@@ -131,45 +167,78 @@ def build_status(
     else:
         available = _condition("Available", False, "NoGroupReady", f"0/{wanted} groups ready")
 
-    if stale:
+    if stalled:
+        progressing = _condition("Progressing", False, "ProgressDeadlineExceeded",
+                                 f"groups {stalled} are not Ready {spec.progress_deadline}s after they were "
+                                 "replaced (rollout.progressDeadlineSeconds)")
+    elif stale:
         progressing = _condition("Progressing", True, "RollingUpdate",
-                                 f"groups {stale} run an older spec; replacing one group at a time")
+                                 f"groups {stale} run an older pod template; replacing up to "
+                                 f"{spec.max_unavailable} at a time")
     elif missing or extra_groups:
         progressing = _condition("Progressing", True, "Scaling",
                                  f"creating groups {missing}" if missing else f"removing {extra_groups} groups")
     elif starting:
         progressing = _condition("Progressing", True, "GroupsStarting", f"groups {starting} are not Ready yet")
+    elif held:
+        progressing = _condition("Progressing", False, "Partitioned",
+                                 f"groups {held} stay on their previous pod template (rollout.partition "
+                                 f"{spec.partition}); the others run the current one")
     else:
         progressing = _condition("Progressing", False, "Complete", f"all {wanted} groups run the current spec")
 
     if failures:
         degraded = _condition("Degraded", True, "PodFailing", "; ".join(failures))
+    elif rejected:
+        degraded = _condition("Degraded", True, "FailedCreate", "; ".join(rejected))
+    elif unschedulable:
+        degraded = _condition("Degraded", True, "Unschedulable", "; ".join(unschedulable))
     elif owed:
         degraded = _condition("Degraded", True, "GroupRestarting",
                               f"groups {owed} lost a pod and wait for their restart backoff")
+    elif stalled:
+        degraded = _condition("Degraded", True, "ProgressDeadlineExceeded", progressing["message"])
+    elif spec_error:
+        degraded = _condition("Degraded", True, "InvalidSpec",
+                              f"the last edit is rejected, the previous spec stays in force: {spec_error}")
     else:
         degraded = _condition("Degraded", False, "AsExpected", "no failures observed")
-
-    all_pods = [p for g in groups for p in g.pods]
-    if degraded["status"] == "True":
-        phase = "Degraded"
-    elif ready == wanted and progressing["status"] == "False":
-        phase = "Ready"
-    elif ready == 0 and all((p.get("status") or {}).get("phase", "Pending") == "Pending" for p in all_pods):
-        phase = "Pending"
+    if spec_error:
+        spec_valid = _condition("SpecValid", False, "InvalidSpec", spec_error)
     else:
-        phase = "Progressing"
+        spec_valid = _condition("SpecValid", True, "Valid", "the spec is accepted")
+
+    phase = phase_of(available, progressing, degraded, groups)
 
     prev = previous or {}
     return {
         "phase": phase,
-        "replicas": wanted,
+        # As LeaderWorkerSet: groups that exist (the scale subresource's current count), Ready, and
+        # on the current revision.
+        "replicas": sum(1 for g in groups if g.exists) + extra_groups,
         "readyReplicas": ready,
+        "updatedReplicas": sum(1 for g in groups if g.exists and not g.stale),
         "endpoint": endpoint(spec),
         "selector": selector_string(head_selector(spec)),
         "observedGeneration": generation,
-        "conditions": merge_conditions([available, progressing, degraded], prev.get("conditions"), timestamp),
+        "conditions": merge_conditions([available, progressing, degraded, spec_valid], prev.get("conditions"),
+                                       timestamp),
     }
+
+
+def phase_of(available: dict[str, str], progressing: dict[str, str], degraded: dict[str, str],
+             groups: list[GroupObservation]) -> str:
+    """The one-word summary, derived from the conditions so the two never disagree."""
+    if degraded["status"] == "True":
+        return "Degraded"
+    if progressing["status"] == "True":
+        all_pods = [p for g in groups for p in g.pods]
+        nothing_runs = all((p.get("status") or {}).get("phase", "Pending") == "Pending" for p in all_pods)
+        starting_up = groups and not any(g.ready for g in groups) and nothing_runs
+        return "Pending" if starting_up else "Progressing"
+    if available["status"] == "True":
+        return "Ready"
+    return "ScaledToZero"  # complete, nothing wanted
 
 
 def invalid_status(message: str, *, generation: int | None, previous: dict[str, Any] | None = None,
@@ -179,14 +248,30 @@ def invalid_status(message: str, *, generation: int | None, previous: dict[str, 
         _condition("Available", False, "InvalidSpec", message),
         _condition("Progressing", False, "InvalidSpec", message),
         _condition("Degraded", True, "InvalidSpec", message),
+        _condition("SpecValid", False, "InvalidSpec", message),
     ]
     return {
         "phase": "Failed",
         "replicas": prev.get("replicas", 0),
         "readyReplicas": prev.get("readyReplicas", 0),
         "observedGeneration": generation,
-        "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp or now_iso()),
+        "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp or to_iso(utcnow())),
     }
+
+
+def rejected_status(message: str, *, generation: int | None, previous: dict[str, Any] | None = None,
+                    timestamp: str | None = None) -> dict[str, Any]:
+    """The API server refused a child: what was observed before stays (the groups did not change),
+    the spec is marked not realisable with the server's reason."""
+    prev = dict(previous or {})
+    prev.pop("kopf", None)
+    kept = [c for c in prev.get("conditions") or [] if c.get("type") not in ("Degraded", "SpecValid")]
+    conditions = [{k: c[k] for k in ("type", "status", "reason", "message") if k in c} for c in kept] + [
+        _condition("Degraded", True, "Rejected", message),
+        _condition("SpecValid", False, "Rejected", message),
+    ]
+    return {**prev, "phase": "Degraded", "observedGeneration": generation,
+            "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp or to_iso(utcnow()))}
 
 
 def status_changed(new: dict[str, Any], old: dict[str, Any] | None) -> bool:

@@ -14,7 +14,8 @@ from pagoda_operator.settings import OperatorSettings
 
 @pytest.fixture
 def operator_settings() -> OperatorSettings:
-    return OperatorSettings(resync_seconds=1.0, recreate_backoff_seconds=8.0, recreate_backoff_max_seconds=30.0)
+    return OperatorSettings(resync_seconds=1.0, recreate_backoff_seconds=8.0, recreate_backoff_max_seconds=30.0,
+                            recreate_backoff_reset_seconds=3.0)
 
 
 @pytest.fixture
@@ -25,10 +26,19 @@ async def cluster(kmock, tmp_path, monkeypatch) -> AsyncIterator[FakeCluster]:
     kmock.resources["apps/v1/statefulsets"] = info(kind="StatefulSet", namespaced=True, verbs=VERBS)
     kmock.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     kmock.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=VERBS)
+    kmock.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
+    kmock.resources["coordination.k8s.io/v1/leases"] = info(kind="Lease", namespaced=True, verbs=VERBS)
     kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"})
+    # KMock serves GET/POST/PATCH/DELETE; the Lease-based leader election also replaces (PUT) its Lease.
+    def replace_lease(request):
+        stored = kmock.objects[(request.resource, request.namespace, request.name)]
+        stored.patch({"spec": None})  # a replace, not a merge: fields left out are cleared
+        stored.patch(request.data)
+        return stored.raw
+    kmock["put", "/apis/coordination.k8s.io/v1/namespaces/*/leases/*"] << replace_lease
     url = str(kmock.url).rstrip("/")
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({

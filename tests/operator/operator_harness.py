@@ -11,6 +11,7 @@ import asyncio
 import copy
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -97,15 +98,30 @@ class FakeCluster:
         items = (await self._json("GET", SERVICES.format(ns=self.ns)))["items"]
         return {s["metadata"]["name"]: s for s in items}
 
+    async def events(self, name: str) -> list[dict[str, Any]]:
+        """Events about the LLMDeployment `name`, oldest first."""
+        items = (await self._json("GET", f"/api/v1/namespaces/{self.ns}/events"))["items"]
+        return [e for e in items if e.get("involvedObject", {}).get("kind") == "LLMDeployment"
+                and e["involvedObject"].get("name") == name]
+
+    async def event_reasons(self, name: str) -> list[str]:
+        return [e["reason"] for e in await self.events(name)]
+
+    async def disruption_budgets(self) -> dict[str, dict[str, Any]]:
+        items = (await self._json("GET", f"/apis/policy/v1/namespaces/{self.ns}/poddisruptionbudgets"))["items"]
+        return {s["metadata"]["name"]: s for s in items}
+
     # ----- playing the StatefulSet controller and the kubelet -----
 
-    async def reconcile_pods(self, ready: bool = True) -> list[str]:
+    async def reconcile_pods(self, ready: bool = True, skip: frozenset[str] = frozenset()) -> list[str]:
         """Create missing pods of every StatefulSet from its template; delete pods whose StatefulSet is
         gone (garbage collection). Returns the names of the pods created."""
         statefulsets = await self.statefulsets()
         pods = await self.pods()
         created = []
         for sts_name, sts in statefulsets.items():
+            if sts_name in skip:
+                continue  # e.g. a ResourceQuota rejects its pods
             start = sts["spec"].get("ordinals", {}).get("start", 0)
             for ordinal in range(start, start + sts["spec"]["replicas"]):
                 pod_name = f"{sts_name}-{ordinal}"
@@ -114,7 +130,7 @@ class FakeCluster:
                 template = copy.deepcopy(sts["spec"]["template"])
                 meta = template["metadata"]
                 meta["labels"]["apps.kubernetes.io/pod-index"] = str(ordinal)
-                meta.update(name=pod_name, namespace=self.ns)
+                meta.update(name=pod_name, namespace=self.ns, uid=str(uuid.uuid4()))  # as the API server
                 pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
                 await self._json("POST", PODS.format(ns=self.ns), pod)
                 await self.set_pod(pod_name, ready=ready)
@@ -126,18 +142,41 @@ class FakeCluster:
         return created
 
     async def set_pod(self, name: str, *, ready: bool = True, restarts: int = 0,
-                      waiting_reason: str | None = None, phase: str = "Running") -> None:
+                      waiting_reason: str | None = None, phase: str = "Running",
+                      unschedulable: str | None = None) -> None:
         state = {"waiting": {"reason": waiting_reason}} if waiting_reason else {"running": {}}
+        conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+        if unschedulable:  # what the scheduler writes when no node fits
+            phase, ready = "Pending", False
+            conditions = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                           "message": unschedulable}]
         status = {
             "phase": phase,
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "conditions": conditions,
             "containerStatuses": [{"name": "pagoda", "ready": ready, "restartCount": restarts, "state": state,
                                    "image": "x", "imageID": "", "started": ready}],
         }
         await self._json("PATCH", f"{PODS.format(ns=self.ns)}/{name}/status", {"status": status})
 
+    async def record_event(self, kind: str, name: str, reason: str, message: str) -> None:
+        """An Event as a controller posts it (the StatefulSet controller's FailedCreate, say)."""
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        await self._json("POST", f"/api/v1/namespaces/{self.ns}/events", {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": f"{name}.{uuid.uuid4().hex[:8]}", "namespace": self.ns},
+            "involvedObject": {"kind": kind, "name": name, "namespace": self.ns},
+            "reason": reason, "message": message, "type": "Warning", "lastTimestamp": now})
+
     async def delete_pod(self, name: str) -> None:
         await self._json("DELETE", f"{PODS.format(ns=self.ns)}/{name}")
+
+    async def converge_groups(self, name: str, groups: int, timeout: float = 15.0) -> dict[str, Any]:
+        """Keep playing the controllers until `groups` groups are Ready, whatever the phase."""
+        async def ready() -> dict[str, Any] | None:
+            await self.reconcile_pods()
+            status = await self.status(name)
+            return status if status.get("readyReplicas") == groups else None
+        return await eventually(ready, timeout, f"{name} has {groups} groups Ready")
 
     async def converge(self, name: str, timeout: float = 15.0) -> dict[str, Any]:
         """Keep playing the controllers until the LLMDeployment reports Ready."""
@@ -156,12 +195,14 @@ class OperatorProcess:
         self.settings = settings
         self.thread: threading.Thread | None = None
         self.stop_flag = threading.Event()
+        self.memo: kopf.Memo | None = None
 
     def _run(self, ready_flag: threading.Event) -> None:
         loop = asyncio.new_event_loop()
         try:
+            self.memo = kopf.Memo(settings=self.settings, request_stop=self.stop_flag.set)
             loop.run_until_complete(kopf.operator(
-                registry=build_registry(self.settings), memo=kopf.Memo(settings=self.settings),
+                registry=build_registry(), memo=self.memo,
                 clusterwide=True, standalone=True, stop_flag=self.stop_flag, ready_flag=ready_flag))
         finally:
             loop.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -82,11 +83,95 @@ def test_services_select_heads_and_publish_not_ready_addresses():
     assert head["spec"]["ports"][0]["port"] == 9000 and head["spec"]["ports"][0]["targetPort"] == "http"
 
 
+def test_one_disruption_budget_lets_a_drain_break_one_group_at_a_time():
+    _, manifests = build({"replicas": 3, "pipelineParallelSize": 2})
+    (pdb,) = (m for m in manifests if m["kind"] == "PodDisruptionBudget")
+    assert pdb["metadata"]["name"] == "demo" and pdb["metadata"]["ownerReferences"][0]["uid"] == "1234"
+    # Every pod of every group, one at a time: after one eviction nothing more until all are Ready.
+    assert pdb["spec"]["selector"] == {"matchLabels": {b.LABEL_DEPLOYMENT: "demo"}}
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # a crash loop never blocks a drain
+    pods = [m["spec"]["template"]["metadata"]["labels"] for m in manifests if m["kind"] == "StatefulSet"]
+    assert all(p.items() >= pdb["spec"]["selector"]["matchLabels"].items() for p in pods)
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """The checks of Kubernetes' `restricted` Pod Security Standard (v1.30) that a pod spec can fail."""
+    problems = []
+    psc = pod.get("securityContext") or {}
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+    for v in pod.get("volumes") or []:
+        if not set(v) - {"name"} <= allowed_volumes:
+            problems.append(f"volume {v['name']}")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            problems.append(key)
+    for c in pod["containers"]:
+        sc = c.get("securityContext") or {}
+        if sc.get("privileged"):
+            problems.append("privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append("allowPrivilegeEscalation")
+        if not (sc.get("runAsNonRoot") or (psc.get("runAsNonRoot") and sc.get("runAsNonRoot") is not False)):
+            problems.append("runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            problems.append("runAsUser 0")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append("seccompProfile")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []) or set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            problems.append("capabilities")
+        if any(p.get("hostPort") for p in c.get("ports") or []):
+            problems.append("hostPort")
+    return problems
+
+
+def test_pods_meet_the_restricted_pod_security_standard_by_default():
+    _, manifests = build({"pipelineParallelSize": 2, "model": {
+        "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "w"}}}})
+    for sts in (m for m in manifests if m["kind"] == "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        assert restricted_violations(pod) == []
+        c = pod["containers"][0]
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        # Where the runtime writes: /tmp (library caches moved there) and the CPU kernel build directory.
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/tmp", b.KERNELS_DIR, "/dev/shm"} <= mounts
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert all(env[k].startswith("/tmp/") for k in b.CACHE_ENV)
+    # The checker does catch a violation.
+    assert restricted_violations({"containers": [{"name": "x"}], "volumes": [{"name": "h", "hostPath": {}}]})
+
+
+def test_the_runtime_image_runs_as_the_user_the_pods_ask_for():
+    """Both runtime variants (cpu, cuda) come from one stage whose last USER is the pods' runAsUser."""
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    stage = dockerfile.split("AS runtime", 1)[1]
+    users = [line.split()[1] for line in stage.splitlines() if line.startswith("USER ")]
+    assert users and users[-1] == str(b.RUNTIME_UID) != "0"
+    assert "FROM" not in stage  # the runtime stage is the last: nothing switches the user back
+    spec, _ = build({})
+    assert b.pod_security_context(spec)["runAsUser"] == b.RUNTIME_UID
+
+
+def test_security_contexts_can_be_relaxed_and_cache_env_overridden():
+    _, manifests = build({"podSecurityContext": {"runAsUser": 0}, "securityContext": {"privileged": True},
+                          "env": [{"name": "XDG_CACHE_HOME", "value": "/cache"}]})
+    pod = next(m for m in manifests if m["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsUser": 0}
+    assert pod["containers"][0]["securityContext"] == {"privileged": True}
+    env = [e for e in pod["containers"][0]["env"] if e["name"] == "XDG_CACHE_HOME"]
+    assert env == [{"name": "XDG_CACHE_HOME", "value": "/cache"}]
+    assert restricted_violations(pod)
+
+
 def test_default_model_means_no_model_argument_and_no_volume():
     _, manifests = build({"resources": {"requests": {"cpu": "1"}}})
     c = containers_of(manifests)[0]
     assert c["args"][:2] == ["serve", "--served-model-name"] and flag(c["args"], "--served-model-name") == "demo"
-    assert [m["name"] for m in c["volumeMounts"]] == ["dshm"]
+    assert [m["name"] for m in c["volumeMounts"]] == ["dshm", "tmp", "kernels"]
     assert c["resources"] == {"requests": {"cpu": "1"}}  # CPU: no GPU asked for
     pod = next(m for m in manifests if m["kind"] == "StatefulSet")["spec"]["template"]["spec"]
     assert pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
@@ -144,6 +229,32 @@ def test_pass_through_fields_and_user_env_cannot_override_the_rank():
     assert pod["containers"][0]["image"] == "my/runtime:1"
 
 
+def test_gpu_resource_name_is_a_spec_field():
+    spec, manifests = build({"tensorParallelSize": 2, "gpuResourceName": "amd.com/gpu"})
+    assert containers_of(manifests)[0]["resources"] == {"limits": {"amd.com/gpu": "2"}, "requests": {"amd.com/gpu": "2"}}
+    spec, _ = build({"tensorParallelSize": 1, "gpuResourceName": "nvidia.com/mig-1g.10gb",
+                     "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}})
+    assert spec.gpus_per_pod == 1
+    with pytest.raises(InvalidSpec, match="1 nvidia.com/mig-1g.10gb per pod"):
+        build({"tensorParallelSize": 2, "gpuResourceName": "nvidia.com/mig-1g.10gb",
+               "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}}})
+
+
+def test_shutdown_outlasts_the_drain_and_the_service_stops_sending_first():
+    spec, manifests = build({"pipelineParallelSize": 2})
+    head, worker = (m for m in manifests if m["kind"] == "StatefulSet")
+    pod = head["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 90
+    drain = int(flag(pod["containers"][0]["args"], "--shutdown-timeout"))
+    head_wait = int(pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    worker_wait = int(worker["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert head_wait > 0 and head_wait + drain < 90  # the drain ends before the kubelet's SIGKILL
+    assert worker_wait == head_wait + drain  # pipeline stages outlive the head's drain
+    _, manifests = build({"terminationGracePeriodSeconds": 600})
+    c = containers_of(manifests)[0]
+    assert int(flag(c["args"], "--shutdown-timeout")) == 580
+
+
 def test_explicit_gpu_resources_win():
     _, manifests = build({"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}})
     assert containers_of(manifests)[0]["resources"] == {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}
@@ -160,16 +271,24 @@ def test_startup_probe_is_generous_and_probes_hit_health():
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 1800  # 70B loads
 
 
-def test_revision_changes_with_pod_shape_not_with_replicas_or_service():
-    base = parse_spec(llmd({"replicas": 1}), default_image="i")
-    same = [parse_spec(llmd({"replicas": 5}), default_image="i"),
-            parse_spec(llmd({"replicas": 1, "service": {"port": 9000}}), default_image="i")]
-    changed = [parse_spec(llmd({"engine": {"maxNumSeqs": 2}}), default_image="i"),
-               parse_spec(llmd({}), default_image="other"),
-               parse_spec(llmd({"tensorParallelSize": 2}), default_image="i")]
-    assert all(b.pod_revision(s, 0) == b.pod_revision(base, 0) for s in same)
-    assert all(b.pod_revision(s, 0) != b.pod_revision(base, 0) for s in changed)
-    assert b.pod_revision(base, 1) != b.pod_revision(base, 0)  # recreating a group changes its pods
+def test_revision_is_the_hash_of_the_rendered_pod_templates(monkeypatch):
+    def rev(spec, **kw):
+        return b.group_revision(parse_spec(llmd(spec), default_image=kw.pop("image", "i")), 0, 0, **kw)
+    base = rev({"replicas": 1})
+    same = [rev({"replicas": 5}), rev({"replicas": 1, "service": {"port": 9000}}), rev({"restartPolicy": "None"})]
+    changed = [rev({"engine": {"maxNumSeqs": 2}}), rev({}, image="other"), rev({"tensorParallelSize": 2}),
+               rev({}, cluster_domain="example.org")]
+    assert all(r == base for r in same)  # no pod changes: no restart
+    assert len({base, *changed}) == len(changed) + 1
+    spec = parse_spec(llmd({}), default_image="i")
+    assert b.group_revision(spec, 0, 1) != b.group_revision(spec, 0, 0)  # recreating a group changes its pods
+    # An operator upgrade that renders other probes changes the revision although the spec did not change.
+    monkeypatch.setattr(b, "PROBE_PERIOD_SECONDS", 20)
+    assert b.group_revision(spec, 0, 0) != base
+    # Every pod of the group carries the group's revision.
+    group = b.build_group(parse_spec(llmd({"pipelineParallelSize": 2}), default_image="i"), llmd({}), 0)
+    revisions = {m["spec"]["template"]["metadata"]["labels"][b.LABEL_REVISION] for m in group}
+    assert revisions == {m["metadata"]["labels"][b.LABEL_REVISION] for m in group} and len(revisions) == 1
 
 
 def test_applied_hash_is_stable_and_tracks_content():
@@ -195,8 +314,16 @@ def test_applied_hash_is_stable_and_tracks_content():
     ({"tensorParallelSize": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}}, "one GPU per tensor-parallel rank"),
     ({"engine": {"extraArgs": ["--node-rank", "3"]}}, "must not set --node-rank"),
     ({"engine": {"extraArgs": ["--tensor-parallel-size=2"]}}, "must not set --tensor-parallel-size"),
+    ({"engine": {"extraArgs": ["--shutdown-timeout", "5"]}}, "must not set --shutdown-timeout"),
+    ({"terminationGracePeriodSeconds": 10}, "terminationGracePeriodSeconds must be"),
     ({"replicas": -1}, "replicas must be"),
     ({"tensorParallelSize": "8"}, "tensorParallelSize must be"),
+    ({"resources": {"limits": {"nvidia.com/gpu": "1.5"}}}, r"resources.limits\[nvidia.com/gpu\] must be a whole"),
+    ({"resources": {"requests": {"nvidia.com/gpu": "2k"}}}, "whole number of GPUs"),
+    ({"gpuResourceName": "gpu"}, "extended resource name"),
+    ({"model": {"path": 5}}, "wrong type or shape"),
+    ({"engine": {"extraArgs": 5}}, "wrong type or shape"),
+    ({"service": "LoadBalancer"}, "wrong type or shape"),
 ])
 def test_invalid_specs_are_rejected_with_a_reason(spec, message):
     with pytest.raises(InvalidSpec, match=message):
@@ -223,3 +350,9 @@ def test_settings_from_env():
     assert OperatorSettings.from_env({}).clusterwide
     with pytest.raises(SystemExit, match="PAGODA_OPERATOR_"):
         OperatorSettings.from_env({"PAGODA_OPERATOR_RESYNC_SECONDS": "soon"})
+    elected = OperatorSettings.from_env({"PAGODA_OPERATOR_LEADER_ELECTION": "true", "PAGODA_OPERATOR_IDENTITY": "pod-1",
+                                         "PAGODA_OPERATOR_LEASE_NAMESPACE": "ops"})
+    assert elected.leader_election and elected.identity == "pod-1" and elected.lease_namespace == "ops"
+    assert not OperatorSettings.from_env({}).leader_election and OperatorSettings.from_env({}).identity
+    with pytest.raises(SystemExit, match="LEADER_ELECTION"):
+        OperatorSettings.from_env({"PAGODA_OPERATOR_LEADER_ELECTION": "yes please"})

@@ -132,13 +132,20 @@ def test_helm_template_renders_valid_kubernetes(values):
     for doc in docs:
         validate(doc, VERSIONS[0])
     deployment = next(d for d in docs if d["kind"] == "Deployment")
-    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PAGODA_OPERATOR_RUNTIME_IMAGE"] == "pagoda-runtime:0.1.0"
+    managing = [d for d in docs if d["kind"] == "Role" and not d["metadata"]["name"].endswith("-leader-election")]
     if values:
-        assert kinds.count("Role") == 2 and "ClusterRole" not in kinds
+        assert len(managing) == 2 and "ClusterRole" not in kinds
         assert env["PAGODA_OPERATOR_NAMESPACES"] == "serving,staging"
     else:
-        assert "ClusterRole" in kinds and "Role" not in kinds and env["PAGODA_OPERATOR_NAMESPACES"] == ""
+        assert "ClusterRole" in kinds and not managing and env["PAGODA_OPERATOR_NAMESPACES"] == ""
+    # Leader election: a standby replica, and the Lease in the release namespace only.
+    (lease_role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")]
+    assert lease_role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                    "verbs": ["get", "create", "update"]}]
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert env["PAGODA_OPERATOR_LEADER_ELECTION"] == "true"
     assert "CustomResourceDefinition" in kinds
 
 
@@ -153,7 +160,8 @@ def test_rbac_is_least_privilege():
         ("pagoda.dev", "llmdeployments/finalizers", "update")} | {
         ("apps", "statefulsets", v) for v in ("get", "list", "watch", "create", "patch", "delete")} | {
         ("", "services", v) for v in ("get", "create", "patch")} | {
-        ("", "pods", v) for v in ("list", "watch", "delete")} | {("", "events", "create")}
+        ("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")} | {
+        ("", "pods", v) for v in ("list", "watch", "delete")} | {("", "events", v) for v in ("create", "list")}
     assert granted == expected
     assert not any("*" in x for g in granted for x in g)
 

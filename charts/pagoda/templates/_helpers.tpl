@@ -47,10 +47,15 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services]
   verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, delete]
+# create: the operator's Events on LLMDeployments; list: the StatefulSet controller's FailedCreate
+# Events (ResourceQuota, Pod Security admission), read into the status.
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [create, list]
 {{- end -}}
