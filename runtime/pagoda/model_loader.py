@@ -8,9 +8,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pagoda.models.registry import SUPPORTED_ARCHITECTURES
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

@@ -1,18 +1,5 @@
-"""Model registry: architecture name in config.json -> implementation."""
+"""Model implementations; the registry (architecture name -> implementation) is `pagoda.models.registry`."""
 
-from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.registry import MODEL_REGISTRY, SUPPORTED_ARCHITECTURES, get_model_class
 
-MODEL_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
-
-
-def get_model_class(architecture: str):
-    try:
-        return MODEL_REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r}: "
-                         f"Pagoda runs {', '.join(MODEL_REGISTRY)}") from None
+__all__ = ["MODEL_REGISTRY", "SUPPORTED_ARCHITECTURES", "get_model_class"]
