@@ -245,6 +245,7 @@ class ShmGroup {
 
   // Make every rank's current and future collectives fail at once (the group is going down).
   void abort() {
+    std::lock_guard<std::mutex> guard(map_mutex_);  // not mutex_: a collective holds that while it waits
     if (header_ != nullptr) header_->aborted.store(1, std::memory_order_release);
   }
 
@@ -252,6 +253,7 @@ class ShmGroup {
   void close() {
     closing_.store(true);
     std::lock_guard<std::mutex> guard(mutex_);
+    std::lock_guard<std::mutex> map_guard(map_mutex_);
     if (base_ != nullptr) munmap(base_, bytes_);
     base_ = nullptr;
     header_ = nullptr;
@@ -345,7 +347,8 @@ class ShmGroup {
   char* base_ = nullptr;
   Header* header_ = nullptr;
   uint64_t seq_ = 0;
-  std::mutex mutex_;
+  std::mutex mutex_;      // one collective at a time; close() waits for it
+  std::mutex map_mutex_;  // abort() against close()
   std::atomic<bool> closing_{false};
 };
 
