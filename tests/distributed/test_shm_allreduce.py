@@ -8,8 +8,10 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,14 +88,25 @@ def _fallbacks(rank: int, world: int, port: int) -> None:
     assert shm_allreduce.create_communicator(None, rank, world) is not None
 
 
+def _abort_once_stopped(comm, pid: int) -> None:
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.05)
+    time.sleep(0.5)
+    comm.abort()
+
+
 def _peer_fails(rank: int, world: int, port: int, how: str, out) -> None:
     comm = shm_allreduce.create_communicator(None, rank, world)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
     x = torch.ones(64 * HIDDEN, dtype=torch.bfloat16)
     if rank == 1:
         for _ in range(200):
             comm.all_reduce(x)
-        os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)  # stopped/aborted: alive
         return
+    if how == "aborted":  # what the driver does when the heartbeat declares the group failed
+        threading.Thread(target=_abort_once_stopped, args=(comm, pids[1]), daemon=True).start()
     last_ok = time.monotonic()
     try:
         while True:
@@ -167,11 +180,13 @@ def test_every_rank_falls_back_to_gloo_together():
 @pytest.mark.parametrize("how, message, within", [
     ("killed", r"TP rank 1 \(pid \d+\) exited", 3.0),
     ("stopped", r"TP rank 1 did not arrive within 2(\.0)? s \(PAGODA_CPU_SHM_ALLREDUCE_TIMEOUT\)", 6.0),
+    ("aborted", r"another TP rank gave up", 5.0),
 ])
 def test_a_dead_or_stuck_peer_fails_the_survivor_with_a_clear_error(how, message, within):
     ctx = multiprocessing.get_context("spawn")
     failures = ctx.Queue()
-    procs, out = _spawn(_peer_fails, 2, how, failures, env={shm_allreduce.TIMEOUT_ENV: "2"})
+    timeout = "30" if how == "aborted" else "2"
+    procs, out = _spawn(_peer_fails, 2, how, failures, env={shm_allreduce.TIMEOUT_ENV: timeout})
     try:
         error, waited = failures.get(timeout=120)
         assert out.get(timeout=30) == (0, "ok")
@@ -202,3 +217,4 @@ def test_llm_tp2_uses_shared_memory_and_keeps_greedy_tokens(tiny_model_factory, 
     assert any("TP collectives use shared memory" in r.getMessage() for r in caplog.records)
     assert tp2 == greedy()
     assert _leftover_segments([os.getpid()]) == []
+
