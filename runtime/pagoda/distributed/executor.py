@@ -98,6 +98,10 @@ class MultiprocExecutor:
             return
         self.failure = message
         logger.error("distributed group failed: %s", message)
+        from pagoda.distributed.parallel_state import get_parallel_state
+
+        if get_parallel_state().tp_shm is not None:  # a collective waiting on the dead rank fails now
+            get_parallel_state().tp_shm.abort()
         for callback in self._callbacks:
             callback(message)
 
@@ -186,9 +190,9 @@ class MultiprocExecutor:
                 dist.destroy_process_group()
             except RuntimeError:
                 pass
-        from pagoda.distributed.parallel_state import ParallelState, set_parallel_state
+        from pagoda.distributed.parallel_state import reset_parallel_state
 
-        set_parallel_state(ParallelState())
+        reset_parallel_state()
 
 
 def create_executor(config: EngineConfig, eos_token_ids: set[int]):

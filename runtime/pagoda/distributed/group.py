@@ -84,7 +84,12 @@ def init_group(config: EngineConfig, rank: int, on_failure) -> GroupHandles:
         if info.pp_rank == stage:
             tp_group, tp_cpu_group = group, cpu
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-    set_parallel_state(ParallelState(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, tp_group))
+    tp_shm = None
+    if backend == "gloo" and info.tp_size > 1:  # CPU: the TP ranks of a node share memory instead of loopback
+        from pagoda.distributed.shm_allreduce import create_communicator
+
+        tp_shm = create_communicator(tp_group, info.tp_rank, info.tp_size)
+    set_parallel_state(ParallelState(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, tp_group, tp_shm))
     watched = [r for r in range(info.world_size) if r != rank] if rank == 0 else [0]
     heartbeat = Heartbeat(p.master_addr, p.master_port, rank, watched, on_failure).start()
     logger.info("rank %d joined: tp_rank=%d pp_rank=%d node=%d backend=%s", rank, info.tp_rank, info.pp_rank,

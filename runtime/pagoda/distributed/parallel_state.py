@@ -18,6 +18,7 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: object = None  # torch.distributed ProcessGroup when tp_size > 1
+    tp_shm: object = None  # shm_allreduce.ShmCommunicator when the TP ranks share memory (CPU, one host)
 
     @property
     def is_first_stage(self) -> bool:
@@ -41,12 +42,26 @@ def set_parallel_state(state: ParallelState) -> None:
     _state = state
 
 
+def reset_parallel_state() -> None:
+    """Back to a single process, releasing the TP group's shared memory."""
+    if _state.tp_shm is not None:
+        _state.tp_shm.close()
+    set_parallel_state(ParallelState())
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group, in place: through shared memory when the group has it, else
+    torch.distributed. Every rank takes the same path: the choice depends only on the group and on x's
+    device, dtype and layout, which agree across ranks."""
     global comm_seconds
     if _state.tp_size == 1:
         return x
     start = time.perf_counter()
-    dist.all_reduce(x, group=_state.tp_group)
+    shm = _state.tp_shm
+    if shm is not None and shm.supports(x):
+        shm.all_reduce(x)
+    else:
+        dist.all_reduce(x, group=_state.tp_group)
     comm_seconds += time.perf_counter() - start
     return x
 
@@ -57,10 +72,13 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     global comm_seconds
     start = time.perf_counter()
-    parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
+    out = _state.tp_shm.all_gather_last_dim(x) if _state.tp_shm is not None else None
+    if out is None:
+        parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
+        dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
+        out = torch.cat(parts, dim=-1)
     comm_seconds += time.perf_counter() - start
-    return torch.cat(parts, dim=-1)
+    return out
 
 
 def default_layer_partition(num_layers: int, pp_size: int, lm_head_layers: float = 0.0) -> list[int]:

@@ -43,6 +43,9 @@ def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_join
     runner.allocate_kv_cache(num_blocks)
     _serve_schedules(runner, group)
     group.heartbeat.stop()
+    from pagoda.distributed.parallel_state import reset_parallel_state
+
+    reset_parallel_state()
 
 
 def _serve_schedules(runner, group: GroupHandles) -> None:

@@ -1,0 +1,58 @@
+"""C++ extensions compiled on first use with torch's extension builder and cached under $PAGODA_CACHE_DIR.
+
+Builds are tuned for the CPU they run on (``-march=native``), so the cache key holds the CPU's feature
+flags as well as the source, the flags and the torch version. Processes starting together build once:
+torch's builder holds a file lock in the build directory.
+"""
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# -ffast-math lets GCC vectorise reductions (the kernels rely on no inf/NaN semantics)
+NATIVE_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def compiler_available() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def build_name(prefix: str, source: Path, cflags: list[str]) -> str:
+    key = "\n".join([source.read_text(), " ".join(cflags), torch.__version__, platform.machine(), _cpu_flags()])
+    return prefix + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def build_and_load(prefix: str, source: Path, cflags: list[str] = NATIVE_CFLAGS, is_python_module: bool = False):
+    """Compile ``source`` once per (source, flags, torch, CPU) and load it: the module when
+    ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. Raises on failure."""
+    from torch.utils import cpp_extension
+
+    from pagoda.default_model import cache_dir
+
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the wheel's may not be on it
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    name = build_name(prefix, source, cflags)
+    build_dir = cache_dir() / "cpu_kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("Loading %s (compiled once into %s)", source.name, build_dir)
+    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(build_dir),
+                              is_python_module=is_python_module, verbose=False)
