@@ -87,3 +87,12 @@ def test_the_check_finds_a_cycle_hidden_in_a_function(tmp_path):
     (package / "a.py").write_text("from pkg.b import f\n")
     (package / "b.py").write_text("def f():\n    from pkg import a\n")
     assert cycles(import_graph(package)) == [["pkg.a", "pkg.b"]]
+
+
+def test_every_executor_implements_the_protocol():
+    from pagoda.distributed.executor import MultiprocExecutor, UniProcExecutor
+    from pagoda.distributed.executor_base import Executor
+
+    for cls in (UniProcExecutor, MultiprocExecutor):
+        assert isinstance(cls.__new__(cls), Executor), cls
+        assert not hasattr(cls, "execute")  # the engine core drives submit/wait only

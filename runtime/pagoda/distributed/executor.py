@@ -7,10 +7,23 @@ engines).
 
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 
+import torch
+import torch.distributed as dist
+
 from pagoda.config import EngineConfig
+from pagoda.distributed import comm
+from pagoda.distributed.executor_base import Executor
+from pagoda.distributed.group import cpu_threads_per_rank, free_port, init_group, local_device, min_over_group
+from pagoda.distributed.parallel_state import (
+    ParallelState,
+    get_parallel_state,
+    reset_parallel_state,
+    set_parallel_state,
+)
+from pagoda.distributed.worker import SHUTDOWN, ProcessWatcher, spawn_local_workers
+from pagoda.model_runner import ModelRunner
 from pagoda.runner_output import ModelRunnerOutput
 from pagoda.scheduler_output import SchedulerOutput
 
@@ -23,9 +36,6 @@ class UniProcExecutor:
     pipeline_depth = 1
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
-        from pagoda.distributed.parallel_state import ParallelState, set_parallel_state
-        from pagoda.model_runner import ModelRunner
-
         set_parallel_state(ParallelState())  # a single process, whatever ran in this process before
         self.runner = ModelRunner(config, eos_token_ids)
 
@@ -41,9 +51,6 @@ class UniProcExecutor:
     def wait(self, handle) -> ModelRunnerOutput:
         return handle
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.wait(self.submit(out))
-
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:
         pass
 
@@ -55,13 +62,9 @@ class MultiprocExecutor:
     """The driver: global rank 0 (first pipeline stage, TP rank 0) runs in the engine's process; the
     other ranks of this node are child processes, those of other nodes join over TCP."""
 
+    pipeline_depth: int = 1  # the pipeline's stages with pipeline_fill
+
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
-        import torch
-
-        from pagoda.distributed.group import cpu_threads_per_rank, free_port, init_group, local_device
-        from pagoda.distributed.worker import spawn_local_workers
-        from pagoda.model_runner import ModelRunner
-
         p = config.parallel
         if p.nnodes == 1 and p.master_port == 29500:  # one machine: never collide with another group
             p = dataclasses.replace(p, master_port=free_port())
@@ -73,8 +76,11 @@ class MultiprocExecutor:
         self._callbacks: list[Callable[[str], None]] = []
         local_ranks = range(1, p.world_size) if p.nnodes == 1 else range(1, self.tp_size)
         ranks_on_node = p.world_size if p.nnodes == 1 else self.tp_size
+        self._shutting_down = False
         self.children = spawn_local_workers(config, list(local_ranks), eos_token_ids, ranks_on_node)
-        self._watch_children()
+        # any local rank that exits before shutdown (even with 0) has left the group
+        self.watcher = ProcessWatcher(self.children, lambda child: self._fail(
+            f"{child.name} exited with code {child.exitcode}"))
         torch.set_num_threads(cpu_threads_per_rank(ranks_on_node))
         try:
             self.group = init_group(config, 0, on_failure=self._fail)
@@ -82,9 +88,7 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        from pagoda.distributed.comm import PendingSends
-
-        self.pending = PendingSends()
+        self.pending = comm.PendingSends()
 
     # --- failure ----------------------------------------------------------------------------------
 
@@ -98,31 +102,14 @@ class MultiprocExecutor:
             return
         self.failure = message
         logger.error("distributed group failed: %s", message)
-        from pagoda.distributed.parallel_state import get_parallel_state
-
         if get_parallel_state().tp_shm is not None:  # a collective waiting on the dead rank fails now
             get_parallel_state().tp_shm.abort()
         for callback in self._callbacks:
             callback(message)
 
-    def _watch_children(self) -> None:
-        from multiprocessing.connection import wait
-
-        def run():
-            sentinels = {c.sentinel: c for c in self.children}
-            while sentinels:
-                for ready in wait(list(sentinels), timeout=1.0):
-                    child = sentinels.pop(ready)
-                    if not getattr(self, "_shutting_down", False):
-                        self._fail(f"{child.name} exited with code {child.exitcode}")
-
-        threading.Thread(target=run, name="pagoda-rank-watch", daemon=True).start()
-
     # --- cache ------------------------------------------------------------------------------------
 
     def determine_num_blocks(self) -> int:
-        from pagoda.distributed.group import min_over_group
-
         return min_over_group(self.runner.determine_num_blocks(), self.group.cpu_group)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -132,10 +119,6 @@ class MultiprocExecutor:
 
     def submit(self, out: SchedulerOutput):
         """Run the first stage now and pass the batch on; the result comes back through wait()."""
-        import torch.distributed as dist
-
-        from pagoda.distributed import comm
-
         self._check()
         if self.tp_size > 1:
             dist.broadcast_object_list([out], src=0, group=self.group.tp_cpu_group)
@@ -149,27 +132,20 @@ class MultiprocExecutor:
         return None
 
     def wait(self, handle) -> ModelRunnerOutput:
-        from pagoda.distributed import comm
-
         if self.pp_size == 1:
             return handle
         self._check()
         return comm.recv_object((self.pp_size - 1) * self.tp_size, self.group.cpu_group)
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.wait(self.submit(out))
 
     def _check(self) -> None:
         if self.failure is not None:
             raise RuntimeError(f"distributed group failed: {self.failure}")
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        from pagoda.distributed import comm
-        from pagoda.distributed.worker import SHUTDOWN
-
+        if self._shutting_down:
+            return
         self._shutting_down = True
+        self.watcher.stop()
         group = getattr(self, "group", None)
         if group is not None and self.failure is None:
             try:
@@ -190,12 +166,10 @@ class MultiprocExecutor:
                 dist.destroy_process_group()
             except RuntimeError:
                 pass
-        from pagoda.distributed.parallel_state import reset_parallel_state
-
         reset_parallel_state()
 
 
-def create_executor(config: EngineConfig, eos_token_ids: set[int]):
+def create_executor(config: EngineConfig, eos_token_ids: set[int]) -> Executor:
     if config.parallel.distributed_executor_backend == "uni":
         return UniProcExecutor(config, eos_token_ids)
     return MultiprocExecutor(config, eos_token_ids)

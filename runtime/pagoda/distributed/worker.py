@@ -5,6 +5,9 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
 
 import torch
 
@@ -17,7 +20,10 @@ from pagoda.distributed.group import (
     local_device,
     min_over_group,
 )
+from pagoda.distributed.parallel_state import reset_parallel_state
 from pagoda.distributed.rendezvous import RendezvousError
+from pagoda.generation_config import eos_token_ids_for
+from pagoda.model_runner import IntermediateTensors, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +38,6 @@ def _die(message: str) -> None:
 
 def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_joined=None) -> None:
     """Join the group, load this rank's shard, then serve schedules until shutdown. Blocking."""
-    from pagoda.model_runner import ModelRunner
-
     group = init_group(config, rank, on_failure=_die)
     if on_joined is not None:
         on_joined()
@@ -43,8 +47,6 @@ def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_join
     runner.allocate_kv_cache(num_blocks)
     _serve_schedules(runner, group)
     group.heartbeat.stop()
-    from pagoda.distributed.parallel_state import reset_parallel_state
-
     reset_parallel_state()
 
 
@@ -64,8 +66,6 @@ def _serve_schedules(runner, group: GroupHandles) -> None:
         else:
             out = comm.recv_object(prev_stage_rank, group.cpu_group)
             if out != SHUTDOWN and not out.is_empty:
-                from pagoda.model_runner import IntermediateTensors
-
                 shape = (out.num_batched_tokens, hidden_size)
                 intermediate = IntermediateTensors(
                     comm.recv_tensor(shape, runner.dtype, runner.device, prev_stage_rank),
@@ -117,8 +117,6 @@ def spawn_local_workers(config: EngineConfig, ranks: list[int], eos_token_ids: s
 def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
     """A worker node (--node-rank > 0): runs its first local rank here and the others as child processes.
     Returns when the group shuts down cleanly; raises (so the process exits non-zero) otherwise."""
-    from pagoda.generation_config import eos_token_ids_for
-
     config = engine_args.create_config()
     p = config.parallel
     info_first = p.node_rank * p.tensor_parallel_size
@@ -126,9 +124,11 @@ def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
     children = spawn_local_workers(config, list(range(info_first + 1, info_first + p.tensor_parallel_size)),
                                    eos, p.tensor_parallel_size)
     torch.set_num_threads(cpu_threads_per_rank(p.tensor_parallel_size))
-    watcher = _watch_children(children)
+    # a local rank that dies takes the node down at once: the group cannot continue without it
+    watcher = ProcessWatcher(children, lambda child: child.exitcode != 0 and _die(
+        f"local rank {child.name} exited with code {child.exitcode}"))
     run_worker(config, info_first, eos, on_joined=mark_ready)
-    watcher.stop = True
+    watcher.stop()
     for child in children:
         child.join(timeout=30)
     bad = [c.name for c in children if c.exitcode not in (0, None)]
@@ -136,24 +136,22 @@ def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
         raise RuntimeError(f"local ranks failed: {', '.join(bad)}")
 
 
-class _ChildWatcher:
-    stop = False
+class ProcessWatcher:
+    """Calls on_exit(process) from a background thread for each watched process that exits before stop()."""
 
+    def __init__(self, processes: list[multiprocessing.Process], on_exit: Callable[[multiprocessing.Process], None],
+                 name: str = "pagoda-rank-watch"):
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(list(processes), on_exit), name=name, daemon=True)
+        self._thread.start()
 
-def _watch_children(children: list[multiprocessing.Process]) -> _ChildWatcher:
-    """Exit at once if a local rank dies: the group cannot continue without it."""
-    import threading
-    from multiprocessing.connection import wait
+    def stop(self) -> None:
+        self._stopped.set()
 
-    watcher = _ChildWatcher()
-
-    def run():
-        sentinels = {c.sentinel: c for c in children}
-        while sentinels and not watcher.stop:
+    def _run(self, processes, on_exit) -> None:
+        sentinels = {p.sentinel: p for p in processes}
+        while sentinels and not self._stopped.is_set():
             for ready in wait(list(sentinels), timeout=1.0):
-                child = sentinels.pop(ready)
-                if child.exitcode != 0 and not watcher.stop:
-                    _die(f"local rank {child.name} exited with code {child.exitcode}")
-
-    threading.Thread(target=run, daemon=True).start()
-    return watcher
+                process = sentinels.pop(ready)
+                if not self._stopped.is_set():
+                    on_exit(process)
