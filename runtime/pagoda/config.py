@@ -3,6 +3,12 @@
 import logging
 from dataclasses import dataclass, field
 
+from pagoda.layers.quantization.config import (
+    QuantizationConfig,
+    check_quantization_args,
+    resolve_quantization,
+)
+
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -38,6 +44,8 @@ class EngineArgs:
     distributed_timeout: float = 300.0
     max_queued_requests: int | None = None
     trust_remote_code: bool = False
+    quantization: str | None = None  # int8 | int4 | gptq (found from the checkpoint) | None
+    quantization_group_size: int | None = None  # int4: 32 | 64 | 128 (default: the largest that fits)
 
     def create_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -51,6 +59,7 @@ class ModelConfig:
     hf_config: object  # transformers.PretrainedConfig
     dtype: str  # resolved: float32 | float16 | bfloat16
     max_model_len: int
+    quantization: QuantizationConfig | None = None
 
 
 @dataclass
@@ -115,12 +124,15 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {args.gpu_memory_utilization}")
         if args.kv_cache_memory is not None and args.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB; got {args.kv_cache_memory}")
+        check_quantization_args(args.quantization, args.quantization_group_size)
         device = resolve_device(args.device)
 
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
         dtype = resolve_dtype(args.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
+        quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,
+                                            args.tensor_parallel_size)
 
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens
@@ -153,7 +165,8 @@ class EngineConfig:
         served = args.served_model_name or (args.model if args.model else "SmolLM2-135M-Instruct")
         return cls(
             model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
-                              hf_config=hf_config, dtype=dtype, max_model_len=max_model_len),
+                              hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
+                              quantization=quantization),
             cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gib=args.kv_cache_memory),

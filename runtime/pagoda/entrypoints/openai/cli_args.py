@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from pagoda.config import DTYPES, EngineArgs
+from pagoda.layers.quantization.config import GROUP_SIZES, METHODS
 
 ENV_PREFIX = "PAGODA_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -148,6 +149,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--gpu-memory-utilization", default=d["gpu_memory_utilization"], type=positive_float)
     p.add("--kv-cache-memory", type=positive_float, help="GiB of KV cache (overrides the GPU fraction)")
     p.add("--attention-backend", default=d["attention_backend"])
+    p.add("--quantization", choices=METHODS,
+          help="weight-only quantization: int8 / int4 quantize float weights while loading; gptq is found "
+               "from a GPTQ checkpoint's config.json without this flag (default: none)")
+    p.add("--quantization-group-size", type=int, choices=sorted(GROUP_SIZES),
+          help="input columns per int4 scale (default: the largest of 128, 64, 32 the model's layers allow)")
     p.add("--seed", default=d["seed"], type=int)
     p.add("--max-queued-requests", type=non_negative_int,
           help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: 4 x max-num-seqs)")
@@ -161,7 +167,7 @@ _ENGINE_FLAG_FIELDS = ("model", "served_model_name", "tensor_parallel_size", "pi
                        "distributed_timeout", "dtype", "max_model_len", "block_size", "max_num_seqs",
                        "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill",
                        "gpu_memory_utilization", "kv_cache_memory", "attention_backend", "seed",
-                       "max_queued_requests")
+                       "max_queued_requests", "quantization", "quantization_group_size")
 
 
 def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:

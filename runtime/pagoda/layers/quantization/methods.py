@@ -1,0 +1,40 @@
+"""One method object per scheme, attached to every linear layer before loading, owns the layer's weights
+from then on (as vLLM's quant methods): ``create_weights`` (the tensors the checkpoint fills),
+``convert_checkpoint_tensor`` (optional: a saved tensor into the layer's layout),
+``process_weights_after_loading`` (quantize and pack, once) and ``apply`` (the matmul).
+Embeddings and the LM head are not linear layers: they keep the model's dtype."""
+
+from torch import nn
+
+from pagoda.layers.linear import LinearBase
+from pagoda.layers.quantization.config import QuantizationConfig
+from pagoda.layers.quantization.gptq import GPTQMethod
+from pagoda.layers.quantization.int4 import Int4Method
+from pagoda.layers.quantization.int8 import Int8Method
+
+
+def make_method(config: QuantizationConfig):
+    if config.method == "int8":
+        return Int8Method()
+    if config.method == "int4":
+        return Int4Method(config.group_size)
+    return GPTQMethod(config.group_size, config.zero_offset)
+
+
+def linear_layers(model: nn.Module) -> list[LinearBase]:
+    return [m for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def attach(model: nn.Module, config: QuantizationConfig):
+    """Give every linear layer the scheme's method, before loading; returns the method."""
+    method = make_method(config)
+    for layer in linear_layers(model):
+        layer.quant_method = method
+        method.create_weights(layer)
+    return method
+
+
+def process_after_loading(model: nn.Module) -> None:
+    for layer in linear_layers(model):
+        if layer.quant_method is not None:
+            layer.quant_method.process_weights_after_loading(layer)
