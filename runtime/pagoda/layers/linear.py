@@ -41,9 +41,10 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, bias_loader=None):
         super().__init__()
         self.add_param("weight", (output_size, input_size))
-        self.bias = None
         if bias:
             self.add_param("bias", (output_size,), loader=bias_loader)
+        else:
+            self.bias = None
 
     def add_param(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None, loader=None) -> None:
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)

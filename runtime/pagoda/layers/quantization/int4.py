@@ -40,12 +40,12 @@ def pack(layer, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 
 def dequantize(qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The [N, K] weight of the byte-packed layout, in the scales' dtype."""
+    """The [N, K] float32 weight of the byte-packed layout."""
     n = qweight.shape[0]
     codes = torch.stack([qweight >> 4, qweight & 15], dim=-1).reshape(n, -1)  # [N, K]
-    scales = scales_and_zeros[..., 0].t().repeat_interleave(group_size, dim=1)
-    zeros = scales_and_zeros[..., 1].t().repeat_interleave(group_size, dim=1)
-    return (codes.to(scales.dtype) - 8) * scales + zeros
+    scales = scales_and_zeros[..., 0].t().float().repeat_interleave(group_size, dim=1)
+    zeros = scales_and_zeros[..., 1].t().float().repeat_interleave(group_size, dim=1)
+    return (codes.float() - 8) * scales + zeros
 
 
 def matmul(layer, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
@@ -61,7 +61,7 @@ def matmul(layer, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
 def dequantized_weight(layer) -> torch.Tensor:
     """[N, K] float32, whichever layout the layer holds (for tests and accuracy checks)."""
     if not layer.int4_cpu_packed:
-        return dequantize(layer.qweight, layer.scales_and_zeros, layer.int4_group_size).float()
+        return dequantize(layer.qweight, layer.scales_and_zeros, layer.int4_group_size)
     k = layer.scales_and_zeros.shape[0] * layer.int4_group_size
     eye = torch.eye(k, dtype=layer.scales_and_zeros.dtype)
     return matmul(layer, eye).float().t()  # multiplying by I reads the packed weight back

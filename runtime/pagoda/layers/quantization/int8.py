@@ -28,7 +28,12 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torc
     if x.device.type == "cpu":
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), qweight, scales)
         return y.view(*x.shape[:-1], qweight.shape[0])
-    return F.linear(x, qweight.to(x.dtype)) * scales  # torch ops on GPU: int8 in memory, product in x.dtype
+    return matmul_dequantized(x, qweight, scales)
+
+
+def matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Any device, torch ops only (the GPU path): int8 in memory, the product in x's dtype."""
+    return F.linear(x, qweight.to(x.dtype)) * scales
 
 
 class Int8Method:
