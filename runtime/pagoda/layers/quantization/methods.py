@@ -4,6 +4,9 @@ from then on (as vLLM's quant methods): ``create_weights`` (the tensors the chec
 ``process_weights_after_loading`` (quantize and pack, once) and ``apply`` (the matmul).
 Embeddings and the LM head are not linear layers: they keep the model's dtype."""
 
+import logging
+
+import torch
 from torch import nn
 
 from pagoda.layers.linear import LinearBase
@@ -11,6 +14,8 @@ from pagoda.layers.quantization.config import QuantizationConfig
 from pagoda.layers.quantization.gptq import GPTQMethod
 from pagoda.layers.quantization.int4 import Int4Method
 from pagoda.layers.quantization.int8 import Int8Method
+
+logger = logging.getLogger(__name__)
 
 
 def make_method(config: QuantizationConfig):
@@ -35,6 +40,21 @@ def attach(model: nn.Module, config: QuantizationConfig):
 
 
 def process_after_loading(model: nn.Module) -> None:
-    for layer in linear_layers(model):
-        if layer.quant_method is not None:
-            layer.quant_method.process_weights_after_loading(layer)
+    layers = [layer for layer in linear_layers(model) if layer.quant_method is not None]
+    before = sum(weight_bytes(layer) for layer in layers)
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)
+    if layers:
+        logger.info("quantized %d linear layers (%s): their weights take %.1f MiB instead of %.1f MiB",
+                    len(layers), type(layers[0].quant_method).__name__, sum(map(weight_bytes, layers)) / 2**20,
+                    before / 2**20)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters, buffers and oneDNN-packed weights, each tensor counted once."""
+    tensors: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        packed = getattr(m, "packed_weight", None)
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False), *([packed] if packed is not None else [])]:
+            tensors[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in tensors.values())

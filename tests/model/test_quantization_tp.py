@@ -1,0 +1,42 @@
+"""Quantized engines with tensor parallelism (gloo, local processes): each rank quantizes its own shard,
+and greedy tokens equal the single-process quantized engine's."""
+
+import pytest
+from gptq_checkpoints import write_gptq_model
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = pytest.mark.distributed
+
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks",
+    "Continuous batching lets new requests join between steps. " * 2,
+]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def greedy(path, **kwargs):
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.02, **kwargs)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_1_kv_head(tiny_model_factory):
+    return tiny_model_factory("llama", num_layers=2, num_kv_heads=1)  # KV head replicated on both ranks
+
+
+@pytest.mark.parametrize("quantization", [dict(quantization="int8"),
+                                          dict(quantization="int4", quantization_group_size=32)],
+                         ids=["int8", "int4-g32"])
+def test_tp2_quantized_equals_tp1_quantized(model_1_kv_head, quantization):
+    assert greedy(model_1_kv_head, tensor_parallel_size=2, **quantization) == greedy(model_1_kv_head, **quantization)
+
+
+def test_tp2_gptq_equals_tp1_gptq(tiny_model_factory, tmp_path):
+    gptq = tmp_path / "gptq"
+    write_gptq_model(tiny_model_factory("qwen2"), gptq, tmp_path / "dequantized", group_size=32, sym=False)
+    assert greedy(gptq, tensor_parallel_size=2) == greedy(gptq)
