@@ -45,7 +45,7 @@ class EngineArgs:
     max_queued_requests: int | None = None
     trust_remote_code: bool = False
     quantization: str | None = None  # int8 | int4 | gptq (found from the checkpoint) | None
-    quantization_group_size: int | None = None  # int4: 32 | 64 | 128 (default: the largest that fits)
+    quantization_group_size: int | None = None  # int4: 32 (default) | 64 | 128
 
     def create_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)

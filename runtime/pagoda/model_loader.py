@@ -126,15 +126,15 @@ def load_weights(model, path: str, quantization: QuantizationConfig | None = Non
                        for name in params}
     shards_loaded: dict[str, int] = dict.fromkeys(params, 0)
     for ckpt_name, tensor in iterate_weights(path):
-        if convert is not None:
-            converted = convert(ckpt_name, tensor)
-            if converted is None:
-                continue
-            ckpt_name, tensor = converted
         mapped = model.checkpoint_to_param(ckpt_name)
         if mapped is None:
             continue
         name, shard = mapped
+        if convert is not None:  # into the layer's layout; None: nothing to load (checked, e.g. g_idx)
+            converted = convert(ckpt_name, tensor)
+            if converted is None:
+                continue
+            tensor = converted[1]
         param = params.get(name)
         if param is None and convert is not None and name.endswith(".bias") and not tensor[:].any():
             continue  # GPTQ writers save a zero bias for every layer, also where the model has none

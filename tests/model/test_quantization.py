@@ -92,7 +92,7 @@ def test_online_quantization_matches_transformers_on_the_dequantized_weights(
 def test_int4_group_128_on_a_wider_model(tiny_model_factory, tmp_path):
     path = tiny_model_factory("llama", hidden=128, num_heads=4)
     reference = hf_greedy(write_dequantized(path, tmp_path / "dequantized", int4_reference(128)))
-    assert pagoda_greedy(path, quantization="int4") == reference  # 128: the default where it fits
+    assert pagoda_greedy(path, quantization="int4", quantization_group_size=128) == reference
 
 
 @pytest.mark.parametrize("arch,group_size,sym,fmt", [

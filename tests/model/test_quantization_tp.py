@@ -1,5 +1,6 @@
-"""Quantized engines with tensor parallelism (gloo, local processes): each rank quantizes its own shard,
-and greedy tokens equal the single-process quantized engine's."""
+"""Quantized engines with tensor and pipeline parallelism (gloo, local processes): each rank quantizes its
+own shard (int8 row-parallel ranks agree on each row's scale), and greedy tokens equal the single-process
+quantized engine's."""
 
 import pytest
 from gptq_checkpoints import write_gptq_model
@@ -29,11 +30,14 @@ def model_1_kv_head(tiny_model_factory):
     return tiny_model_factory("llama", num_layers=2, num_kv_heads=1)  # KV head replicated on both ranks
 
 
-@pytest.mark.parametrize("quantization", [dict(quantization="int8"),
-                                          dict(quantization="int4", quantization_group_size=32)],
-                         ids=["int8", "int4-g32"])
-def test_tp2_quantized_equals_tp1_quantized(model_1_kv_head, quantization):
-    assert greedy(model_1_kv_head, tensor_parallel_size=2, **quantization) == greedy(model_1_kv_head, **quantization)
+@pytest.mark.parametrize("quantization,parallel", [
+    ("int8", dict(tensor_parallel_size=2)),
+    ("int4", dict(tensor_parallel_size=2)),
+    ("int4", dict(pipeline_parallel_size=2)),
+], ids=["int8-tp2", "int4-tp2", "int4-pp2"])
+def test_parallel_quantized_equals_single_process_quantized(model_1_kv_head, quantization, parallel):
+    assert greedy(model_1_kv_head, quantization=quantization, **parallel) == \
+        greedy(model_1_kv_head, quantization=quantization)
 
 
 def test_tp2_gptq_equals_tp1_gptq(tiny_model_factory, tmp_path):

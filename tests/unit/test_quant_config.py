@@ -22,12 +22,11 @@ def hf_config(hidden=576, heads=9, intermediate=1536, **quantization_config):
 GPTQ = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, sym=True)
 
 
-def test_default_int4_group_is_the_largest_that_divides_every_layer():
-    assert resolve_quantization("int4", None, hf_config(hidden=4096, heads=32, intermediate=11008)) == \
-        QuantizationConfig("int4", 128)
-    assert resolve_quantization("int4", None, hf_config()) == QuantizationConfig("int4", 64)  # 576 = 9 x 64
-    assert resolve_quantization("int4", None, hf_config(hidden=64, heads=4, intermediate=128), tp_size=2) == \
-        QuantizationConfig("int4", 32)
+def test_int4_group_is_32_unless_asked():
+    llama_7b = hf_config(hidden=4096, heads=32, intermediate=11008)
+    assert resolve_quantization("int4", None, llama_7b) == QuantizationConfig("int4", 32)
+    assert resolve_quantization("int4", 128, llama_7b, tp_size=2) == QuantizationConfig("int4", 128)
+    assert resolve_quantization("int4", 64, hf_config()) == QuantizationConfig("int4", 64)  # 576 = 9 x 64
     assert resolve_quantization("int8", None, hf_config()) == QuantizationConfig("int8")
     assert resolve_quantization(None, None, hf_config()) is None
 
@@ -45,6 +44,7 @@ def test_gptq_is_found_from_the_checkpoint():
     ("int8", 64, hf_config(), "quantization_group_size applies to quantization='int4' only"),
     (None, 64, hf_config(), "quantization_group_size is set but quantization is not"),
     ("int4", 128, hf_config(), r"quantization_group_size \(128\) does not divide the input size of qkv_proj"),
+    ("int4", None, hf_config(hidden=48, heads=3), r"quantization_group_size \(32\) does not divide"),
     ("int4", 64, hf_config(hidden=64, heads=4, intermediate=128), None),
     ("gptq", None, hf_config(), "needs a gptq checkpoint"),
     ("int8", None, hf_config(**GPTQ), "already quantized with gptq"),
