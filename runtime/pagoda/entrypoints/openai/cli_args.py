@@ -151,9 +151,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--attention-backend", default=d["attention_backend"])
     p.add("--quantization", choices=METHODS,
           help="weight-only quantization: int8 / int4 quantize float weights while loading; gptq is found "
-               "from a GPTQ checkpoint's config.json without this flag (default: none)")
+               "from a GPTQ checkpoint's config.json without this flag")
     p.add("--quantization-group-size", type=int, choices=GROUP_SIZES,
-          help="input columns per int4 scale and zero: 32 (default), 64 or 128 (less memory, more error)")
+          help="input columns per int4 scale and zero: 32, 64 or 128 (less memory, more error); unset: 32")
     p.add("--seed", default=d["seed"], type=int)
     p.add("--max-queued-requests", type=non_negative_int,
           help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: 4 x max-num-seqs)")
