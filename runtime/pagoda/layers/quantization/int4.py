@@ -31,7 +31,8 @@ def pack(layer, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # [K / group, N, 2]
     if cpu_kernel_fits(codes.device, n):
         qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # [N, K / 2]
-    else:  # two codes a byte, high nibble first; unpacked for each matmul (GPU, or N not a multiple of 16)
+    else:  # two codes a byte, high nibble first: the Triton kernel's layout on GPUs; on CPU (N not a
+        # multiple of 16) dequantized for each matmul
         qweight = (codes[:, 0::2] << 4) | codes[:, 1::2]  # [N, K / 2] uint8
     layer.register_buffer("qweight", qweight, persistent=False)
     layer.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
@@ -55,6 +56,11 @@ def matmul(layer, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, layer.qweight, layer.int4_group_size,
                                                       layer.scales_and_zeros)
         return y.view(*x.shape[:-1], n)
+    if x.device.type == "cuda":
+        # imported on first GPU use only: Triton defines its kernels for the device at import
+        from pagoda.kernels.weight_only_matmul import int4_matmul
+
+        return int4_matmul(x.contiguous(), layer.qweight, layer.scales_and_zeros, layer.int4_group_size)
     return F.linear(x, dequantize(layer.qweight, layer.scales_and_zeros, layer.int4_group_size).to(x.dtype))
 
 

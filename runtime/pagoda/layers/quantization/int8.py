@@ -28,11 +28,16 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torc
     if x.device.type == "cpu":
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), qweight, scales)
         return y.view(*x.shape[:-1], qweight.shape[0])
+    if x.device.type == "cuda":
+        # imported on first GPU use only: Triton defines its kernels for the device at import
+        from pagoda.kernels.weight_only_matmul import int8_matmul
+
+        return int8_matmul(x.contiguous(), qweight, scales)
     return matmul_dequantized(x, qweight, scales)
 
 
 def matmul_dequantized(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Any device, torch ops only (the GPU path): int8 in memory, the product in x's dtype."""
+    """Any device, torch ops only (the reference): int8 in memory, the product in x's dtype."""
     return F.linear(x, qweight.to(x.dtype)) * scales
 
 
