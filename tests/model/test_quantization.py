@@ -125,10 +125,15 @@ def test_gptq_act_order_checkpoint_is_refused_at_configuration(tiny_model_factor
         LLM(str(gptq), dtype="float32", kv_cache_memory=0.02)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_linear_layers_quantized_embeddings_and_lm_head_not(tiny_model_factory, quantization):
+@pytest.mark.parametrize("quantization", ["int8", "int4", "gptq"])
+def test_linear_layers_quantized_embeddings_and_lm_head_not(tiny_model_factory, tmp_path, quantization):
     path = str(tiny_model_factory("llama"))
-    llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.02, quantization=quantization)
+    quantized_path = path
+    if quantization == "gptq":  # group 32, scales saved in float16, run in bfloat16
+        quantized_path = tmp_path / "gptq"
+        write_gptq_model(path, quantized_path, tmp_path / "dequantized")
+    llm = LLM(str(quantized_path), dtype="bfloat16", kv_cache_memory=0.02,
+              quantization=None if quantization == "gptq" else quantization)
     plain = LLM(path, dtype="bfloat16", kv_cache_memory=0.02)
     try:
         model = llm.engine.executor.runner.model
