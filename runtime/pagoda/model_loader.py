@@ -136,7 +136,8 @@ def load_weights(model, path: str, quantization: QuantizationConfig | None = Non
                 continue
             tensor = converted[1]
         param = params.get(name)
-        if param is None and convert is not None and name.endswith(".bias") and not tensor[:].any():
+        gptq = quantization is not None and quantization.method == "gptq"
+        if param is None and gptq and name.endswith(".bias") and not tensor[:].any():
             continue  # GPTQ writers save a zero bias for every layer, also where the model has none
         if param is None:
             raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of "
