@@ -1,5 +1,6 @@
 """Quantized engines against transformers running the dequantized weights (float32, greedy): online int8
-and int4 (each group size the tiny models allow) and GPTQ checkpoints packed as AutoGPTQ packs them."""
+and int4 (each group size the tiny models allow), GPTQ and AWQ checkpoints packed as AutoGPTQ and AutoAWQ
+pack them."""
 
 import json
 import shutil
@@ -7,7 +8,7 @@ import shutil
 import pytest
 import torch
 from checkpoints import load_hf_reference
-from gptq_checkpoints import LINEAR_NAMES, write_gptq_model
+from quantized_checkpoints import LINEAR_NAMES, write_gptq_model, write_quantized_model
 from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
@@ -103,6 +104,14 @@ def test_gptq_checkpoint_matches_transformers_on_the_dequantized_weights(
     gptq, dequantized = tmp_path / "gptq", tmp_path / "dequantized"
     write_gptq_model(tiny_model_factory(arch), gptq, dequantized, group_size, sym, fmt)
     assert pagoda_greedy(gptq) == hf_greedy(dequantized)  # found from config.json, no argument
+
+
+@pytest.mark.parametrize("arch,group_size", [("llama", 32), ("qwen2", 64)])
+def test_awq_checkpoint_matches_transformers_on_the_dequantized_weights(tiny_model_factory, tmp_path, arch,
+                                                                          group_size):
+    awq, dequantized = tmp_path / "awq", tmp_path / "dequantized"
+    write_quantized_model(tiny_model_factory(arch), awq, dequantized, "awq", group_size)
+    assert pagoda_greedy(awq) == hf_greedy(dequantized)
 
 
 def test_gptq_checkpoint_with_a_real_bias_where_the_model_has_none_is_refused(tiny_model_factory, tmp_path):

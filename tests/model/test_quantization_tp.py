@@ -3,7 +3,7 @@ own shard (int8 row-parallel ranks agree on each row's scale), and greedy tokens
 quantized engine's."""
 
 import pytest
-from gptq_checkpoints import write_gptq_model
+from quantized_checkpoints import write_quantized_model
 
 from pagoda import LLM, SamplingParams
 
@@ -40,7 +40,9 @@ def test_parallel_quantized_equals_single_process_quantized(model_1_kv_head, qua
         greedy(model_1_kv_head, quantization=quantization)
 
 
-def test_tp2_gptq_equals_tp1_gptq(tiny_model_factory, tmp_path):
-    gptq = tmp_path / "gptq"
-    write_gptq_model(tiny_model_factory("qwen2"), gptq, tmp_path / "dequantized", group_size=32, sym=False)
-    assert greedy(gptq, tensor_parallel_size=2) == greedy(gptq)
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_tp2_checkpoint_quantized_equals_tp1(tiny_model_factory, tmp_path, method):
+    path = tmp_path / method
+    write_quantized_model(tiny_model_factory("qwen2"), path, tmp_path / "dequantized", method, group_size=32,
+                          sym=False)
+    assert greedy(path, tensor_parallel_size=2) == greedy(path)

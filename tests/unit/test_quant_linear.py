@@ -1,14 +1,15 @@
 """Quantized linear layers against their dequantized weights: int8 per output channel, int4 per group
-(32 / 64 / 128), GPTQ tensors packed as AutoGPTQ packs them; torch's CPU kernels and the torch-ops path
+(32 / 64 / 128), GPTQ and AWQ tensors packed as AutoGPTQ and AutoAWQ pack them; torch's CPU kernels and the torch-ops path
 GPU devices take."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from gptq_checkpoints import gptq_quantize, pack_like_autogptq
+from quantized_checkpoints import awq_quantize, gptq_quantize, pack_like_autoawq, pack_like_autogptq
 
 from pagoda.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import int4, int8
+from pagoda.layers.quantization.awq import AWQMethod
 from pagoda.layers.quantization.config import QuantizationConfig
 from pagoda.layers.quantization.gptq import GPTQMethod
 from pagoda.layers.quantization.methods import make_method
@@ -104,6 +105,28 @@ def test_gptq_tensors_load_to_the_dequantized_weight(sym, fmt, group_size, cls):
             assert converted is None
             continue
         params[suffix].weight_loader(params[suffix], converted[1])
+    method.process_weights_after_loading(layer)
+    torch.testing.assert_close(method.dequantized_weight(layer), dequantized, atol=1e-5, rtol=1e-5)
+    x = torch.randn(4, k)
+    torch.testing.assert_close(layer(x), x @ dequantized.t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+def test_awq_tensors_load_to_the_dequantized_weight(group_size, cls):
+    k, n = 256, 48
+    torch.manual_seed(2)
+    codes, scales, zeros, dequantized = awq_quantize(torch.randn(n, k), group_size)
+    saved = pack_like_autoawq(codes, scales, zeros)
+    assert saved["qweight"].shape == (k, n // 8) and saved["qzeros"].shape == (k // group_size, n // 8)
+    layer = float_layer(k, n, torch.float32, bias=False, cls=cls)
+    method = AWQMethod(group_size)
+    layer.quant_method = method
+    method.create_weights(layer)
+    params = dict(layer.named_parameters())
+    for suffix, tensor in saved.items():
+        _, converted = method.convert_checkpoint_tensor(f"model.layers.0.self_attn.o_proj.{suffix}", tensor)
+        params[suffix].weight_loader(params[suffix], converted)
     method.process_weights_after_loading(layer)
     torch.testing.assert_close(method.dequantized_weight(layer), dequantized, atol=1e-5, rtol=1e-5)
     x = torch.randn(4, k)

@@ -1,13 +1,13 @@
 """Which weight quantization a model runs with, validated once at configuration time (torch-free).
 
 ``quantization`` names the scheme as vLLM does: ``int8`` and ``int4`` quantize a float checkpoint's linear
-layers while it loads; ``gptq`` is a checkpoint already quantized with GPTQ, found from the
-``quantization_config`` of its config.json (so it needs no argument)."""
+layers while it loads; ``gptq`` and ``awq`` are checkpoints already quantized, found from the
+``quantization_config`` of their config.json (so they need no argument)."""
 
 from dataclasses import dataclass
 
 ONLINE_METHODS = ("int8", "int4")
-CHECKPOINT_METHODS = ("gptq",)
+CHECKPOINT_METHODS = ("gptq", "awq")
 METHODS = ONLINE_METHODS + CHECKPOINT_METHODS
 GROUP_SIZES = (32, 64, 128)  # int4 group sizes (input columns per scale and zero)
 # Round-to-nearest without calibration loses least with small groups: 32, as GGUF's Q4 formats use.
@@ -17,8 +17,8 @@ DEFAULT_GROUP_SIZE = 32
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str  # int8 | int4 | gptq
-    group_size: int | None = None  # input columns per scale, for int4 and gptq (int8 scales whole rows)
+    method: str  # int8 | int4 | gptq | awq
+    group_size: int | None = None  # input columns per scale, for int4, gptq and awq (int8 scales whole rows)
     zero_offset: int = 0  # gptq: added to the stored zero points (1 for the original "gptq" format)
 
 
@@ -44,10 +44,16 @@ def checkpoint_quantization(hf_config) -> QuantizationConfig | None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = str(qc.get("quant_method", "")).lower()
-    if method != "gptq":
-        raise ValueError(f"quantized checkpoints with quant_method={method or 'unknown'!r} are not supported: "
-                         "Pagoda loads GPTQ int4 checkpoints, or quantizes float16/bfloat16/float32 weights "
-                         "itself with quantization='int8' or 'int4'")
+    if method == "gptq":
+        return _gptq(qc)
+    if method == "awq":
+        return _awq(qc)
+    raise ValueError(f"quantized checkpoints with quant_method={method or 'unknown'!r} are not supported: "
+                     "Pagoda loads GPTQ and AWQ int4 checkpoints, or quantizes float16/bfloat16/float32 "
+                     "weights itself with quantization='int8' or 'int4'")
+
+
+def _gptq(qc: dict) -> QuantizationConfig:
     problems = []
     if qc.get("bits") != 4:
         problems.append(f"bits={qc.get('bits')} (Pagoda runs bits=4)")
@@ -64,6 +70,26 @@ def checkpoint_quantization(hf_config) -> QuantizationConfig | None:
         raise ValueError("unsupported GPTQ checkpoint: " + "; ".join(problems))
     # the original format stores zero points minus one; gptq_v2 stores them as they are
     return QuantizationConfig("gptq", qc["group_size"], zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _awq(qc: dict) -> QuantizationConfig:
+    bits, group_size = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+    problems = []
+    if bits != 4:
+        problems.append(f"bits={bits} (Pagoda runs bits=4)")
+    if group_size not in GROUP_SIZES:
+        problems.append(f"group_size={group_size} (Pagoda runs 32, 64 or 128)")
+    if not qc.get("zero_point", True):
+        problems.append("zero_point=false (Pagoda runs zero_point=true)")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        problems.append(f"version={version!r} (Pagoda reads AutoAWQ's gemm layout)")
+    if qc.get("modules_to_not_convert"):
+        problems.append(f"modules_to_not_convert={qc['modules_to_not_convert']} (every linear layer must be "
+                        "quantized)")
+    if problems:
+        raise ValueError("unsupported AWQ checkpoint: " + "; ".join(problems))
+    return QuantizationConfig("awq", group_size)
 
 
 def linear_input_sizes(hf_config, tp_size: int) -> dict[str, int]:
@@ -87,8 +113,8 @@ def resolve_quantization(quantization: str | None, group_size: int | None, hf_co
                              f"with {saved.method} (leave quantization unset or pass {saved.method!r})")
         config = saved
     elif quantization in CHECKPOINT_METHODS:
-        raise ValueError(f"quantization={quantization!r} needs a {quantization} checkpoint, but config.json has "
-                         "no quantization_config; to quantize float weights use 'int8' or 'int4'")
+        raise ValueError(f"quantization={quantization!r} needs a checkpoint quantized with {quantization}, but "
+                         "config.json has no quantization_config; to quantize float weights use 'int8' or 'int4'")
     elif quantization is None:
         if group_size is not None:
             raise ValueError("quantization_group_size is set but quantization is not: pass quantization='int4'")

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.linear import LinearBase
+from pagoda.layers.quantization.awq import AWQMethod
 from pagoda.layers.quantization.config import QuantizationConfig
 from pagoda.layers.quantization.gptq import GPTQMethod
 from pagoda.layers.quantization.int4 import Int4Method
@@ -23,6 +24,8 @@ def make_method(config: QuantizationConfig):
         return Int8Method()
     if config.method == "int4":
         return Int4Method(config.group_size)
+    if config.method == "awq":
+        return AWQMethod(config.group_size)
     return GPTQMethod(config.group_size, config.zero_offset)
 
 
