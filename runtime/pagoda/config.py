@@ -44,7 +44,7 @@ class EngineArgs:
     distributed_timeout: float = 300.0
     max_queued_requests: int | None = None
     trust_remote_code: bool = False
-    quantization: str | None = None  # int8 | int4 | gptq (found from the checkpoint) | None
+    quantization: str | None = None  # int8 | int4 | gptq / awq (found from the checkpoint) | None
     quantization_group_size: int | None = None  # int4: 32 (default) | 64 | 128
 
     def create_config(self) -> "EngineConfig":

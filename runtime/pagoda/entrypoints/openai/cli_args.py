@@ -150,8 +150,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--kv-cache-memory", type=positive_float, help="GiB of KV cache (overrides the GPU fraction)")
     p.add("--attention-backend", default=d["attention_backend"])
     p.add("--quantization", choices=METHODS,
-          help="weight-only quantization: int8 / int4 quantize float weights while loading; gptq is found "
-               "from a GPTQ checkpoint's config.json without this flag")
+          help="weight-only quantization: int8 / int4 quantize float weights while loading; gptq / awq "
+               "are found from a GPTQ / AWQ checkpoint's config.json without this flag")
     p.add("--quantization-group-size", type=int, choices=GROUP_SIZES,
           help="input columns per int4 scale and zero: 32, 64 or 128 (less memory, more error); unset: 32")
     p.add("--seed", default=d["seed"], type=int)
