@@ -44,13 +44,21 @@ def attach(model: nn.Module, config: QuantizationConfig):
 
 def process_after_loading(model: nn.Module) -> None:
     layers = [layer for layer in linear_layers(model) if layer.quant_method is not None]
-    before = sum(weight_bytes(layer) for layer in layers)
+    unquantized = sum(map(unquantized_bytes, layers))
     for layer in layers:
         layer.quant_method.process_weights_after_loading(layer)
     if layers:
-        logger.info("quantized %d linear layers (%s): their weights take %.1f MiB instead of %.1f MiB",
+        logger.info("quantized %d linear layers (%s): their weights take %.2f MiB instead of %.2f MiB",
                     len(layers), type(layers[0].quant_method).__name__, sum(map(weight_bytes, layers)) / 2**20,
-                    before / 2**20)
+                    unquantized / 2**20)
+
+
+def unquantized_bytes(layer: LinearBase) -> int:
+    """What the layer's weight takes in the model dtype: loaded as such (online schemes), or the size of the
+    checkpoint's unpacked codes times that of its scales (GPTQ, AWQ)."""
+    if layer.weight is not None:
+        return layer.weight.numel() * layer.weight.element_size()
+    return layer.qweight.numel() * layer.scales.element_size()
 
 
 def weight_bytes(module: nn.Module) -> int:
