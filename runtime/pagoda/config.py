@@ -5,6 +5,11 @@ from dataclasses import dataclass, field
 
 from pagoda.default_model import DEFAULT_MODEL_NAME
 from pagoda.errors import InvalidParam
+from pagoda.layers.quantization.config import (
+    QuantizationConfig,
+    check_quantization_args,
+    resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,8 @@ class EngineArgs:
     distributed_timeout: float = 300.0
     max_queued_requests: int | None = None
     trust_remote_code: bool = False
+    quantization: str | None = None  # int8 | int4 | gptq / awq (found from the checkpoint) | None
+    quantization_group_size: int | None = None  # int4: 32 (default) | 64 | 128
 
     def create_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -55,6 +62,7 @@ class ModelConfig:
     hf_config: object  # transformers.PretrainedConfig
     dtype: str  # resolved: float32 | float16 | bfloat16
     max_model_len: int
+    quantization: QuantizationConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,7 @@ class EngineConfig:
         if args.nnodes > 1 and args.nnodes != args.pipeline_parallel_size:
             raise InvalidParam("nnodes", f"nnodes ({args.nnodes}) must equal pipeline_parallel_size "
                                          f"({args.pipeline_parallel_size}): each node is one pipeline stage")
+        check_quantization_args(args.quantization, args.quantization_group_size)
         device = resolve_device(args.device)
         attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
 
@@ -149,6 +158,8 @@ class EngineConfig:
         hf_config = load_hf_config(path)
         dtype = resolve_dtype(args.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
+        quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,
+                                            args.tensor_parallel_size)
 
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens
@@ -165,7 +176,8 @@ class EngineConfig:
         served = args.served_model_name or args.model or DEFAULT_MODEL_NAME
         return cls(
             model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
-                              hf_config=hf_config, dtype=dtype, max_model_len=max_model_len),
+                              hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
+                              quantization=quantization),
             cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gib=args.kv_cache_memory),

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pagoda.layers.quantization import methods
+from pagoda.layers.quantization.config import QuantizationConfig, checkpoint_quantization
 from pagoda.models.registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -75,8 +77,7 @@ def check_supported(config) -> None:
         raise ValueError(f"unsupported hidden_act {act!r}: Pagoda supports 'silu'")
     if getattr(config, "mlp_bias", False):
         raise ValueError("unsupported option mlp_bias=true")
-    if getattr(config, "quantization_config", None):
-        raise ValueError("quantized checkpoints are not supported: use float16/bfloat16/float32 weights")
+    checkpoint_quantization(config)  # raises for a quantized format Pagoda cannot run
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor {partial}: Pagoda supports 1.0")
@@ -124,8 +125,11 @@ def iterate_weights(path: str, desc: str = "Loading weights") -> Iterator[tuple[
                 bar.update(1)
 
 
-def load_weights(model, path: str) -> None:
-    """Copy every checkpoint tensor into the parameter (shard) that owns it; fail on gaps and extras."""
+def load_weights(model, path: str, quantization: QuantizationConfig | None = None) -> None:
+    """Copy every checkpoint tensor into the parameter (shard) that owns it; fail on gaps and extras.
+    With ``quantization``, the linear layers take the scheme's tensors and are quantized once loaded."""
+    method = methods.attach(model, quantization) if quantization else None
+    convert = getattr(method, "convert_checkpoint_tensor", None)
     params = dict(model.named_parameters())
     shards_expected = {name: 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
                        for name in params}
@@ -135,7 +139,15 @@ def load_weights(model, path: str) -> None:
         if mapped is None:
             continue
         name, shard = mapped
+        if convert is not None:  # into the layer's layout; None: nothing to load (checked, e.g. g_idx)
+            converted = convert(ckpt_name, tensor)
+            if converted is None:
+                continue
+            tensor = converted[1]
         param = params.get(name)
+        gptq = quantization is not None and quantization.method == "gptq"
+        if param is None and gptq and name.endswith(".bias") and not tensor[:].any():
+            continue  # GPTQ writers save a zero bias for every layer, also where the model has none
         if param is None:
             raise ValueError(f"checkpoint tensor {ckpt_name} matches no parameter of "
                              f"{model.config.architectures[0]} with this config.json")
@@ -148,3 +160,5 @@ def load_weights(model, path: str) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {path} is missing weights for {len(missing)} parameters: {shown}")
+    if method is not None:
+        methods.process_after_loading(model)

@@ -70,7 +70,7 @@ class ModelRunner:
                 self.model = model_class(hf, config.parallel.pp_layer_partition)
         finally:
             torch.set_default_dtype(previous)
-        load_weights(self.model, config.model.path)
+        load_weights(self.model, config.model.path, config.model.quantization)
         self.model.eval()
         if packing_supported(self.device, self.dtype):
             pack_weights(self.model)

@@ -31,42 +31,49 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> N
     param.data.copy_(loaded)
 
 
-class ReplicatedLinear(nn.Module):
+class LinearBase(nn.Module):
+    """The weight setup every linear layer shares: this rank's [output, input] weight and optional bias,
+    each parameter carrying the layer's loader, and one matmul that a quantization method can take over."""
     packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
+    quant_method = None  # set by quantization.methods.attach, before loading
+    input_is_sharded = False  # row-parallel: each rank holds some input columns of every row
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, bias_loader=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
+        self.add_param("weight", (output_size, input_size))
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.add_param("bias", (output_size,), loader=bias_loader)
+        else:
+            self.bias = None
 
+    def add_param(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None, loader=None) -> None:
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        param.weight_loader = loader or self.weight_loader
+        self.register_parameter(name, param)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return linear(x, self, bias)
+
+
+class ReplicatedLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None):
         copy_checked(param, loaded[:])
 
     def forward(self, x):
-        return linear(x, self, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """Y = X A with A split by output columns: rank r holds rows [r*n, (r+1)*n) of the weight."""
-    packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
-
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
-        super().__init__()
         state = get_parallel_state()
+        self.output_size_per_rank = divide(output_size, state.tp_size, "output size")
+        super().__init__(input_size, self.output_size_per_rank, bias)
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-        self.output_size_per_rank = divide(output_size, self.tp_size, "output size")
         self.gather_output = gather_output
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = param.shape[0]
@@ -74,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param, loaded[self.tp_rank * n : (self.tp_rank + 1) * n])
 
     def forward(self, x):
-        y = linear(x, self, self.bias)
+        y = self.matmul(x, self.bias)
         return tp_all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -127,22 +134,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_checked(param.data[offset : offset + size], loaded[index * size : (index + 1) * size])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Y = X A with A split by input rows; partial sums are all-reduced, then the bias is added once."""
-    packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
-
+    input_is_sharded = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__()
         state = get_parallel_state()
+        self.input_size_per_rank = divide(input_size, state.tp_size, "input size")
+        super().__init__(self.input_size_per_rank, output_size, bias, bias_loader=self.bias_loader)
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-        self.input_size_per_rank = divide(input_size, self.tp_size, "input size")
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.bias_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
         n = param.shape[1]
@@ -153,5 +153,5 @@ class RowParallelLinear(nn.Module):
         copy_checked(param, loaded[:])
 
     def forward(self, x):
-        y = tp_all_reduce(linear(x, self))
+        y = tp_all_reduce(self.matmul(x))
         return y + self.bias if self.bias is not None else y

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pagoda.config import DTYPES, EngineArgs
 from pagoda.default_model import DEFAULT_MODEL_NAME
+from pagoda.layers.quantization.config import GROUP_SIZES, METHODS
 
 ENV_PREFIX = "PAGODA_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -153,6 +154,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--gpu-memory-utilization", default=d["gpu_memory_utilization"], type=positive_float)
     p.add("--kv-cache-memory", type=positive_float, help="GiB of KV cache (overrides the GPU fraction)")
     p.add("--attention-backend", default=d["attention_backend"])
+    p.add("--quantization", choices=METHODS,
+          help="weight-only quantization: int8 / int4 quantize float weights while loading; gptq / awq "
+               "are found from a GPTQ / AWQ checkpoint's config.json without this flag")
+    p.add("--quantization-group-size", type=int, choices=GROUP_SIZES,
+          help="input columns per int4 scale and zero: 32, 64 or 128 (less memory, more error); unset: 32")
     p.add("--seed", default=d["seed"], type=int)
     p.add("--max-queued-requests", type=non_negative_int,
           help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: 4 x max-num-seqs)")
