@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
-from pagoda.config import EngineConfig
+from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.cpu_allocator import keep_freed_memory
+from pagoda.distributed.parallel_state import get_parallel_state
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.model_loader import load_weights
@@ -43,8 +44,6 @@ class RunnerSeq:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int], device: str | None = None):
-        from pagoda.distributed.parallel_state import get_parallel_state
-
         self.config = config
         self.device = torch.device(device or config.device)
         state = get_parallel_state()
@@ -93,8 +92,6 @@ class ModelRunner:
         if self.device.type == "cuda" and cache.kv_cache_memory_gib is None:
             budget = self._profile_free_gpu_memory()
         else:
-            from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB
-
             budget = int((cache.kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_GIB) * 2**30)
         return max(budget // self.kv_cache_bytes_per_block(), 0)
 

@@ -12,6 +12,7 @@ import logging
 import time
 
 from pagoda.config import EngineArgs, EngineConfig
+from pagoda.distributed.executor import create_executor
 from pagoda.engine.engine_core import CoreStep, EngineCore
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
@@ -28,8 +29,6 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoTokenizer
-
-        from pagoda.distributed.executor import create_executor
 
         self.config = config
         started = time.time()

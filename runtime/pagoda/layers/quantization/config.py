@@ -6,6 +6,8 @@ layers while it loads; ``gptq`` and ``awq`` are checkpoints already quantized, f
 
 from dataclasses import dataclass
 
+from pagoda.errors import InvalidParam
+
 ONLINE_METHODS = ("int8", "int4")
 CHECKPOINT_METHODS = ("gptq", "awq")
 METHODS = ONLINE_METHODS + CHECKPOINT_METHODS
@@ -25,14 +27,14 @@ class QuantizationConfig:
 def check_quantization_args(quantization: str | None, group_size: int | None) -> None:
     """Checks that need no model: run before anything is read or converted."""
     if quantization is not None and quantization not in METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or unset); got {quantization!r}")
+        raise InvalidParam("quantization", f"quantization must be one of {', '.join(METHODS)} (or unset); got {quantization!r}")
     if group_size is None:
         return
     if quantization not in ("int4", None):
-        raise ValueError(f"quantization_group_size applies to quantization='int4' only; got it with "
+        raise InvalidParam("quantization_group_size", f"quantization_group_size applies to quantization='int4' only; got it with "
                          f"quantization={quantization!r}")
     if group_size not in GROUP_SIZES:
-        raise ValueError(f"quantization_group_size must be one of {', '.join(map(str, sorted(GROUP_SIZES)))}; "
+        raise InvalidParam("quantization_group_size", f"quantization_group_size must be one of {', '.join(map(str, sorted(GROUP_SIZES)))}; "
                          f"got {group_size!r}")
 
 
@@ -109,15 +111,15 @@ def resolve_quantization(quantization: str | None, group_size: int | None, hf_co
     saved = checkpoint_quantization(hf_config)
     if saved is not None:
         if quantization not in (None, saved.method):
-            raise ValueError(f"quantization={quantization!r} cannot apply: the checkpoint is already quantized "
+            raise InvalidParam("quantization", f"quantization={quantization!r} cannot apply: the checkpoint is already quantized "
                              f"with {saved.method} (leave quantization unset or pass {saved.method!r})")
         config = saved
     elif quantization in CHECKPOINT_METHODS:
-        raise ValueError(f"quantization={quantization!r} needs a checkpoint quantized with {quantization}, but "
+        raise InvalidParam("quantization", f"quantization={quantization!r} needs a checkpoint quantized with {quantization}, but "
                          "config.json has no quantization_config; to quantize float weights use 'int8' or 'int4'")
     elif quantization is None:
         if group_size is not None:
-            raise ValueError("quantization_group_size is set but quantization is not: pass quantization='int4'")
+            raise InvalidParam("quantization_group_size", "quantization_group_size is set but quantization is not: pass quantization='int4'")
         return None
     elif quantization == "int8":
         return QuantizationConfig("int8")
