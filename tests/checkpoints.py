@@ -93,3 +93,17 @@ def load_hf_reference(path):
         # so the reference is always the model the checkpoint describes.
         model.lm_head.weight = model.get_input_embeddings().weight
     return model
+
+
+def hf_greedy(path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (no EOS stop): the token-for-token reference."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = load_hf_reference(path)
+    outs = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs

@@ -1,4 +1,4 @@
-"""Run by test_lifecycle.py in a fresh interpreter: several TP=2 / PP=2 `LLM`s one after another in one
+"""Run by test_engine_lifecycle.py in a fresh interpreter: several TP=2 / PP=2 `LLM`s one after another in one
 process, each dropped with `del` and garbage collection only (no explicit shutdown), plus one used as a
 context manager. Prints each run's greedy tokens as one JSON line."""
 

@@ -1,7 +1,7 @@
 """Greedy output equals Hugging Face transformers token for token (float32) on tiny random checkpoints."""
 
 import pytest
-from checkpoints import load_hf_reference
+from checkpoints import hf_greedy
 
 from pagoda import LLM, SamplingParams
 
@@ -15,19 +15,6 @@ PROMPTS = [
     "Paris is the capital of",
 ]
 MAX_TOKENS = 24
-
-
-def hf_greedy(path, prompts, max_tokens=MAX_TOKENS):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model = load_hf_reference(path)
-    outs = []
-    for p in prompts:
-        ids = tok(p, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, ids.shape[1]:].tolist())
-    return outs
 
 
 def pagoda_greedy(path, prompts=PROMPTS, max_tokens=MAX_TOKENS, **engine_kwargs):
@@ -46,7 +33,7 @@ def reference(tiny_model_factory):
     def get(arch, **kwargs):
         key = (arch, tuple(sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = hf_greedy(tiny_model_factory(arch, **kwargs), PROMPTS)
+            cache[key] = hf_greedy(tiny_model_factory(arch, **kwargs), PROMPTS, MAX_TOKENS)
         return cache[key]
 
     return get
@@ -92,4 +79,4 @@ def test_gqa_mqa_and_sharded_checkpoint(tiny_model_factory):
     for kwargs in [dict(num_kv_heads=1), dict(num_kv_heads=4, shards=3)]:
         path = tiny_model_factory("llama", **kwargs)
         _, got = pagoda_greedy(path, PROMPTS[:3])
-        assert got == hf_greedy(path, PROMPTS[:3])
+        assert got == hf_greedy(path, PROMPTS[:3], MAX_TOKENS)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import load_hf_reference
+from checkpoints import hf_greedy as hf_greedy_of
 from quantized_checkpoints import LINEAR_NAMES, write_gptq_model, write_quantized_model
 from safetensors.torch import load_file, save_file
 
@@ -27,17 +27,8 @@ PROMPTS = [
 MAX_TOKENS = 20
 
 
-def hf_greedy(path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    model = load_hf_reference(path)
-    outs = []
-    for p in PROMPTS:
-        ids = tok(p, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(gen[0, ids.shape[1]:].tolist())
-    return outs
+def hf_reference(path):
+    return hf_greedy_of(path, PROMPTS, MAX_TOKENS)
 
 
 def pagoda_greedy(path, **kwargs):
@@ -84,15 +75,15 @@ def test_online_quantization_matches_transformers_on_the_dequantized_weights(
         tiny_model_factory, tmp_path, arch, quantization, group_size):
     path = tiny_model_factory(arch)
     dequantize = int8_reference if quantization == "int8" else int4_reference(group_size)
-    reference = hf_greedy(write_dequantized(path, tmp_path / "dequantized", dequantize))
+    reference = hf_reference(write_dequantized(path, tmp_path / "dequantized", dequantize))
     got = pagoda_greedy(path, quantization=quantization, quantization_group_size=group_size)
     assert got == reference
-    assert got != hf_greedy(path) or quantization == "int8"  # int4 is coarse enough to change the tokens
+    assert got != hf_reference(path) or quantization == "int8"  # int4 is coarse enough to change the tokens
 
 
 def test_int4_group_128_on_a_wider_model(tiny_model_factory, tmp_path):
     path = tiny_model_factory("llama", hidden=128, num_heads=4)
-    reference = hf_greedy(write_dequantized(path, tmp_path / "dequantized", int4_reference(128)))
+    reference = hf_reference(write_dequantized(path, tmp_path / "dequantized", int4_reference(128)))
     assert pagoda_greedy(path, quantization="int4", quantization_group_size=128) == reference
 
 
@@ -103,7 +94,7 @@ def test_gptq_checkpoint_matches_transformers_on_the_dequantized_weights(
         tiny_model_factory, tmp_path, arch, group_size, sym, fmt):
     gptq, dequantized = tmp_path / "gptq", tmp_path / "dequantized"
     write_gptq_model(tiny_model_factory(arch), gptq, dequantized, group_size, sym, fmt)
-    assert pagoda_greedy(gptq) == hf_greedy(dequantized)  # found from config.json, no argument
+    assert pagoda_greedy(gptq) == hf_reference(dequantized)  # found from config.json, no argument
 
 
 @pytest.mark.parametrize("arch,group_size", [("llama", 32), ("qwen2", 64)])
@@ -111,7 +102,7 @@ def test_awq_checkpoint_matches_transformers_on_the_dequantized_weights(tiny_mod
                                                                           group_size):
     awq, dequantized = tmp_path / "awq", tmp_path / "dequantized"
     write_quantized_model(tiny_model_factory(arch), awq, dequantized, "awq", group_size)
-    assert pagoda_greedy(awq) == hf_greedy(dequantized)
+    assert pagoda_greedy(awq) == hf_reference(dequantized)
 
 
 def test_gptq_checkpoint_with_a_real_bias_where_the_model_has_none_is_refused(tiny_model_factory, tmp_path):

@@ -8,22 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from checkpoints import load_hf_reference
-from transformers import AutoTokenizer
+from checkpoints import hf_greedy
 
 pytestmark = pytest.mark.distributed
 
 PROMPT = "Hello, my name is"
-
-
-def hf_greedy(path: Path, max_tokens: int = 8) -> list[int]:
-    tok = AutoTokenizer.from_pretrained(path)
-    model = load_hf_reference(path)
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
 
 
 def test_engines_one_after_another_in_one_process(tiny_model_factory):
@@ -35,7 +24,7 @@ def test_engines_one_after_another_in_one_process(tiny_model_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(runs) == 5, proc.stdout
-    expected = {str(model_a): hf_greedy(model_a), str(model_b): hf_greedy(model_b)}
+    expected = {str(m): hf_greedy(m, [PROMPT], 8)[0] for m in (model_a, model_b)}
     for run in runs:
         assert run["tokens"] == expected[run["model"]], run
     assert "leaked" not in proc.stderr, proc.stderr[-4000:]
