@@ -9,12 +9,14 @@ import time
 
 from pagoda.engine.async_llm_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.output_processor import OutputProcessor
 from pagoda.entrypoints.cli import main
 
 KILL = "KILL_ENGINE"
 FAIL = "FAIL_REQUEST"
 STEP_DELAY = float(os.environ.get("TEST_SERVE_STEP_DELAY", "0"))
-_add_request, _step, _process_tokens = LLMEngine.add_request, LLMEngine.step, LLMEngine._process_tokens
+_add_request, _step = LLMEngine.add_request, LLMEngine.step
+_process_token = OutputProcessor.process_token
 _from_engine_args = AsyncLLMEngine.from_engine_args.__func__
 
 
@@ -31,10 +33,10 @@ def step(self):
     return _step(self)
 
 
-def process_tokens(self, state, *args, **kwargs):
+def process_token(self, state, *args, **kwargs):
     if isinstance(state.prompt, str) and FAIL in state.prompt:
         raise RuntimeError("injected request failure")
-    return _process_tokens(self, state, *args, **kwargs)
+    return _process_token(self, state, *args, **kwargs)
 
 
 def from_engine_args(cls, args):
@@ -42,7 +44,8 @@ def from_engine_args(cls, args):
     return _from_engine_args(cls, args)
 
 
-LLMEngine.add_request, LLMEngine.step, LLMEngine._process_tokens = add_request, step, process_tokens
+LLMEngine.add_request, LLMEngine.step = add_request, step
+OutputProcessor.process_token = process_token
 AsyncLLMEngine.from_engine_args = classmethod(from_engine_args)
 
 if __name__ == "__main__":
