@@ -2,11 +2,16 @@
 preempted sequences are swapped or recomputed, and when the swap space is too small for all of them."""
 
 import pytest
-from test_hf_parity import pagoda_greedy, reference  # noqa: F401 - a fixture
+from test_hf_parity import PROMPTS, hf_greedy, pagoda_greedy
 
 pytestmark = pytest.mark.model
 
 BLOCK_BYTES = 8192  # the tiny llama's KV block of 16 tokens, float32
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_factory):
+    return hf_greedy(tiny_model_factory("llama"), PROMPTS)
 
 
 @pytest.mark.parametrize("mode,swap_blocks", [("swap", 64), ("swap", 1), ("recompute", 0)],
@@ -23,4 +28,4 @@ def test_matches_transformers_under_heavy_preemption(tiny_model_factory, referen
     else:  # no swap space (recompute), or too little for the victim's blocks: it falls back to recompute
         assert stats.num_swapped_out == 0 and stats.num_recomputed > 0
     assert stats.num_swap_blocks_used == 0  # pagoda_greedy checked that no device or host block leaked
-    assert got == reference("llama")
+    assert got == reference
