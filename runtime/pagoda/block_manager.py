@@ -7,6 +7,9 @@
 - Blocks are reference counted: prefix hits and forked sequences (n > 1) share them. A sequence about
   to write into a shared partial block first gets its own copy (copy-on-write); the copy is done by
   the model runner from the (src, dst) pairs returned here.
+- Swap space: a second pool of host blocks. A preempted sequence's blocks can be swapped out (each to
+  its own host block, shared or not) and swapped back in to fresh device blocks; the runner does the
+  copies from the (device, host) / (host, device) pairs returned here.
 """
 
 from collections import OrderedDict
@@ -19,7 +22,8 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_swap_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -31,6 +35,9 @@ class BlockManager:
         self.cached_blocks: dict[int, int] = {}  # hash -> block id
         self.tables: dict[int, list[int]] = {}  # seq id -> block ids
         self.seq_hashes: dict[int, list[int]] = {}  # seq id -> hashes of its full blocks, in order
+        self.num_swap_blocks = num_swap_blocks
+        self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))  # pop() takes the lowest
+        self.swap_tables: dict[int, list[int]] = {}  # seq id -> host block ids, in table order
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,6 +49,13 @@ class BlockManager:
 
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_used_swap_blocks(self) -> int:
+        return self.num_swap_blocks - len(self.free_swap_blocks)
+
+    def swap_usage(self) -> float:
+        return self.num_used_swap_blocks / self.num_swap_blocks if self.num_swap_blocks else 0.0
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables.get(seq.seq_id, [])
@@ -129,7 +143,39 @@ class BlockManager:
         self.tables[child.seq_id] = table
         self.seq_hashes[child.seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
 
-    def free(self, seq: Sequence) -> None:
+    # --- swap space ---------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(self.tables.get(seq.seq_id, [])) <= len(self.free_swap_blocks)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move seq's blocks to host blocks (call can_swap_out first): its device blocks are released
+        (a shared one stays with its other holders) and the (device, host) copies are returned."""
+        table = self.tables[seq.seq_id]
+        host = [self.free_swap_blocks.pop() for _ in table]
+        self.swap_tables[seq.seq_id] = host
+        pairs = list(zip(table, host))
+        self.free(seq, keep_swapped=True)
+        return pairs
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out seq back to fresh device blocks with room for its next num_new_tokens
+        tokens. Returns the (host, device) copies, or None, changing nothing, if the blocks do not suffice."""
+        host = self.swap_tables[seq.seq_id]
+        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        if max(num_needed, len(host)) > len(self.free_queue):
+            return None
+        table = [self._take_free_block() for _ in host]
+        self.tables[seq.seq_id] = table
+        del self.swap_tables[seq.seq_id]
+        self.free_swap_blocks.extend(reversed(host))
+        pairs = list(zip(host, table))
+        self.allocate(seq, num_new_tokens)  # cannot fail: counted above; registers the blocks' hashes too
+        return pairs
+
+    def free(self, seq: Sequence, keep_swapped: bool = False) -> None:
+        if not keep_swapped:
+            self.free_swap_blocks.extend(reversed(self.swap_tables.pop(seq.seq_id, [])))
         table = self.tables.pop(seq.seq_id, [])
         self.seq_hashes.pop(seq.seq_id, None)
         # tail blocks first: they are the least likely to be shared, so they are evicted first
@@ -139,8 +185,12 @@ class BlockManager:
                 self.free_queue[block] = None
 
     def check_no_leaks(self) -> None:
-        """With no live sequences, every block is free (possibly cached and evictable)."""
+        """With no live sequences, every block is free (possibly cached and evictable), device and host."""
         leaked = [b for b, refs in enumerate(self.ref_counts) if refs != 0]
         if self.tables or leaked or len(self.free_queue) != self.num_blocks:
             raise AssertionError(f"KV blocks leaked: tables={list(self.tables)}, referenced={leaked[:10]}, "
                                  f"free={len(self.free_queue)}/{self.num_blocks}")
+        if (self.swap_tables or len(self.free_swap_blocks) != self.num_swap_blocks
+                or len(set(self.free_swap_blocks)) != self.num_swap_blocks):
+            raise AssertionError(f"swap blocks leaked: swap tables={list(self.swap_tables)}, "
+                                 f"free={len(self.free_swap_blocks)}/{self.num_swap_blocks}")

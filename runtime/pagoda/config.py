@@ -15,6 +15,25 @@ logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
+DEFAULT_GPU_SWAP_SPACE_GIB = 4.0  # as vLLM
+# on a CPU the "host" pool shares RAM with the KV cache itself: a quarter of the default cache's size
+DEFAULT_CPU_SWAP_SPACE_GIB = 0.5
+PREEMPTION_MODES = ("swap", "recompute")
+KV_CACHE_DTYPES = ("auto",)
+LOAD_FORMATS = ("auto", "safetensors")
+
+# vLLM engine arguments Pagoda does not implement yet: refused by name unless left at vLLM's default.
+UNSUPPORTED_ARGS = {
+    "speculative_config": None,
+    "enable_lora": False,
+    "max_loras": 1,
+    "max_lora_rank": 16,
+    "max_cpu_loras": None,
+    "cpu_offload_gb": 0.0,
+    "num_scheduler_steps": 1,
+    "data_parallel_size": 1,
+    "enable_sleep_mode": False,
+}
 
 
 @dataclass
@@ -46,7 +65,26 @@ class EngineArgs:
     master_port: int = 29500
     distributed_timeout: float = 300.0
     max_queued_requests: int | None = None
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # passed to transformers where the config and tokenizer load
+    # periodic stats log line (tokens/s, requests, KV-cache use); the server logs them, LLM() does not
+    disable_log_stats: bool = False
+    stats_log_interval: float = 5.0  # seconds between stats log lines
+    enforce_eager: bool = False  # accepted for vLLM compatibility: Pagoda captures no CUDA graphs, always eager
+    kv_cache_dtype: str = "auto"  # only "auto" (the model's dtype) is supported
+    swap_space: float | None = None  # GiB of host memory per worker for swapped-out KV blocks (None: see docs)
+    preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
+    tokenizer_mode: str = "auto"
+    load_format: str = "auto"
+    # refused unless at their defaults (UNSUPPORTED_ARGS), so vLLM snippets fail by name, before loading
+    speculative_config: dict | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    cpu_offload_gb: float = 0.0
+    num_scheduler_steps: int = 1
+    data_parallel_size: int = 1
+    enable_sleep_mode: bool = False
     quantization: str | None = None  # int8 | int4 | gptq / awq (found from the checkpoint) | None
     quantization_group_size: int | None = None  # int4: 32 (default) | 64 | 128
 
@@ -63,6 +101,7 @@ class ModelConfig:
     dtype: str  # resolved: float32 | float16 | bfloat16
     max_model_len: int
     quantization: QuantizationConfig | None = None
+    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +110,9 @@ class CacheConfig:
     enable_prefix_caching: bool
     gpu_memory_utilization: float
     kv_cache_memory_gib: float | None
+    swap_space_gib: float = 0.0  # host memory per worker for swapped-out blocks
+    num_swap_blocks: int = 0  # host blocks in that space (counted for the largest pipeline stage)
+    preemption_mode: str = "recompute"
 
 
 @dataclass(frozen=True)
@@ -79,6 +121,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     max_model_len: int
+    preemption_mode: str = "recompute"
 
 
 @dataclass(frozen=True)
@@ -112,6 +155,8 @@ class EngineConfig:
     attention_backend: str
     seed: int
     args: EngineArgs = field(repr=False)
+    log_stats: bool = False  # the periodic stats log line
+    stats_log_interval: float = 5.0
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -135,10 +180,14 @@ class EngineConfig:
         if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
             raise InvalidParam("max_num_batched_tokens",
                                f"max_num_batched_tokens must be >= 1; got {args.max_num_batched_tokens}")
+        _check_vllm_args(args)
         backend = args.distributed_executor_backend
         world = args.tensor_parallel_size * args.pipeline_parallel_size
         if backend is None:
             backend = "uni" if world == 1 else "mp"
+        if backend == "ray":
+            raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'ray' is not "
+                               "supported yet; use 'mp' (one node, or one node per pipeline stage with nnodes)")
         if backend not in ("uni", "mp"):
             raise InvalidParam("distributed_executor_backend",
                                f"distributed_executor_backend must be 'uni' or 'mp'; got {backend!r}")
@@ -155,7 +204,7 @@ class EngineConfig:
         attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
 
         path = resolve_model_path(args.model, args.revision)
-        hf_config = load_hf_config(path)
+        hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
         dtype = resolve_dtype(args.dtype, device, hf_config)
         max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
         quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,
@@ -174,16 +223,24 @@ class EngineConfig:
         budget = max(budget, args.max_num_seqs) if not args.enable_chunked_prefill else budget
 
         served = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+        swap_gib = args.swap_space
+        if swap_gib is None:
+            swap_gib = DEFAULT_GPU_SWAP_SPACE_GIB if device.startswith("cuda") else DEFAULT_CPU_SWAP_SPACE_GIB
+        block_bytes = _kv_block_bytes_per_stage(hf_config, dtype, args.block_size, args.tensor_parallel_size,
+                                                args.pipeline_parallel_size, args.pp_layer_partition)
+        num_swap_blocks = int(swap_gib * 2**30) // block_bytes
+        mode = args.preemption_mode or ("swap" if num_swap_blocks > 0 else "recompute")
         return cls(
             model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
                               hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
-                              quantization=quantization),
+                              quantization=quantization, trust_remote_code=args.trust_remote_code),
             cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization,
-                              kv_cache_memory_gib=args.kv_cache_memory),
+                              kv_cache_memory_gib=args.kv_cache_memory, swap_space_gib=swap_gib,
+                              num_swap_blocks=num_swap_blocks if mode == "swap" else 0, preemption_mode=mode),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                       enable_chunked_prefill=args.enable_chunked_prefill,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len, preemption_mode=mode),
             parallel=ParallelConfig(
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size,
@@ -194,8 +251,48 @@ class EngineConfig:
             device=device,
             attention_backend=attention_backend,
             seed=args.seed,
+            log_stats=not args.disable_log_stats,
+            stats_log_interval=args.stats_log_interval,
             args=args,
         )
+
+
+def _check_vllm_args(args: EngineArgs) -> None:
+    """The vLLM arguments tutorials pass: accepted where Pagoda honours them, refused by name otherwise."""
+    for name, default in UNSUPPORTED_ARGS.items():
+        if getattr(args, name) != default:
+            raise InvalidParam(name, f"{name} is not supported by Pagoda yet (got {getattr(args, name)!r}); "
+                                     f"leave it at its default ({default!r})")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidParam("kv_cache_dtype", f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported yet: the "
+                                             "KV cache uses the model's dtype; use 'auto'")
+    if args.tokenizer_mode != "auto":
+        raise InvalidParam("tokenizer_mode", f"tokenizer_mode {args.tokenizer_mode!r} is not supported yet; use 'auto'")
+    if args.load_format not in LOAD_FORMATS:
+        raise InvalidParam("load_format", f"load_format {args.load_format!r} is not supported yet; use one of "
+                                          f"{', '.join(LOAD_FORMATS)}")
+    if args.swap_space is not None and not args.swap_space >= 0:
+        raise InvalidParam("swap_space", f"swap_space must be >= 0 GiB; got {args.swap_space}")
+    if args.preemption_mode is not None and args.preemption_mode not in PREEMPTION_MODES:
+        raise InvalidParam("preemption_mode", f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
+                                              f"got {args.preemption_mode!r}")
+    if args.preemption_mode == "swap" and args.swap_space == 0:
+        raise InvalidParam("preemption_mode", "preemption_mode 'swap' needs swap_space > 0")
+    if not args.stats_log_interval > 0:
+        raise InvalidParam("stats_log_interval", f"stats_log_interval must be > 0 seconds; "
+                                                 f"got {args.stats_log_interval}")
+
+
+def _kv_block_bytes_per_stage(hf_config, dtype: str, block_size: int, tp: int, pp: int,
+                              partition: list[int] | None) -> int:
+    """Bytes one KV block takes on a worker of the largest pipeline stage (so a host pool of swap_space
+    GiB never holds more blocks than any worker can store)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    layers = max(partition) if partition else -(-hf_config.num_hidden_layers // pp)
+    itemsize = 4 if dtype == "float32" else 2
+    return 2 * block_size * max(1, kv_heads // tp) * head_size * itemsize * max(layers, 1)
 
 
 def _check_positive(args: EngineArgs, *names: str) -> None:

@@ -8,7 +8,8 @@ def eos_token_ids_for(config: EngineConfig, tokenizer=None) -> set[int]:
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path,
+                                                       trust_remote_code=config.model.trust_remote_code)
     path, hf_config = config.model.path, config.model.hf_config
     ids: set[int] = set()
     try:

@@ -42,11 +42,11 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     return str(path)
 
 
-def load_hf_config(path: str):
+def load_hf_config(path: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many kinds for a bad config
         raise ValueError(f"cannot read {path}/config.json: {e}") from e
     check_supported(config)

@@ -75,6 +75,7 @@ class ModelRunner:
             pack_weights(self.model)
         self.attention_layers = self.model.attention_layers()
         self.kv_caches: list[torch.Tensor] = []
+        self.swap_caches: list[torch.Tensor] = []  # host copies of swapped-out blocks, one per layer
         self.seqs: dict[int, RunnerSeq] = {}
         self.seq_generators: dict[int, torch.Generator] = {}
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -133,6 +134,34 @@ class ModelRunner:
                                 dtype=self.dtype, device=self.device).transpose(2, 3)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        self.allocate_swap_space(self.config.cache.num_swap_blocks)
+
+    def allocate_swap_space(self, num_swap_blocks: int) -> None:
+        """The host pool, laid out as the device cache. Pinned on a GPU (asynchronous copies); on a CPU a
+        separate tensor pool. torch.empty: pages are committed only when a block is first swapped out."""
+        self.swap_caches = []
+        if num_swap_blocks == 0:
+            return
+        pin = self.device.type == "cuda"
+        for layer in self.attention_layers:
+            # [2, num_swap_blocks, block_size, num_kv_heads, head_size] (head-major in memory, as the cache)
+            host = torch.empty(2, num_swap_blocks, layer.num_kv_heads, self.block_size, layer.head_size,
+                               dtype=self.dtype, device="cpu", pin_memory=pin).transpose(2, 3)
+            self.swap_caches.append(host)
+        logger.info("swap space: %d blocks, %.2f GiB of host memory", num_swap_blocks,
+                    num_swap_blocks * self.kv_cache_bytes_per_block() / 2**30)
+
+    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        device_ids = torch.tensor([p[0] for p in pairs], device=self.device)
+        host_ids = torch.tensor([p[1] for p in pairs])
+        for cache, host in zip(self.kv_caches, self.swap_caches):
+            host[:, host_ids] = cache[:, device_ids].to("cpu")
+
+    def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        host_ids = torch.tensor([p[0] for p in pairs])
+        device_ids = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache, host in zip(self.kv_caches, self.swap_caches):
+            cache[:, device_ids] = host[:, host_ids].to(self.device, non_blocking=True)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -142,6 +171,10 @@ class ModelRunner:
         """Run this stage's layers over the scheduled tokens. The last stage returns the sampled tokens of
         every sequence that sampled; earlier stages return what the next stage needs (None if empty)."""
         self._apply_deltas(out)
+        if out.blocks_to_swap_out:
+            self._swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self._swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             self._copy_blocks(out.blocks_to_copy)
         if out.is_empty:

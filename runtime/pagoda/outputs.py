@@ -59,5 +59,12 @@ class EngineStats:
     prefix_cache_hits: int = 0  # tokens found
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # sequences preempted, by swap or recompute
+    num_requests_swapped: int = 0  # requests whose KV is in the swap space now
+    num_swap_blocks_total: int = 0  # host blocks of the swap space
+    num_swap_blocks_used: int = 0
+    swap_space_usage: float = 0.0  # fraction of the host blocks in use
+    num_swapped_out: int = 0  # sequences swapped out (counter)
+    num_swapped_in: int = 0  # sequences swapped back in (counter)
+    num_recomputed: int = 0  # preemptions that dropped the KV, to recompute (swap space full or mode recompute)
     finished_reasons: dict[str, int] = field(default_factory=dict)

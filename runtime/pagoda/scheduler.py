@@ -4,7 +4,9 @@ Every step gets a token budget. Running sequences go first (first come, first se
 for the tokens it still has to compute (1 for a decode, a chunk of its prompt otherwise); then waiting
 sequences join while budget, sequence slots and KV blocks last. Prefill, chunked prefill and decode
 are the same thing: {sequence: number of tokens}. When blocks run out, the most recently admitted
-running sequence is preempted and recomputed later.
+running sequence is preempted: with preemption_mode "swap" its blocks are copied to the host swap space
+and back when it resumes (swapped sequences resume before waiting ones are admitted); with "recompute",
+or when the swap space is full, its KV is dropped and its tokens recomputed later.
 
 The model runner keeps its own copy of each sequence's tokens and block table; the scheduler sends
 only what changed since the runner last saw the sequence.
@@ -24,10 +26,14 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()  # preempted, KV in the swap space; oldest preemption first
         self.in_flight: set[int] = set()  # scheduled, step not finished yet (pipeline parallelism)
         self._finished_seq_ids: list[int] = []
         self._live: dict[int, Sequence] = {}  # every waiting or running sequence by id
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
+        self.num_recomputed = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -54,7 +60,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
@@ -71,7 +77,7 @@ class Scheduler:
             copies = self.block_manager.allocate(seq, num_new)
             while copies is None:
                 victim = self._newest_preemptible()
-                self._preempt(victim)
+                self._preempt(victim, out)
                 preempted = True
                 if victim is seq:
                     break
@@ -83,7 +89,26 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            pairs = self.block_manager.swap_in(seq, num_new)
+            if pairs is None:
+                break
+            self.swapped.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.needs_reset = True  # the runner gets the new block table (and the tokens) whole
+            self.running.append(seq)
+            out.blocks_to_swap_in += pairs
+            out.scheduled.append(self._schedule_seq(seq, num_new, False))
+            self.num_swapped_in += 1
+            budget -= num_new
+
+        while (self.waiting and not self.swapped and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(seq)
             num_computed = len(cached) * self.block_manager.block_size
@@ -142,14 +167,20 @@ class Scheduler:
         seq.needs_reset = False
         return scheduled
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.needs_reset = True
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
+            out.blocks_to_swap_out += self.block_manager.swap_out(seq)
+            self.swapped.append(seq)
+            self.num_swapped_out += 1
+            return
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_recomputed += 1
 
     def step_done(self, out: SchedulerOutput) -> None:
         """The runner finished out: the scheduled tokens' KV is now in the cache."""
@@ -166,6 +197,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
         self.block_manager.free(seq)
         self._live.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED

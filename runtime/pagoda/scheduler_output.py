@@ -23,6 +23,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # swap space; the runner does them in this order, before the forward pass: out, in, copy
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     finished_seq_ids: list[int] = field(default_factory=list)  # the runner may drop their state
 
     @property
@@ -31,4 +34,9 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (swap copies may still be due: see has_work)."""
         return not self.scheduled
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduled or self.finished_seq_ids or self.blocks_to_swap_out or self.blocks_to_swap_in)

@@ -31,7 +31,9 @@ class CoreStep:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor, num_blocks: int):
         self.executor = executor
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        cache = config.cache
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                          cache.num_swap_blocks)
         depth = executor.pipeline_depth
         per_batch = dataclasses.replace(config.scheduler, max_num_seqs=-(-config.scheduler.max_num_seqs // depth))
         self.schedulers = [Scheduler(per_batch, self.block_manager) for _ in range(depth)]
@@ -61,7 +63,7 @@ class EngineCore:
             started = time.perf_counter()
             sched_out = scheduler.schedule()
             self.schedule_seconds += time.perf_counter() - started
-            if sched_out.is_empty and not sched_out.finished_seq_ids:
+            if not sched_out.has_work:
                 continue
             if on_scheduled is not None:
                 on_scheduled(sched_out)

@@ -17,6 +17,7 @@ from pagoda.engine.engine_core import CoreStep, EngineCore
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.request_state import RequestState, RequestTable
+from pagoda.engine.stats_logger import StatsLogger
 from pagoda.errors import InvalidParam
 from pagoda.generation_config import eos_token_ids_for
 from pagoda.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -32,7 +33,8 @@ class LLMEngine:
 
         self.config = config
         started = time.time()
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path,
+                                                       trust_remote_code=config.model.trust_remote_code)
         self.eos_token_ids = eos_token_ids_for(config, self.tokenizer)
         model = config.model
         self.input_processor = InputProcessor(self.tokenizer, model.hf_config.vocab_size, model.max_model_len,
@@ -53,7 +55,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.core = EngineCore(config, self.executor, num_blocks)
         self.requests = RequestTable()
-        self.stats = EngineStats(num_blocks_total=num_blocks)
+        self.stats = EngineStats(num_blocks_total=num_blocks, num_swap_blocks_total=config.cache.num_swap_blocks)
+        self.stats_logger = StatsLogger(config.stats_log_interval) if config.log_stats else None
         hf = model.hf_config
         logger.info("loaded %s (%s, %d layers) dtype=%s tp=%d pp=%d device=%s attention=%s in %.1fs",
                     model.served_model_name, hf.architectures[0], hf.num_hidden_layers, model.dtype,
@@ -62,6 +65,8 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; max_model_len=%d, max_num_seqs=%d, "
                     "max_num_batched_tokens=%d", num_blocks, block_size, num_blocks * block_size,
                     model.max_model_len, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        logger.info("preemption mode %s; swap space %d blocks (%.2f GiB per worker)", config.cache.preemption_mode,
+                    config.cache.num_swap_blocks, config.cache.swap_space_gib)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -120,6 +125,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_step = self.core.step(self._mark_scheduled)
+        if self.stats_logger is not None and self.stats_logger.due():
+            self.stats_logger.log(self.get_stats())
         if core_step is None:
             return []
         return self._process(core_step)
@@ -180,14 +187,23 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s = self.stats
+        swapped_ids = {q.seq_id for sc in self.schedulers for q in sc.swapped}
         s.num_requests_running = sum(1 for r in self.requests.values()
                                      if any(q.status == SequenceStatus.RUNNING for q in r.seqs))
-        s.num_requests_waiting = len(self.requests) - s.num_requests_running
+        s.num_requests_swapped = sum(1 for r in self.requests.values()
+                                     if not any(q.status == SequenceStatus.RUNNING for q in r.seqs)
+                                     and any(q.seq_id in swapped_ids for q in r.seqs))
+        s.num_requests_waiting = len(self.requests) - s.num_requests_running - s.num_requests_swapped
         s.num_blocks_used = self.block_manager.num_used_blocks
         s.kv_cache_usage = self.block_manager.usage()
         s.prefix_cache_queries = sum(sc.prefix_cache_queries for sc in self.schedulers)
         s.prefix_cache_hits = sum(sc.prefix_cache_hits for sc in self.schedulers)
         s.num_preemptions = sum(sc.num_preemptions for sc in self.schedulers)
+        s.num_swapped_out = sum(sc.num_swapped_out for sc in self.schedulers)
+        s.num_swapped_in = sum(sc.num_swapped_in for sc in self.schedulers)
+        s.num_recomputed = sum(sc.num_recomputed for sc in self.schedulers)
+        s.num_swap_blocks_used = self.block_manager.num_used_swap_blocks
+        s.swap_space_usage = self.block_manager.swap_usage()
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons)})
 
     def shutdown(self) -> None:

@@ -19,6 +19,7 @@ class LLM:
         unknown = set(kwargs) - _ENGINE_FIELDS
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(sorted(unknown))}")
+        kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats lines offline
         self.engine = LLMEngine.from_engine_args(
             EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed, **kwargs))
         self._ids = itertools.count()

@@ -98,10 +98,12 @@ def _attach_engine(state: ServerState, engine) -> None:
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{state.server_args.port}/v1"
     logger.info("serving model %s from %s: dtype=%s, max_model_len=%d, tensor_parallel_size=%d, "
                 "pipeline_parallel_size=%d, KV cache %d blocks x %d = %d tokens, max_num_seqs=%d, "
-                "max queued requests=%d", name, config.model.path, config.model.dtype, config.model.max_model_len,
+                "max queued requests=%d, preemption by %s (swap space %d blocks), stats log %s",
+                name, config.model.path, config.model.dtype, config.model.max_model_len,
                 par.tensor_parallel_size, par.pipeline_parallel_size, num_blocks, cache.block_size,
                 num_blocks * cache.block_size, config.scheduler.max_num_seqs,
-                state.server_args.max_queued_requests)
+                state.server_args.max_queued_requests, cache.preemption_mode, cache.num_swap_blocks,
+                f"every {config.stats_log_interval:g}s" if config.log_stats else "off")
     logger.info("ready in %.1fs: OpenAI API at %s", time.time() - state.started, url)
 
 

@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pagoda.config import DTYPES, EngineArgs
+from pagoda.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineArgs
 from pagoda.default_model import DEFAULT_MODEL_NAME
 from pagoda.layers.quantization.config import GROUP_SIZES, METHODS
 
@@ -159,6 +159,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                "are found from a GPTQ / AWQ checkpoint's config.json without this flag")
     p.add("--quantization-group-size", type=int, choices=GROUP_SIZES,
           help="input columns per int4 scale and zero: 32, 64 or 128 (less memory, more error); unset: 32")
+    p.add("--swap-space", type=non_negative_float,
+          help="GiB of host memory per worker for swapped-out KV blocks (default: 4 on a GPU, 0.5 on a CPU)")
+    p.add("--preemption-mode", choices=PREEMPTION_MODES,
+          help="when KV blocks run out: swap the preempted sequence out, or drop and recompute it "
+               "(default: swap when --swap-space > 0)")
+    p.add("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
+          help="only auto (the model's dtype) for now")
+    p.add("--enforce-eager", default=d["enforce_eager"], boolean=True,
+          help="accepted for vLLM compatibility: Pagoda always runs eagerly (no CUDA graphs yet)")
+    p.add("--trust-remote-code", default=d["trust_remote_code"], boolean=True,
+          help="let transformers run the model repository's own configuration/tokenizer code")
+    p.add("--disable-log-stats", default=d["disable_log_stats"], boolean=True,
+          help="no periodic stats log line (throughput, requests, KV-cache use)")
+    p.add("--stats-log-interval", default=d["stats_log_interval"], type=positive_float,
+          help="seconds between stats log lines")
     p.add("--seed", default=d["seed"], type=int)
     p.add("--max-queued-requests", type=non_negative_int,
           help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: 4 x max-num-seqs)")

@@ -51,8 +51,19 @@ class EngineStatsCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
-        yield counter("num_preemptions", "Requests preempted (recomputed later) for lack of KV blocks.",
+        yield counter("num_preemptions", "Sequences preempted (swapped out or recomputed) for lack of KV blocks.",
                       stats.num_preemptions)
+        yield gauge("num_requests_swapped", "Requests whose KV blocks are in the swap space.",
+                    stats.num_requests_swapped)
+        yield gauge("cpu_cache_usage_perc", "Fraction of the swap space's host blocks in use (1 = full).",
+                    stats.swap_space_usage)
+        yield gauge("swap_space_used_blocks", "Swap-space host blocks holding swapped-out KV.",
+                    stats.num_swap_blocks_used)
+        yield gauge("swap_space_total_blocks", "Swap-space host blocks in the pool.", stats.num_swap_blocks_total)
+        yield counter("num_swapped_out", "Sequences swapped out to the swap space.", stats.num_swapped_out)
+        yield counter("num_swapped_in", "Sequences swapped back in from the swap space.", stats.num_swapped_in)
+        yield counter("num_recomputed", "Preempted sequences whose KV was dropped, to be recomputed.",
+                      stats.num_recomputed)
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in sorted({"stop", "length", "abort", *stats.finished_reasons}):
