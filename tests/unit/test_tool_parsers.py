@@ -1,0 +1,50 @@
+"""Tool-call parsers on fixed model outputs."""
+
+import json
+
+import pytest
+
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+hermes = TOOL_PARSERS["hermes"]()
+llama = TOOL_PARSERS["llama3_json"]()
+
+
+def calls(extracted):
+    return [(c.name, json.loads(c.arguments)) for c in extracted.tool_calls]
+
+
+def test_hermes_one_call_with_content_before():
+    out = hermes.extract('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                         '</tool_call>')
+    assert out.content == "Let me look."
+    assert calls(out) == [("get_weather", {"city": "Paris"})]
+
+
+def test_hermes_parallel_calls_and_an_unclosed_last_block():
+    out = hermes.extract('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+                         '<tool_call>{"name": "b", "arguments": {"x": [1, 2]}}')
+    assert out.content is None
+    assert calls(out) == [("a", {}), ("b", {"x": [1, 2]})]
+
+
+@pytest.mark.parametrize("text", ["just an answer", "<tool_call>{not json}</tool_call>",
+                                  '<tool_call>{"arguments": {}}</tool_call>',
+                                  '<tool_call>{"name": "a", "arguments": [1]}</tool_call>'])
+def test_hermes_text_that_is_not_a_call_is_content(text):
+    out = hermes.extract(text)
+    assert out.content == text and out.tool_calls == []
+
+
+def test_llama3_json_single_and_several_calls():
+    out = llama.extract('{"name": "search", "parameters": {"query": "kv cache"}}')
+    assert out.content is None and calls(out) == [("search", {"query": "kv cache"})]
+    out = llama.extract('<|python_tag|>{"name": "a", "parameters": {"n": 1}}; {"name": "b", "arguments": "{}"}')
+    assert calls(out) == [("a", {"n": 1}), ("b", {})]
+
+
+@pytest.mark.parametrize("text", ["The answer is 4.", '{"name": "a", "parameters": {}} and then prose',
+                                  '{"x": 1}', '{"name": "a", "parameters": {'])
+def test_llama3_json_text_that_is_not_a_call_is_content(text):
+    out = llama.extract(text)
+    assert out.content == text and out.tool_calls == []
