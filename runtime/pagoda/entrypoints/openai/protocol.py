@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from pagoda.entrypoints.openai.tool_choice import forced_tool_constraint
 from pagoda.errors import InvalidParam
 from pagoda.sampling_params import (
     INT64_MAX,
@@ -249,10 +250,44 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -269,10 +304,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (enforced for "required")
     # not implemented yet: refused when they ask for something (see SamplingFields.check_supported)
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools: accepted and ignored
     functions: Unsupported = None
     function_call: Unsupported = None
     continue_final_message: Unsupported = None
@@ -280,12 +315,23 @@ class ChatCompletionRequest(SamplingFields):
     documents: Unsupported = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + (
-        "tools", "tool_choice", "functions", "function_call", "continue_final_message", "echo", "documents")
+        "functions", "function_call", "continue_final_message", "echo", "documents")
 
-    def _neutral(self, name: str, value) -> bool:
-        # without tools, "none" and "auto" ask for nothing
-        return super()._neutral(name, value) or (name == "tool_choice" and value in ("none", "auto")
-                                                 and not self.tools)
+    @property
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(none | auto | required | named, the named function); OpenAI's default is auto with tools."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named", self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none"), None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        # a forced tool choice is a constraint too: it cannot be combined with another one
+        tools = [(t.function.name, t.function.parameters) for t in self.tools or []]
+        forced = forced_tool_constraint(tools, *self.tool_mode, self.parallel_tool_calls)
+        other = super().structured_outputs_params()
+        if forced is not None and other is not None:
+            raise InvalidParam(other.field, f"{other.field} cannot be combined with a forced tool_choice")
+        return forced or other
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -308,14 +354,15 @@ class ChatLogprobs(OpenAIModel):
 
 class ResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
     index: int
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -328,16 +375,29 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
