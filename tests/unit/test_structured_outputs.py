@@ -104,3 +104,19 @@ def test_sampling_params_takes_a_dict_and_refuses_ignore_eos():
     with pytest.raises(InvalidParam) as e:
         SamplingParams(structured_outputs={"regex": "a"}, ignore_eos=True)
     assert e.value.param == "ignore_eos"
+
+
+def test_matchers_follow_sequences_through_preemption(llm, tiny_llama_dir):
+    # 10 blocks of 16 tokens and four outputs of dozens of tokens each: sequences are preempted, recomputed,
+    # and their matchers rebuilt from their tokens; the outputs are those of a run without preemption
+    spec = StructuredOutputsParams(regex=r"[0-9]{100}")
+    prompts = [f"Numbers {i}:" for i in range(4)]
+    params = [SamplingParams(structured_outputs=spec, max_tokens=120, temperature=0.0) for _ in prompts]
+    with LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=160,
+             kv_cache_memory=10 * 8192 / 2**30) as small:
+        tight = small.generate(prompts, params)
+        assert small.engine.get_stats().num_preemptions > 0
+    roomy = llm.generate(prompts, params)
+    for a, b in zip(tight, roomy):
+        assert re.fullmatch(spec.regex, a.outputs[0].text) and a.outputs[0].finish_reason == "stop"
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
