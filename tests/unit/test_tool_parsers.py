@@ -48,3 +48,11 @@ def test_llama3_json_single_and_several_calls():
 def test_llama3_json_text_that_is_not_a_call_is_content(text):
     out = llama.extract(text)
     assert out.content == text and out.tool_calls == []
+
+
+def test_auto_tool_choice_needs_a_parser():
+    from pagoda.entrypoints.openai.cli_args import ServerArgs
+
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        ServerArgs(enable_auto_tool_choice=True)
+    assert ServerArgs(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_call_parser == "hermes"
