@@ -12,6 +12,8 @@ import xgrammar as xgr
 from pagoda.errors import InvalidParam
 from pagoda.sampling_params import StructuredOutputsParams
 
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
 
 class GrammarMatcher:
     """One sequence's position in its grammar: fills its row of the batch's bitmask, follows its tokens."""
@@ -59,6 +61,7 @@ class GrammarBackend:
             return self._compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError, RecursionError) as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first_line = _LOG_PREFIX.sub("", first_line)  # xgrammar's "[time] file.cc:line: " says nothing to clients
             raise InvalidParam(spec.field, f"invalid {kind} for structured outputs: {first_line}") from None
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
