@@ -139,3 +139,16 @@ def test_auto_parses_the_models_output_with_the_chosen_parser(server_factory):
     forced = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
                                             max_tokens=300, seed=1)
     check_calls(forced.choices[0].message)
+
+
+def test_auto_streams_its_content_and_reassembles_to_the_whole_reply(server_factory):
+    server = server_factory("--served-model-name", MODEL, "--enable-auto-tool-choice", "--tool-call-parser",
+                            "llama3_json", env={"PAGODA_API_KEY": API_KEY})
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="auto", max_tokens=24, temperature=0.0)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    content = "".join(c.delta.content or "" for c in chunks)
+    assert whole.message.tool_calls is None and content == whole.message.content
+    assert chunks[-1].finish_reason == whole.finish_reason
+    assert sum(1 for c in chunks if c.delta.content) > 1  # streamed as it came, not in one piece at the end

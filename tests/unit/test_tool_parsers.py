@@ -56,3 +56,24 @@ def test_auto_tool_choice_needs_a_parser():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerArgs(enable_auto_tool_choice=True)
     assert ServerArgs(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_call_parser == "hermes"
+
+
+@pytest.mark.parametrize("text, prefix", [
+    ("Sure, ", 6), ("Sure <tool", 5), ("Sure <tool_call>{", 5), ("<", 0), ("a < b", 5), ("", 0)])
+def test_hermes_content_prefix_holds_back_a_possible_call(text, prefix):
+    assert hermes.content_prefix(text) == prefix
+
+
+@pytest.mark.parametrize("text, prefix", [
+    ('{"name"', 0), ("  <|python", 0), ("<|python_tag|>{", 0), ("", 0), ("The answer", 10), ("<b>hi", 5)])
+def test_llama3_json_content_prefix_holds_back_a_possible_call(text, prefix):
+    assert llama.content_prefix(text) == prefix
+
+
+@pytest.mark.parametrize("parser", [hermes, llama])
+def test_streamed_content_is_a_prefix_of_the_whole_text(parser):
+    whole = 'Checking. <tool_call>{"name": "a", "arguments": {}}</tool_call>'
+    sent = 0
+    for end in range(len(whole) + 1):  # the text as it grows token by token
+        sent = max(sent, parser.content_prefix(whole[:end]))
+        assert whole[:end].startswith(whole[:sent])

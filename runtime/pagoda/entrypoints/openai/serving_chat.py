@@ -225,8 +225,18 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if finished[c.index]:
                         continue
-                    text = c.text[sent_text[c.index]:]
+                    already = sent_text[c.index]
+                    text = c.text[already:]
                     reason = finish_reason(c)
+                    if mode in ("required", "auto") and reason is None:
+                        # the calls are known when the output is whole; "auto" streams the text before any
+                        # call could start (its logprobs go with the last chunk)
+                        safe = self.tool_parser.content_prefix(c.text) if mode == "auto" else 0
+                        if safe > already:
+                            sent_text[c.index] = safe
+                            yield chunk([ChatStreamChoice(index=c.index,
+                                                          delta=DeltaMessage(content=c.text[already:safe]))])
+                        continue
                     if not text and reason is None:
                         continue  # nothing to show yet: its tokens' logprobs go with the next chunk
                     start = sent_tokens[c.index]
@@ -245,12 +255,14 @@ class OpenAIServingChat(OpenAIServing):
                             call.type, call.function.name = "function", name
                         delta = DeltaMessage(tool_calls=[call])
                         reason = "tool_calls" if reason == "stop" else reason
-                    else:  # required, auto: the calls are known when the output is whole
-                        if reason is None:
-                            continue
-                        content, calls = self._tool_calls(request, c.text) if reason == "stop" else (c.text, [])
-                        if content:
-                            yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(content=content))])
+                    else:  # required, auto: the output is whole
+                        _, calls = self._tool_calls(request, c.text) if reason == "stop" else (None, [])
+                        end = len(c.text)
+                        if calls:  # the content is what comes before the first call
+                            end = self.tool_parser.content_prefix(c.text) if mode == "auto" else 0
+                        if end > already:
+                            yield chunk([ChatStreamChoice(index=c.index,
+                                                          delta=DeltaMessage(content=c.text[already:end]))])
                         for i, call in enumerate(calls):
                             for delta_call in _streamed_tool_call(i, call):
                                 yield chunk([ChatStreamChoice(index=c.index,

@@ -18,7 +18,12 @@ class ExtractedToolCalls:
 
 
 class ToolParser(Protocol):
-    def extract(self, text: str) -> ExtractedToolCalls: ...
+    def extract(self, text: str) -> ExtractedToolCalls:
+        """A whole output -> its content and calls."""
+
+    def content_prefix(self, text: str) -> int:
+        """How many leading characters of an output, finished or not, are content no call can start in
+        (what a stream may send before the output is whole)."""
 
 
 def tool_call_from(obj, arguments_keys: tuple[str, ...]) -> ParsedToolCall | None:

@@ -25,3 +25,13 @@ class HermesToolParser:
             calls.append(call)
         content = text[: text.index(START)].strip()
         return ExtractedToolCalls(content or None, calls)
+
+    def content_prefix(self, text: str) -> int:
+        start = text.find(START)
+        if start >= 0:
+            return start
+        # hold back an ending that could be the start of "<tool_call>"
+        for k in range(min(len(START) - 1, len(text)), 0, -1):
+            if text.endswith(START[:k]):
+                return len(text) - k
+        return len(text)

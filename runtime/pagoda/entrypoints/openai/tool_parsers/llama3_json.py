@@ -31,3 +31,10 @@ class Llama3JsonToolParser:
                 return ExtractedToolCalls(text)
             position = len(body) - len(rest[1:].lstrip()) if rest else len(body)
         return ExtractedToolCalls(None, calls)
+
+    def content_prefix(self, text: str) -> int:
+        body = text.lstrip()
+        # a reply that is (or may become) a call starts with "{" or the python tag: none of it is content yet
+        if not body or body.startswith("{") or PYTHON_TAG.startswith(body[: len(PYTHON_TAG)]):
+            return 0
+        return len(text)
