@@ -173,8 +173,10 @@ class ModelRunner:
             sample_seq_ids = [sample_seq_ids[i] for i in keep]
             if not sample_seq_ids:
                 return result
-        self._mask_grammars(logits, sample_seq_ids)
-        tokens = self.sampler(logits, self._sampling_tensors(sample_seq_ids, generators))
+        masked = self._mask_grammars(logits, sample_seq_ids)
+        # logprobs stay the model's own (raw): a masked-out token's is finite, never -inf
+        tokens = self.sampler(masked, self._sampling_tensors(sample_seq_ids, generators),
+                              raw_logits=logits if masked is not logits else None)
         for seq_id, token in zip(sample_seq_ids, tokens):
             result.sampled.setdefault(seq_id, []).append(token)
         return result
@@ -217,19 +219,22 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 - handed to the engine as this sequence's failure
                 failed[seq_id] = f"following its grammar failed: {e!r}"
 
-    def _mask_grammars(self, logits: torch.Tensor, seq_ids: list[int]) -> None:
-        """logits [N, V]: the constrained rows masked by their grammars in one operation."""
+    def _mask_grammars(self, logits: torch.Tensor, seq_ids: list[int]) -> torch.Tensor:
+        """logits [N, V] -> float32 [N, V] with the constrained rows masked by their grammars in one operation
+        (a copy: the raw logits still give logprobs); the same tensor when no row is constrained."""
         rows = [i for i, seq_id in enumerate(seq_ids) if self.seqs[seq_id].matcher is not None]
         if not rows:
-            return
-        backend = self._grammar_backend()
-        bitmask = backend.allocate_bitmask(len(seq_ids))  # [N, ceil(V / 32)]
+            return logits
+        bitmask = self._grammar_backend().allocate_bitmask(len(seq_ids))  # [N, ceil(V / 32)] int32
         for row in rows:
             self.seqs[seq_ids[row]].matcher.fill_bitmask(bitmask, row)
-        apply_bitmask(logits, bitmask, rows)
+        masked = logits.float().clone()
+        apply_bitmask(masked, bitmask, rows)
+        return masked
 
     def _grammar_backend(self):
-        return get_grammar_backend(self.config.model.tokenizer_path, self.vocab_size, tuple(sorted(self.eos_token_ids)))
+        eos = tuple(sorted(self.eos_token_ids))
+        return get_grammar_backend(self.config.model.tokenizer_path, self.vocab_size, eos)
 
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

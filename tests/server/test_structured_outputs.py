@@ -138,3 +138,13 @@ def test_two_constraints_are_refused(client):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
                                        response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
     assert e.value.body["param"] == "guided_regex"
+
+
+def test_logprobs_of_constrained_outputs_are_the_models_own_and_finite(client):
+    # one allowed token at a time leaves the other top alternatives masked out: they keep their raw logprobs
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, logprobs=True, top_logprobs=5,
+                                         extra_body={"guided_choice": ["Kubernetes"]})
+    assert out.choices[0].message.content == "Kubernetes"
+    for entry in out.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 5
+        assert all(-1e4 < alt.logprob <= 0 for alt in entry.top_logprobs)

@@ -70,10 +70,6 @@ class GrammarBackend:
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # [num_rows, ceil(vocab / 32)] int32
 
-    @staticmethod
-    def reset_rows(bitmask: torch.Tensor) -> None:
-        bitmask.fill_(-1)  # every token allowed: the rows of free requests
-
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits [N, V] float32, bitmask [N, ceil(V / 32)] int32: disallowed tokens of `rows` become -inf."""
