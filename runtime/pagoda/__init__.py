@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagoda.entrypoints.llm",
     "SamplingParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.sampling_params",
     "EngineArgs": "pagoda.config",
     "AsyncEngineArgs": "pagoda.config",
     "LLMEngine": "pagoda.engine.llm_engine",

@@ -20,6 +20,7 @@ from pagoda.runner_output import ModelRunnerOutput
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler_output import SchedulerOutput
+from pagoda.structured_output import GrammarMatcher, apply_bitmask, get_grammar_backend
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class RunnerSeq:
     block_table: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    matcher: GrammarMatcher | None = None  # structured outputs: made on first sample, follows token_ids
 
 
 class ModelRunner:
@@ -194,13 +196,17 @@ class ModelRunner:
             return ModelRunnerOutput()
         result = ModelRunnerOutput()
         generators = self._generators(sample_seq_ids, result.failed)
+        self._advance_matchers(sample_seq_ids, result.failed)
         if result.failed:  # sample the others only
             keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in result.failed]
             logits, generators = logits[keep], [generators[i] for i in keep]
             sample_seq_ids = [sample_seq_ids[i] for i in keep]
             if not sample_seq_ids:
                 return result
-        tokens = self.sampler(logits, self._sampling_tensors(sample_seq_ids, generators))
+        masked = self._mask_grammars(logits, sample_seq_ids)
+        # logprobs stay the model's own (raw): a masked-out token's is finite, never -inf
+        tokens = self.sampler(masked, self._sampling_tensors(sample_seq_ids, generators),
+                              raw_logits=logits if masked is not logits else None)
         for seq_id, token in zip(sample_seq_ids, tokens):
             result.sampled.setdefault(seq_id, []).append(token)
         return result
@@ -223,6 +229,42 @@ class ModelRunner:
                         self.seq_generators[seq_id] = gen
             generators.append(gen)
         return generators
+
+    def _advance_matchers(self, seq_ids: list[int], failed: dict[int, str]) -> None:
+        """Bring each constrained sequence's matcher up to its tokens. A matcher is made fresh when the runner
+        (re)learns a sequence (new, resumed after preemption, or a fork) and replays its output tokens, so
+        it always follows the sequence's own tokens."""
+        for seq_id in dict.fromkeys(seq_ids):
+            seq = self.seqs[seq_id]
+            spec = seq.params.structured_outputs
+            if spec is None or seq_id in failed:
+                continue
+            try:
+                if seq.matcher is None:
+                    seq.matcher = self._grammar_backend().matcher(spec)
+                for token in seq.token_ids[seq.num_prompt_tokens + seq.matcher.num_accepted:]:
+                    if not seq.matcher.accept(token):
+                        failed[seq_id] = f"token {token} does not follow its grammar"
+                        break
+            except Exception as e:  # noqa: BLE001 - handed to the engine as this sequence's failure
+                failed[seq_id] = f"following its grammar failed: {e!r}"
+
+    def _mask_grammars(self, logits: torch.Tensor, seq_ids: list[int]) -> torch.Tensor:
+        """logits [N, V] -> float32 [N, V] with the constrained rows masked by their grammars in one operation
+        (a copy: the raw logits still give logprobs); the same tensor when no row is constrained."""
+        rows = [i for i, seq_id in enumerate(seq_ids) if self.seqs[seq_id].matcher is not None]
+        if not rows:
+            return logits
+        bitmask = self._grammar_backend().allocate_bitmask(len(seq_ids))  # [N, ceil(V / 32)] int32
+        for row in rows:
+            self.seqs[seq_ids[row]].matcher.fill_bitmask(bitmask, row)
+        masked = logits.float().clone()
+        apply_bitmask(masked, bitmask, rows)
+        return masked
+
+    def _grammar_backend(self):
+        eos = tuple(sorted(self.eos_token_ids))
+        return get_grammar_backend(self.config.model.tokenizer_path, self.vocab_size, eos)
 
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -307,7 +349,8 @@ class ModelRunner:
             output_ids = _padded([s.token_ids[s.num_prompt_tokens :] for s in seqs], vocab, self.device)
         banned = []
         for row, (s, p) in enumerate(zip(seqs, params)):
-            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+            # a grammar decides when a constrained output ends: min_tokens yields to it
+            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens and s.matcher is None:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 banned += [(row, t) for t in stops if t < vocab]
         return SamplingTensors(

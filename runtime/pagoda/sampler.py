@@ -37,11 +37,14 @@ class Sampler:
         self.generator = generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> list[SampledToken]:
-        """logits [N, V] float32 -> one token per row."""
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors, raw_logits: torch.Tensor | None = None
+                 ) -> list[SampledToken]:
+        """logits [N, V] float32 -> one token per row. raw_logits [N, V]: the model's logits before a
+        grammar masked `logits`, for the logprobs (None: `logits` are the model's)."""
         logits = logits.float()
         want_logprobs = any(n is not None for n in t.num_logprobs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        raw = logits if raw_logits is None else raw_logits.float()
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
         if t.any_penalty:
             logits = apply_penalties(logits, t)
         if t.banned_tokens:

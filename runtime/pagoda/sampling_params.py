@@ -10,6 +10,49 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar longer than 1 MiB is refused unread
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output, vLLM's shape: a JSON schema, a regex, a choice among strings, an EBNF
+    grammar, or any JSON object. Exactly one is set. `field` names where the client put it (e.g.
+    "response_format"), so a grammar that does not compile is reported against that field."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise InvalidParam(self.field, "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                                           f"json_object; got {set_kinds or 'none'}")
+        kind = set_kinds[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if not isinstance(value, dict | str) or not value:
+                raise InvalidParam(self.field, "a JSON schema must be an object (or its JSON text)")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise InvalidParam(self.field, f"{kind} must be a non-empty string")
+            if len(value) > MAX_GRAMMAR_CHARS:
+                raise InvalidParam(self.field, f"{kind} is longer than {MAX_GRAMMAR_CHARS} characters")
+        elif kind == "choice":
+            if (not isinstance(value, list | tuple) or not value
+                    or any(not isinstance(c, str) or not c for c in value)):
+                raise InvalidParam(self.field, "choice must be a non-empty list of non-empty strings")
+            self.choice = list(value)
+        elif value is not True:
+            raise InvalidParam(self.field, "json_object must be true")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -31,6 +74,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +143,16 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                try:
+                    self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+                except TypeError as e:  # an unknown key
+                    raise InvalidParam("structured_outputs", f"structured_outputs: {e}") from None
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be StructuredOutputsParams")
+            if self.ignore_eos:  # the grammar ends the output with an end-of-sequence token
+                raise InvalidParam("ignore_eos", "ignore_eos cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

@@ -77,11 +77,9 @@ def test_non_finite_numbers_are_400(http, literal):
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}),
     ("logit_bias", {"50": 10}),
     ("best_of", 3),
     ("continue_final_message", True),
-    ("guided_json", {"type": "object"}),
     ("prompt_logprobs", 1),
 ])
 def test_chat_fields_not_implemented_are_refused_by_name(client, field, value):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagoda.errors import InvalidParam
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output import get_grammar_backend
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,10 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 grammar_key: tuple[str, int, tuple[int, ...]] | None = None):
         self.tokenizer = tokenizer
+        self.grammar_key = grammar_key  # (tokenizer path, vocab size, stop ids) of the grammar backend
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -68,6 +71,11 @@ class InputProcessor:
                                     "output is a running sequence")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidParam("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            if self.grammar_key is None:
+                raise InvalidParam("structured_outputs", "structured outputs are not available in this engine")
+            # compiled here, off the engine thread; the model runner's compile of it is then a cache hit
+            get_grammar_backend(*self.grammar_key).compile(params.structured_outputs)
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len

@@ -37,8 +37,9 @@ class LLMEngine:
                                                        trust_remote_code=config.model.trust_remote_code)
         self.eos_token_ids = eos_token_ids_for(config, self.tokenizer)
         model = config.model
+        grammar_key = (model.tokenizer_path, model.hf_config.vocab_size, tuple(sorted(self.eos_token_ids)))
         self.input_processor = InputProcessor(self.tokenizer, model.hf_config.vocab_size, model.max_model_len,
-                                              config.scheduler.max_num_seqs)
+                                              config.scheduler.max_num_seqs, grammar_key)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, model.max_model_len)
         self.executor = create_executor(config, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks()

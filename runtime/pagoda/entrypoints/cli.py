@@ -49,8 +49,8 @@ def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.cli_args import flagify, split_args
 
     configure_logging(ns.log_level)
-    engine_args, server_args = split_args(ns)
     try:
+        engine_args, server_args = split_args(ns)
         # validate every flag now, before the port opens: a bad value is a usage error, not a crash later
         engine_args.create_config()
     except (ValueError, OSError) as e:

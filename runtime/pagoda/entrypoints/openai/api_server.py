@@ -84,7 +84,9 @@ def _attach_engine(state: ServerState, engine) -> None:
     state.admission = Admission(config.scheduler.max_num_seqs, state.server_args.max_queued_requests)
     state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission)
     state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission,
-                                   trust_request_chat_template=state.server_args.trust_request_chat_template)
+                                   trust_request_chat_template=state.server_args.trust_request_chat_template,
+                                   tool_call_parser=(state.server_args.tool_call_parser
+                                                     if state.server_args.enable_auto_tool_choice else None))
     state.engine = engine
     if hasattr(engine, "add_group_failure_callback"):
         # a dead rank cannot be replaced in place: report 503 for a moment, then exit non-zero so the

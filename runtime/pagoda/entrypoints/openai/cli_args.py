@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pagoda.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineArgs
 from pagoda.default_model import DEFAULT_MODEL_NAME
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.layers.quantization.config import GROUP_SIZES, METHODS
 
 ENV_PREFIX = "PAGODA_"
@@ -33,6 +34,12 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     trust_request_chat_template: bool = False  # let requests bring their own chat_template (runs on the server)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's text for tool calls
+    tool_call_parser: str | None = None  # which format (tool_parsers.TOOL_PARSERS)
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 def env_name(flag: str) -> str:
@@ -182,6 +189,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS)
     p.add("--trust-request-chat-template", default=ServerArgs.trust_request_chat_template, boolean=True,
           help="accept a chat_template in requests (a client's Jinja template then runs on the server)")
+    p.add("--enable-auto-tool-choice", default=ServerArgs.enable_auto_tool_choice, boolean=True,
+          help='answer tool_choice "auto" by parsing the model\'s output for tool calls (needs --tool-call-parser)')
+    p.add("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="the model's tool-call format")
 
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))

@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
+from pagoda.entrypoints.openai.tool_choice import forced_tool_constraint
 from pagoda.errors import InvalidParam
 from pagoda.sampling_params import (
     INT64_MAX,
@@ -18,6 +19,7 @@ from pagoda.sampling_params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -62,6 +64,29 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: Annotated[str, Field(max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat, including vLLM's extras."""
 
@@ -85,17 +110,18 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[NonNegativeInt64] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* extras (one of them)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Fields OpenAI or vLLM define that Pagoda does not implement yet. A value that asks for something
     # (anything but null, empty or the neutral value) is refused with a 400 naming the field: a client
     # must never get an answer that silently ignored what it asked for.
     logit_bias: Unsupported = None
     best_of: Unsupported = None
-    response_format: Unsupported = None
-    guided_json: Unsupported = None
-    guided_regex: Unsupported = None
-    guided_choice: Unsupported = None
-    guided_grammar: Unsupported = None
-    structured_outputs: Unsupported = None
     prompt_logprobs: Unsupported = None
     allowed_token_ids: Unsupported = None
     bad_words: Unsupported = None
@@ -103,9 +129,8 @@ class SamplingFields(OpenAIModel):
     use_beam_search: Unsupported = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "logit_bias", "best_of", "response_format", "guided_json", "guided_regex", "guided_choice",
-        "guided_grammar", "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words",
-        "logits_processors", "use_beam_search")
+        "logit_bias", "best_of", "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors",
+        "use_beam_search")
 
     def check_supported(self) -> None:
         """Raise InvalidParam for the first field that asks for something Pagoda cannot do yet."""
@@ -116,8 +141,35 @@ class SamplingFields(OpenAIModel):
             raise InvalidParam(name, f"{name} is not supported by this server")
 
     def _neutral(self, name: str, value) -> bool:
-        return ((name == "best_of" and value == self.n)
-                or (name == "response_format" and value == {"type": "text"}))
+        return name == "best_of" and value == self.n
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for (None: free text); InvalidParam naming the field
+        if it asks for two, or for one that is malformed."""
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                asked.append(StructuredOutputsParams(json_object=True, field="response_format"))
+            elif fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise InvalidParam("response_format", "response_format of type json_schema needs "
+                                                      "json_schema.schema")
+            else:
+                asked.append(StructuredOutputsParams(json=fmt.json_schema.schema_, field="response_format"))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            asked.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                                 grammar=so.grammar, json_object=so.json_object,
+                                                 field="structured_outputs"))
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                asked.append(StructuredOutputsParams(**{kind: value}, field=name))
+        if len(asked) > 1:
+            raise InvalidParam(asked[1].field, f"{asked[0].field} and {asked[1].field} both constrain the "
+                                               "output: send one")
+        return asked[0] if asked else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
@@ -140,6 +192,7 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
@@ -197,10 +250,44 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -217,10 +304,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (enforced for "required")
     # not implemented yet: refused when they ask for something (see SamplingFields.check_supported)
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools: accepted and ignored
     functions: Unsupported = None
     function_call: Unsupported = None
     continue_final_message: Unsupported = None
@@ -228,12 +315,23 @@ class ChatCompletionRequest(SamplingFields):
     documents: Unsupported = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + (
-        "tools", "tool_choice", "functions", "function_call", "continue_final_message", "echo", "documents")
+        "functions", "function_call", "continue_final_message", "echo", "documents")
 
-    def _neutral(self, name: str, value) -> bool:
-        # without tools, "none" and "auto" ask for nothing
-        return super()._neutral(name, value) or (name == "tool_choice" and value in ("none", "auto")
-                                                 and not self.tools)
+    @property
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(none | auto | required | named, the named function); OpenAI's default is auto with tools."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named", self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none"), None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        # a forced tool choice is a constraint too: it cannot be combined with another one
+        tools = [(t.function.name, t.function.parameters) for t in self.tools or []]
+        forced = forced_tool_constraint(tools, *self.tool_mode, self.parallel_tool_calls)
+        other = super().structured_outputs_params()
+        if forced is not None and other is not None:
+            raise InvalidParam(other.field, f"{other.field} cannot be combined with a forced tool_choice")
+        return forced or other
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -256,14 +354,15 @@ class ChatLogprobs(OpenAIModel):
 
 class ResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
     index: int
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -276,16 +375,29 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

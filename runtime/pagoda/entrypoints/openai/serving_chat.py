@@ -3,6 +3,7 @@
 import asyncio
 import functools
 import inspect
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -19,9 +20,14 @@ from pagoda.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatStreamChoice,
+    ChatTool,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     ResponseMessage,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -33,18 +39,23 @@ from pagoda.entrypoints.openai.serving_base import (
     sse,
 )
 from pagoda.entrypoints.openai.serving_completion import finish_reason
+from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
+from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
 from pagoda.outputs import Logprob, RequestOutput
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                extra: dict | None = None, chat_template: str | None = None) -> tuple[str, list[int]]:
+                extra: dict | None = None, chat_template: str | None = None,
+                tools: list[ChatTool] | None = None) -> tuple[str, list[int]]:
     """Blocking (the template engine and the tokenizer): call it in a worker thread. `extra` is filtered
     to the variables the template reads; `chat_template` must already be allowed by the caller."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise invalid_request("this model has no chat template: use /v1/completions", "messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [_template_message(m) for m in messages]
     extra = template_kwargs(tokenizer, template, extra) if extra else {}
+    if tools:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **extra)
@@ -52,6 +63,27 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise invalid_request(f"the chat template rejected the messages: {e}", "messages") from None
     # the template already wrote the special tokens (BOS included): don't add them twice
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_message(m: ChatMessage) -> dict:
+    message = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        # templates (Qwen's, Llama's) write the arguments with `tojson`: they expect an object, not its text
+        message["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function)}}
+                                 for c in m.tool_calls]
+    return message
+
+
+def _arguments(function: FunctionCall):
+    try:
+        return json.loads(function.arguments)
+    except json.JSONDecodeError:
+        return function.arguments
 
 
 def template_kwargs(tokenizer, template, kwargs: dict) -> dict:
@@ -94,9 +126,21 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, trust_request_chat_template: bool = False, **kwargs):
+    def __init__(self, *args, trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
+
+    def _tool_calls(self, request: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """A finished choice's text -> (content, tool calls), by the request's tool mode."""
+        mode, name = request.tool_mode
+        if mode in ("named", "required"):
+            return None, forced_tool_calls(text, mode, name)
+        if mode == "auto":
+            extracted = self.tool_parser.extract(text)
+            return extracted.content, extracted.tool_calls
+        return text, []
 
     async def create(self, request: ChatCompletionRequest, raw: Request):
         self.check_model(request.model)
@@ -106,6 +150,10 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
         top_k = (request.top_logprobs or 0) if request.logprobs else None
+        if request.tool_mode[0] == "auto" and self.tool_parser is None:
+            raise invalid_request('tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                                  '--tool-call-parser; send tool_choice "required" or a named function',
+                                  "tool_choice")
         try:
             params = self.make_params(request, request.requested_max_tokens, top_k)
         except APIError as e:  # the engine's names are the completions API's: say what chat calls them
@@ -116,7 +164,8 @@ class OpenAIServingChat(OpenAIServing):
             raise
         text, token_ids = await asyncio.to_thread(render_chat, self.tokenizer, request.messages,
                                                   request.add_generation_prompt, request.chat_template_kwargs,
-                                                  request.chat_template)
+                                                  request.chat_template,
+                                                  request.tools if request.tool_mode[0] != "none" else None)
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
         request_id = random_id("chatcmpl")
         release = self.admission.acquire()
@@ -143,8 +192,12 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if top_k is not None and c.logprobs is not None:
                 logprobs = chat_logprobs(c.logprobs, c.token_ids, top_k)
-            choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text), logprobs=logprobs,
-                                      finish_reason=finish_reason(c), stop_reason=c.stop_reason))
+            reason = finish_reason(c)
+            content, calls = (self._tool_calls(request, c.text) if reason == "stop" and request.tool_mode[0] != "none"
+                              else (c.text, []))
+            message = ResponseMessage(content=content, tool_calls=[_tool_call(call) for call in calls] or None)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                      finish_reason="tool_calls" if calls else reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=_usage(final))
 
@@ -163,6 +216,8 @@ class OpenAIServingChat(OpenAIServing):
             sent_text = [0] * request.n
             sent_tokens = [0] * request.n
             finished = [False] * request.n
+            mode, name = request.tool_mode
+            call_ids: dict[int, str] = {}  # choice -> its call's id (a named function: streamed as it grows)
             final = None
             async for out in stream:
                 final = out
@@ -170,8 +225,18 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if finished[c.index]:
                         continue
-                    text = c.text[sent_text[c.index]:]
+                    already = sent_text[c.index]
+                    text = c.text[already:]
                     reason = finish_reason(c)
+                    if mode in ("required", "auto") and reason is None:
+                        # the calls are known when the output is whole; "auto" streams the text before any
+                        # call could start (its logprobs go with the last chunk)
+                        safe = self.tool_parser.content_prefix(c.text) if mode == "auto" else 0
+                        if safe > already:
+                            sent_text[c.index] = safe
+                            yield chunk([ChatStreamChoice(index=c.index,
+                                                          delta=DeltaMessage(content=c.text[already:safe]))])
+                        continue
                     if not text and reason is None:
                         continue  # nothing to show yet: its tokens' logprobs go with the next chunk
                     start = sent_tokens[c.index]
@@ -180,15 +245,48 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = chat_logprobs(c.logprobs[start:], c.token_ids[start:], top_k)
                     sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                     finished[c.index] = reason is not None
-                    choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text or None),
-                                                    logprobs=logprobs, finish_reason=reason,
-                                                    stop_reason=c.stop_reason if reason else None))
+                    stop_reason = c.stop_reason if reason else None
+                    if mode == "none":
+                        delta = DeltaMessage(content=text or None)
+                    elif mode == "named":  # the output is the arguments: stream them as they come
+                        call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
+                        if c.index not in call_ids:
+                            call_ids[c.index] = call.id = random_id("call")
+                            call.type, call.function.name = "function", name
+                        delta = DeltaMessage(tool_calls=[call])
+                        reason = "tool_calls" if reason == "stop" else reason
+                    else:  # required, auto: the output is whole
+                        _, calls = self._tool_calls(request, c.text) if reason == "stop" else (None, [])
+                        end = len(c.text)
+                        if calls:  # the content is what comes before the first call
+                            end = self.tool_parser.content_prefix(c.text) if mode == "auto" else 0
+                        if end > already:
+                            yield chunk([ChatStreamChoice(index=c.index,
+                                                          delta=DeltaMessage(content=c.text[already:end]))])
+                        for i, call in enumerate(calls):
+                            for delta_call in _streamed_tool_call(i, call):
+                                yield chunk([ChatStreamChoice(index=c.index,
+                                                              delta=DeltaMessage(tool_calls=[delta_call]))])
+                        delta, reason = DeltaMessage(), "tool_calls" if calls else reason
+                    choices.append(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                    finish_reason=reason, stop_reason=stop_reason))
                 if choices:
                     yield chunk(choices)
             if request.include_usage_in_stream and final is not None:
                 yield chunk([], _usage(final))
         finally:
             release()
+
+
+def _tool_call(call: ParsedToolCall) -> ToolCall:
+    return ToolCall(function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _streamed_tool_call(index: int, call: ParsedToolCall) -> list[DeltaToolCall]:
+    """As OpenAI streams a call: its id, type and name first (arguments empty), then the arguments."""
+    return [DeltaToolCall(index=index, id=random_id("call"), type="function",
+                          function=DeltaFunctionCall(name=call.name, arguments="")),
+            DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]
 
 
 def _usage(final: RequestOutput) -> UsageInfo:
