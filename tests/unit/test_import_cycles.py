@@ -96,3 +96,9 @@ def test_every_executor_implements_the_protocol():
     for cls in (UniProcExecutor, MultiprocExecutor):
         assert isinstance(cls.__new__(cls), Executor), cls
         assert not hasattr(cls, "execute")  # the engine core drives submit/wait only
+
+
+def test_test_files_have_unique_basenames():
+    """pytest imports test files by basename: two of the same name in different tiers break collection."""
+    names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
