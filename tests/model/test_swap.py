@@ -2,7 +2,8 @@
 preempted sequences are swapped or recomputed, and when the swap space is too small for all of them."""
 
 import pytest
-from test_hf_parity import PROMPTS, hf_greedy, pagoda_greedy
+from checkpoints import hf_greedy
+from test_hf_parity import MAX_TOKENS, PROMPTS, pagoda_greedy
 
 pytestmark = pytest.mark.model
 
@@ -11,7 +12,7 @@ BLOCK_BYTES = 8192  # the tiny llama's KV block of 16 tokens, float32
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_factory):
-    return hf_greedy(tiny_model_factory("llama"), PROMPTS)
+    return hf_greedy(tiny_model_factory("llama"), PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("mode,swap_blocks", [("swap", 64), ("swap", 1), ("recompute", 0)],

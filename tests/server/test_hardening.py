@@ -75,8 +75,9 @@ def test_non_finite_numbers_are_400(http, literal):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+    ("function_call", "auto"),
+    ("documents", [{"text": "x"}]),
     ("logit_bias", {"50": 10}),
     ("best_of", 3),
     ("continue_final_message", True),
