@@ -19,7 +19,7 @@ import pytest
 pytestmark = [pytest.mark.server, pytest.mark.fuzz]
 
 
-def test_schemathesis_finds_no_mismatch(server_factory):
+def test_schemathesis_finds_no_mismatch(server_factory, tmp_path):
     # a short context keeps every generated request (no max_tokens: up to the context) quick
     server = server_factory("--max-model-len", "64", "--max-num-seqs", "16")
     st = Path(sys.executable).parent / "st"
@@ -28,6 +28,7 @@ def test_schemathesis_finds_no_mismatch(server_factory):
                os.environ.get("PAGODA_FUZZ_EXAMPLES", "15"), "--phases",
                os.environ.get("PAGODA_FUZZ_PHASES", "fuzzing"), "--generation-deterministic",
                "--request-timeout", "60", "--max-response-time", "60", "--no-color"]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=3000)
+    # run in a temporary directory: schemathesis keeps a cache of what it found in the working directory
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=3000, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert server.process.poll() is None, "the server died"
