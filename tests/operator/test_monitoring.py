@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -17,6 +15,7 @@ import promql_parser
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from test_schemas import helm
 
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda_operator import builders as b
@@ -28,18 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "pagoda"
 DASHBOARD = CHART / "dashboards" / "pagoda.json"
 PODMONITOR_SCHEMA = Path(__file__).parent / "schemas" / "monitoring.coreos.com_v1_podmonitor.yaml"
-HELM = shutil.which("helm") or str(ROOT / ".venv" / "bin" / "helm")
 ON = ["--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.dashboards.enabled=true"]
 # Labels Prometheus puts on every target of a PodMonitor, before the chart's relabelings add more.
 PROMETHEUS_TARGET_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
 # Grafana's built-in interval variables, replaced by a duration so the query parses as plain PromQL.
 GRAFANA_INTERVALS = re.compile(r"\$(__rate_interval|__interval|__range)\b")
-
-
-def helm(*args: str) -> subprocess.CompletedProcess:
-    if not Path(HELM).exists():
-        pytest.skip("helm is not installed (make setup installs it)")
-    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
 
 
 def render(*values: str) -> list[dict]:
