@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -56,3 +57,33 @@ def build_and_load(prefix: str, source: Path, cflags: list[str] = NATIVE_CFLAGS,
     logger.info("Loading %s (compiled once into %s)", source.name, build_dir)
     return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(build_dir),
                               is_python_module=is_python_module, verbose=False)
+
+
+class OptionalExtension:
+    """A kernel library the engine can do without: built on first ``available()`` (thread-safe), which
+    says whether its ``torch.ops`` are loaded. Off with ``env_switch=0``, without a compiler, or when
+    the build fails (a broken toolchain must not stop the engine: callers fall back to torch)."""
+
+    def __init__(self, prefix: str, source: Path, env_switch: str, what: str):
+        self.prefix, self.source, self.env_switch, self.what = prefix, source, env_switch, what
+        self._lock = threading.Lock()
+        self._loaded: bool | None = None  # None: not tried yet
+
+    def available(self) -> bool:
+        if self._loaded is not None:
+            return self._loaded
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = False
+                if os.environ.get(self.env_switch, "1") == "0":
+                    logger.info("%s=0: %s uses the torch path", self.env_switch, self.what)
+                elif not compiler_available():
+                    logger.warning("No C++ compiler found: %s uses the slower torch path", self.what)
+                else:
+                    try:
+                        build_and_load(self.prefix, self.source)
+                        self._loaded = True
+                    except Exception as e:
+                        logger.warning("Could not build the C++ kernels for %s, using the torch path: %s",
+                                       self.what, e)
+        return self._loaded

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from pagoda.attention import cpu_kernels
 from pagoda.attention.metadata import AttentionMetadata
+from pagoda.layers import fused_cpu_ops
 
 
 def write_kv_cache(
@@ -19,6 +20,9 @@ def write_kv_cache(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
+    if key.dtype == kv_cache.dtype and fused_cpu_ops.usable(key):
+        fused_cpu_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
+        return
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]

@@ -311,8 +311,15 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) first")
     p.add_argument("--offline", default=None, metavar="MODEL",
                    help="run in-process on an AsyncLLMEngine for MODEL ('default' for the default model)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="after the server, start `vllm serve` from this installation's Python (or venv directory) "
+                        "on the same model directory, send it the same requests, and print both with their ratios")
+    p.add_argument("--vllm-model", default=None, metavar="DIR",
+                   help="the model directory vLLM serves (default: the Pagoda server's, from /v1/models)")
     p.add_argument("--result-json", default=None, help="also write the summary to this file")
     args = p.parse_args(argv)
+    if args.vllm_python and args.offline:
+        p.error("--vllm-python compares servers: it cannot be combined with --offline")
     if args.dataset == "jsonl" and not args.dataset_path:
         p.error("--dataset jsonl needs --dataset-path")
     for name in ("num_prompts", "input_len", "output_len"):
@@ -353,18 +360,50 @@ async def main_async(args) -> dict:
                                       args.range_ratio, args.seed, tokenizer)
     warmup, requests = requests[: args.warmup], requests[args.warmup:] or requests
     try:
-        async with sender:
-            if warmup:
-                await run(sender, warmup, args.max_concurrency, float("inf"), args.seed)
-            results, duration = await run(sender, requests, args.max_concurrency, args.request_rate, args.seed)
+        summary = await measure(sender, warmup, requests, args)
     finally:
         if args.offline:
             engine.shutdown()
+    print(report(summary, title))
+    if args.vllm_python:
+        peer = await measure_vllm(args, model, args.vllm_model or root, warmup, requests)
+        print(report(peer, "vLLM (same client, same requests) Benchmark Result"))
+        print(compare(summary, peer))
+        summary["vllm"] = peer
+    return summary
+
+
+async def measure(sender, warmup, requests, args) -> dict:
+    async with sender:
+        if warmup:
+            await run(sender, warmup, args.max_concurrency, float("inf"), args.seed)
+        results, duration = await run(sender, requests, args.max_concurrency, args.request_rate, args.seed)
     summary = summarize(results, duration)
     summary.update(max_concurrency=args.max_concurrency, request_rate=str(args.request_rate),
                    num_prompts=len(requests), input_len=args.input_len, output_len=args.output_len)
-    print(report(summary, title))
     return summary
+
+
+async def measure_vllm(args, model: str, model_dir: str | None, warmup, requests) -> dict:
+    from pagoda.bench.vllm_peer import check_vllm_python, vllm_server
+
+    if not model_dir or not Path(model_dir).is_dir():
+        raise SystemExit(f"--vllm-python needs the model directory: the server reports {model_dir!r}; "
+                         "give --vllm-model DIR")
+    python = check_vllm_python(args.vllm_python)
+    with vllm_server(python, model_dir, model) as base_url:
+        return await measure(HTTPSender(base_url, model, None, args.endpoint), warmup, requests, args)
+
+
+def compare(pagoda: dict, vllm: dict) -> str:
+    """Pagoda / vLLM for throughput (higher is better) and latencies (lower is better)."""
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if b else "n/a"
+
+    return "\n".join([
+        f"{'Pagoda / vLLM output tok/s:':<40}{ratio(pagoda['output_token_throughput'], vllm['output_token_throughput'])}",
+        f"{'Pagoda / vLLM median TTFT:':<40}{ratio(pagoda['ttft_ms']['median'], vllm['ttft_ms']['median'])}",
+        f"{'Pagoda / vLLM median TPOT:':<40}{ratio(pagoda['tpot_ms']['median'], vllm['tpot_ms']['median'])}"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from pagoda.bench.memory import PeakMemory
+from pagoda.bench.vllm_peer import check_vllm_python, run_offline
 from pagoda.bench.workload import synthetic_requests
 
 
@@ -31,6 +32,9 @@ def parse_args(argv):
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="also run the workload through vLLM from this installation's Python (or venv directory), "
+                        "after Pagoda, so that the ratio is measured in one run")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
     return p.parse_args(argv)
 
@@ -90,6 +94,22 @@ def run_pagoda(args, requests):
     return result
 
 
+def run_vllm(python: str, args, path: str, dtype: str, requests):
+    """The same requests through vLLM (same model directory, dtype, seed and max_num_seqs), in its own venv."""
+    from pagoda.model_loader import load_hf_config
+
+    max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    max_model_len = min(load_hf_config(path).max_position_embeddings, max(2048, max_len))
+    timing = run_offline(python, path, requests, dtype=dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
+                         max_model_len=max_model_len)
+    if timing["output_tokens"] != sum(r.output_len for r in requests):
+        raise RuntimeError(f"vLLM produced {timing['output_tokens']} tokens, not the workload's")
+    result = summarize("vLLM (CPU build, same workload)", requests, timing["seconds"], 0)
+    result["peak_memory_gib"] = float("nan")  # another process tree: not measured
+    result["startup_seconds"] = timing["startup_seconds"]
+    return result
+
+
 def run_hf(args, requests, batch_size: int):
     from transformers import AutoModelForCausalLM
 
@@ -139,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(path)
     requests = synthetic_requests(args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len),
                                   hf_config.vocab_size, set(tok.all_special_ids))
+    vllm_python = check_vllm_python(args.vllm_python) if args.vllm_python else None
     results = [run_pagoda(args, requests)]
+    if vllm_python:
+        results.append(run_vllm(vllm_python, args, path, results[0]["dtype"], requests))
     if not args.skip_hf:
         results.append(run_hf(args, requests[: args.hf_sequential_requests], 1))
         results.append(run_hf(args, requests, args.hf_batch_size))
@@ -151,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nPagoda decode: {pagoda['decode_flops_per_s'] / 1e9:.1f} GFLOP/s achieved; machine matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s ({pagoda['dtype']}); model FLOP utilisation {100 * mfu:.1f}%")
     for other in results[1:]:
-        print(f"Pagoda vs {other['name']}: {pagoda['output_tokens_per_s'] / other['output_tokens_per_s']:.1f}x "
+        print(f"Pagoda vs {other['name']}: {pagoda['output_tokens_per_s'] / other['output_tokens_per_s']:.2f}x "
               "output tokens/s")
     if args.json_out:
         with open(args.json_out, "w") as f:

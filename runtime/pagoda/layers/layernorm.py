@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add (Triton on GPU when the kernels are selected)."""
+"""RMSNorm, optionally fused with the residual add (Triton or C++ kernels when ``custom_ops`` picks them)."""
 
 import torch
 from torch import nn
@@ -21,11 +21,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = custom_ops.fused_ops(x)
         if residual is None:
-            if custom_ops.use_triton():
-                return custom_ops.rms_norm(x, self.weight, self.eps)
-            return self._norm(x)
-        if custom_ops.use_triton():
-            return custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self._norm(x) if ops is None else ops.rms_norm(x, self.weight, self.eps)
+        if ops is not None:
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self._norm(residual), residual

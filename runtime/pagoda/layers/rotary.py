@@ -41,8 +41,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """positions [T]; query [T, Hq*D]; key [T, Hkv*D] -> rotated (query, key)."""
-        if custom_ops.use_triton():
-            custom_ops.apply_rotary_(positions, query, key, self.cos_sin_cache, self.head_size)
+        ops = custom_ops.fused_ops(query)
+        if ops is not None:
+            ops.apply_rotary_(positions, query, key, self.cos_sin_cache, self.head_size)
             return query, key
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_parallel_state, pp_layer_range
+from pagoda.layers import custom_ops
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.layernorm import RMSNorm
@@ -49,7 +50,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        ops = custom_ops.fused_ops(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

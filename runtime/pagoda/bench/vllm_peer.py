@@ -1,0 +1,107 @@
+"""vLLM as a benchmark peer: its offline engine and its server, run from another installation (its own
+venv: `--vllm-python PATH`), so that Pagoda and vLLM are measured one after the other in one run, on the
+same model directory and requests. vLLM is never imported here; it is a peer, not a dependency.
+
+vLLM's CPU build is run as its docs advise: on all cores (`VLLM_CPU_OMP_THREADS_BIND`, none reserved),
+with Intel OpenMP preloaded when the installation has it, and a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+OFFLINE_SCRIPT = Path(__file__).with_name("vllm_offline_peer.py")
+
+
+def check_vllm_python(python: str) -> str:
+    """The interpreter path, or SystemExit naming --vllm-python when it cannot import vllm."""
+    path = Path(python)
+    if path.is_dir():
+        path = path / "bin" / "python"
+    try:
+        subprocess.run([str(path), "-c", "import vllm"], check=True, capture_output=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SystemExit(f"--vllm-python {python}: cannot import vllm with this interpreter ({e})") from None
+    return str(path)
+
+
+def peer_env(python: str, kv_cache_gib: int = 2) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    venv = Path(python).parent.parent  # <venv>/bin/python, not resolved: the venv's python is a symlink
+    iomp = next(iter(sorted(venv.rglob("libiomp5.so"))), None)
+    if iomp is not None:
+        env["LD_PRELOAD"] = str(iomp)
+    env.pop("PYTHONPATH", None)  # Pagoda's path must not shadow the peer's packages
+    return env
+
+
+def run_offline(python: str, model: str, requests, *, dtype: str, seed: int, max_num_seqs: int,
+                max_model_len: int) -> dict:
+    """The workload through vllm.LLM in a child process: {"seconds", "startup_seconds", "output_tokens"}."""
+    spec = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+            "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run([python, str(OFFLINE_SCRIPT), f.name], env=peer_env(python), capture_output=True,
+                              text=True, timeout=3600)
+    finally:
+        os.unlink(f.name)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_PEER_RESULT "):
+            return json.loads(line.split(" ", 1)[1])
+    raise RuntimeError(f"the vLLM peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def vllm_server(python: str, model: str, served_name: str, *, dtype: str = "bfloat16", max_model_len: int = 2048,
+                startup_timeout: float = 600):
+    """`vllm serve` on a free port, yielding its base URL; stopped (its whole process group) on exit."""
+    import httpx
+
+    port = _free_port()
+    cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model, "--dtype", dtype, "--max-model-len",
+           str(max_model_len), "--port", str(port), "--host", "127.0.0.1", "--served-model-name", served_name,
+           "--no-enable-prefix-caching"]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-peer-", delete=False)
+    proc = subprocess.Popen(cmd, env=peer_env(python), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not ready after {startup_timeout:.0f} s (log: {log.name})")
+            time.sleep(1)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+        os.unlink(log.name)
