@@ -248,7 +248,8 @@ class Reconciler:
         current = mc.job_is_current(live, wanted)
         pod_message = None
         if current and mc.job_download(live).state == "Failed":
-            pod_message = mc.pod_failure_message(self.cluster.list_pods(spec.namespace, {mc.LABEL_DOWNLOAD: spec.name}))
+            download_pods = {mc.LABEL_DOWNLOAD: spec.name, mc.LABEL_MODEL_HASH: mc.model_hash(hub)}
+            pod_message = mc.pod_failure_message(self.cluster.list_pods(spec.namespace, download_pods))
         condition = mc.model_ready_condition(spec, live, current, pod_message)
         before = _condition_of(previous, "ModelReady")
         if condition["reason"] != before.get("reason") or condition["message"] != before.get("message"):

@@ -139,12 +139,12 @@ async def test_a_revision_change_downloads_before_the_groups_roll(kmock, cluster
 
 async def test_a_failed_download_says_why_and_a_fixed_spec_retries(cluster, operator):
     await cluster.create("hub", HUB_SPEC)
-    await eventually(lambda: jobs(cluster), what="the download Job")
-    # The Job controller's pod, failed, with the end of its log as termination message.
+    job = (await eventually(lambda: jobs(cluster), what="the download Job"))["hub-model"]
+    # The Job controller's pod, from the Job's template, failed, with the end of its log as termination message.
+    pod_labels = {**job["spec"]["template"]["metadata"]["labels"], "batch.kubernetes.io/job-name": "hub-model"}
     await cluster._json("POST", "/api/v1/namespaces/serving/pods", {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "hub-model-x1", "namespace": "serving",
-                     "labels": {"pagoda.dev/model-download": "hub", "batch.kubernetes.io/job-name": "hub-model"}},
+        "metadata": {"name": "hub-model-x1", "namespace": "serving", "labels": pod_labels},
         "spec": {"containers": [{"name": "download", "image": "pagoda-runtime:test"}]}})
     await cluster._json("PATCH", "/api/v1/namespaces/serving/pods/hub-model-x1/status", {"status": {
         "phase": "Failed", "startTime": "2026-01-01T00:00:00Z", "containerStatuses": [{
