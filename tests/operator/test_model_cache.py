@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import celpy
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -254,3 +255,37 @@ def test_the_hub_sample_builds_valid_children():
     assert spec.hub_model.name == "HuggingFaceTB/SmolLM2-360M-Instruct" and spec.gpus_per_pod == 0
     for manifest in (mc.build_cache_claim(spec, body), mc.build_download_job(spec, body)):
         kubernetes_validate.validate(manifest, VERSIONS[0], strict=True)
+
+
+def cel_failures(schema: dict, value) -> list[str]:
+    """The messages of the CRD's x-kubernetes-validations rules that `value` breaks, as the API server
+    evaluates them (each rule at its own node, with `self` bound to the value there)."""
+    env = celpy.Environment()
+    failed = []
+    for rule in schema.get("x-kubernetes-validations") or []:
+        program = env.program(env.compile(rule["rule"]))
+        if not program.evaluate({"self": celpy.json_to_cel(value)}):
+            failed.append(rule["message"])
+    for key, child in (schema.get("properties") or {}).items():
+        if isinstance(value, dict) and key in value:
+            failed += cel_failures(child, value[key])
+    return failed
+
+
+@pytest.mark.parametrize("model,broken", [
+    ({"name": "org/m"}, None),
+    ({"name": "org/m", "cache": {"claimName": "c"}}, None),
+    ({"name": "org/m", "cache": {"size": "1Gi", "storageClassName": "s", "accessMode": "ReadWriteOnce"}}, None),
+    ({"path": "/m", "volume": {"emptyDir": {}}}, None),
+    ({"name": "org/m", "path": "/m"}, "model.name (a Hub model"),
+    ({"name": "org/m", "volume": {"emptyDir": {}}}, "model.name (a Hub model"),
+    ({"name": "org/m", "cache": {"claimName": "c", "size": "1Gi"}}, "cache.claimName names an existing claim"),
+    ({"name": "org/m", "cache": {"claimName": "c", "accessMode": "ReadWriteOnce"}}, "cache.claimName names"),
+    ({"volume": {"emptyDir": {}}}, "model.volume needs model.path"),
+])
+def test_the_crds_cel_rules_on_model(model, broken):
+    failures = cel_failures(crd_schema()["properties"]["spec"], {"model": model})
+    if broken is None:
+        assert failures == []
+    else:
+        assert len(failures) >= 1 and any(broken in f for f in failures), failures
