@@ -100,6 +100,14 @@ async def test_groups_start_only_after_the_download_job_succeeded(kmock, cluster
     assert len(job_creates(kmock)) == 1
     assert (await jobs(cluster))["hub-model"]["metadata"]["labels"] == job["metadata"]["labels"]
 
+    # An operator restart writes nothing: the claim and the succeeded Job are as they should be.
+    await operator.stop()
+    seen = len(list(kmock))
+    await operator.start()
+    await passes_run(operator)
+    writes = [(str(r.method), r.url.path) for r in list(kmock)[seen:] if "GET" not in str(r.method)]
+    assert [w for w in writes if "/events" not in w[1] and not w[1].endswith("/status")] == []
+
 
 async def test_a_revision_change_downloads_before_the_groups_roll(kmock, cluster, operator):
     await cluster.create("hub", {**HUB_SPEC, "replicas": 2})
