@@ -208,7 +208,7 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
     mounts = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}, {"name": TMP_VOLUME, "mountPath": "/tmp"},
               {"name": KERNELS_VOLUME, "mountPath": KERNELS_DIR}]
     if spec.model_volume:
-        mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model_path, "readOnly": True})
+        mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model_mount_path, "readOnly": True})
     return {
         "name": CONTAINER,
         "image": spec.image,

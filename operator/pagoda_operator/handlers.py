@@ -20,7 +20,7 @@ from .settings import OperatorSettings
 
 log = logging.getLogger("pagoda_operator")
 # The children whose changes re-run their owner's pass: (group or group/version, version or plural, ...)
-CHILD_RESOURCES = (("v1", "pods"), ("apps", "v1", "statefulsets"))
+CHILD_RESOURCES = (("v1", "pods"), ("apps", "v1", "statefulsets"), ("batch", "v1", "jobs"))
 
 
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:

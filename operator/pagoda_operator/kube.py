@@ -62,6 +62,7 @@ class Cluster:
         self.apps = kubernetes.client.AppsV1Api(api)
         self.custom = kubernetes.client.CustomObjectsApi(api)
         self.policy = kubernetes.client.PolicyV1Api(api)
+        self.batch = kubernetes.client.BatchV1Api(api)
         # kind -> (read, patch, create) for every kind the operator applies
         self.verbs = {
             "StatefulSet": (self.apps.read_namespaced_stateful_set, self.apps.patch_namespaced_stateful_set,
@@ -71,6 +72,10 @@ class Cluster:
             "PodDisruptionBudget": (self.policy.read_namespaced_pod_disruption_budget,
                                     self.policy.patch_namespaced_pod_disruption_budget,
                                     self.policy.create_namespaced_pod_disruption_budget),
+            "PersistentVolumeClaim": (self.core.read_namespaced_persistent_volume_claim,
+                                      self.core.patch_namespaced_persistent_volume_claim,
+                                      self.core.create_namespaced_persistent_volume_claim),
+            "Job": (self.batch.read_namespaced_job, self.batch.patch_namespaced_job, self.batch.create_namespaced_job),
         }
 
     def _dict(self, obj: Any) -> dict[str, Any]:
@@ -155,6 +160,29 @@ class Cluster:
     def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
         try:
             self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_period_seconds)
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    # ----- the model download Job (its pod template cannot change: created and replaced, never patched) -----
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get("Job", namespace, name)
+
+    def create_job(self, manifest: dict[str, Any]) -> bool:
+        """Create the Job; False when one of that name still exists (the old one is being deleted)."""
+        try:
+            self.batch.create_namespaced_job(manifest["metadata"]["namespace"], manifest, field_manager=FIELD_MANAGER)
+        except kubernetes.client.ApiException as e:
+            if e.status != 409:
+                raise
+            return False
+        return True
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        """Delete the Job and (in the background) its pods."""
+        try:
+            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
         except kubernetes.client.ApiException as e:
             if e.status != 404:
                 raise

@@ -23,6 +23,7 @@ import kopf
 import kubernetes
 
 from . import builders as b
+from . import model_cache as mc
 from .kube import Cluster
 from .records import GroupRecord, backoff_after
 from .settings import OperatorSettings
@@ -175,6 +176,9 @@ class Reconciler:
         self.cluster.apply(b.build_headless_service(spec, body))
         self.cluster.apply(b.build_head_service(spec, body))
         self.cluster.apply(b.build_disruption_budget(spec, body))
+        model_ready = self._reconcile_model(spec, body, previous)
+        # Until the model is downloaded, no group is created or moved onto it (see _reconcile_model).
+        model_is_ready = model_ready["status"] == "True"
 
         owned = {b.LABEL_DEPLOYMENT: name}
         # StatefulSets carry the groups' durable records (epoch, members, backoff): read them
@@ -191,17 +195,19 @@ class Reconciler:
         listed = Listed(statefulsets)
 
         creating = [g.index for g in groups if not g.exists]
-        if creating:
+        if creating and model_is_ready:
             self._event(body, "Normal", "ScalingUp", f"replicas is {spec.replicas}: creating groups {creating}")
         for group in groups:
-            if not group.stale:
+            if not group.stale and (group.exists or model_is_ready):
                 # Create missing groups; repair drift (a deleted or edited StatefulSet) and finish a
                 # replacement an earlier pass did not complete. A no-op when everything matches.
                 self._replace(spec, body, group, group.record, listed)
         if spec.restart_policy == "RecreateGroupOnPodRestart":
             for group in groups:
-                self._maybe_recreate(spec, body, group, listed, deleted)
-        self._roll(spec, body, groups, listed)
+                if model_is_ready or not group.stale:  # a stale group's recreation would move it to the new model
+                    self._maybe_recreate(spec, body, group, listed, deleted)
+        if model_is_ready:
+            self._roll(spec, body, groups, listed)
         for group in groups:
             record = backoff_after(group.record, group.ready, self.clock(), self.settings.recreate_backoff_reset_seconds)
             if record != group.record and not group.stale:
@@ -209,13 +215,49 @@ class Reconciler:
                 group.record = record
 
         status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
-                              spec_error=spec_error, now=self.clock())
+                              spec_error=spec_error, now=self.clock(), model_ready=model_ready)
         before, after = _condition_of(previous, "Degraded"), _condition_of(status, "Degraded")
         if after.get("status") == "True" and after.get("reason") not in ("InvalidSpec", "GroupRestarting") and (
                 before.get("status") != "True" or before.get("reason") != after.get("reason")):
             self._event(body, "Warning", after["reason"], after.get("message", ""))
         self._write_status(namespace, name, status, previous)
         return status
+
+    # ----- the model cache (spec.model.name) -----
+
+    def _reconcile_model(self, spec: DeploymentSpec, body: dict[str, Any], previous: dict[str, Any]) -> dict[str, str]:
+        """Keep a Hub model's cache claim and download Job (model_cache.py) and return the ModelReady
+        condition. Groups already serving keep their model while a new one downloads; they are rolled
+        onto it only once the Job has succeeded."""
+        hub = spec.hub_model
+        if hub is None:
+            return mc.model_ready_condition(spec, None, current=False)
+        if not hub.existing_claim:
+            self.cluster.apply(mc.build_cache_claim(spec, body))
+        wanted = mc.build_download_job(spec, body)
+        name = wanted["metadata"]["name"]
+        live = self.cluster.get_job(spec.namespace, name)
+        action = mc.job_action(live, wanted)
+        if action == "replace":
+            log.info("replacing the download Job of %s/%s: now %s", spec.namespace, spec.name, hub.display)
+            self.cluster.delete_job(spec.namespace, name)
+        if action in ("create", "replace") and self.cluster.create_job(wanted):
+            live = wanted  # as created; its status comes with the Job's next watch event
+            self._event(body, "Normal", "DownloadStarted",
+                        f"Job {name} downloads {hub.display} into claim {hub.claim_name} ({hub.directory})")
+        current = mc.job_is_current(live, wanted)
+        pod_message = None
+        if current and mc.job_download(live).state == "Failed":
+            download_pods = {mc.LABEL_DOWNLOAD: spec.name, mc.LABEL_MODEL_HASH: mc.model_hash(hub)}
+            pod_message = mc.pod_failure_message(self.cluster.list_pods(spec.namespace, download_pods))
+        condition = mc.model_ready_condition(spec, live, current, pod_message)
+        before = _condition_of(previous, "ModelReady")
+        if condition["reason"] != before.get("reason") or condition["message"] != before.get("message"):
+            if condition["reason"] == "Downloaded":
+                self._event(body, "Normal", "DownloadSucceeded", condition["message"])
+            elif condition["reason"] == "DownloadFailed":
+                self._event(body, "Warning", "DownloadFailed", condition["message"])
+        return condition
 
     def _resolve_spec(self, body: dict[str, Any]) -> tuple[DeploymentSpec | None, str | None]:
         """The spec to act on, and why the current one is rejected (None when it is valid).

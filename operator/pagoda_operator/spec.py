@@ -54,6 +54,8 @@ class DeploymentSpec:
     model_path: str | None = None
     served_name: str | None = None
     model_volume: dict[str, Any] | None = None
+    # A model by Hub id: downloaded into a cache claim by a Job, then served from model_path inside it.
+    hub_model: HubModel | None = None
     resources: dict[str, Any] | None = None
     engine: EngineSpec = field(default_factory=EngineSpec)
     restart_policy: str = "RecreateGroupOnPodRestart"
@@ -87,6 +89,11 @@ class DeploymentSpec:
     @property
     def model_name(self) -> str:
         return self.served_name or self.name
+
+    @property
+    def model_mount_path(self) -> str | None:
+        """Where the model volume is mounted: the whole cache for a Hub model, else model.path."""
+        return MODEL_CACHE_PATH if self.hub_model else self.model_path
 
     @property
     def world_size(self) -> int:
@@ -168,6 +175,7 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
                           f"exceeds the operator's limit of {max_world_size} ranks per group")
 
     model = spec.get("model") or {}
+    hub_model = parse_hub_model(name, model)
     path = model.get("path")
     volume = model.get("volume")
     if path is not None:
@@ -184,6 +192,10 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         sources = [k for k in volume if k != "name"]
         if len(sources) != 1:
             raise InvalidSpec(f"model.volume must hold exactly one volume source, got {sorted(sources)}")
+
+    if hub_model is not None:
+        path, volume = hub_model.directory, {"persistentVolumeClaim": {"claimName": hub_model.claim_name,
+                                                                       "readOnly": True}}
 
     resources = spec.get("resources") or None
     gpu_resource_name = spec.get("gpuResourceName") or GPU_RESOURCE
@@ -213,6 +225,7 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         model_path=path,
         served_name=model.get("servedName"),
         model_volume=dict(volume) if volume else None,
+        hub_model=hub_model,
         resources=resources,
         engine=EngineSpec(
             max_model_len=engine.get("maxModelLen"),
@@ -250,3 +263,87 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         raise InvalidSpec(f"resources give {gpus} {gpu_resource_name} per pod but tensorParallelSize is {tp}: "
                           "each pod needs one GPU per tensor-parallel rank")
     return parsed
+
+
+# ----- models from the Hub (spec.model.name): a download Job fills a cache claim -----
+
+# Where the cache claim is mounted, in the download Job (read-write) and in the model pods (read-only).
+MODEL_CACHE_PATH = "/models"
+DEFAULT_CACHE_SIZE = "50Gi"
+CACHE_ACCESS_MODES = ("ReadWriteMany", "ReadWriteOnce")
+# The Hub's own rules for ids (huggingface_hub's validate_repo_id): NAME or ORG/NAME, at most 96 characters.
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+# A branch, tag or commit; branches may hold "/" (refs/pr/1).
+HUB_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class HubModel:
+    """spec.model.name and friends, checked. The cache claim holds one directory per model and
+    revision, so a new revision downloads next to the one the running groups still read."""
+    name: str
+    revision: str | None = None
+    token_secret: str | None = None     # a Secret in the namespace; its key `token` becomes HF_TOKEN
+    claim_name: str = ""                # the operator's `<name>-model`, or the user's existing claim
+    existing_claim: bool = False        # true: the user's claim, the operator creates none
+    cache_size: str = DEFAULT_CACHE_SIZE
+    storage_class_name: str | None = None
+    access_mode: str = "ReadWriteMany"
+
+    @property
+    def directory(self) -> str:
+        """The model's directory in the cache: /models/ORG/NAME/REVISION (a "/" in a branch becomes "--")."""
+        return f"{MODEL_CACHE_PATH}/{self.name}/{(self.revision or 'main').replace('/', '--')}"
+
+    @property
+    def display(self) -> str:
+        return self.name + (f"@{self.revision}" if self.revision else "")
+
+
+def parse_hub_model(deployment: str, model: dict[str, Any]) -> HubModel | None:
+    """spec.model's Hub fields, or None when the model is not named by Hub id."""
+    name = model.get("name")
+    cache = model.get("cache")
+    if name is None:
+        stray = [k for k in ("revision", "tokenSecret", "cache") if model.get(k) is not None]
+        if stray:
+            raise InvalidSpec(f"model.{stray[0]} needs model.name (a Hugging Face Hub id such as ORG/NAME)")
+        return None
+    if not isinstance(name, str) or len(name) > 96 or not HUB_ID.match(name) or "--" in name or ".." in name:
+        raise InvalidSpec(f"model.name {name!r} must be a Hugging Face Hub id, ORG/NAME or NAME "
+                          "(letters, digits, '-', '_', '.'; at most 96 characters)")
+    for clash in ("path", "volume"):
+        if model.get(clash) is not None:
+            raise InvalidSpec(f"model.name and model.{clash} exclude each other: a Hub model is downloaded into "
+                              f"its cache claim and served from {MODEL_CACHE_PATH}/{name}/<revision>")
+    revision = model.get("revision")
+    if revision is not None and (not isinstance(revision, str) or len(revision) > 255
+                                 or not HUB_REVISION.match(revision) or ".." in revision):
+        raise InvalidSpec(f"model.revision {revision!r} must be a branch, tag or commit of the model")
+    secret = model.get("tokenSecret")
+    if secret is not None and (not isinstance(secret, str) or len(secret) > 253 or not DNS_SUBDOMAIN.match(secret)):
+        raise InvalidSpec(f"model.tokenSecret {secret!r} must be the name of a Secret in the namespace")
+    cache = cache or {}
+    claim = cache.get("claimName")
+    if claim is not None:
+        if not isinstance(claim, str) or len(claim) > 253 or not DNS_SUBDOMAIN.match(claim):
+            raise InvalidSpec(f"model.cache.claimName {claim!r} must be the name of a PersistentVolumeClaim")
+        given = [k for k in ("size", "storageClassName", "accessMode") if cache.get(k) is not None]
+        if given:
+            raise InvalidSpec(f"model.cache.claimName names an existing claim: model.cache.{given[0]} "
+                              "applies only to the claim the operator creates")
+    size = str(cache.get("size") or DEFAULT_CACHE_SIZE)
+    quantity = QUANTITY.match(size)
+    if not quantity or float(quantity.group(1)) <= 0:
+        raise InvalidSpec(f"model.cache.size {cache.get('size')!r} must be a storage quantity such as 50Gi")
+    storage_class = cache.get("storageClassName")
+    if storage_class is not None and not isinstance(storage_class, str):
+        raise InvalidSpec(f"model.cache.storageClassName {storage_class!r} must be the name of a StorageClass")
+    access_mode = cache.get("accessMode") or "ReadWriteMany"
+    if access_mode not in CACHE_ACCESS_MODES:
+        raise InvalidSpec(f"model.cache.accessMode {access_mode!r} must be one of {', '.join(CACHE_ACCESS_MODES)}")
+    return HubModel(name=name, revision=revision, token_secret=secret,
+                    claim_name=claim or f"{deployment}-model", existing_claim=claim is not None,
+                    cache_size=size, storage_class_name=storage_class, access_mode=access_mode)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .builders import LABEL_REVISION, endpoint, head_selector, selector_string
+from .model_cache import model_display
 from .records import GroupRecord
 from .spec import DeploymentSpec
 from .times import seconds_since, to_iso, utcnow
@@ -141,10 +142,13 @@ def build_status(
     spec: DeploymentSpec, groups: list[GroupObservation], *, generation: int | None,
     extra_groups: int = 0, previous: dict[str, Any] | None = None, timestamp: str | None = None,
     spec_error: str | None = None, now: datetime.datetime | None = None,
+    model_ready: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The status while a valid spec is reconciled. `groups` are the wanted groups 0..replicas-1,
     observed after this reconcile's actions; `extra_groups` counts groups above replicas still being
-    removed; `spec_error` says why the current spec was rejected when `spec` is the last valid one."""
+    removed; `spec_error` says why the current spec was rejected when `spec` is the last valid one;
+    `model_ready` is the ModelReady condition (model_cache.py): while it is not True, missing and
+    stale groups wait for the download."""
     now = now or utcnow()
     timestamp = timestamp or to_iso(now)
     ready = sum(1 for g in groups if g.ready)
@@ -159,6 +163,8 @@ def build_status(
     rejected = [f"group {g.index}: {m}" for g in groups for m in g.create_errors]
     unschedulable = [f"group {g.index} {g.unschedulable}" for g in groups if g.unschedulable]
     owed = [g.index for g in groups if g.record.pending]
+    model_waiting = model_ready is not None and model_ready["status"] != "True"
+    download_failed = model_waiting and model_ready["reason"] == "DownloadFailed"
 
     if wanted == 0:
         available = _condition("Available", False, "ScaledToZero", "replicas is 0")
@@ -171,6 +177,9 @@ def build_status(
         progressing = _condition("Progressing", False, "ProgressDeadlineExceeded",
                                  f"groups {stalled} are not Ready {spec.progress_deadline}s after they were "
                                  "replaced (rollout.progressDeadlineSeconds)")
+    elif model_waiting and (stale or missing):
+        progressing = _condition("Progressing", True, "WaitingForModel",
+                                 f"groups {sorted(stale + missing)} wait for the model: {model_ready['message']}")
     elif stale:
         progressing = _condition("Progressing", True, "RollingUpdate",
                                  f"groups {stale} run an older pod template; replacing up to "
@@ -189,6 +198,8 @@ def build_status(
 
     if failures:
         degraded = _condition("Degraded", True, "PodFailing", "; ".join(failures))
+    elif download_failed:
+        degraded = _condition("Degraded", True, "DownloadFailed", model_ready["message"])
     elif rejected:
         degraded = _condition("Degraded", True, "FailedCreate", "; ".join(rejected))
     elif unschedulable:
@@ -211,6 +222,7 @@ def build_status(
     phase = phase_of(available, progressing, degraded, groups)
 
     prev = previous or {}
+    conditions = [available, progressing, degraded, spec_valid] + ([model_ready] if model_ready else [])
     return {
         "phase": phase,
         # As LeaderWorkerSet: groups that exist (the scale subresource's current count), Ready, and
@@ -221,8 +233,8 @@ def build_status(
         "endpoint": endpoint(spec),
         "selector": selector_string(head_selector(spec)),
         "observedGeneration": generation,
-        "conditions": merge_conditions([available, progressing, degraded, spec_valid], prev.get("conditions"),
-                                       timestamp),
+        "model": model_display(spec),
+        "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp),
     }
 
 

@@ -54,7 +54,7 @@ def test_crd_names_columns_and_subresources():
     assert crd["names"]["shortNames"] == ["llmd"] and crd["scope"] == "Namespaced"
     version = crd["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "TP", "PP", "Replicas", "Ready", "Phase", "Endpoint", "Age"]
+        "TP", "PP", "Replicas", "Ready", "Phase", "Model", "ModelReady", "Endpoint", "Age"]
     assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
@@ -161,7 +161,9 @@ def test_rbac_is_least_privilege():
         ("apps", "statefulsets", v) for v in ("get", "list", "watch", "create", "patch", "delete")} | {
         ("", "services", v) for v in ("get", "create", "patch")} | {
         ("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")} | {
-        ("", "pods", v) for v in ("list", "watch", "delete")} | {("", "events", v) for v in ("create", "list")}
+        ("", "pods", v) for v in ("list", "watch", "delete")} | {("", "events", v) for v in ("create", "list")} | {
+        ("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")} | {
+        ("batch", "jobs", v) for v in ("get", "list", "watch", "create", "delete")}
     assert granted == expected
     assert not any("*" in x for g in granted for x in g)
 

@@ -53,6 +53,14 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, delete]
+# Models from the Hub: the cache claim, and the download Job (created and replaced, never patched:
+# its pod template is immutable). The Job's failed pod is read through the pods list above.
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [get, create, patch]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, delete]
 # create: the operator's Events on LLMDeployments; list: the StatefulSet controller's FailedCreate
 # Events (ResourceQuota, Pod Security admission), read into the status.
 - apiGroups: [""]
