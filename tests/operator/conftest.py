@@ -15,7 +15,7 @@ from pagoda_operator.settings import OperatorSettings
 @pytest.fixture
 def operator_settings() -> OperatorSettings:
     return OperatorSettings(resync_seconds=1.0, recreate_backoff_seconds=8.0, recreate_backoff_max_seconds=30.0,
-                            recreate_backoff_reset_seconds=3.0)
+                            recreate_backoff_reset_seconds=3.0, metrics_port=0)
 
 
 @pytest.fixture
