@@ -145,8 +145,7 @@ class Reconciler:
                 self.metrics.passed(namespace, name)
                 return self._reconcile(body, deleted)
             except kopf.PermanentError:
-                self.metrics.failed(namespace, name, "invalid_spec")
-                raise
+                raise  # an invalid spec: counted by the pass
             except kubernetes.client.ApiException as e:
                 self.metrics.failed(namespace, name, "rejected" if e.status in (400, 403, 422) else "api_error")
                 with self._locks_guard:  # the pass did not finish: the next one must still see them
@@ -185,6 +184,8 @@ class Reconciler:
         previous = body.get("status") or {}
         spec, spec_error = self._resolve_spec(body)
         was = _condition_of(previous, "SpecValid")
+        if spec_error:
+            self.metrics.failed(namespace, name, "invalid_spec")
         if spec_error and (was.get("status") != "False" or was.get("message") != spec_error):
             kept = " (the previous spec stays in force)" if spec is not None else ""
             self._event(body, "Warning", "InvalidSpec", spec_error + kept)

@@ -27,6 +27,8 @@ async def cluster(kmock, tmp_path, monkeypatch) -> AsyncIterator[FakeCluster]:
     kmock.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
     kmock.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=VERBS)
     kmock.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
+    kmock.resources["autoscaling/v2/horizontalpodautoscalers"] = info(
+        kind="HorizontalPodAutoscaler", namespaced=True, verbs=VERBS)
     kmock.resources["coordination.k8s.io/v1/leases"] = info(kind="Lease", namespaced=True, verbs=VERBS)
     kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
