@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import urllib.request
 
 import pytest
 from operator_harness import NS, VERBS, OperatorProcess, eventually
 from prometheus_client.parser import text_string_to_metric_families
+from test_entrypoint import free_port
 
 pytestmark = pytest.mark.operator
 
@@ -106,14 +106,14 @@ async def test_volcano_pod_groups_follow_the_groups(volcano, cluster, operator):
     await cluster.create("llama", {**CPU, "pipelineParallelSize": 2, "replicas": 2,
                                    "scheduling": {"gang": "volcano", "queue": "inference"}})
     found = await eventually(has(cluster, POD_GROUPS, {"llama-g0", "llama-g1"}), what="two PodGroups")
-    for name, group in found.items():
+    for group in found.values():
         assert group["spec"]["minMember"] == 2 and group["spec"]["queue"] == "inference"
         assert group["spec"]["minResources"] == {"cpu": "2"}
         assert group["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
     await cluster.converge("llama")
     pods = await cluster.pods("llama")
     assert len(pods) == 4
-    for name, pod in pods.items():
+    for pod in pods.values():
         assert pod["spec"]["schedulerName"] == "volcano"
         group = pod["metadata"]["labels"]["pagoda.dev/group"]
         assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == f"llama-g{group}"
@@ -145,12 +145,6 @@ async def test_scale_down_leaves_the_removed_groups_pods_to_drain(cluster, opera
     assert {"llama-g1-head-0", "llama-g2-head-0"} <= set(pods)
     assert pods["llama-g2-head-0"]["spec"]["terminationGracePeriodSeconds"] == 300
     assert "ScalingDown" in await cluster.event_reasons("llama")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

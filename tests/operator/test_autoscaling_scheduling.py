@@ -13,8 +13,8 @@ import kubernetes_validate
 import promql_parser
 import pytest
 import yaml
-from test_monitoring import exported_metrics, render
-from test_schemas import CRD, VERSIONS, crd_schema
+from test_monitoring import PODMONITOR_SCHEMA, exported_metrics, matches, render
+from test_schemas import CHART, CRD, VERSIONS, crd_schema, helm
 
 from pagoda_operator import autoscaling as a
 from pagoda_operator import builders as b
@@ -331,3 +331,56 @@ def test_crd_schema_takes_the_new_fields_and_the_status_autoscaler():
     assert crd["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                             "statusReplicasPath": ".status.replicas",
                                             "labelSelectorPath": ".status.selector"}
+
+
+# ----- the chart: the operator's /metrics, scraped by the monitoring pack -----
+
+def test_chart_serves_and_scrapes_the_operator_metrics():
+    docs = render("--set", "monitoring.podMonitor.enabled=true", "--set", "metricsPort=9102",
+                  "--set", "prometheusAddress=http://prom.obs.svc:9090")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PAGODA_OPERATOR_METRICS_PORT"] == "9102"
+    assert env["PAGODA_OPERATOR_PROMETHEUS_ADDRESS"] == "http://prom.obs.svc:9090"
+    assert {"name": "metrics", "containerPort": 9102} in container["ports"]
+    (operator_monitor,) = [d for d in docs if d["kind"] == "PodMonitor" and d["metadata"]["name"].endswith("-operator")]
+    jsonschema.Draft4Validator(yaml.safe_load(PODMONITOR_SCHEMA.read_text())).validate(operator_monitor)
+    assert matches(operator_monitor["spec"]["selector"], pod["metadata"]["labels"])
+    assert operator_monitor["spec"]["namespaceSelector"] == {"matchNames": ["pagoda-system"]}
+    assert [e["port"] for e in operator_monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+
+    off = render("--set", "monitoring.podMonitor.enabled=true", "--set", "metricsPort=0")
+    assert [d["metadata"]["name"] for d in off if d["kind"] == "PodMonitor"] == ["pagoda-runtime"]
+    container = next(d for d in off if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert [p["name"] for p in container["ports"]] == ["health"]
+
+
+@pytest.mark.parametrize("flag", ["metricsPort=-1", "prometheusAddress=prometheus:9090"])
+def test_bad_values_for_the_new_settings_are_rejected(flag):
+    result = helm("template", "pagoda", str(CHART), "--set", flag)
+    assert result.returncode != 0 and flag.split("=")[0] in result.stderr, result.stderr
+
+
+# ----- the samples -----
+
+SAMPLES = sorted((CRD.parent / "samples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
+def test_samples_autoscalers_and_pod_groups_match_their_schemas(sample):
+    body = yaml.safe_load(sample.read_text())
+    body["metadata"].update(namespace="default", uid="00000000-0000-0000-0000-000000000000")
+    spec = parse_spec(body, default_image="pagoda-runtime:0.1.0")
+    if spec.autoscaling:
+        SCALED_OBJECT_SCHEMA.validate(a.plan_autoscaler(spec, body, keda=True, prometheus_address=PROMETHEUS).manifest)
+        hpa = a.plan_autoscaler(spec, body, keda=False, prometheus_address=PROMETHEUS).manifest
+        kubernetes_validate.validate(hpa, VERSIONS[0], strict=True)
+    for group in b.build_pod_groups(spec, body):
+        POD_GROUP_SCHEMA.validate(group)
+
+
+def test_there_are_samples_for_autoscaling_and_gang_scheduling():
+    specs = [parse_spec(yaml.safe_load(p.read_text()), default_image="x") for p in SAMPLES]
+    assert any(s.autoscaling for s in specs) and any(s.scheduling and s.scheduling.gang == "volcano" for s in specs)
