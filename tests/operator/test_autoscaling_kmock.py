@@ -8,10 +8,15 @@ import asyncio
 import dataclasses
 import urllib.request
 
+import kubernetes
 import pytest
 from operator_harness import NS, VERBS, OperatorProcess, eventually
 from prometheus_client.parser import text_string_to_metric_families
 from test_entrypoint import free_port
+
+from pagoda_operator.autoscaling import KEDA_API
+from pagoda_operator.kube import Cluster, load_configuration
+from pagoda_operator.scheduling import VOLCANO_API
 
 pytestmark = pytest.mark.operator
 
@@ -31,6 +36,21 @@ def keda(kmock):
 def volcano(kmock):
     kmock.resources["scheduling.volcano.sh/v1beta1/podgroups"] = kmock.ResourceInfo(
         kind="PodGroup", namespaced=True, verbs=VERBS)
+
+
+def discovered(api) -> bool:
+    """The operator's own discovery call, against the emulator the kubeconfig points at."""
+    return Cluster(kubernetes.client.ApiClient(load_configuration())).serves(*api)
+
+
+async def test_discovery_sees_keda_and_volcano_only_when_declared(kmock, cluster):
+    assert not await asyncio.to_thread(discovered, KEDA_API)
+    assert not await asyncio.to_thread(discovered, VOLCANO_API)
+    assert await asyncio.to_thread(discovered, ("apps", "v1", "statefulsets"))
+    kmock.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
+        kind="ScaledObject", namespaced=True, verbs=VERBS)
+    assert await asyncio.to_thread(discovered, KEDA_API)
+    assert not await asyncio.to_thread(discovered, ("keda.sh", "v1alpha1", "scaledjobs"))  # the group, not the kind
 
 
 async def objects(cluster, path: str) -> dict[str, dict]:
