@@ -27,6 +27,12 @@ CPU = {"resources": {"requests": {"cpu": "1"}}, "image": "pagoda-runtime:test"}
 
 
 @pytest.fixture
+def operator_settings(operator_settings):
+    """Discovery re-asked every half second, so a test can install KEDA while the operator runs."""
+    return dataclasses.replace(operator_settings, discovery_seconds=0.5)
+
+
+@pytest.fixture
 def keda(kmock):
     kmock.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
         kind="ScaledObject", namespaced=True, verbs=VERBS)
@@ -120,6 +126,19 @@ async def test_without_keda_an_hpa_and_the_status_says_so(cluster, operator):
     await cluster.update_spec("llama", {"autoscaling": None})
     await eventually(has(cluster, HPAS, set()), what="HPA deleted")
     await eventually(lambda: _condition_is(cluster, "llama", "SpecValid", "True"), what="SpecValid again")
+
+
+async def test_keda_installed_later_replaces_the_hpa_by_a_scaled_object(kmock, cluster, operator):
+    await cluster.create("llama", {**CPU, "autoscaling": {"maxReplicas": 2}})
+    await eventually(has(cluster, HPAS, {"llama"}), what="HPA llama")
+    await eventually(lambda: _autoscaler_is(cluster, "HorizontalPodAutoscaler"), what="status says HPA")
+    kmock.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
+        kind="ScaledObject", namespaced=True, verbs=VERBS)
+    await cluster.update_spec("llama", {"autoscaling": {"maxReplicas": 3}})
+    found = await eventually(has(cluster, SCALED_OBJECTS, {"llama"}), what="ScaledObject llama")
+    assert found["llama"]["spec"]["maxReplicaCount"] == 3
+    await eventually(has(cluster, HPAS, set()), what="our HPA deleted (KEDA runs its own)")
+    await eventually(lambda: _autoscaler_is(cluster, "ScaledObject"), what="status says ScaledObject")
 
 
 async def test_volcano_pod_groups_follow_the_groups(volcano, cluster, operator):
