@@ -171,7 +171,10 @@ def test_hpa_on_pods_metrics_is_valid_kubernetes(metric, target, average, versio
     assert hpa["metadata"]["name"] == "llama" and hpa["spec"]["scaleTargetRef"]["kind"] == "LLMDeployment"
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
     (pods,) = hpa["spec"]["metrics"]
-    assert pods["pods"]["metric"]["name"] == a.METRIC_NAMES[metric]
+    name = pods["pods"]["metric"]["name"]
+    assert name == a.METRIC_NAMES[metric]
+    # The API server's rule for metric names (a URL path segment of the custom metrics API): the colon is fine.
+    assert name not in (".", "..") and not {"/", "%"} & set(name)
     assert pods["pods"]["target"] == {"type": "AverageValue", "averageValue": average}
 
 
