@@ -3,7 +3,7 @@
 #   runtime   `pagoda serve` with torch and the built-in default model (SmolLM2-135M)
 #             docker build --target runtime -t pagoda-runtime:0.1.0 .
 #             docker build --target runtime --build-arg RUNTIME_VARIANT=cuda -t pagoda-runtime:0.1.0-cuda .
-#   operator  the kopf operator only: kopf, kubernetes, pyyaml; no torch
+#   operator  the kopf operator only: kopf, kubernetes, pyyaml, prometheus-client; no torch
 #             docker build --target operator -t pagoda-operator:0.1.0 .
 
 ARG PYTHON_BASE=python:3.11-slim-bookworm

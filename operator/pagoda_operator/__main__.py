@@ -20,6 +20,10 @@ HELP = """Settings come from the environment:
   PAGODA_OPERATOR_RECREATE_BACKOFF_RESET_SECONDS  time Ready before the backoff is forgotten (default 600)
   PAGODA_OPERATOR_LEADER_ELECTION   true: only the holder of a Lease acts (default false)
   PAGODA_OPERATOR_LEASE_NAME / _LEASE_NAMESPACE / _IDENTITY   the Lease, and this replica's name in it
+  PAGODA_OPERATOR_METRICS_PORT      port of the operator's own GET /metrics (default 8081; 0: off)
+  PAGODA_OPERATOR_PROMETHEUS_ADDRESS  Prometheus that KEDA ScaledObjects query
+                                    (default http://prometheus-operated.monitoring.svc:9090)
+  PAGODA_OPERATOR_DISCOVERY_SECONDS how long "is KEDA / Volcano installed" is cached (default 60)
 """
 
 

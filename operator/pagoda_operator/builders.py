@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from .records import ANNOTATION_EPOCH, GroupRecord
+from .scheduling import VOLCANO_API, place_pods, pod_group_name, pod_group_spec
 from .spec import DeploymentSpec
 
 GROUP_API = "pagoda.dev"
@@ -276,6 +277,7 @@ def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: s
     metadata: dict[str, Any] = {"labels": labels}
     if spec.pod_annotations:
         metadata["annotations"] = dict(spec.pod_annotations)
+    place_pods(spec, group, metadata, pod_spec, group_pods, LABEL_REVISION)  # spec.scheduling, if any
     return {"metadata": metadata, "spec": pod_spec}
 
 
@@ -394,3 +396,25 @@ def build_all(
     for group in range(spec.replicas):
         manifests += build_group(spec, owner, group, records.get(group, GroupRecord()), cluster_domain)
     return manifests
+
+
+# ----- spec.scheduling: Volcano PodGroups -----
+
+def build_pod_group(spec: DeploymentSpec, owner: dict[str, Any], group: int) -> dict[str, Any]:
+    """The Volcano PodGroup X-g<i> that group i's pods name (gang: volcano)."""
+    group_api, version, _ = VOLCANO_API
+    return with_applied_hash({
+        "apiVersion": f"{group_api}/{version}",
+        "kind": "PodGroup",
+        "metadata": {"name": pod_group_name(spec, group), "namespace": spec.namespace,
+                     "labels": {**deployment_labels(spec), LABEL_GROUP: str(group)},
+                     "ownerReferences": [owner_reference(owner)]},
+        "spec": pod_group_spec(spec, build_resources(spec)),
+    })
+
+
+def build_pod_groups(spec: DeploymentSpec, owner: dict[str, Any]) -> list[dict[str, Any]]:
+    """One PodGroup per group with gang volcano, none otherwise."""
+    if not spec.scheduling or spec.scheduling.gang != "volcano":
+        return []
+    return [build_pod_group(spec, owner, group) for group in range(spec.replicas)]

@@ -15,6 +15,7 @@ import kubernetes
 from .builders import LABEL_DEPLOYMENT
 from .kube import Cluster, connection_info, load_configuration
 from .leader import Leadership
+from .metrics import serve as serve_metrics
 from .reconcile import Reconciler
 from .settings import OperatorSettings
 
@@ -37,6 +38,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     operator_settings: OperatorSettings = memo.settings
     api = kubernetes.client.ApiClient(load_configuration())
     memo.reconciler = Reconciler(Cluster(api), operator_settings)
+    if operator_settings.metrics_port:  # every replica serves its own: a standby shows zero passes
+        memo.metrics_server = serve_metrics(operator_settings.metrics_port, memo.reconciler.metrics.registry)
     memo.stopping = threading.Event()
     loop = asyncio.get_running_loop()
     memo.wake = asyncio.Event()  # set: run a resync now (e.g. this process just became the leader)
@@ -67,6 +70,10 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     request_stop = getattr(memo, "request_stop", None)
     if request_stop is not None:
         request_stop()  # kopf waits for an external stop flag in a thread: release it
+    metrics_server = getattr(memo, "metrics_server", None)
+    if metrics_server is not None:
+        await asyncio.to_thread(metrics_server.shutdown)
+        metrics_server.server_close()
     task = getattr(memo, "resync_task", None)
     if task is not None:
         task.cancel()

@@ -14,10 +14,14 @@ from typing import Any
 import kopf
 import kubernetes
 
+from .autoscaling import KEDA_API, SCALED_OBJECT
 from .builders import API_VERSION, GROUP_API, selector_string
 from .drift import covers
+from .scheduling import VOLCANO_API
 
 FIELD_MANAGER = "pagoda-operator"
+# Children of other projects' APIs: kind -> (group, version, plural).
+CUSTOM_CHILDREN = {SCALED_OBJECT: KEDA_API, "PodGroup": VOLCANO_API}
 PLURAL = "llmdeployments"
 VERSION = API_VERSION.split("/")[1]
 
@@ -63,6 +67,7 @@ class Cluster:
         self.custom = kubernetes.client.CustomObjectsApi(api)
         self.policy = kubernetes.client.PolicyV1Api(api)
         self.batch = kubernetes.client.BatchV1Api(api)
+        self.autoscaling = kubernetes.client.AutoscalingV2Api(api)
         # kind -> (read, patch, create) for every kind the operator applies
         self.verbs = {
             "StatefulSet": (self.apps.read_namespaced_stateful_set, self.apps.patch_namespaced_stateful_set,
@@ -76,7 +81,26 @@ class Cluster:
                                       self.core.patch_namespaced_persistent_volume_claim,
                                       self.core.create_namespaced_persistent_volume_claim),
             "Job": (self.batch.read_namespaced_job, self.batch.patch_namespaced_job, self.batch.create_namespaced_job),
+            "HorizontalPodAutoscaler": (self.autoscaling.read_namespaced_horizontal_pod_autoscaler,
+                                        self.autoscaling.patch_namespaced_horizontal_pod_autoscaler,
+                                        self.autoscaling.create_namespaced_horizontal_pod_autoscaler),
+            **{kind: self._custom_verbs(*api) for kind, api in CUSTOM_CHILDREN.items()},
         }
+
+    def _custom_verbs(self, group: str, version: str, plural: str) -> tuple[Any, Any, Any]:
+        """read, patch, create of a custom resource, with the built-in kinds' signatures."""
+        custom = self.custom
+
+        def read(name: str, namespace: str) -> Any:
+            return custom.get_namespaced_custom_object(group, version, namespace, plural, name)
+
+        def patch(name: str, namespace: str, body: dict[str, Any], **kwargs: Any) -> Any:
+            return custom.patch_namespaced_custom_object(group, version, namespace, plural, name, body, **kwargs)
+
+        def create(namespace: str, body: dict[str, Any], **kwargs: Any) -> Any:
+            return custom.create_namespaced_custom_object(group, version, namespace, plural, body, **kwargs)
+
+        return read, patch, create
 
     def _dict(self, obj: Any) -> dict[str, Any]:
         return self.api.sanitize_for_serialization(obj) if obj is not None else {}
@@ -121,6 +145,22 @@ class Cluster:
             namespace, label_selector=selector_string(selector), **_cache(cached))).get("items") or []
         return [i for i in items if labels_match(i, selector)]
 
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """API discovery: does the API server serve this resource (is KEDA, is Volcano installed)?"""
+        try:
+            resources = self.custom.get_api_resources(group, version)
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.name == plural for r in (resources.resources if resources else None) or [])
+
+    def list_custom(self, kind: str, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        group, version, plural = CUSTOM_CHILDREN[kind]
+        items = self.custom.list_namespaced_custom_object(
+            group, version, namespace, plural, label_selector=selector_string(selector), **_cache(True))
+        return [i for i in (items or {}).get("items") or [] if labels_match(i, selector)]
+
     def list_events(self, namespace: str, kind: str, name: str) -> list[dict[str, Any]]:
         """core/v1 Events about one object (kubectl describe's list)."""
         selector = f"involvedObject.kind={kind},involvedObject.name={name}"
@@ -153,6 +193,18 @@ class Cluster:
     def delete_statefulset(self, namespace: str, name: str) -> None:
         try:
             self.apps.delete_namespaced_stateful_set(name, namespace, propagation_policy="Background")
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        """Delete a child of the kinds below (an autoscaler, a PodGroup); gone already is fine."""
+        try:
+            if kind == "HorizontalPodAutoscaler":
+                self.autoscaling.delete_namespaced_horizontal_pod_autoscaler(name, namespace)
+            else:
+                group, version, plural = CUSTOM_CHILDREN[kind]
+                self.custom.delete_namespaced_custom_object(group, version, namespace, plural, name)
         except kubernetes.client.ApiException as e:
             if e.status != 404:
                 raise

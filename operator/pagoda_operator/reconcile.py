@@ -15,6 +15,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,8 +25,11 @@ import kubernetes
 
 from . import builders as b
 from . import model_cache as mc
+from .autoscaling import KEDA_API, AutoscalerPlan, plan_autoscaler, with_autoscaler_status
 from .kube import Cluster
+from .metrics import OperatorMetrics
 from .records import GroupRecord, backoff_after
+from .scheduling import VOLCANO_API
 from .settings import OperatorSettings
 from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
 from .status import (
@@ -35,6 +39,7 @@ from .status import (
     pod_revision_of,
     rejected_status,
     status_changed,
+    with_spec_unrealised,
 )
 from .times import from_iso, seconds_since, to_iso, utcnow
 
@@ -68,6 +73,9 @@ class Reconciler:
     # Pods whose DELETED event arrived: a hint that covers pods deleted before any pass recorded them
     # as members. Kept until a pass completes; the durable member list covers everything else.
     _deleted: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    # API discovery results: (group, version, plural) -> (served, when, monotonic seconds)
+    _discovered: dict[tuple[str, str, str], tuple[bool, float]] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -128,13 +136,19 @@ class Reconciler:
                 deleted = self._deleted.pop(key, [])
                 self.passes += 1
             body = None
+            started = time.monotonic()
             try:
                 # Events may carry an older copy; decide on the latest spec and status.
                 body = self.cluster.get_llmdeployment(namespace, name)
                 if body is None:
+                    self.metrics.forget(namespace, name)
                     return {}  # deleted meanwhile: garbage collection takes the children
+                self.metrics.passed(namespace, name)
                 return self._reconcile(body, deleted)
+            except kopf.PermanentError:
+                raise  # an invalid spec: counted by the pass
             except kubernetes.client.ApiException as e:
+                self.metrics.failed(namespace, name, "rejected" if e.status in (400, 403, 422) else "api_error")
                 with self._locks_guard:  # the pass did not finish: the next one must still see them
                     self._deleted.setdefault(key, [])[:0] = deleted
                 if e.status in (400, 403, 422):
@@ -143,6 +157,12 @@ class Reconciler:
                         self._report_rejection(body, message)
                     raise kopf.PermanentError(message) from e
                 raise kopf.TemporaryError(f"Kubernetes API error {e.status} {e.reason}", delay=5) from e
+            except Exception:
+                self.metrics.failed(namespace, name, "unexpected")
+                raise
+            finally:
+                if body is not None:
+                    self.metrics.duration.labels(namespace, name).observe(time.monotonic() - started)
 
     def _report_rejection(self, body: dict[str, Any], message: str) -> None:
         """The API server refused a child built from the spec (a pass-through field it validates,
@@ -165,6 +185,8 @@ class Reconciler:
         previous = body.get("status") or {}
         spec, spec_error = self._resolve_spec(body)
         was = _condition_of(previous, "SpecValid")
+        if spec_error:
+            self.metrics.failed(namespace, name, "invalid_spec")
         if spec_error and (was.get("status") != "False" or was.get("message") != spec_error):
             kept = " (the previous spec stays in force)" if spec is not None else ""
             self._event(body, "Warning", "InvalidSpec", spec_error + kept)
@@ -179,6 +201,8 @@ class Reconciler:
         model_ready = self._reconcile_model(spec, body, previous)
         # Until the model is downloaded, no group is created or moved onto it (see _reconcile_model).
         model_is_ready = model_ready["status"] == "True"
+        # Before the groups' StatefulSets: the pods must find their PodGroup when they appear.
+        unrealised = self._apply_pod_groups(spec, body)
 
         owned = {b.LABEL_DEPLOYMENT: name}
         # StatefulSets carry the groups' durable records (epoch, members, backoff): read them
@@ -214,8 +238,14 @@ class Reconciler:
                 self._apply_group(spec, body, group.index, record, listed)
                 group.record = record
 
+        plan, autoscaler = self._apply_autoscaler(spec, body, previous)
         status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
                               spec_error=spec_error, now=self.clock(), model_ready=model_ready)
+        status = with_autoscaler_status(status, autoscaler)
+        if plan.error:
+            unrealised.append(("AutoscalingUnsupported", plan.error))
+        status = with_spec_unrealised(status, unrealised, previous, to_iso(self.clock()))
+        self.metrics.observe_status(namespace, name, spec.replicas, status)
         before, after = _condition_of(previous, "Degraded"), _condition_of(status, "Degraded")
         if after.get("status") == "True" and after.get("reason") not in ("InvalidSpec", "GroupRestarting") and (
                 before.get("status") != "True" or before.get("reason") != after.get("reason")):
@@ -395,6 +425,7 @@ class Reconciler:
                     f"(recreation {group.record.recreations + 1} in a row)")
         record = GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=to_iso(self.clock()), pending=False)
+        self.metrics.recreated(spec.namespace, spec.name)
         self._replace(spec, body, group, record, listed, broken=True)
 
     def _record_members(self, spec: DeploymentSpec, body: dict[str, Any], group: GroupObservation,
@@ -437,6 +468,58 @@ class Reconciler:
                 self._event(body, "Normal", "RollingUpdate",
                             f"replacing group {group.index} with revision {group.wanted_revision}")
             self._replace(spec, body, group, replace(group.record, pending=False, members=()), listed)
+
+    # ----- children of other projects' APIs: autoscalers (spec.autoscaling), PodGroups (spec.scheduling) -----
+
+    def _serves(self, api: tuple[str, str, str]) -> bool:
+        """API discovery, cached for discovery_seconds: KEDA or Volcano may be installed any time."""
+        now = time.monotonic()
+        with self._locks_guard:
+            cached = self._discovered.get(api)
+        if cached is not None and now - cached[1] < self.settings.discovery_seconds:
+            return cached[0]
+        served = self.cluster.serves(*api)
+        with self._locks_guard:
+            self._discovered[api] = (served, now)
+        return served
+
+    def _apply_autoscaler(self, spec: DeploymentSpec, body: dict[str, Any],
+                          previous: dict[str, Any]) -> tuple[AutoscalerPlan, str | None]:
+        """Apply the ScaledObject or HPA spec.autoscaling asks for, delete the one it no longer asks for
+        (the kind in use is remembered in status.autoscaler). Returns the plan and the kind now in use."""
+        keda = spec.autoscaling is not None and self._serves(KEDA_API)
+        plan = plan_autoscaler(spec, body, keda=keda, prometheus_address=self.settings.prometheus_address)
+        before = previous.get("autoscaler")
+        if plan.error:
+            self._event(body, "Warning", "AutoscalingUnsupported", plan.error)
+            return plan, before  # an autoscaler already there keeps working
+        if before and before != plan.kind:
+            # First: KEDA refuses a ScaledObject for a target another HPA already scales.
+            self.cluster.delete(before, spec.namespace, spec.name)
+            self._event(body, "Normal", "AutoscalerRemoved", f"deleted {before} {spec.name}"
+                        + (f": autoscaling now uses a {plan.kind}" if plan.kind else ": spec.autoscaling is gone"))
+        if plan.manifest is not None and self.cluster.apply(plan.manifest) and before != plan.kind:
+            self._event(body, "Normal", "AutoscalerCreated", f"{plan.kind} {spec.name} scales the groups between "
+                        f"{spec.autoscaling.min_replicas} and {spec.autoscaling.max_replicas}")
+        return plan, plan.kind
+
+    def _apply_pod_groups(self, spec: DeploymentSpec, body: dict[str, Any]) -> list[tuple[str, str]]:
+        """Volcano PodGroups X-g<i> for groups 0..replicas-1 with gang volcano; delete any others (scaled
+        down, or gang changed). Returns why the spec cannot be realised here, if it cannot."""
+        wanted = {m["metadata"]["name"]: m for m in b.build_pod_groups(spec, body)}
+        if not self._serves(VOLCANO_API):
+            if wanted:
+                return [("GangSchedulerMissing", "scheduling.gang volcano needs Volcano, which this cluster does "
+                         "not serve (no scheduling.volcano.sh/v1beta1 PodGroup API): the pods wait for the volcano "
+                         "scheduler")]
+            return []
+        live = {p["metadata"]["name"]: p for p in
+                self.cluster.list_custom("PodGroup", spec.namespace, {b.LABEL_DEPLOYMENT: spec.name})}
+        for name, manifest in wanted.items():
+            self.cluster.apply(manifest, live=live.get(name))
+        for name in sorted(set(live) - set(wanted)):
+            self.cluster.delete("PodGroup", spec.namespace, name)
+        return []
 
     def _write_status(self, namespace: str, name: str, status: dict[str, Any], previous: dict[str, Any]) -> None:
         if status_changed(status, previous):

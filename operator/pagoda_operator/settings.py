@@ -31,6 +31,11 @@ class OperatorSettings:
     lease_duration_seconds: int = 15
     lease_renew_seconds: int = 10
     lease_retry_seconds: int = 2
+    # spec.autoscaling: the Prometheus KEDA's triggers query (kube-prometheus-stack's default Service in
+    # namespace monitoring), and how long an API discovery (is KEDA, is Volcano installed?) is trusted.
+    prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"
+    discovery_seconds: float = 60.0
+    metrics_port: int = 8081                  # the operator's own GET /metrics; 0: off
 
     @property
     def clusterwide(self) -> bool:
@@ -65,6 +70,9 @@ class OperatorSettings:
                 lease_name=get("LEASE_NAME", cls.lease_name),
                 lease_namespace=get("LEASE_NAMESPACE", cls.lease_namespace),
                 identity=get("IDENTITY", f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"),
+                prometheus_address=get("PROMETHEUS_ADDRESS", cls.prometheus_address),
+                discovery_seconds=float(get("DISCOVERY_SECONDS", str(cls.discovery_seconds))),
+                metrics_port=int(get("METRICS_PORT", str(cls.metrics_port))),
             )
         except ValueError as e:
             raise SystemExit(f"invalid {PREFIX}* setting: {e}") from e

@@ -82,6 +82,9 @@ class DeploymentSpec:
     max_unavailable: int = 1
     partition: int = 0
     progress_deadline_seconds: int | None = None
+    # Optional parts (autoscaling.py and scheduling.py build what they ask for); None: not asked for.
+    autoscaling: AutoscalingSpec | None = None
+    scheduling: SchedulingSpec | None = None
     # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
     # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
     source: str = field(default="", compare=False)
@@ -256,8 +259,11 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         max_unavailable=max_unavailable,
         partition=partition,
         progress_deadline_seconds=deadline,
+        autoscaling=parse_autoscaling(spec.get("autoscaling")),
+        scheduling=parse_scheduling(spec.get("scheduling")),
         source=spec_source(spec),
     )
+    check_scheduling(parsed)
     gpus = parsed.gpus_per_pod
     if gpus and gpus < tp:
         raise InvalidSpec(f"resources give {gpus} {gpu_resource_name} per pod but tensorParallelSize is {tp}: "
@@ -276,7 +282,6 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$
 # A branch, tag or commit; branches may hold "/" (refs/pr/1).
 HUB_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -347,3 +352,107 @@ def parse_hub_model(deployment: str, model: dict[str, Any]) -> HubModel | None:
     return HubModel(name=name, revision=revision, token_secret=secret,
                     claim_name=claim or f"{deployment}-model", existing_claim=claim is not None,
                     cache_size=size, storage_class_name=storage_class, access_mode=access_mode)
+# ----- spec.autoscaling -----
+
+# The runtime's own metrics an autoscaler can follow (metric: queue | kvCache); anything else is PromQL.
+BUILTIN_METRICS = ("queue", "kvCache")
+# Default targets per group: waiting requests, and the fraction of KV-cache blocks in use.
+DEFAULT_TARGETS = {"queue": 5.0, "kvCache": 0.8}
+URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int
+    max_replicas: int
+    metric: str             # "queue", "kvCache" or a PromQL query
+    target: float           # per group: desired groups = ceil(metric summed over groups / target)
+    prometheus_address: str | None = None  # None: the operator's PAGODA_OPERATOR_PROMETHEUS_ADDRESS
+
+    @property
+    def custom_query(self) -> bool:
+        return self.metric not in BUILTIN_METRICS
+
+
+def parse_autoscaling(raw: Any) -> AutoscalingSpec | None:
+    if raw is None:
+        return None
+    if "maxReplicas" not in raw:
+        raise InvalidSpec("autoscaling.maxReplicas is required: the most groups the autoscaler may run")
+    minimum = _int(raw.get("minReplicas", 1), "autoscaling.minReplicas", 0)
+    maximum = _int(raw["maxReplicas"], "autoscaling.maxReplicas", max(1, minimum))
+    metric = raw.get("metric", "queue")
+    if not isinstance(metric, str) or not metric.strip():
+        raise InvalidSpec(f"autoscaling.metric must be queue, kvCache or a PromQL query, got {metric!r}")
+    metric = metric.strip()
+    near = [m for m in BUILTIN_METRICS if m.lower() == metric.lower() and m != metric]
+    if near:  # a mistyped name would otherwise be taken for a PromQL series name that never exists
+        raise InvalidSpec(f"autoscaling.metric {metric!r} is not a known metric: did you mean {near[0]}?")
+    target = raw.get("target", DEFAULT_TARGETS.get(metric))
+    if target is None:
+        raise InvalidSpec("autoscaling.target is required with a PromQL metric: the value per group to hold")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or target <= 0:
+        raise InvalidSpec(f"autoscaling.target must be a number > 0, got {target!r}")
+    if metric == "kvCache" and target > 1:
+        raise InvalidSpec(f"autoscaling.target {target} is above 1: kvCache is the fraction of KV-cache blocks "
+                          "in use (0.8 = 80%)")
+    if minimum == 0 and metric in BUILTIN_METRICS:
+        raise InvalidSpec(
+            f"autoscaling.minReplicas 0 with metric {metric} could never scale up again: the runtime's metrics "
+            "vanish with its last group. Scale to zero needs a PromQL metric that exists while nothing runs "
+            "(e.g. your gateway's request rate), or keep minReplicas >= 1")
+    address = raw.get("prometheusAddress")
+    if address is not None and (not isinstance(address, str) or not URL.match(address)):
+        raise InvalidSpec(f"autoscaling.prometheusAddress must be an http(s) URL, got {address!r}")
+    return AutoscalingSpec(min_replicas=minimum, max_replicas=maximum, metric=metric, target=float(target),
+                           prometheus_address=address)
+
+
+# ----- spec.scheduling -----
+
+GANGS = ("none", "volcano", "kueue")
+# A label key: an optional DNS-subdomain prefix and a name of at most 63 characters.
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+HOSTNAME_KEY = "kubernetes.io/hostname"
+
+
+@dataclass(frozen=True)
+class SchedulingSpec:
+    scheduler_name: str | None = None
+    gang: str = "none"
+    topology_key: str | None = None
+    queue: str | None = None  # Volcano Queue (the PodGroups' spec.queue) or Kueue LocalQueue (queue-name label)
+
+
+def parse_scheduling(raw: Any) -> SchedulingSpec | None:
+    if raw is None:
+        return None
+    gang = raw.get("gang", "none")
+    if gang not in GANGS:
+        raise InvalidSpec(f"scheduling.gang must be one of {', '.join(GANGS)}, got {gang!r}")
+    scheduler = raw.get("schedulerName")
+    if scheduler is not None and (not isinstance(scheduler, str) or not DNS_SUBDOMAIN.match(scheduler)):
+        raise InvalidSpec(f"scheduling.schedulerName must be a scheduler's name (a DNS subdomain), got {scheduler!r}")
+    key = raw.get("topologyKey")
+    if key is not None and (not isinstance(key, str) or not LABEL_KEY.match(key)):
+        raise InvalidSpec(f"scheduling.topologyKey must be a node label key such as topology.kubernetes.io/zone, "
+                          f"got {key!r}")
+    queue = raw.get("queue")
+    if queue is not None:
+        if not isinstance(queue, str) or not DNS_SUBDOMAIN.match(queue):
+            raise InvalidSpec(f"scheduling.queue must be a queue's name (a DNS subdomain), got {queue!r}")
+        if gang == "none":
+            raise InvalidSpec("scheduling.queue names a Volcano Queue or a Kueue LocalQueue: it needs gang "
+                              "volcano or kueue")
+    return SchedulingSpec(scheduler_name=scheduler, gang=gang, topology_key=key, queue=queue)
+
+
+def check_scheduling(spec: DeploymentSpec) -> None:
+    """Rules across scheduling and the rest of the spec."""
+    placement = spec.scheduling
+    if placement and placement.topology_key == HOSTNAME_KEY and spec.pipeline_parallel_size > 1 \
+            and spec.gpus_per_pod:
+        raise InvalidSpec(f"scheduling.topologyKey {HOSTNAME_KEY} would put every pipeline stage of a group on one "
+                          "node, but GPU stages must be on different nodes: use a wider domain (a rack, block or "
+                          "zone label)")

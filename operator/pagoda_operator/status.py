@@ -289,3 +289,16 @@ def rejected_status(message: str, *, generation: int | None, previous: dict[str,
 def status_changed(new: dict[str, Any], old: dict[str, Any] | None) -> bool:
     old = old or {}
     return any(old.get(k) != v for k, v in new.items())
+
+
+def with_spec_unrealised(status: dict[str, Any], problems: list[tuple[str, str]], previous: dict[str, Any] | None,
+                         timestamp: str) -> dict[str, Any]:
+    """SpecValid False when a valid spec asks for something this cluster cannot do (scale to zero without
+    KEDA, gang volcano without Volcano): (reason, message) pairs. The groups are reconciled all the same;
+    an invalid spec's own SpecValid says so first."""
+    spec_valid = next((c for c in status.get("conditions") or [] if c["type"] == "SpecValid"), {})
+    if not problems or spec_valid.get("status") == "False":
+        return status
+    condition = _condition("SpecValid", False, problems[0][0], "; ".join(message for _, message in problems))
+    (condition,) = merge_conditions([condition], (previous or {}).get("conditions"), timestamp)
+    return {**status, "conditions": [condition if c["type"] == "SpecValid" else c for c in status["conditions"]]}

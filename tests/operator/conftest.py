@@ -15,7 +15,7 @@ from pagoda_operator.settings import OperatorSettings
 @pytest.fixture
 def operator_settings() -> OperatorSettings:
     return OperatorSettings(resync_seconds=1.0, recreate_backoff_seconds=8.0, recreate_backoff_max_seconds=30.0,
-                            recreate_backoff_reset_seconds=3.0)
+                            recreate_backoff_reset_seconds=3.0, metrics_port=0)
 
 
 @pytest.fixture
@@ -29,6 +29,8 @@ async def cluster(kmock, tmp_path, monkeypatch) -> AsyncIterator[FakeCluster]:
     kmock.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
     kmock.resources["batch/v1/jobs"] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
     kmock.resources["v1/persistentvolumeclaims"] = info(kind="PersistentVolumeClaim", namespaced=True, verbs=VERBS)
+    kmock.resources["autoscaling/v2/horizontalpodautoscalers"] = info(
+        kind="HorizontalPodAutoscaler", namespaced=True, verbs=VERBS)
     kmock.resources["coordination.k8s.io/v1/leases"] = info(kind="Lease", namespaced=True, verbs=VERBS)
     kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})

@@ -35,9 +35,10 @@ def test_help_lists_the_settings():
 
 
 async def test_module_entrypoint_serves_liveness_and_reconciles_in_its_namespace(cluster):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     env = {**os.environ, "PAGODA_OPERATOR_NAMESPACES": "serving", "PAGODA_OPERATOR_LIVENESS_PORT": str(port),
-           "PAGODA_OPERATOR_RUNTIME_IMAGE": "runtime:from-env", "PAGODA_OPERATOR_LOG_LEVEL": "DEBUG"}
+           "PAGODA_OPERATOR_RUNTIME_IMAGE": "runtime:from-env", "PAGODA_OPERATOR_LOG_LEVEL": "DEBUG",
+           "PAGODA_OPERATOR_METRICS_PORT": str(metrics_port)}
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pagoda_operator", env=env,
                                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -53,6 +54,15 @@ async def test_module_entrypoint_serves_liveness_and_reconciles_in_its_namespace
             except aiohttp.ClientError:
                 return False
         await eventually(healthy, timeout=15, what="liveness endpoint")
+
+        async def counted():
+            try:
+                async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                    text = await r.text()
+            except aiohttp.ClientError:
+                return False
+            return 'pagoda_operator_reconcile_passes_total{llmdeployment="tiny",namespace="serving"}' in text
+        await eventually(counted, timeout=15, what="the operator's /metrics on PAGODA_OPERATOR_METRICS_PORT")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -43,6 +43,9 @@ class RefusingCluster:
     def list_events(self, namespace, kind, name):
         return []
 
+    def serves(self, group, version, plural):
+        return False  # neither KEDA nor Volcano
+
     def patch_status(self, namespace, name, status):
         self.body["status"] = {**self.body["status"], **status}
 

@@ -163,7 +163,10 @@ def test_rbac_is_least_privilege():
         ("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")} | {
         ("", "pods", v) for v in ("list", "watch", "delete")} | {("", "events", v) for v in ("create", "list")} | {
         ("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")} | {
-        ("batch", "jobs", v) for v in ("get", "list", "watch", "create", "delete")}
+        ("batch", "jobs", v) for v in ("get", "list", "watch", "create", "delete")} | {
+        ("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch", "delete")} | {
+        ("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")} | {
+        ("scheduling.volcano.sh", "podgroups", v) for v in ("get", "list", "create", "patch", "delete")}
     assert granted == expected
     assert not any("*" in x for g in granted for x in g)
 

@@ -66,4 +66,15 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, list]
+# spec.autoscaling: a KEDA ScaledObject, or an HPA without KEDA (named as the LLMDeployment: no list).
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, create, patch, delete]
+# spec.scheduling.gang volcano: a PodGroup per group (listed to remove those of removed groups).
+- apiGroups: [scheduling.volcano.sh]
+  resources: [podgroups]
+  verbs: [get, list, create, patch, delete]
 {{- end -}}
