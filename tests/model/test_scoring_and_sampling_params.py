@@ -168,3 +168,41 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm, field):
     with pytest.raises(InvalidParam) as e:
         llm.generate("Hello", SamplingParams(**{field: value}), use_tqdm=False)
     assert e.value.param == field and "vocabulary" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def model_with_defaults(model_dir, tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("defaults") / "model"
+    shutil.copytree(model_dir, path)
+    config_path = path / "generation_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config_path.write_text(json.dumps({**config, "temperature": 0.25, "top_k": 3, "max_new_tokens": 7}))
+    return path
+
+
+def test_generation_config_gives_the_default_sampling_params(model_with_defaults):
+    with LLM(str(model_with_defaults), dtype="float32", kv_cache_memory=0.02) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.25, 3, 7)
+        out = llm.generate("Hello", use_tqdm=False)[0].outputs[0]  # no SamplingParams: the defaults
+        assert len(out.token_ids) == 7 or out.finish_reason == "stop"
+    with LLM(str(model_with_defaults), dtype="float32", kv_cache_memory=0.02, generation_config="vllm") as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_generation_config_argument_is_checked(model_dir, tmp_path):
+    with pytest.raises(InvalidParam) as e:
+        LLM(str(model_dir), kv_cache_memory=0.02, generation_config=str(tmp_path))
+    assert e.value.param == "generation_config"
+
+
+def test_chat_continue_final_message(llm):
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "The quick brown"}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("The quick brown")
+    with pytest.raises(InvalidParam) as e:
+        llm.chat(messages, params, use_tqdm=False, continue_final_message=True)
+    assert e.value.param == "continue_final_message"
