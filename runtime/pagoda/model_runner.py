@@ -229,9 +229,9 @@ class ModelRunner:
             start = s.num_computed_tokens
             stop = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # the last prompt row predicts output
             if k is not None and stop > start:
-                rows = torch.arange(row, row + stop - start, device=hidden.device)
                 targets = seq.token_ids[start + 1 : stop + 1]
-                scored = score_prompt_tokens(lambda h: self.model.compute_logits(h), hidden[rows], targets, k)
+                scored = score_prompt_tokens(self.model.compute_logits, hidden[row : row + stop - start], targets, k,
+                                             self.samples)
                 if self.samples:
                     result[s.seq_id] = (start + 1, scored)
             row += s.num_new_tokens
