@@ -12,12 +12,14 @@ from pagoda.sampling_params import SamplingParams
 
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
                             in_place: bool = False) -> torch.Tensor:
-    """logits [N, V] -> float32 [N, V] with each row's processors applied (a copy unless in_place); the
-    same tensor when no row uses any. output_token_ids: each row's generated tokens so far."""
+    """logits [N, V] -> float32 [N, V] with each row's processors applied; the same tensor when no row uses
+    any. in_place: the caller's tensor may be written (else a copy is, unless converting to float32 made
+    one already). output_token_ids: each row's generated tokens so far."""
     rows = [i for i, p in enumerate(params) if p.uses_logits_processors]
     if not rows:
         return logits
-    logits = logits.float() if in_place else logits.float().clone()
+    converted = logits.float()
+    logits = converted.clone() if converted is logits and not in_place else converted
     vocab = logits.shape[1]
     bias_rows, bias_cols, bias_values = [], [], []
     allowed_rows, allowed_ids = [], []
@@ -40,12 +42,10 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams], 
     if bias_rows:
         logits.index_put_((torch.tensor(bias_rows, device=logits.device), torch.tensor(bias_cols, device=logits.device)),
                           torch.tensor(bias_values, dtype=logits.dtype, device=logits.device), accumulate=True)
-    if allowed_rows:
-        keep = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool, device=logits.device)  # [R, V]
-        for i, ids in enumerate(allowed_ids):
-            keep[i, ids] = True
-        index = torch.tensor(allowed_rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    for row, ids in zip(allowed_rows, allowed_ids):
+        kept = logits[row, ids]  # [len(ids)]
+        logits[row] = float("-inf")
+        logits[row, ids] = kept
     if banned_rows:
         logits[banned_rows, banned_cols] = float("-inf")
     return logits

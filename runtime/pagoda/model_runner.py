@@ -208,8 +208,10 @@ class ModelRunner:
                 return result
         masked = self._mask_grammars(logits, sample_seq_ids)
         seqs = [self.seqs[i] for i in sample_seq_ids]
+        # the model's logits stay untouched only while some row still needs them for its logprobs
+        writable = masked is not logits or all(q.params.logprobs is None for q in seqs)
         masked = apply_logits_processors(masked, [q.params for q in seqs],
-                                         [q.token_ids[q.num_prompt_tokens:] for q in seqs], in_place=masked is not logits)
+                                         [q.token_ids[q.num_prompt_tokens:] for q in seqs], in_place=writable)
         # logprobs stay the model's own (raw): a masked-out token's is finite, never -inf
         tokens = self.sampler(masked, self._sampling_tensors(sample_seq_ids, generators),
                               raw_logits=logits if masked is not logits else None)
