@@ -206,3 +206,19 @@ def test_chat_continue_final_message(llm):
     with pytest.raises(InvalidParam) as e:
         llm.chat(messages, params, use_tqdm=False, continue_final_message=True)
     assert e.value.param == "continue_final_message"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prompt_logprobs_stay_whole_under_preemption(model_dir, hf_logprobs, mode):
+    """Ten 16-token KV blocks for four growing sequences: some are preempted, a recomputed one scores its
+    prompt again; each prompt token is kept once."""
+    prompts = [f"{PROMPT} {i}" for i in range(4)]
+    block_bytes = 8192  # the tiny llama's KV block of 16 tokens, float32
+    with LLM(str(model_dir), dtype="float32", max_model_len=160, kv_cache_memory=10 * block_bytes / 2**30,
+             preemption_mode=mode, swap_space=(64 if mode == "swap" else 0) * block_bytes / 2**30) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, prompt_logprobs=1),
+                            use_tqdm=False)
+        assert llm.engine.get_stats().num_preemptions > 0
+        llm.engine.block_manager.check_no_leaks()
+    for out in outs:
+        _check_against_reference(out, hf_logprobs, 1)
