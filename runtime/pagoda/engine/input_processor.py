@@ -77,7 +77,7 @@ class InputProcessor:
             if outside:
                 raise InvalidParam(name, f"{name} has token ids outside this model's vocabulary [0, "
                                          f"{self.vocab_size}): {outside[:8]}")
-        if params.bad_words and not params.bad_words_token_ids:
+        if params.bad_words:  # this engine's tokenizer (the same params may have served another model)
             params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:
             if self.grammar_key is None:
