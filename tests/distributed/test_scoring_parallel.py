@@ -20,21 +20,19 @@ def run(path, **kwargs):
     return scored, [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_factory):
-    return tiny_model_factory("llama", num_layers=3, num_kv_heads=1)
+MODEL = dict(num_layers=3, num_kv_heads=1)  # uneven over 2 stages; 1 KV head, replicated over 2 TP ranks
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    return run(model)
+def reference(tiny_model_factory):
+    return run(tiny_model_factory("llama", **MODEL))
 
 
 @pytest.mark.parametrize("kwargs", [dict(tensor_parallel_size=2),
                                     dict(pipeline_parallel_size=2, max_num_batched_tokens=16)],
                          ids=["tp2", "pp2-chunked"])
-def test_parallel_scores_equal_single_process(model, reference, kwargs):
-    scored, tokens = run(model, **kwargs)
+def test_parallel_scores_equal_single_process(tiny_model_factory, reference, kwargs):
+    scored, tokens = run(tiny_model_factory("llama", **MODEL), **kwargs)
     ref_scored, ref_tokens = reference
     assert tokens == ref_tokens and tokens[1] == [7] * 4
     assert len(scored) == len(ref_scored) and scored[0] is None
