@@ -18,14 +18,18 @@ _CORPUS = [
 ]
 
 
-def write_tokenizer(out: Path) -> int:
+FIM_TOKENS = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
+
+
+def write_tokenizer(out: Path, fim: bool = False) -> int:
+    """fim: with StarCoder's fill-in-the-middle tokens too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (FIM_TOKENS if fim else [])
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS * 20, trainer)
@@ -49,13 +53,13 @@ ARCH_CONFIGS = {
 
 def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_layers: int = 2,
                      hidden: int = 64, num_heads: int = 4, seed: int = 0, max_positions: int = 512,
-                     shards: int = 1) -> Path:
+                     shards: int = 1, fim: bool = False) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(out)
+    vocab = write_tokenizer(out, fim)
     extra = dict(ARCH_CONFIGS[arch])
     model_type = extra.pop("model_type")
     config = AutoConfig.for_model(

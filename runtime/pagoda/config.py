@@ -1,6 +1,7 @@
 """Engine configuration: the user's arguments (EngineArgs) and the validated configs built from them."""
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from pagoda.default_model import DEFAULT_MODEL_NAME
@@ -36,6 +37,14 @@ UNSUPPORTED_ARGS = {
 }
 
 
+def check_generation_config_arg(value) -> None:
+    if value in ("auto", "vllm"):
+        return
+    if not isinstance(value, str) or not os.path.isfile(os.path.join(value, "generation_config.json")):
+        raise InvalidParam("generation_config", f"generation_config must be auto, vllm or a directory holding a "
+                                                f"generation_config.json; got {value!r}")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # None = the default model; a local path or a Hub id ORG/NAME
@@ -66,6 +75,9 @@ class EngineArgs:
     distributed_timeout: float = 300.0
     max_queued_requests: int | None = None
     trust_remote_code: bool = False  # passed to transformers where the config and tokenizer load
+    # default sampling parameters: "auto" = the model's generation_config.json, "vllm" = none (vLLM's own
+    # defaults), or a directory holding a generation_config.json; a request's own values always win
+    generation_config: str = "auto"
     # periodic stats log line (tokens/s, requests, KV-cache use); the server logs them, LLM() does not
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0  # seconds between stats log lines
@@ -102,6 +114,7 @@ class ModelConfig:
     max_model_len: int
     quantization: QuantizationConfig | None = None
     trust_remote_code: bool = False
+    generation_config: str = "auto"  # where default sampling parameters come from (EngineArgs)
 
 
 @dataclass(frozen=True)
@@ -200,6 +213,7 @@ class EngineConfig:
             raise InvalidParam("nnodes", f"nnodes ({args.nnodes}) must equal pipeline_parallel_size "
                                          f"({args.pipeline_parallel_size}): each node is one pipeline stage")
         check_quantization_args(args.quantization, args.quantization_group_size)
+        check_generation_config_arg(args.generation_config)
         device = resolve_device(args.device)
         attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
 
@@ -233,7 +247,8 @@ class EngineConfig:
         return cls(
             model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
                               hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
-                              quantization=quantization, trust_remote_code=args.trust_remote_code),
+                              quantization=quantization, trust_remote_code=args.trust_remote_code,
+                              generation_config=args.generation_config),
             cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gib=args.kv_cache_memory, swap_space_gib=swap_gib,

@@ -14,8 +14,10 @@ from pagoda.cpu_allocator import keep_freed_memory
 from pagoda.distributed.parallel_state import get_parallel_state
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
+from pagoda.logits_processors import apply_logits_processors
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
+from pagoda.prompt_logprobs import score_prompt_tokens
 from pagoda.runner_output import ModelRunnerOutput
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
@@ -189,12 +191,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, hidden_in, residual_in)
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
+        prompt_logprobs = self._prompt_logprobs(out, hidden)
         if not sample_rows:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[sample_rows])  # every TP rank: the gather is collective
         if not self.samples:
             return ModelRunnerOutput()
-        result = ModelRunnerOutput()
+        result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         generators = self._generators(sample_seq_ids, result.failed)
         self._advance_matchers(sample_seq_ids, result.failed)
         if result.failed:  # sample the others only
@@ -204,11 +207,36 @@ class ModelRunner:
             if not sample_seq_ids:
                 return result
         masked = self._mask_grammars(logits, sample_seq_ids)
+        seqs = [self.seqs[i] for i in sample_seq_ids]
+        # the model's logits stay untouched only while some row still needs them for its logprobs
+        writable = masked is not logits or all(q.params.logprobs is None for q in seqs)
+        masked = apply_logits_processors(masked, [q.params for q in seqs],
+                                         [q.token_ids[q.num_prompt_tokens:] for q in seqs], in_place=writable)
         # logprobs stay the model's own (raw): a masked-out token's is finite, never -inf
         tokens = self.sampler(masked, self._sampling_tensors(sample_seq_ids, generators),
                               raw_logits=logits if masked is not logits else None)
         for seq_id, token in zip(sample_seq_ids, tokens):
             result.sampled.setdefault(seq_id, []).append(token)
+        return result
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, tuple[int, list]]:
+        """The logprobs of the prompt tokens this step's chunks predict, for sequences that asked. Hidden row
+        of position p predicts the token at p + 1; a chunk ending mid-prompt leaves its last token's score
+        to the next chunk, which starts with it. Every TP rank computes the logits (a collective gather)."""
+        result: dict[int, tuple[int, list]] = {}
+        row = 0
+        for s in out.scheduled:
+            seq = self.seqs[s.seq_id]
+            k = seq.params.prompt_logprobs
+            start = s.num_computed_tokens
+            stop = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # the last prompt row predicts output
+            if k is not None and stop > start:
+                targets = seq.token_ids[start + 1 : stop + 1]
+                scored = score_prompt_tokens(self.model.compute_logits, hidden[row : row + stop - start], targets, k,
+                                             self.samples)
+                if self.samples:
+                    result[s.seq_id] = (start + 1, scored)
+            row += s.num_new_tokens
         return result
 
     def _generators(self, seq_ids: list[int], failed: dict[int, str]) -> list[torch.Generator | None]:

@@ -44,6 +44,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when this request (alone) failed inside the engine
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then token id -> Logprob per token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

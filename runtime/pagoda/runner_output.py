@@ -18,3 +18,6 @@ class ModelRunnerOutput:
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     # seq id -> why this step failed for it alone: its request is finished with an error, the rest go on
     failed: dict[int, str] = field(default_factory=dict)
+    # seq id -> (position of the first prompt token scored, each token's logprobs from there): the prompt
+    # tokens this step's chunk predicted, for requests with prompt_logprobs (token 0 is never scored)
+    prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)

@@ -75,6 +75,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None  # logprob of every prompt token (the first has none) and its top-k
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (a multi-token word: its last token after its prefix)
+    # bad_words as token sequences, with and without a leading space: the input processor fills them
+    # (an init field so dataclasses.replace, as a fork does, keeps them)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +150,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
+        integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        self._validate_logits_processors()
         if self.structured_outputs is not None:
             if isinstance(self.structured_outputs, dict):
                 try:
@@ -153,6 +162,36 @@ class SamplingParams:
                 raise bad("structured_outputs", "must be StructuredOutputsParams")
             if self.ignore_eos:  # the grammar ends the output with an end-of-sequence token
                 raise InvalidParam("ignore_eos", "ignore_eos cannot be combined with structured outputs")
+
+    def _validate_logits_processors(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParam("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise InvalidParam("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got "
+                                                     f"{token!r}")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise InvalidParam("logit_bias", f"logit_bias values must be numbers in [-100, 100], got "
+                                                     f"{bias!r} for token {token}")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (not isinstance(ids, list | tuple) or not ids
+                    or any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in ids)):
+                raise InvalidParam("allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids, "
+                                                        f"got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list | tuple) or any(not isinstance(w, str) or not w.strip() for w in words):
+                raise InvalidParam("bad_words", f"bad_words must be a list of non-blank strings, got {words!r}")
+            self.bad_words = list(words)
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Whether sampling must change this request's logits beyond the built-in sampler's settings."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

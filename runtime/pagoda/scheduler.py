@@ -110,7 +110,8 @@ class Scheduler:
         while (self.waiting and not self.swapped and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
+            # a cached prefix has no logits: a request scoring its prompt computes all of it
+            cached = self.block_manager.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
             num_computed = len(cached) * self.block_manager.block_size
             remaining = seq.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and remaining > budget:

@@ -8,8 +8,9 @@ from live_server import LiveServer, start_server
 def server_factory(tiny_llama_dir, tmp_path_factory):
     started: list[LiveServer] = []
 
-    def start(*flags: str, **kwargs) -> LiveServer:
-        server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("serve"), *flags, **kwargs)
+    def start(*flags: str, model=None, **kwargs) -> LiveServer:
+        """model: a checkpoint directory other than the tiny Llama."""
+        server = start_server(model or tiny_llama_dir, tmp_path_factory.mktemp("serve"), *flags, **kwargs)
         started.append(server)
         return server
 

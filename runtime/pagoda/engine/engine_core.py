@@ -26,6 +26,8 @@ class CoreStep:
     new_tokens: list[tuple[Sequence, SampledToken]] = field(default_factory=list)
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child), end of an n > 1 prompt
     failed: dict[int, str] = field(default_factory=dict)  # seq id -> why its step failed (it alone)
+    # seq id -> (first position, logprobs) of the prompt tokens its chunk scored (prompt_logprobs)
+    prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -77,7 +79,7 @@ class EngineCore:
 
     @staticmethod
     def _update(scheduler: Scheduler, result) -> CoreStep:
-        step = CoreStep(failed=dict(result.failed))
+        step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs))
         for seq_id, tokens in result.sampled.items():
             seq = scheduler.get(seq_id)
             if seq is None or seq_id in step.failed:  # finished (aborted, failed) while its step ran

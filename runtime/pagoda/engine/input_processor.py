@@ -5,6 +5,7 @@ can get wrong is caught here, as InvalidParam naming the field, so nothing it se
 from dataclasses import dataclass
 
 from pagoda.errors import InvalidParam
+from pagoda.logits_processors import tokenize_bad_words
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import get_grammar_backend
 
@@ -71,6 +72,13 @@ class InputProcessor:
                                     "output is a running sequence")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidParam("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            outside = sorted(t for t in getattr(params, name) or () if t >= self.vocab_size)
+            if outside:
+                raise InvalidParam(name, f"{name} has token ids outside this model's vocabulary [0, "
+                                         f"{self.vocab_size}): {outside[:8]}")
+        if params.bad_words:  # this engine's tokenizer (the same params may have served another model)
+            params.bad_words_token_ids = tokenize_bad_words(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:
             if self.grammar_key is None:
                 raise InvalidParam("structured_outputs", "structured outputs are not available in this engine")

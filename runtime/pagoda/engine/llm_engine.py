@@ -150,6 +150,10 @@ class LLMEngine:
             if state is not None and not state.finished:
                 self._fail_request(state, message)
                 changed[state.request_id] = state
+        for seq_id, (start, scored) in core_step.prompt_logprobs.items():
+            state = self.requests.of_seq(seq_id)
+            if state is not None and not state.finished:
+                self.output_processor.process_prompt_logprobs(state, start, scored)
         for seq, token in core_step.new_tokens:
             state = self.requests.of_seq(seq.seq_id)
             if state is None or state.finished:

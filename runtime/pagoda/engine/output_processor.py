@@ -32,6 +32,15 @@ class OutputProcessor:
                 flush(self.tokenizer, seq.token_ids, out.detok, params.skip_special_tokens)
         return stop
 
+    def process_prompt_logprobs(self, state: RequestState, start: int, scored: list[SampledToken]) -> None:
+        """Prompt tokens from position `start` on were scored. A recomputed prefill (after a preemption, or
+        a fork's) scores positions again: each is kept once."""
+        if state.prompt_logprobs is None:
+            return
+        for position, token in enumerate(scored, start=start):
+            if position == len(state.prompt_logprobs):
+                state.prompt_logprobs.append(self._logprobs(token))
+
     def _logprobs(self, token: SampledToken) -> dict[int, Logprob]:
         entry = {token.token_id: Logprob(token.logprob, token.rank, self.tokenizer.decode([token.token_id]))}
         for rank, (tid, lp) in enumerate(zip(token.top_token_ids or [], token.top_logprobs or []), start=1):

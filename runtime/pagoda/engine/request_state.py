@@ -29,6 +29,12 @@ class RequestState:
     outputs: dict[int, SeqOutputState] = field(default_factory=dict)  # by seq id
     aborted: bool = False
     error: str | None = None  # why this request failed inside the engine (it alone)
+    # prompt_logprobs: None for the first token (nothing predicts it), then one entry per scored token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     def add_seq(self, seq: Sequence, copy_from: Sequence | None = None) -> None:
         self.seqs.append(seq)
@@ -64,8 +70,12 @@ class RequestState:
         finished = self.finished
         if finished and self.metrics.finished_time is None:
             self.metrics.finished_time = time.time()
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.prompt_token_ids):
+            prompt_logprobs = list(self.prompt_logprobs)  # once the whole prompt is scored, as vLLM's
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-                             self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error)
+                             self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error,
+                             prompt_logprobs)
 
 
 class RequestTable:

@@ -7,6 +7,8 @@ from tqdm.auto import tqdm
 
 from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.errors import InvalidParam
+from pagoda.generation_config import default_sampling_params
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -43,6 +45,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() samples with when given no SamplingParams: the model's generation_config.json
+        values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) unless the engine
+        runs with generation_config="vllm"."""
+        return SamplingParams(**default_sampling_params(self.engine.config.model))
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prompts (strings, token-id dicts, or one of them) to completion; outputs in input order."""
@@ -50,7 +58,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
@@ -64,8 +72,14 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None):
-        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
+             continue_final_message: bool = False):
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template.
+        continue_final_message: the output continues the last message (an assistant prefill) instead of
+        starting a new turn; it needs add_generation_prompt=False, as vLLM's."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParam("continue_final_message", "continue_final_message and add_generation_prompt "
+                                                         "cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = []
@@ -73,7 +87,8 @@ class LLM:
             if not tokenizer.chat_template and not chat_template:
                 raise ValueError("this model's tokenizer has no chat template: pass chat_template=")
             token_ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt, tokenize=True)
+                                                      add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                      continue_final_message=continue_final_message)
             if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
                 token_ids = token_ids["input_ids"]
             prompts.append({"prompt_token_ids": list(token_ids),

@@ -86,7 +86,8 @@ def _attach_engine(state: ServerState, engine) -> None:
     state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission,
                                    trust_request_chat_template=state.server_args.trust_request_chat_template,
                                    tool_call_parser=(state.server_args.tool_call_parser
-                                                     if state.server_args.enable_auto_tool_choice else None))
+                                                     if state.server_args.enable_auto_tool_choice else None),
+                                   chat_template=state.server_args.chat_template)
     state.engine = engine
     if hasattr(engine, "add_group_failure_callback"):
         # a dead rank cannot be replaced in place: report 503 for a moment, then exit non-zero so the
@@ -183,7 +184,8 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            _, tokens = await asyncio.to_thread(render_chat, tokenizer, body.messages, body.add_generation_prompt)
+            _, tokens = await asyncio.to_thread(render_chat, tokenizer, body.messages, body.add_generation_prompt,
+                                                chat_template=state.chat.chat_template)
         else:
             tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=state.engine.config.model.max_model_len,

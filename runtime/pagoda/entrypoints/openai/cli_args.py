@@ -36,6 +36,7 @@ class ServerArgs:
     trust_request_chat_template: bool = False  # let requests bring their own chat_template (runs on the server)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's text for tool calls
     tool_call_parser: str | None = None  # which format (tool_parsers.TOOL_PARSERS)
+    chat_template: str | None = None  # a Jinja file or the template itself, instead of the model's
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -89,10 +90,21 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def chat_template_arg(text: str) -> str:
+    """A path to a Jinja file is read; otherwise the text must be a template itself (it has Jinja tags)."""
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in text or "{%" in text:
+        return text
+    raise ValueError(text)
+
+
 # argparse names the type function in its error message: make those readable
 for _fn, _name in [(positive_int, "positive integer"), (non_negative_int, "non-negative integer"),
                    (positive_float, "positive number"), (non_negative_float, "non-negative number"),
-                   (port_number, "port number"), (int_list, "comma-separated list of positive integers")]:
+                   (port_number, "port number"), (int_list, "comma-separated list of positive integers"),
+                   (chat_template_arg, "chat template (no such file, and not a Jinja template)")]:
     _fn.__name__ = _name
 
 
@@ -192,6 +204,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--enable-auto-tool-choice", default=ServerArgs.enable_auto_tool_choice, boolean=True,
           help='answer tool_choice "auto" by parsing the model\'s output for tool calls (needs --tool-call-parser)')
     p.add("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="the model's tool-call format")
+    p.add("--chat-template", type=chat_template_arg,
+          help="the chat template to use instead of the model's (for models without one): a Jinja file, or "
+               "the template itself")
+    p.add("--generation-config", default=d["generation_config"],
+          help="default sampling parameters: auto = the model's generation_config.json, vllm = none, or a "
+               "directory holding a generation_config.json; a request's own values win")
 
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))

@@ -117,20 +117,20 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # token id (as a string, OpenAI's shape) -> added to its logit; ids are checked against the vocabulary
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # vLLM extras: score the prompt; restrict or ban tokens
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    allowed_token_ids: list[NonNegativeInt64] | None = None
+    bad_words: list[str] | None = None
     # Fields OpenAI or vLLM define that Pagoda does not implement yet. A value that asks for something
     # (anything but null, empty or the neutral value) is refused with a 400 naming the field: a client
     # must never get an answer that silently ignored what it asked for.
-    logit_bias: Unsupported = None
     best_of: Unsupported = None
-    prompt_logprobs: Unsupported = None
-    allowed_token_ids: Unsupported = None
-    bad_words: Unsupported = None
     logits_processors: Unsupported = None
     use_beam_search: Unsupported = None
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "logit_bias", "best_of", "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors",
-        "use_beam_search")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("best_of", "logits_processors", "use_beam_search")
 
     def check_supported(self) -> None:
         """Raise InvalidParam for the first field that asks for something Pagoda cannot do yet."""
@@ -171,18 +171,29 @@ class SamplingFields(OpenAIModel):
                                                "output: send one")
         return asked[0] if asked else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range. `defaults`: the server's default
+        sampling values (the model's generation config) for the fields the request leaves unset.
+        `prompt_logprobs`: at least this many prompt alternatives (completions' echo)."""
         self.check_supported()
+        defaults = defaults or {}
+
+        def value(name: str, neutral):
+            own = getattr(self, name)
+            return own if own is not None else defaults.get(name, neutral)
+
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=value("temperature", 1.0),
+            top_p=value("top_p", 1.0),
+            top_k=value("top_k", -1),
+            min_p=value("min_p", 0.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=value("repetition_penalty", 1.0),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -193,7 +204,26 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params(),
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if token < 0:
+                raise InvalidParam("logit_bias", f"logit_bias keys must be token ids (non-negative integers as "
+                                                 f"strings), got {key!r}")
+            bias[token] = value
+        return bias
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -211,12 +241,11 @@ class UsageInfo(OpenAIModel):
 class CompletionRequest(SamplingFields):
     prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
-    max_tokens: PositiveInt64 | None = 16  # null too means OpenAI's default, 16
+    # null too means OpenAI's default, 16; 0 only with echo (score the prompt, generate nothing)
+    max_tokens: NonNegativeInt64 | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False
-    suffix: Unsupported = None
-
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + ("suffix",)
+    suffix: str | None = None  # fill-in-the-middle, for tokenizers with FIM tokens
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -226,12 +255,25 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's prompt_logprobs entry: one candidate token's logprob, its rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: null for the first prompt token, then token id -> PromptLogprob per token
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -310,12 +352,13 @@ class ChatCompletionRequest(SamplingFields):
     # not implemented yet: refused when they ask for something (see SamplingFields.check_supported)
     functions: Unsupported = None
     function_call: Unsupported = None
-    continue_final_message: Unsupported = None
+    # the output continues the last message (an assistant prefill); needs add_generation_prompt false
+    continue_final_message: bool = False
     echo: Unsupported = None
     documents: Unsupported = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = SamplingFields.UNSUPPORTED + (
-        "functions", "function_call", "continue_final_message", "echo", "documents")
+        "functions", "function_call", "echo", "documents")
 
     @property
     def tool_mode(self) -> tuple[str, str | None]:
@@ -373,6 +416,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaFunctionCall(OpenAIModel):
@@ -408,6 +452,7 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk after the prompt was scored
 
 
 # --- models, tokenizer, version ------------------------------------------------------------------

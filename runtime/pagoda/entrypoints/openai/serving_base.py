@@ -15,6 +15,7 @@ from pagoda.engine import EngineDeadError
 from pagoda.entrypoints.openai.errors import APIError, invalid_request, sse_error
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.errors import RequestFailed
+from pagoda.generation_config import default_sampling_params
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 
@@ -54,16 +55,17 @@ class OpenAIServing:
         self.max_model_len = engine.config.model.max_model_len
         self.metrics = metrics
         self.admission = admission
+        self.sampling_defaults = default_sampling_params(engine.config.model)  # the model's generation config
 
     def check_model(self, model: str | None) -> None:
         if model and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    @staticmethod
-    def make_params(request, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def make_params(self, request, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            return request.sampling_params(max_tokens, logprobs, self.sampling_defaults, prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise invalid_request(str(e), getattr(e, "param", None)) from None
 

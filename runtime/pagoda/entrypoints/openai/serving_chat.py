@@ -1,6 +1,7 @@
 """`POST /v1/chat/completions`: messages through the model's chat template, n choices, streamed or not."""
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import json
@@ -38,7 +39,7 @@ from pagoda.entrypoints.openai.serving_base import (
     cancel_on_disconnect,
     sse,
 )
-from pagoda.entrypoints.openai.serving_completion import finish_reason
+from pagoda.entrypoints.openai.serving_completion import finish_reason, prompt_logprobs_field
 from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
 from pagoda.outputs import Logprob, RequestOutput
@@ -46,19 +47,22 @@ from pagoda.outputs import Logprob, RequestOutput
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 extra: dict | None = None, chat_template: str | None = None,
-                tools: list[ChatTool] | None = None) -> tuple[str, list[int]]:
+                tools: list[ChatTool] | None = None, continue_final_message: bool = False) -> tuple[str, list[int]]:
     """Blocking (the template engine and the tokenizer): call it in a worker thread. `extra` is filtered
-    to the variables the template reads; `chat_template` must already be allowed by the caller."""
+    to the variables the template reads; `chat_template` must already be allowed by the caller.
+    continue_final_message: the prompt ends inside the last message (an assistant prefill), unclosed."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
-        raise invalid_request("this model has no chat template: use /v1/completions", "messages")
+        raise invalid_request("this model has no chat template: start the server with --chat-template, or use "
+                              "/v1/completions", "messages")
     conversation = [_template_message(m) for m in messages]
     extra = template_kwargs(tokenizer, template, extra) if extra else {}
     if tools:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **extra)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **extra)
     except Exception as e:  # jinja raises its own errors (e.g. raise_exception for an unsupported role order)
         raise invalid_request(f"the chat template rejected the messages: {e}", "messages") from None
     # the template already wrote the special tokens (BOS included): don't add them twice
@@ -127,9 +131,10 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-                 **kwargs):
+                 chat_template: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.trust_request_chat_template = trust_request_chat_template
+        self.chat_template = chat_template  # --chat-template: used instead of the model's
         self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
 
     def _tool_calls(self, request: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -147,6 +152,9 @@ class OpenAIServingChat(OpenAIServing):
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise invalid_request("a chat_template in the request is refused: the server runs the model's own "
                                   "template unless started with --trust-request-chat-template", "chat_template")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise invalid_request("continue_final_message and add_generation_prompt cannot both be true: send "
+                                  "add_generation_prompt false to continue the last message", "continue_final_message")
         if request.top_logprobs is not None and not request.logprobs:
             raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
         top_k = (request.top_logprobs or 0) if request.logprobs else None
@@ -164,8 +172,13 @@ class OpenAIServingChat(OpenAIServing):
             raise
         text, token_ids = await asyncio.to_thread(render_chat, self.tokenizer, request.messages,
                                                   request.add_generation_prompt, request.chat_template_kwargs,
-                                                  request.chat_template,
-                                                  request.tools if request.tool_mode[0] != "none" else None)
+                                                  request.chat_template or self.chat_template,
+                                                  request.tools if request.tool_mode[0] != "none" else None,
+                                                  request.continue_final_message)
+        default_max = self.sampling_defaults.get("max_tokens")
+        if request.requested_max_tokens is None and default_max is not None:
+            # the model's max_new_tokens, as far as the context leaves room (vLLM's)
+            params = dataclasses.replace(params, max_tokens=max(1, min(default_max, self.max_model_len - len(token_ids))))
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
         request_id = random_id("chatcmpl")
         release = self.admission.acquire()
@@ -199,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason="tool_calls" if calls else reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=_usage(final))
+                                      usage=_usage(final), prompt_logprobs=_prompt_logprobs(request, final))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream: AsyncIterator[RequestOutput],
                       top_k: int | None, release) -> AsyncIterator[str]:
@@ -219,8 +232,13 @@ class OpenAIServingChat(OpenAIServing):
             mode, name = request.tool_mode
             call_ids: dict[int, str] = {}  # choice -> its call's id (a named function: streamed as it grows)
             final = None
+            scored_sent = False
             async for out in stream:
                 final = out
+                if not scored_sent and request.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    scored_sent = True
+                    yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
+                                                  prompt_logprobs=_prompt_logprobs(request, out)))
                 choices = []
                 for c in out.outputs:
                     if finished[c.index]:
@@ -287,6 +305,12 @@ def _streamed_tool_call(index: int, call: ParsedToolCall) -> list[DeltaToolCall]
     return [DeltaToolCall(index=index, id=random_id("call"), type="function",
                           function=DeltaFunctionCall(name=call.name, arguments="")),
             DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))]
+
+
+def _prompt_logprobs(request: ChatCompletionRequest, out: RequestOutput):
+    if request.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_field(out.prompt_logprobs, out.prompt_token_ids, request.prompt_logprobs)
 
 
 def _usage(final: RequestOutput) -> UsageInfo:

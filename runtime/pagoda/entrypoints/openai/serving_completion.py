@@ -1,5 +1,6 @@
 """`POST /v1/completions`: one engine request per prompt, n choices each, streamed or not."""
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -7,11 +8,14 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pagoda.entrypoints.openai.errors import invalid_request
+from pagoda.entrypoints.openai.fill_in_the_middle import fill_in_the_middle
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
+    PromptLogprobs,
     UsageInfo,
     random_id,
 )
@@ -41,6 +45,25 @@ def finish_reason(c: CompletionOutput) -> str | None:
     return None if c.finish_reason is None else ("length" if c.finish_reason == "length" else "stop")
 
 
+def prompt_logprobs_field(entries: list[dict[int, Logprob] | None] | None, token_ids: list[int],
+                          top_k: int) -> PromptLogprobs | None:
+    """The engine's prompt logprobs in vLLM's response shape, each token's entry cut to its top_k
+    alternatives (the engine may have scored more, for echo)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {tid: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+             for tid, lp in entry.items() if tid == token or (lp.rank is not None and lp.rank <= top_k)}
+            for token, entry in zip(token_ids, entries, strict=True)]
+
+
+def without_generation(c: CompletionOutput) -> CompletionOutput:
+    """echo with max_tokens 0: the engine generated one token to finish the prompt's step; none is shown."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                               cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
+                               finish_reason=None if c.finish_reason is None else "length", stop_reason=None)
+
+
 def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k: int,
                         text_offset: int) -> CompletionLogprobs:
     """text_offset: where the first token's text starts in the choice's whole text (echoed prompt included)."""
@@ -62,9 +85,16 @@ def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int],
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request):
         self.check_model(request.model)
-        params = self.make_params(request, 16 if request.max_tokens is None else request.max_tokens,
-                                  request.logprobs)
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        if max_tokens == 0 and not request.echo:
+            raise invalid_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                                  "max_tokens")
+        # echo with logprobs scores the prompt too, as OpenAI's (lm-eval-harness's loglikelihood requests)
+        params = self.make_params(request, max(max_tokens, 1), request.logprobs,
+                                  request.logprobs if request.echo else None)
         raw_prompts = split_prompts(request.prompt)
+        if request.suffix:
+            raw_prompts = [fill_in_the_middle(self.tokenizer, p, request.suffix) for p in raw_prompts]
         if len(raw_prompts) > self.admission.limit:  # 429 would ask to retry something that can never fit
             raise invalid_request(f"{len(raw_prompts)} prompts in one request, more than this server admits at "
                                   f"once ({self.admission.limit}): split the batch", "prompt")
@@ -91,15 +121,23 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echo_text(self, prompt: dict) -> str:
         return prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(prompt["prompt_token_ids"])
 
-    def _prompt_logprobs(self, prompt: dict) -> CompletionLogprobs:
-        # the engine does not score prompts: echoed prompt tokens carry no logprob, as OpenAI's first token
-        tokens = [self.tokenizer.decode([t]) for t in prompt["prompt_token_ids"]]
-        offsets, at = [], 0
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[None] * len(tokens),
-                                  top_logprobs=[None] * len(tokens), text_offset=offsets)
+    def _prompt_logprobs(self, prompt: dict, out: RequestOutput, top_k: int) -> CompletionLogprobs:
+        """The echoed prompt's tokens with their logprobs (the first has none: nothing predicts it)."""
+        ids = prompt["prompt_token_ids"]
+        first = self.tokenizer.decode(ids[:1])
+        head = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None], text_offset=[0])
+        if out.prompt_logprobs is None:  # not scored (cannot happen with logprobs set): tokens only
+            rest = [self.tokenizer.decode([t]) for t in ids[1:]]
+            offsets = [len(first) + sum(len(t) for t in rest[:i]) for i in range(len(rest))]
+            return _concat(head, CompletionLogprobs(tokens=rest, token_logprobs=[None] * len(rest),
+                                                    top_logprobs=[None] * len(rest), text_offset=offsets))
+        return _concat(head, completion_logprobs(out.prompt_logprobs[1:], ids[1:], top_k, len(first)))
+
+    @staticmethod
+    def _prompt_logprobs_field(request: CompletionRequest, out: RequestOutput) -> PromptLogprobs | None:
+        if request.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_field(out.prompt_logprobs, out.prompt_token_ids, request.prompt_logprobs)
 
     def _response(self, request: CompletionRequest, request_id: str, prompts: list[dict],
                   finals: list[RequestOutput]) -> CompletionResponse:
@@ -108,16 +146,19 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             usage.prompt_tokens += len(final.prompt_token_ids)
             prefix = self._echo_text(prompt) if request.echo else ""
+            scored = self._prompt_logprobs_field(request, final)
             for c in final.outputs:
+                if request.max_tokens == 0:
+                    c = without_generation(c)
                 usage.completion_tokens += len(c.token_ids)
                 logprobs = None
                 if request.logprobs is not None and c.logprobs is not None:
                     logprobs = completion_logprobs(c.logprobs, c.token_ids, request.logprobs, len(prefix))
                     if request.echo:
-                        logprobs = _concat(self._prompt_logprobs(prompt), logprobs)
+                        logprobs = _concat(self._prompt_logprobs(prompt, final, request.logprobs), logprobs)
                 choices.append(CompletionChoice(index=i * request.n + c.index, text=prefix + c.text,
                                                 logprobs=logprobs, finish_reason=finish_reason(c),
-                                                stop_reason=c.stop_reason))
+                                                stop_reason=c.stop_reason, prompt_logprobs=scored))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
@@ -137,6 +178,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 choices = []
                 for c in out.outputs:
+                    if request.max_tokens == 0:
+                        c = without_generation(c)
                     key = (i, c.index)
                     completion_tokens[key] = len(c.token_ids)
                     first = key not in sent
@@ -158,12 +201,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         if logprobs.tokens:
                             so_far.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                         if prefix:
-                            logprobs = _concat(self._prompt_logprobs(prompts[i]), logprobs)
+                            logprobs = _concat(self._prompt_logprobs(prompts[i], out, request.logprobs), logprobs)
                     so_far.text, so_far.tokens = len(c.text), len(c.token_ids)
                     so_far.finished = reason is not None
                     choices.append(CompletionChoice(index=i * request.n + c.index, text=prefix + text,
                                                     logprobs=logprobs, finish_reason=reason,
-                                                    stop_reason=c.stop_reason if reason else None))
+                                                    stop_reason=c.stop_reason if reason else None,
+                                                    prompt_logprobs=None if so_far.scored_sent else
+                                                    self._prompt_logprobs_field(request, out)))
+                    so_far.scored_sent = True
                 if choices:
                     yield chunk(choices)
             if request.include_usage_in_stream:
@@ -182,6 +228,7 @@ class _SentSoFar:
     tokens: int = 0
     offset: int = 0
     finished: bool = False
+    scored_sent: bool = False  # prompt_logprobs go with the choice's first chunk
 
 
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
