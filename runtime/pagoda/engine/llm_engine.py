@@ -134,6 +134,8 @@ class LLMEngine:
 
     def _mark_scheduled(self, sched_out) -> None:
         now = time.time()
+        if sched_out.scheduled:
+            self.stats.observe_iteration(sched_out.num_batched_tokens)
         for s in sched_out.scheduled:
             state = self.requests.of_seq(s.seq_id)
             if state is not None and state.metrics.first_scheduled_time is None:
@@ -205,7 +207,8 @@ class LLMEngine:
         s.num_recomputed = sum(sc.num_recomputed for sc in self.schedulers)
         s.num_swap_blocks_used = self.block_manager.num_used_swap_blocks
         s.swap_space_usage = self.block_manager.swap_usage()
-        return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons)})
+        return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
+                              "iteration_tokens_counts": list(s.iteration_tokens_counts)})
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""

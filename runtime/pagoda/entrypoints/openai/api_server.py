@@ -24,6 +24,7 @@ from pagoda.config import EngineArgs
 from pagoda.entrypoints.openai.cli_args import ServerArgs, flagify
 from pagoda.entrypoints.openai.errors import APIError, document_errors, error_response, install_error_handlers
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagoda.entrypoints.openai.middleware import install_middleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,7 +81,17 @@ def default_engine_factory(args: EngineArgs):
 def _attach_engine(state: ServerState, engine) -> None:
     config = engine.config
     name = config.model.served_model_name
-    state.metrics = ServerMetrics(name, engine.get_stats)
+    cache = config.cache
+    cache_info = {"block_size": str(cache.block_size), "cache_dtype": config.model.dtype,
+                  "enable_prefix_caching": str(cache.enable_prefix_caching),
+                  "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+                  "num_gpu_blocks": str(engine.get_stats().num_blocks_total),
+                  "num_cpu_blocks": str(cache.num_swap_blocks), "swap_space": str(cache.swap_space_gib),
+                  "preemption_mode": cache.preemption_mode}
+    state.metrics = ServerMetrics(name, engine.get_stats, max_model_len=config.model.max_model_len,
+                                  cache_info=cache_info,
+                                  max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                  vllm_names=state.server_args.metrics_vllm_names)
     state.admission = Admission(config.scheduler.max_num_seqs, state.server_args.max_queued_requests)
     state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission)
     state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission,
@@ -135,6 +146,8 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     app.state.pagoda = state
     install_error_handlers(app)
+    install_middleware(app, server_args.allowed_origins, server_args.allowed_methods, server_args.allowed_headers,
+                       server_args.allow_credentials)
 
     def require_ready() -> None:
         reason = state.unavailable_reason()

@@ -200,10 +200,15 @@ class SamplingFields(OpenAIModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # --- completions ---------------------------------------------------------------------------------

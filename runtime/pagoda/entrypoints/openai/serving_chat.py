@@ -37,6 +37,7 @@ from pagoda.entrypoints.openai.serving_base import (
     OpenAIServing,
     cancel_on_disconnect,
     sse,
+    usage_of,
 )
 from pagoda.entrypoints.openai.serving_completion import finish_reason
 from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
@@ -167,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
                                                   request.chat_template,
                                                   request.tools if request.tool_mode[0] != "none" else None)
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
-        request_id = random_id("chatcmpl")
+        request_id = self.request_id(raw, "chatcmpl")
         release = self.admission.acquire()
         stream = self.generate(prompt, params, request_id)
         if request.stream:
@@ -290,6 +291,4 @@ def _streamed_tool_call(index: int, call: ParsedToolCall) -> list[DeltaToolCall]
 
 
 def _usage(final: RequestOutput) -> UsageInfo:
-    prompt = len(final.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in final.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return usage_of([final])
