@@ -45,6 +45,22 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when this request (alone) failed inside the engine
+    embedding: list[float] | None = None  # an embedding request's pooled vector (PoolingParams)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result, as vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 # tokens computed in one engine step (prompt and generated), as vLLM's iteration_tokens_total buckets

@@ -18,3 +18,5 @@ class ModelRunnerOutput:
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     # seq id -> why this step failed for it alone: its request is finished with an error, the rest go on
     failed: dict[int, str] = field(default_factory=dict)
+    # seq id -> its embedding (an embedding request whose prompt ended this step: it samples nothing)
+    pooled: dict[int, list[float]] = field(default_factory=dict)

@@ -26,6 +26,7 @@ class CoreStep:
     new_tokens: list[tuple[Sequence, SampledToken]] = field(default_factory=list)
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child), end of an n > 1 prompt
     failed: dict[int, str] = field(default_factory=dict)  # seq id -> why its step failed (it alone)
+    pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)  # embedding requests done
 
 
 class EngineCore:
@@ -92,4 +93,8 @@ class EngineCore:
             for target, token in zip(targets, tokens):
                 target.append_token(token.token_id)
                 step.new_tokens.append((target, token))
+        for seq_id, vector in result.pooled.items():
+            seq = scheduler.get(seq_id)
+            if seq is not None and seq_id not in step.failed:
+                step.pooled.append((seq, vector))
         return step

@@ -21,6 +21,7 @@ from pagoda.engine.stats_logger import StatsLogger
 from pagoda.errors import InvalidParam
 from pagoda.generation_config import eos_token_ids_for
 from pagoda.outputs import EngineStats, RequestMetrics, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 
@@ -83,26 +84,35 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def process_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt, params: SamplingParams | PoolingParams) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt (str, token ids, or {"prompt_token_ids": [...]}); raises
         InvalidParam (a ValueError) naming the field."""
         processed = self.input_processor.process(prompt, params)
         return processed.text, processed.token_ids
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> None:
+        """A generation request (SamplingParams), or an embedding request (PoolingParams): its prompt runs
+        through the model like any prefill, and its output's `embedding` is the pooled final hidden state."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.process_prompt(prompt, params)
+        elif isinstance(params, PoolingParams):
+            self.input_processor.check_token_ids(prompt_token_ids)
+            self.input_processor.check_pooling_length(len(prompt_token_ids))
         else:
             self.input_processor.check_token_ids(prompt_token_ids)
             self.input_processor.check_params(params)
             self.input_processor.check_length(len(prompt_token_ids), params)
+        pooling = None
+        if isinstance(params, PoolingParams):  # the sequence's sampling params are never used to sample
+            pooling, params = params, SamplingParams(max_tokens=1, temperature=0.0)
         arrival = arrival_time or time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival))
         seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
+        seq.pooling = pooling
         state.add_seq(seq)
         self.requests.add(state)
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -152,6 +162,15 @@ class LLMEngine:
             if state is not None and not state.finished:
                 self._fail_request(state, message)
                 changed[state.request_id] = state
+        for seq, vector in core_step.pooled:  # embedding requests: done once their prompt has run
+            state = self.requests.of_seq(seq.seq_id)
+            if state is None or state.finished:
+                continue
+            state.embedding = vector
+            self.core.finish(seq, "stop")
+            self._count_finish("stop")
+            state.metrics.first_token_time = state.metrics.last_token_time = now
+            changed[state.request_id] = state
         for seq, token in core_step.new_tokens:
             state = self.requests.of_seq(seq.seq_id)
             if state is None or state.finished:

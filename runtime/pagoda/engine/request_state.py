@@ -29,6 +29,7 @@ class RequestState:
     outputs: dict[int, SeqOutputState] = field(default_factory=dict)  # by seq id
     aborted: bool = False
     error: str | None = None  # why this request failed inside the engine (it alone)
+    embedding: list[float] | None = None  # an embedding request's vector, once its prompt has run
 
     def add_seq(self, seq: Sequence, copy_from: Sequence | None = None) -> None:
         self.seqs.append(seq)
@@ -65,7 +66,8 @@ class RequestState:
         if finished and self.metrics.finished_time is None:
             self.metrics.finished_time = time.time()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-                             self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error)
+                             self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error,
+                             self.embedding)
 
 
 class RequestTable:
