@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 import pagoda
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.openai.cli_args import ServerArgs, flagify
+from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagoda.entrypoints.openai.errors import APIError, document_errors, error_response, install_error_handlers
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagoda.entrypoints.openai.middleware import install_middleware
@@ -38,6 +39,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
 logger = logging.getLogger("pagoda.server")
 
@@ -52,6 +54,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
+    embedding: OpenAIServingEmbedding | None = None
     metrics: ServerMetrics | None = None
     admission: Admission | None = None
     on_fatal: Callable[[], None] = lambda: None
@@ -98,6 +101,7 @@ def _attach_engine(state: ServerState, engine) -> None:
                                    trust_request_chat_template=state.server_args.trust_request_chat_template,
                                    tool_call_parser=(state.server_args.tool_call_parser
                                                      if state.server_args.enable_auto_tool_choice else None))
+    state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
     state.engine = engine
     if hasattr(engine, "add_group_failure_callback"):
         # a dead rank cannot be replaced in place: report 503 for a moment, then exit non-zero so the
@@ -172,6 +176,10 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await state.chat.create(body, raw)
+
+    @v1.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
+        return await state.embedding.create(body, raw)
 
     def model_card() -> ModelCard:
         config = state.engine.config

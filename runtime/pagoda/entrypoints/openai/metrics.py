@@ -238,7 +238,7 @@ class RequestTracker:
         m, metrics = out.metrics, self.metrics
         metrics.prompt_tokens.observe(len(out.prompt_token_ids))
         metrics.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
-        if self.params is not None:
+        if isinstance(self.params, SamplingParams):  # not an embedding request's PoolingParams
             metrics.params_n.observe(self.params.n)
             max_tokens = self.params.max_tokens  # None: up to the context length
             metrics.params_max_tokens.observe(max_tokens if max_tokens is not None
