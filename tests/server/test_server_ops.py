@@ -3,6 +3,8 @@ metric families (and their `vllm:` names behind --metrics-vllm-names), and /v1/e
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import openai
@@ -238,8 +240,6 @@ def test_embeddings_with_generation_in_flight_and_no_blocks_kept(client, server)
         client.embeddings.create(model=MODEL, input=[LONG_PROMPT, "b c d"], encoding_format="float",
                                  extra_body={"pooling_type": "mean"})
     assert sum(1 for _ in stream) > 0
-    import time
-
     deadline = time.monotonic() + 20
     while value(server.url, "pagoda:kv_cache_used_blocks") != 0:
         assert time.monotonic() < deadline, "an embedding request kept its KV blocks"
@@ -265,3 +265,21 @@ def test_embeddings_errors(client, server, hf):
         assert r.json()["error"]["param"] == param, (body, r.text)
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="other", input="x")
+
+
+def test_a_request_id_in_flight_twice_is_refused(server):
+    long = threading.Thread(target=lambda: httpx.post(
+        server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True},
+        headers={"X-Request-Id": "twice"}, timeout=120))
+    long.start()
+    try:
+        deadline = time.monotonic() + 30
+        while value(server.url, "pagoda:num_requests_running") == 0:
+            assert time.monotonic() < deadline, "the first request never ran"
+            time.sleep(0.05)
+        second = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2},
+                            headers={"X-Request-Id": "twice"}, timeout=60)
+        assert second.status_code == 400
+        assert "already running" in second.json()["error"]["message"]
+    finally:
+        long.join()
