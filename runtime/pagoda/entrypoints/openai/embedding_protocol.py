@@ -1,18 +1,17 @@
 """The wire format of `POST /v1/embeddings` (OpenAI's, with vLLM's pooling extras)."""
 
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from pagoda.entrypoints.openai.protocol import MAX_PROMPTS, NonEmptyStr, OpenAIModel, PositiveInt64, TokenIds
+from pagoda.entrypoints.openai.protocol import OpenAIModel, PositiveInt64, PromptInput
 from pagoda.pooling_params import POOLING_TYPES
 
 
 class EmbeddingRequest(OpenAIModel):
     model: str | None = None
-    input: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-            | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt64 | None = None  # only the model's own hidden size: no Matryoshka truncation
     user: str | None = None

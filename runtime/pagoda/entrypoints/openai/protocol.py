@@ -213,9 +213,13 @@ class UsageInfo(OpenAIModel):
 
 # --- completions ---------------------------------------------------------------------------------
 
+# OpenAI's four shapes of completions' `prompt` and embeddings' `input`: text, texts, token ids, lists of them
+PromptInput = (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+               | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+
+
 class CompletionRequest(SamplingFields):
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    prompt: PromptInput
     max_tokens: PositiveInt64 | None = 16  # null too means OpenAI's default, 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = False

@@ -132,6 +132,14 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run several requests' streams together; their final outputs, in the streams' order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        finals[i] = out
+    return finals
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run a non-streaming handler's work, cancelling it (so the engine aborts) if the client goes away."""
     task = asyncio.ensure_future(work)

@@ -19,6 +19,7 @@ from pagoda.entrypoints.openai.serving_base import (
     EventStreamResponse,
     OpenAIServing,
     cancel_on_disconnect,
+    collect_finals,
     merge,
     sse,
     usage_of,
@@ -77,17 +78,10 @@ class OpenAIServingCompletion(OpenAIServing):
             events = self._stream(request, request_id, prompts, streams, release)
             return EventStreamResponse(events, release)
         try:
-            finals = await cancel_on_disconnect(raw, self._collect(streams, len(prompts)))
+            finals = await cancel_on_disconnect(raw, collect_finals(streams))
         finally:
             release()
         return self._response(request, request_id, prompts, finals)
-
-    @staticmethod
-    async def _collect(streams, count: int) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * count
-        async for i, out in merge(streams):
-            finals[i] = out
-        return finals
 
     def _echo_text(self, prompt: dict) -> str:
         return prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(prompt["prompt_token_ids"])

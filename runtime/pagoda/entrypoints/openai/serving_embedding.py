@@ -14,9 +14,8 @@ from pagoda.entrypoints.openai.embedding_protocol import (
     EmbeddingUsage,
 )
 from pagoda.entrypoints.openai.errors import invalid_request
-from pagoda.entrypoints.openai.serving_base import OpenAIServing, cancel_on_disconnect, merge
+from pagoda.entrypoints.openai.serving_base import OpenAIServing, cancel_on_disconnect, collect_finals
 from pagoda.entrypoints.openai.serving_completion import split_prompts
-from pagoda.outputs import RequestOutput
 from pagoda.pooling_params import PoolingParams
 
 
@@ -37,7 +36,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         release = self.admission.acquire(len(prompts))
         try:
             streams = [self.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
-            finals = await cancel_on_disconnect(raw, self._collect(streams, len(prompts)))
+            finals = await cancel_on_disconnect(raw, collect_finals(streams))
         finally:
             release()
         data = [EmbeddingData(index=i, embedding=encode(final.embedding, request.encoding_format))
@@ -52,13 +51,6 @@ class OpenAIServingEmbedding(OpenAIServing):
         except ValueError as e:  # the engine names `prompt`; this endpoint calls it `input`
             raise invalid_request(str(e).replace("prompt", "input"), "input") from None
         return {"prompt": text, "prompt_token_ids": token_ids}
-
-    @staticmethod
-    async def _collect(streams, count: int) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * count
-        async for i, out in merge(streams):
-            finals[i] = out
-        return finals
 
 
 def encode(vector: list[float], encoding_format: str) -> list[float] | str:
