@@ -27,7 +27,7 @@ class InputProcessor:
 
     def process(self, prompt, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
         if not isinstance(params, SamplingParams | PoolingParams):
-            raise InvalidParam("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+            raise InvalidParam("sampling_params", f"expected SamplingParams or PoolingParams, got {type(params).__name__}")
         text, token_ids = self._split(prompt)
         if token_ids is None:
             if not isinstance(text, str) or not text:
