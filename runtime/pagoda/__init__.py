@@ -8,12 +8,14 @@ _EXPORTS = {
     "LLM": "pagoda.entrypoints.llm",
     "SamplingParams": "pagoda.sampling_params",
     "StructuredOutputsParams": "pagoda.sampling_params",
+    "PoolingParams": "pagoda.pooling_params",
     "EngineArgs": "pagoda.config",
     "AsyncEngineArgs": "pagoda.config",
     "LLMEngine": "pagoda.engine.llm_engine",
     "AsyncLLMEngine": "pagoda.engine.async_llm_engine",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
+    "EmbeddingRequestOutput": "pagoda.outputs",
 }
 
 

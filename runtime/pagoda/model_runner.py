@@ -18,6 +18,7 @@ from pagoda.logits_processors import apply_logits_processors
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
 from pagoda.prompt_logprobs import score_prompt_tokens
+from pagoda.pooler import Pooler
 from pagoda.runner_output import ModelRunnerOutput
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ class ModelRunner:
         self.seq_generators: dict[int, torch.Generator] = {}
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.shared_generator)
+        self.pooler = Pooler()
 
     # --- KV cache -------------------------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class ModelRunner:
         """Run this stage's layers over the scheduled tokens. The last stage returns the sampled tokens of
         every sequence that sampled; earlier stages return what the next stage needs (None if empty)."""
         self._apply_deltas(out)
+        self.pooler.update(out)
         if out.blocks_to_swap_out:
             self._swap_out(out.blocks_to_swap_out)
         if out.blocks_to_swap_in:
@@ -192,12 +195,17 @@ class ModelRunner:
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
         prompt_logprobs = self._prompt_logprobs(out, hidden)
+        pooled = {}
+        if self.pooler.states:  # embedding requests pool where they would sample (on every rank alike)
+            pooled = self.pooler.pool(out, hidden) if self.samples else {}
+            keep = [i for i, seq_id in enumerate(sample_seq_ids) if not self.pooler.is_pooling(seq_id)]
+            sample_rows, sample_seq_ids = [sample_rows[i] for i in keep], [sample_seq_ids[i] for i in keep]
         if not sample_rows:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
         logits = self.model.compute_logits(hidden[sample_rows])  # every TP rank: the gather is collective
         if not self.samples:
             return ModelRunnerOutput()
-        result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
         generators = self._generators(sample_seq_ids, result.failed)
         self._advance_matchers(sample_seq_ids, result.failed)
         if result.failed:  # sample the others only

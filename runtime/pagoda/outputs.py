@@ -1,5 +1,6 @@
 """What the engine hands back to its callers, vLLM-compatible (cumulative, not deltas)."""
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -46,6 +47,26 @@ class RequestOutput:
     error: str | None = None  # set when this request (alone) failed inside the engine
     # SamplingParams.prompt_logprobs: None for the first prompt token, then token id -> Logprob per token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector (PoolingParams)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result, as vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+# tokens computed in one engine step (prompt and generated), as vLLM's iteration_tokens_total buckets
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -70,3 +91,11 @@ class EngineStats:
     num_swapped_in: int = 0  # sequences swapped back in (counter)
     num_recomputed: int = 0  # preemptions that dropped the KV, to recompute (swap space full or mode recompute)
     finished_reasons: dict[str, int] = field(default_factory=dict)
+    # steps by tokens computed: [i] counts steps with at most ITERATION_TOKENS_BUCKETS[i] tokens (and more
+    # than the bucket before), the last entry those above every bucket
+    iteration_tokens_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens

@@ -21,3 +21,5 @@ class ModelRunnerOutput:
     # seq id -> (position of the first prompt token scored, each token's logprobs from there): the prompt
     # tokens this step's chunk predicted, for requests with prompt_logprobs (token 0 is never scored)
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
+    # seq id -> its embedding (an embedding request whose prompt ended this step: it samples nothing)
+    pooled: dict[int, list[float]] = field(default_factory=dict)

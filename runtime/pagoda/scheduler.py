@@ -110,8 +110,11 @@ class Scheduler:
         while (self.waiting and not self.swapped and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            # a cached prefix has no logits: a request scoring its prompt computes all of it
-            cached = self.block_manager.find_cached_prefix(seq) if seq.params.prompt_logprobs is None else []
+            # a cached prefix has no logits (a request scoring its prompt computes all of it), and mean
+            # pooling reads every prompt token's hidden state: neither may take its prefix from the cache
+            every_token = seq.params.prompt_logprobs is not None or (
+                seq.pooling is not None and seq.pooling.needs_every_token)
+            cached = [] if every_token else self.block_manager.find_cached_prefix(seq)
             num_computed = len(cached) * self.block_manager.block_size
             remaining = seq.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -162,6 +165,7 @@ class Scheduler:
             reset=reset,
             num_prompt_tokens=seq.num_prompt_tokens,
             params=seq.params if reset else None,
+            pooling=seq.pooling if reset else None,
         )
         seq.num_tokens_sent = seq.num_tokens
         seq.num_blocks_sent = len(table)

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class ScheduledSeq:
     reset: bool = False  # new to the runner (or resumed after preemption): forget what it had
     num_prompt_tokens: int = 0
     params: SamplingParams | None = None  # sent on reset only
+    pooling: PoolingParams | None = None  # an embedding request (sent on reset only): pool, never sample
 
 
 @dataclass

@@ -5,6 +5,7 @@ import enum
 import itertools
 import time
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -28,6 +29,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first schedule
+        self.pooling: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing sampled
         self.status = SequenceStatus.WAITING
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.finish_reason: str | None = None

@@ -28,6 +28,7 @@ class CoreStep:
     failed: dict[int, str] = field(default_factory=dict)  # seq id -> why its step failed (it alone)
     # seq id -> (first position, logprobs) of the prompt tokens its chunk scored (prompt_logprobs)
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
+    pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)  # embedding requests done
 
 
 class EngineCore:
@@ -94,4 +95,8 @@ class EngineCore:
             for target, token in zip(targets, tokens):
                 target.append_token(token.token_id)
                 step.new_tokens.append((target, token))
+        for seq_id, vector in result.pooled.items():
+            seq = scheduler.get(seq_id)
+            if seq is not None and seq_id not in step.failed:
+                step.pooled.append((seq, vector))
         return step

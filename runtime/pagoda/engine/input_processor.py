@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagoda.errors import InvalidParam
 from pagoda.logits_processors import tokenize_bad_words
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import get_grammar_backend
 
@@ -25,9 +26,9 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
 
-    def process(self, prompt, params: SamplingParams) -> ProcessedPrompt:
-        if not isinstance(params, SamplingParams):
-            raise InvalidParam("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+    def process(self, prompt, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+        if not isinstance(params, SamplingParams | PoolingParams):
+            raise InvalidParam("sampling_params", f"expected SamplingParams or PoolingParams, got {type(params).__name__}")
         text, token_ids = self._split(prompt)
         if token_ids is None:
             if not isinstance(text, str) or not text:
@@ -38,8 +39,11 @@ class InputProcessor:
                                              f"maximum context length of {self.max_model_len} tokens can hold")
             token_ids = self.tokenizer.encode(text)
         self.check_token_ids(token_ids)
-        self.check_params(params)
-        self.check_length(len(token_ids), params)
+        if isinstance(params, PoolingParams):
+            self.check_pooling_length(len(token_ids))
+        else:
+            self.check_params(params)
+            self.check_length(len(token_ids), params)
         return ProcessedPrompt(text, list(token_ids))
 
     @staticmethod
@@ -84,6 +88,12 @@ class InputProcessor:
                 raise InvalidParam("structured_outputs", "structured outputs are not available in this engine")
             # compiled here, off the engine thread; the model runner's compile of it is then a cache hit
             get_grammar_backend(*self.grammar_key).compile(params.structured_outputs)
+
+    def check_pooling_length(self, num_prompt_tokens: int) -> None:
+        """An embedding request generates nothing: its prompt may fill the context."""
+        if num_prompt_tokens > self.max_model_len:
+            raise InvalidParam("input", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                        f"However, the input has {num_prompt_tokens} tokens.")
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len

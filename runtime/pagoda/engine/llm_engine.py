@@ -21,6 +21,7 @@ from pagoda.engine.stats_logger import StatsLogger
 from pagoda.errors import InvalidParam
 from pagoda.generation_config import eos_token_ids_for
 from pagoda.outputs import EngineStats, RequestMetrics, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
 
@@ -83,26 +84,35 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def process_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt, params: SamplingParams | PoolingParams) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt (str, token ids, or {"prompt_token_ids": [...]}); raises
         InvalidParam (a ValueError) naming the field."""
         processed = self.input_processor.process(prompt, params)
         return processed.text, processed.token_ids
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> None:
+        """A generation request (SamplingParams), or an embedding request (PoolingParams): its prompt runs
+        through the model like any prefill, and its output's `embedding` is the pooled final hidden state."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.process_prompt(prompt, params)
+        elif isinstance(params, PoolingParams):
+            self.input_processor.check_token_ids(prompt_token_ids)
+            self.input_processor.check_pooling_length(len(prompt_token_ids))
         else:
             self.input_processor.check_token_ids(prompt_token_ids)
             self.input_processor.check_params(params)
             self.input_processor.check_length(len(prompt_token_ids), params)
+        pooling = None
+        if isinstance(params, PoolingParams):  # the sequence's sampling params are never used to sample
+            pooling, params = params, SamplingParams(max_tokens=1, temperature=0.0)
         arrival = arrival_time or time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival))
         seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
+        seq.pooling = pooling
         state.add_seq(seq)
         self.requests.add(state)
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -134,6 +144,8 @@ class LLMEngine:
 
     def _mark_scheduled(self, sched_out) -> None:
         now = time.time()
+        if sched_out.scheduled:
+            self.stats.observe_iteration(sched_out.num_batched_tokens)
         for s in sched_out.scheduled:
             state = self.requests.of_seq(s.seq_id)
             if state is not None and state.metrics.first_scheduled_time is None:
@@ -154,6 +166,15 @@ class LLMEngine:
             state = self.requests.of_seq(seq_id)
             if state is not None and not state.finished:
                 self.output_processor.process_prompt_logprobs(state, start, scored)
+        for seq, vector in core_step.pooled:  # embedding requests: done once their prompt has run
+            state = self.requests.of_seq(seq.seq_id)
+            if state is None or state.finished:
+                continue
+            state.embedding = vector
+            self.core.finish(seq, "stop")
+            self._count_finish("stop")
+            state.metrics.first_token_time = state.metrics.last_token_time = now
+            changed[state.request_id] = state
         for seq, token in core_step.new_tokens:
             state = self.requests.of_seq(seq.seq_id)
             if state is None or state.finished:
@@ -209,7 +230,8 @@ class LLMEngine:
         s.num_recomputed = sum(sc.num_recomputed for sc in self.schedulers)
         s.num_swap_blocks_used = self.block_manager.num_used_swap_blocks
         s.swap_space_usage = self.block_manager.swap_usage()
-        return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons)})
+        return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
+                              "iteration_tokens_counts": list(s.iteration_tokens_counts)})
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""

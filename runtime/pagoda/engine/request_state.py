@@ -31,6 +31,7 @@ class RequestState:
     error: str | None = None  # why this request failed inside the engine (it alone)
     # prompt_logprobs: None for the first token (nothing predicts it), then one entry per scored token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once its prompt has run
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -75,7 +76,7 @@ class RequestState:
             prompt_logprobs = list(self.prompt_logprobs)  # once the whole prompt is scored, as vLLM's
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
                              self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error,
-                             prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, embedding=self.embedding)
 
 
 class RequestTable:

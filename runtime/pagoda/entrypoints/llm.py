@@ -10,6 +10,8 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.errors import InvalidParam
 from pagoda.generation_config import default_sampling_params
 from pagoda.outputs import RequestOutput
+from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -70,6 +72,13 @@ class LLM:
             self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: one forward pass over it, nothing sampled (see PoolingParams)."""
+        outputs = self.generate(prompts, pooling_params or PoolingParams(), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids)
+                for o in outputs]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,

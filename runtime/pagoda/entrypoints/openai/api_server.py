@@ -22,8 +22,10 @@ from fastapi.responses import JSONResponse, Response
 import pagoda
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.openai.cli_args import ServerArgs, flagify
+from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagoda.entrypoints.openai.errors import APIError, document_errors, error_response, install_error_handlers
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagoda.entrypoints.openai.middleware import install_middleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +39,7 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 
 logger = logging.getLogger("pagoda.server")
 
@@ -51,6 +54,7 @@ class ServerState:
     started: float = field(default_factory=time.time)
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
+    embedding: OpenAIServingEmbedding | None = None
     metrics: ServerMetrics | None = None
     admission: Admission | None = None
     on_fatal: Callable[[], None] = lambda: None
@@ -80,7 +84,17 @@ def default_engine_factory(args: EngineArgs):
 def _attach_engine(state: ServerState, engine) -> None:
     config = engine.config
     name = config.model.served_model_name
-    state.metrics = ServerMetrics(name, engine.get_stats)
+    cache = config.cache
+    cache_info = {"block_size": str(cache.block_size), "cache_dtype": config.model.dtype,
+                  "enable_prefix_caching": str(cache.enable_prefix_caching),
+                  "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+                  "num_gpu_blocks": str(engine.get_stats().num_blocks_total),
+                  "num_cpu_blocks": str(cache.num_swap_blocks), "swap_space": str(cache.swap_space_gib),
+                  "preemption_mode": cache.preemption_mode}
+    state.metrics = ServerMetrics(name, engine.get_stats, max_model_len=config.model.max_model_len,
+                                  cache_info=cache_info,
+                                  max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                  vllm_names=state.server_args.metrics_vllm_names)
     state.admission = Admission(config.scheduler.max_num_seqs, state.server_args.max_queued_requests)
     state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission)
     state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission,
@@ -88,6 +102,7 @@ def _attach_engine(state: ServerState, engine) -> None:
                                    tool_call_parser=(state.server_args.tool_call_parser
                                                      if state.server_args.enable_auto_tool_choice else None),
                                    chat_template=state.server_args.chat_template)
+    state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
     state.engine = engine
     if hasattr(engine, "add_group_failure_callback"):
         # a dead rank cannot be replaced in place: report 503 for a moment, then exit non-zero so the
@@ -136,6 +151,8 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     app.state.pagoda = state
     install_error_handlers(app)
+    install_middleware(app, server_args.allowed_origins, server_args.allowed_methods, server_args.allowed_headers,
+                       server_args.allow_credentials)
 
     def require_ready() -> None:
         reason = state.unavailable_reason()
@@ -160,6 +177,10 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await state.chat.create(body, raw)
+
+    @v1.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
+        return await state.embedding.create(body, raw)
 
     def model_card() -> ModelCard:
         config = state.engine.config

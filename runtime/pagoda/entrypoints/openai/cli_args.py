@@ -7,6 +7,7 @@ environment; a bad value from either ends in an argparse error naming the flag (
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's text for tool calls
     tool_call_parser: str | None = None  # which format (tool_parsers.TOOL_PARSERS)
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the model's
+    # CORS, as vLLM's flags and defaults (any origin, method and header; no credentials)
+    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    metrics_vllm_names: bool = False  # also publish every metric under vLLM's `vllm:` names
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -98,10 +105,16 @@ def chat_template_arg(text: str) -> str:
     if "{{" in text or "{%" in text:
         return text
     raise ValueError(text)
+def json_string_list(text: str) -> list[str]:
+    """`--allowed-origins '["https://a.example"]'`: a JSON list of strings, as vLLM's CORS flags."""
+    value = json.loads(text)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(text)
+    return value
 
 
 # argparse names the type function in its error message: make those readable
-for _fn, _name in [(positive_int, "positive integer"), (non_negative_int, "non-negative integer"),
+for _fn, _name in [(json_string_list, "JSON list of strings"), (positive_int, "positive integer"), (non_negative_int, "non-negative integer"),
                    (positive_float, "positive number"), (non_negative_float, "non-negative number"),
                    (port_number, "port number"), (int_list, "comma-separated list of positive integers"),
                    (chat_template_arg, "chat template (no such file, and not a Jinja template)")]:
@@ -210,6 +223,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--generation-config", default=d["generation_config"],
           help="default sampling parameters: auto = the model's generation_config.json, vllm = none, or a "
                "directory holding a generation_config.json; a request's own values win")
+    p.add("--allowed-origins", default=["*"], type=json_string_list,
+          help='CORS: origins browsers may call from, a JSON list (e.g. \'["https://app.example"]\')')
+    p.add("--allowed-methods", default=["*"], type=json_string_list, help="CORS: allowed methods, a JSON list")
+    p.add("--allowed-headers", default=["*"], type=json_string_list, help="CORS: allowed headers, a JSON list")
+    p.add("--allow-credentials", default=ServerArgs.allow_credentials, boolean=True,
+          help="CORS: allow cookies and Authorization on cross-origin requests")
+    p.add("--metrics-vllm-names", default=ServerArgs.metrics_vllm_names, boolean=True,
+          help="also publish every metric under vLLM's name (vllm:..., same labels), for dashboards, "
+               "autoscalers and the Gateway API Inference Extension written for vLLM")
 
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))

@@ -1,31 +1,58 @@
-"""Prometheus metrics (DESIGN.md's names, prefix `pagoda:`).
+"""Prometheus metrics: vLLM's families under `pagoda:` names (`pagoda:<vLLM's name>`), same labels.
 
 Gauges and counters are read from the engine's `EngineStats` at scrape time (a custom collector: the
-engine already counts, so nothing is counted twice); latency histograms are observed here, from each
-request's timestamps, as its outputs arrive.
+engine already counts, so nothing is counted twice); per-request histograms are observed here, from each
+request's timestamps and sizes, as its outputs arrive. With `vllm_names` (`--metrics-vllm-names`) every
+family is published a second time under `vllm:` (and `pagoda:kv_cache_usage_perc` also as V0's
+`vllm:gpu_cache_usage_perc`), so dashboards, autoscaler triggers and the Gateway API Inference Extension
+written for vLLM read Pagoda unchanged.
 """
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.outputs import EngineStats, RequestOutput
+from pagoda.outputs import ITERATION_TOKENS_BUCKETS, EngineStats, RequestOutput
+from pagoda.sampling_params import SamplingParams
 
 PREFIX = "pagoda:"
+VLLM_PREFIX = "vllm:"
+# vLLM names a family differently from its pagoda: twin (besides the prefix): the extra names it also gets
+VLLM_ALIASES = {"kv_cache_usage_perc": ("gpu_cache_usage_perc",)}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (token-count histograms, as vLLM's)."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
+
+
 class EngineStatsCollector(Collector):
-    def __init__(self, get_stats: Callable[[], EngineStats | None], model_name: str):
+    def __init__(self, get_stats: Callable[[], EngineStats | None], model_name: str,
+                 cache_info: dict[str, str] | None = None, max_num_batched_tokens: int | None = None):
         self.get_stats = get_stats
         self.model_name = model_name
+        self.cache_info = cache_info or {}
+        self.iteration_buckets = len(ITERATION_TOKENS_BUCKETS)
+        if max_num_batched_tokens is not None:  # no step computes more: drop the buckets above it
+            self.iteration_buckets = sum(b <= max_num_batched_tokens for b in ITERATION_TOKENS_BUCKETS)
 
     def collect(self):
         stats = self.get_stats() or EngineStats()
@@ -69,37 +96,108 @@ class EngineStatsCollector(Collector):
         for reason in sorted({"stop", "length", "abort", *stats.finished_reasons}):
             success.add_metric([self.model_name, reason], stats.finished_reasons.get(reason, 0))
         yield success
+        yield self._iteration_tokens(stats)
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
+                                 labels=["model_name", *self.cache_info])
+        info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
+        yield info
+        # no LoRA adapters: published so LoRA-aware routers (the Gateway API Inference Extension) see none
+        lora = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters (none).",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], time.time())  # vLLM's value: when the adapter set was last seen
+        yield lora
+
+    def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
+        counts = stats.iteration_tokens_counts
+        kept = ITERATION_TOKENS_BUCKETS[: self.iteration_buckets]
+        cumulative, buckets = 0, []
+        for bound, count in zip(kept, counts):
+            cumulative += count
+            buckets.append((str(float(bound)), cumulative))
+        buckets.append(("+Inf", sum(counts)))
+        family = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
+                                       "Tokens computed per engine step (prompt and generated).",
+                                       labels=["model_name"])
+        family.add_metric([self.model_name], buckets, stats.iteration_tokens_sum)
+        return family
+
+
+class VllmNamesCollector(Collector):
+    """Every family of `source` again, named `vllm:` (plus VLLM_ALIASES), with the same labels."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if not family.name.startswith(PREFIX):
+                continue
+            base = family.name[len(PREFIX):]
+            for name in (base, *VLLM_ALIASES.get(base, ())):
+                renamed = Metric(VLLM_PREFIX + name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    suffix = sample.name[len(family.name):]
+                    renamed.add_sample(VLLM_PREFIX + name + suffix, sample.labels, sample.value, sample.timestamp,
+                                       sample.exemplar)
+                yield renamed
 
 
 class ServerMetrics:
     """One registry per server, so tests (and the worker mode) can build several apps in one process."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats | None]):
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats | None], *, max_model_len: int = 8192,
+                 cache_info: dict[str, str] | None = None, max_num_batched_tokens: int | None = None,
+                 vllm_names: bool = False):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(get_stats, model_name))
+        self.registry.register(EngineStatsCollector(get_stats, model_name, cache_info, max_num_batched_tokens))
+        self.vllm_registry: CollectorRegistry | None = None
+        if vllm_names:
+            self.vllm_registry = CollectorRegistry()
+            self.vllm_registry.register(VllmNamesCollector(self.registry))
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
 
+        self.max_model_len = max_model_len
+        token_buckets = buckets_1_2_5(max_model_len)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Per request: decode time over its output tokens after the first.", _TPOT_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                 _LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "First scheduled to last token.",
+                                   _LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
+                                       token_buckets)
+        self.generation_tokens = histogram("request_generation_tokens",
+                                           "Generated tokens per finished request (all its n outputs).",
+                                           token_buckets)
+        self.params_n = histogram("request_params_n", "The n of finished requests.", _PARAMS_N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished requests.",
+                                           token_buckets)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        body = generate_latest(self.registry)
+        if self.vllm_registry is not None:
+            body += generate_latest(self.vllm_registry)
+        return body
 
-    def tracker(self) -> "RequestTracker":
-        return RequestTracker(self)
+    def tracker(self, params: SamplingParams | None = None) -> "RequestTracker":
+        return RequestTracker(self, params)
 
 
 class RequestTracker:
     """Follows one request's cumulative outputs and observes its latencies once each. Inter-token latency
     is per sequence: each of n choices' tokens counts the interval since that choice's previous token."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, params: SamplingParams | None = None):
         self.metrics = metrics
+        self.params = params
         self.num_tokens: dict[int, int] = {}  # choice index -> tokens seen
         self.last_token_time: float | None = None
         self.done = False
@@ -134,3 +232,24 @@ class RequestTracker:
             end = m.finished_time or m.last_token_time
             if end is not None:
                 self.metrics.e2e.observe(max(end - m.arrival_time, 0.0))
+            self._observe_finished(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        m, metrics = out.metrics, self.metrics
+        metrics.prompt_tokens.observe(len(out.prompt_token_ids))
+        metrics.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        if isinstance(self.params, SamplingParams):  # not an embedding request's PoolingParams
+            metrics.params_n.observe(self.params.n)
+            max_tokens = self.params.max_tokens  # None: up to the context length
+            metrics.params_max_tokens.observe(max_tokens if max_tokens is not None
+                                              else max(metrics.max_model_len - len(out.prompt_token_ids), 0))
+        if m.first_token_time is None or m.last_token_time is None:  # ended before its first token
+            return
+        decode = max(m.last_token_time - m.first_token_time, 0.0)
+        metrics.decode.observe(decode)
+        if m.first_scheduled_time is not None:
+            metrics.prefill.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+            metrics.inference.observe(max(m.last_token_time - m.first_scheduled_time, 0.0))
+        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        if longest > 1:  # per sequence, as inter-token latency: the longest of the n outputs
+            metrics.tpot.observe(decode / (longest - 1))

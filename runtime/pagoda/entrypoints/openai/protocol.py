@@ -230,17 +230,26 @@ class SamplingFields(OpenAIModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # --- completions ---------------------------------------------------------------------------------
 
+# OpenAI's four shapes of completions' `prompt` and embeddings' `input`: text, texts, token ids, lists of them
+PromptInput = (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+               | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+
+
 class CompletionRequest(SamplingFields):
-    prompt: (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    prompt: PromptInput
     # null too means OpenAI's default, 16; 0 only with echo (score the prompt, generate nothing)
     max_tokens: NonNegativeInt64 | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

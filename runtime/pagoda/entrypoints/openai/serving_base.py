@@ -4,7 +4,7 @@ anything is streamed, engine errors mapped to HTTP errors, metrics, and aborting
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from fastapi import Request
@@ -14,6 +14,8 @@ from pydantic import BaseModel
 from pagoda.engine import EngineDeadError
 from pagoda.entrypoints.openai.errors import APIError, invalid_request, sse_error
 from pagoda.entrypoints.openai.metrics import ServerMetrics
+from pagoda.entrypoints.openai.middleware import request_id_of
+from pagoda.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagoda.errors import RequestFailed
 from pagoda.generation_config import default_sampling_params
 from pagoda.outputs import RequestOutput
@@ -77,9 +79,15 @@ class OpenAIServing:
             raise invalid_request(str(e), getattr(e, "param", None)) from None
         return {"prompt": text, "prompt_token_ids": token_ids}
 
+    @staticmethod
+    def request_id(raw: Request, prefix: str) -> str:
+        """The engine's and the response's id: `prefix-` and the request's X-Request-Id (the client's, or one
+        the middleware made up), so the client's id finds the request in the logs."""
+        return f"{prefix}-{request_id_of(raw)}"
+
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative outputs, with metrics observed and engine errors as APIError."""
-        tracker = self.metrics.tracker()
+        tracker = self.metrics.tracker(params)
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 tracker.observe(out)
@@ -126,6 +134,14 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run several requests' streams together; their final outputs, in the streams' order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge(streams):
+        finals[i] = out
+    return finals
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run a non-streaming handler's work, cancelling it (so the engine aborts) if the client goes away."""
     task = asyncio.ensure_future(work)
@@ -148,6 +164,17 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         logger.info("client disconnected: request aborted")
         raise APIError(499, "client disconnected")
     return task.result()
+
+
+def usage_of(finals: Iterable[RequestOutput]) -> UsageInfo:
+    """Tokens of one request's prompts and outputs; `cached_tokens`: prompt tokens the prefix cache served."""
+    prompt = completion = cached = 0
+    for final in finals:
+        prompt += len(final.prompt_token_ids)
+        completion += sum(len(c.token_ids) for c in final.outputs)
+        cached += final.num_cached_tokens
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def sse(payload: BaseModel) -> str:

@@ -38,6 +38,7 @@ from pagoda.entrypoints.openai.serving_base import (
     OpenAIServing,
     cancel_on_disconnect,
     sse,
+    usage_of,
 )
 from pagoda.entrypoints.openai.serving_completion import finish_reason, prompt_logprobs_field
 from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
@@ -180,7 +181,7 @@ class OpenAIServingChat(OpenAIServing):
             # the model's max_new_tokens, as far as the context leaves room (vLLM's)
             params = dataclasses.replace(params, max_tokens=max(1, min(default_max, self.max_model_len - len(token_ids))))
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
-        request_id = random_id("chatcmpl")
+        request_id = self.request_id(raw, "chatcmpl")
         release = self.admission.acquire()
         stream = self.generate(prompt, params, request_id)
         if request.stream:
@@ -314,6 +315,4 @@ def _prompt_logprobs(request: ChatCompletionRequest, out: RequestOutput):
 
 
 def _usage(final: RequestOutput) -> UsageInfo:
-    prompt = len(final.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in final.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return usage_of([final])

@@ -16,15 +16,17 @@ from pagoda.entrypoints.openai.protocol import (
     CompletionResponse,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     UsageInfo,
-    random_id,
 )
 from pagoda.entrypoints.openai.serving_base import (
     EventStreamResponse,
     OpenAIServing,
     cancel_on_disconnect,
+    collect_finals,
     merge,
     sse,
+    usage_of,
 )
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -99,24 +101,17 @@ class OpenAIServingCompletion(OpenAIServing):
             raise invalid_request(f"{len(raw_prompts)} prompts in one request, more than this server admits at "
                                   f"once ({self.admission.limit}): split the batch", "prompt")
         prompts = [await self.validate_prompt(p, params) for p in raw_prompts]
-        request_id = random_id("cmpl")
+        request_id = self.request_id(raw, "cmpl")
         release = self.admission.acquire(len(prompts))
         streams = [self.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
         if request.stream:
             events = self._stream(request, request_id, prompts, streams, release)
             return EventStreamResponse(events, release)
         try:
-            finals = await cancel_on_disconnect(raw, self._collect(streams, len(prompts)))
+            finals = await cancel_on_disconnect(raw, collect_finals(streams))
         finally:
             release()
         return self._response(request, request_id, prompts, finals)
-
-    @staticmethod
-    async def _collect(streams, count: int) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * count
-        async for i, out in merge(streams):
-            finals[i] = out
-        return finals
 
     def _echo_text(self, prompt: dict) -> str:
         return prompt["prompt"] if prompt["prompt"] is not None else self.tokenizer.decode(prompt["prompt_token_ids"])
@@ -160,6 +155,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 logprobs=logprobs, finish_reason=finish_reason(c),
                                                 stop_reason=c.stop_reason, prompt_logprobs=scored))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage.prompt_tokens_details = usage_of(finals).prompt_tokens_details
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[dict],
@@ -167,6 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         sent: dict[tuple[int, int], _SentSoFar] = {}
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         completion_tokens: dict[tuple[int, int], int] = {}
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
@@ -176,6 +173,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, out in merge(streams):
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                cached_tokens[i] = out.num_cached_tokens
                 choices = []
                 for c in out.outputs:
                     if request.max_tokens == 0:
@@ -215,7 +213,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.include_usage_in_stream:
                 used = sum(completion_tokens.values())
                 total = sum(prompt_tokens.values())
-                yield chunk([], UsageInfo(prompt_tokens=total, completion_tokens=used, total_tokens=total + used))
+                details = PromptTokensDetails(cached_tokens=sum(cached_tokens.values()))
+                yield chunk([], UsageInfo(prompt_tokens=total, completion_tokens=used, total_tokens=total + used,
+                                          prompt_tokens_details=details))
         finally:
             release()
 

@@ -1,0 +1,63 @@
+"""vLLM's metric families under pagoda: names, the iteration-tokens histogram from the engine's counts, and
+the vllm: mirror that --metrics-vllm-names adds."""
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda.entrypoints.openai.metrics import ServerMetrics, buckets_1_2_5
+from pagoda.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    text = metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def finished(num_tokens: int) -> RequestOutput:
+    m = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.5, first_token_time=1.0,
+                       last_token_time=1.0 + 0.25 * (num_tokens - 1), finished_time=2.0)
+    return RequestOutput("r", "p", [1, 2, 3], [CompletionOutput(0, "", list(range(num_tokens)))], True, m)
+
+
+def test_buckets_1_2_5():
+    assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert buckets_1_2_5(60) == (1, 2, 5, 10, 20, 50)
+
+
+def test_per_request_histograms():
+    metrics = ServerMetrics("m", lambda: None, max_model_len=100)
+    metrics.tracker(SamplingParams(n=1, max_tokens=9)).observe(finished(5))
+    got = {name: v for (name, labels), v in samples(metrics).items() if "le" not in dict(labels)}
+    assert got["pagoda:request_prompt_tokens_sum"] == 3
+    assert got["pagoda:request_generation_tokens_sum"] == 5
+    assert got["pagoda:request_params_max_tokens_sum"] == 9
+    assert got["pagoda:request_params_n_sum"] == 1
+    assert got["pagoda:request_prefill_time_seconds_sum"] == pytest.approx(0.5)
+    assert got["pagoda:request_decode_time_seconds_sum"] == pytest.approx(1.0)
+    assert got["pagoda:request_inference_time_seconds_sum"] == pytest.approx(1.5)
+    assert got["pagoda:request_time_per_output_token_seconds_sum"] == pytest.approx(0.25)
+
+
+def test_iteration_tokens_histogram_and_vllm_names():
+    stats = EngineStats(num_requests_waiting=3, kv_cache_usage=0.25)
+    for tokens in (1, 7, 8, 300, 5000):
+        stats.observe_iteration(tokens)
+    metrics = ServerMetrics("m", lambda: stats, max_num_batched_tokens=2048, vllm_names=True,
+                            cache_info={"block_size": "16"})
+    got = samples(metrics)
+    bucket = lambda le: got[("pagoda:iteration_tokens_total_bucket", (("le", le), ("model_name", "m")))]  # noqa: E731
+    assert (bucket("1.0"), bucket("8.0"), bucket("256.0"), bucket("512.0"), bucket("2048.0"), bucket("+Inf")) == (
+        1, 3, 3, 4, 4, 5)
+    assert ("pagoda:iteration_tokens_total_bucket", (("le", "4096.0"), ("model_name", "m"))) not in got
+    assert got[("pagoda:iteration_tokens_total_sum", (("model_name", "m"),))] == 5316
+    assert got[("pagoda:cache_config_info", (("block_size", "16"), ("model_name", "m")))] == 1
+    for (name, labels), value in got.items():
+        if name.startswith("pagoda:") and "lora" not in name:
+            assert got[("vllm:" + name.removeprefix("pagoda:"), labels)] == value
+    assert got[("vllm:num_requests_waiting", (("model_name", "m"),))] == 3
+    assert got[("vllm:gpu_cache_usage_perc", (("model_name", "m"),))] == 0.25
+    assert not any(name.startswith("vllm:") for name, _ in samples(ServerMetrics("m", lambda: stats)))
