@@ -17,8 +17,8 @@ from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.logits_processors import apply_logits_processors
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
-from pagoda.prompt_logprobs import score_prompt_tokens
 from pagoda.pooler import Pooler
+from pagoda.prompt_logprobs import score_prompt_tokens
 from pagoda.runner_output import ModelRunnerOutput
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams

@@ -9,7 +9,6 @@ from pagoda.config import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.errors import InvalidParam
 from pagoda.generation_config import default_sampling_params
-from pagoda.outputs import RequestOutput
 from pagoda.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
