@@ -16,10 +16,11 @@ from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
-from pagoda.runner_output import ModelRunnerOutput
+from pagoda.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler_output import SchedulerOutput
+from pagoda.spec_decode.rejection_sampler import RejectionSampler, target_probs
 from pagoda.structured_output import GrammarMatcher, apply_bitmask, get_grammar_backend
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,9 @@ class ModelRunner:
         self.seq_generators: dict[int, torch.Generator] = {}
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.shared_generator)
+        self.rejection_sampler = RejectionSampler(self.shared_generator)
+        self.drafter = None  # speculative decoding with a draft model: it proposes each step's drafts
+        self.draft_probs: dict[int, torch.Tensor] = {}
 
     # --- KV cache -------------------------------------------------------------------------------
 
@@ -181,7 +185,8 @@ class ModelRunner:
             self._copy_blocks(out.blocks_to_copy)
         if out.is_empty:
             return ModelRunnerOutput() if self.is_last_stage else None
-        input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out)
+        drafts = self._drafts(out)
+        input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out, drafts)
         hidden_in = residual_in = None
         if intermediate is not None:
             hidden_in, residual_in = intermediate.hidden, intermediate.residual
@@ -203,6 +208,15 @@ class ModelRunner:
             sample_seq_ids = [sample_seq_ids[i] for i in keep]
             if not sample_seq_ids:
                 return result
+        if drafts:  # the rows of sequences with drafts are verified; the others sampled as usual
+            verify = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id in drafts]
+            self._verify(logits[verify], [sample_seq_ids[i] for i in verify], [generators[i] for i in verify],
+                         drafts, result)
+            keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in drafts]
+            logits, generators = logits[keep], [generators[i] for i in keep]
+            sample_seq_ids = [sample_seq_ids[i] for i in keep]
+            if not sample_seq_ids:
+                return result
         masked = self._mask_grammars(logits, sample_seq_ids)
         # logprobs stay the model's own (raw): a masked-out token's is finite, never -inf
         tokens = self.sampler(masked, self._sampling_tensors(sample_seq_ids, generators),
@@ -210,6 +224,29 @@ class ModelRunner:
         for seq_id, token in zip(sample_seq_ids, tokens):
             result.sampled.setdefault(seq_id, []).append(token)
         return result
+
+    def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """seq id -> its draft tokens this step: the scheduler's (n-gram) or the draft model's."""
+        drafts = {s.seq_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
+        self.draft_probs = {}
+        if self.drafter is not None:
+            proposed, self.draft_probs = self.drafter.propose(out, self.seqs)
+            drafts.update(proposed)
+        return drafts
+
+    def _verify(self, logits: torch.Tensor, seq_ids: list[int], generators: list, drafts: dict[int, list[int]],
+                result: ModelRunnerOutput) -> None:
+        """logits [R, V]: k + 1 consecutive rows per sequence with k drafts -> result.verified."""
+        if not seq_ids:
+            return
+        probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
+        firsts = [i for i, seq_id in enumerate(seq_ids) if i == 0 or seq_ids[i - 1] != seq_id]
+        order = [seq_ids[i] for i in firsts]
+        draft_probs = [self.draft_probs[seq_id] for seq_id in order] if self.draft_probs else None
+        runs = self.rejection_sampler(probs, [drafts[seq_id] for seq_id in order], draft_probs,
+                                      [row_greedy[i] for i in firsts], [generators[i] for i in firsts])
+        for seq_id, run in zip(order, runs):
+            result.verified[seq_id] = [SampledToken(token) for token in run]
 
     def _generators(self, seq_ids: list[int], failed: dict[int, str]) -> list[torch.Generator | None]:
         """Each seeded sequence's own generator (made on its first sample). A failure here concerns one
@@ -289,7 +326,7 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput, drafts: dict[int, list[int]] | None = None):
         bs = self.block_size
         token_chunks, position_chunks, slot_chunks = [], [], []
         query_lens, seq_lens, tables = [], [], []
@@ -301,13 +338,18 @@ class ModelRunner:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             positions = np.arange(start, end, dtype=np.int64)
             table = np.asarray(seq.block_table, dtype=np.int64)
-            token_chunks.append(seq.token_ids[start:end])
+            num_drafts = s.num_draft_tokens if drafts and s.seq_id in drafts else 0
+            token_chunks.append(seq.token_ids[start : end - num_drafts] + (drafts[s.seq_id] if num_drafts else []))
             position_chunks.append(positions)
             slot_chunks.append(table[positions // bs] * bs + positions % bs)
             query_lens.append(s.num_new_tokens)
             seq_lens.append(end)
             tables.append(seq.block_table)
             row += s.num_new_tokens
+            if num_drafts:  # the target's distribution after the last token and after each draft
+                sample_rows += range(row - num_drafts - 1, row)
+                sample_seq_ids += [s.seq_id] * (num_drafts + 1)
+                continue
             for _ in range(s.num_samples):
                 sample_rows.append(row - 1)
                 sample_seq_ids.append(s.seq_id)

@@ -68,3 +68,8 @@ class EngineStats:
     num_swapped_in: int = 0  # sequences swapped back in (counter)
     num_recomputed: int = 0  # preemptions that dropped the KV, to recompute (swap space full or mode recompute)
     finished_reasons: dict[str, int] = field(default_factory=dict)
+    # speculative decoding (counters): verification steps, draft tokens proposed, accepted; accepted by position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list[int] = field(default_factory=list)

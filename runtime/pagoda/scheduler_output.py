@@ -17,6 +17,10 @@ class ScheduledSeq:
     reset: bool = False  # new to the runner (or resumed after preemption): forget what it had
     num_prompt_tokens: int = 0
     params: SamplingParams | None = None  # sent on reset only
+    # speculative decoding: the last num_draft_tokens of the num_new_tokens are drafts to verify (not in
+    # new_token_ids); their ids here (n-gram), or None when the runner's draft model proposes them
+    num_draft_tokens: int = 0
+    draft_token_ids: list[int] | None = None
 
 
 @dataclass
