@@ -20,6 +20,7 @@ from pagoda.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler_output import SchedulerOutput
+from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.spec_decode.rejection_sampler import RejectionSampler, target_probs
 from pagoda.structured_output import GrammarMatcher, apply_bitmask, get_grammar_backend
 
@@ -64,18 +65,8 @@ class ModelRunner:
             if config.attention_backend == "torch":
                 cpu_kernels.available()  # build the decode kernel now, not inside the first request
         torch.manual_seed(config.seed)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model_class = get_model_class(hf.architectures[0])
-                self.model = model_class(hf, config.parallel.pp_layer_partition)
-        finally:
-            torch.set_default_dtype(previous)
-        load_weights(self.model, config.model.path, config.model.quantization)
-        self.model.eval()
-        if packing_supported(self.device, self.dtype):
-            pack_weights(self.model)
+        self.model = self._load_model(hf, config.model.path, config.model.quantization,
+                                      config.parallel.pp_layer_partition)
         self.attention_layers = self.model.attention_layers()
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []  # host copies of swapped-out blocks, one per layer
@@ -85,14 +76,35 @@ class ModelRunner:
         self.sampler = Sampler(self.shared_generator)
         self.rejection_sampler = RejectionSampler(self.shared_generator)
         self.drafter = None  # speculative decoding with a draft model: it proposes each step's drafts
+        if config.draft_model is not None:
+            draft = config.draft_model
+            self.drafter = DraftModelProposer(self, self._load_model(draft.hf_config, draft.path, None, None),
+                                              config.seed)
         self.draft_probs: dict[int, torch.Tensor] = {}
+
+    def _load_model(self, hf_config, path: str, quantization, pp_layer_partition):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model_class = get_model_class(hf_config.architectures[0])
+                model = model_class(hf_config, pp_layer_partition)
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(model, path, quantization)
+        model.eval()
+        if packing_supported(self.device, self.dtype):
+            pack_weights(model)
+        return model
 
     # --- KV cache -------------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
         layer = self.attention_layers[0]
         per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_size * self.dtype.itemsize
-        return per_layer * len(self.attention_layers)
+        # a draft model's cache has as many blocks, under the same block tables: the budget holds both
+        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
+        return per_layer * len(self.attention_layers) + draft
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -140,6 +152,8 @@ class ModelRunner:
                                 dtype=self.dtype, device=self.device).transpose(2, 3)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         self.allocate_swap_space(self.config.cache.num_swap_blocks)
 
     def allocate_swap_space(self, num_swap_blocks: int) -> None:
@@ -247,6 +261,8 @@ class ModelRunner:
                                       [row_greedy[i] for i in firsts], [generators[i] for i in firsts])
         for seq_id, run in zip(order, runs):
             result.verified[seq_id] = [SampledToken(token) for token in run]
+            if self.drafter is not None:
+                self.drafter.accepted(seq_id, len(run) - 1)
 
     def _generators(self, seq_ids: list[int], failed: dict[int, str]) -> list[torch.Generator | None]:
         """Each seeded sequence's own generator (made on its first sample). A failure here concerns one
@@ -310,8 +326,12 @@ class ModelRunner:
         for seq_id in out.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             self.seq_generators.pop(seq_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(seq_id)
         for s in out.scheduled:
             if s.reset:
+                if self.drafter is not None:  # new to the runner, or its blocks changed: no draft KV kept
+                    self.drafter.forget(s.seq_id)
                 self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
                                                 s.params)
                 continue
@@ -323,7 +343,7 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
             cache[:, dst] = cache[:, src]
 
     def _prepare(self, out: SchedulerOutput, drafts: dict[int, list[int]] | None = None):

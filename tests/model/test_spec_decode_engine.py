@@ -113,3 +113,60 @@ def test_default_model_stops_inside_an_accepted_run(default_pair, stop):
         (want.token_ids, want.text, want.finish_reason, want.stop_reason)
     assert len(got.token_ids) < 40
     spec.engine.block_manager.check_no_leaks()
+
+
+# --- a draft model -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft,engine_kwargs", [
+    ("self", {}),
+    ("other", {"max_num_batched_tokens": 16}),
+    ("self", {"kv_cache_memory": 10 * BLOCK_BYTES / 2**30, "max_model_len": 160, "preemption_mode": "swap",
+              "swap_space": 64 * BLOCK_BYTES / 2**30}),
+    ("other", {"kv_cache_memory": 10 * BLOCK_BYTES / 2**30, "max_model_len": 160, "preemption_mode": "recompute",
+               "swap_space": 0}),
+], ids=["self", "other-chunked", "self-preempt-swap", "other-preempt-recompute"])
+def test_draft_model_greedy_equals_decoding_without_speculation(tiny_model_factory, reference, draft, engine_kwargs):
+    target = tiny_model_factory("llama")
+    draft_path = target if draft == "self" else tiny_model_factory("llama", seed=1, num_layers=1)
+    if "kv_cache_memory" in engine_kwargs:  # the draft's blocks come from the same budget
+        engine_kwargs["kv_cache_memory"] *= 2 if draft == "self" else 1.5
+    llm, got = pagoda_greedy(target, PROMPTS * 2, speculative_config={"model": str(draft_path),
+                                                                      "num_speculative_tokens": 3}, **engine_kwargs)
+    assert got == reference * 2
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_drafts > 0
+    if draft == "self":  # the target's own greedy tokens: every draft accepted
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    if "preemption_mode" in engine_kwargs:
+        assert stats.num_preemptions > 0
+
+
+def test_draft_model_sampling_accepts_its_own_distribution(tiny_model_factory):
+    """With the target as its own draft p = q, so every sampled draft is accepted; seeds reproduce."""
+    path = str(tiny_model_factory("llama"))
+    llm = LLM(path, dtype="float32", kv_cache_memory=0.02,
+              speculative_config={"model": path, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=24, n=2, seed=5, ignore_eos=True)
+    a = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    b = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    llm.engine.block_manager.check_no_leaks()
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_model_factory, tmp_path):
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model_factory("llama"), draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["vocab_size"] += 1
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="speculative_config.*vocabulary"):
+        LLM(str(tiny_model_factory("llama")), speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config.*cannot be loaded"):
+        LLM(str(tiny_model_factory("llama")), speculative_config={"model": str(tmp_path / "nope"),
+                                                                  "num_speculative_tokens": 2})

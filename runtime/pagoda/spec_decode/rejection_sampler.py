@@ -59,21 +59,24 @@ class RejectionSampler:
                 final_rows.append(residual if float(residual.sum()) > 0 else p)
             offset += k
         final = torch.stack(final_rows)  # [S, V], unnormalized where residual
-        tokens = self._sample(final, is_greedy, generators)
+        tokens = sample_rows(final, is_greedy, [self._gen(g) for g in generators])
         return [draft_token_ids[i][:n] + [tok] for i, (n, tok) in enumerate(zip(num_accepted, tokens))]
 
     def _gen(self, generator: torch.Generator | None) -> torch.Generator | None:
         return generator if generator is not None else self.generator
 
-    def _sample(self, weights: torch.Tensor, is_greedy: list[bool], generators) -> list[int]:
-        """One token per row of non-negative weights [S, V] (not necessarily normalized): argmax for greedy
-        rows, else the exponential race argmax(w / E), E ~ Exp(1), which draws from w / sum(w)."""
-        noise = torch.empty_like(weights)
-        for row, g in enumerate(generators):
-            noise[row].exponential_(generator=self._gen(g))
-        sampled = (weights / noise).argmax(dim=-1)
-        greedy = torch.tensor(is_greedy, device=weights.device)
-        return torch.where(greedy, weights.argmax(dim=-1), sampled).tolist()
+
+
+def sample_rows(weights: torch.Tensor, is_greedy: list[bool], generators: list[torch.Generator | None]
+                ) -> list[int]:
+    """One token per row of non-negative weights [S, V] (not necessarily normalized): argmax for greedy
+    rows, else the exponential race argmax(w / E), E ~ Exp(1), which draws from w / sum(w)."""
+    noise = torch.empty_like(weights)
+    for row, g in enumerate(generators):
+        noise[row].exponential_(generator=g)
+    sampled = (weights / noise).argmax(dim=-1)
+    greedy = torch.tensor(is_greedy, device=weights.device)
+    return torch.where(greedy, weights.argmax(dim=-1), sampled).tolist()
 
 
 def target_probs(sampler, logits: torch.Tensor, t) -> tuple[torch.Tensor, list[bool]]:
