@@ -242,3 +242,39 @@ def test_seeded_rows_reproduce():
         sampler = RejectionSampler(torch.Generator().manual_seed(len(runs) + 100))  # a different shared stream
         runs.append(sampler(target, [[1, 2]], None, [False], [torch.Generator().manual_seed(42)]))
     assert runs[0] == runs[1]
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+def test_spec_decode_metrics_are_published_only_when_on():
+    from pagoda.entrypoints.openai.metrics import ServerMetrics
+    from pagoda.outputs import EngineStats
+
+    stats = EngineStats(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
+                        spec_decode_num_accepted_tokens=12, spec_decode_accepted_per_pos=[7, 4, 1])
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    for line in ['pagoda:spec_decode_num_drafts_total{model_name="m"} 10.0',
+                 'pagoda:spec_decode_num_draft_tokens_total{model_name="m"} 30.0',
+                 'pagoda:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0',
+                 'pagoda:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 7.0',
+                 'pagoda:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0']:
+        assert line in text
+    assert "spec_decode" not in ServerMetrics("m", lambda: EngineStats()).render().decode()
+
+
+def test_stats_line_reports_acceptance_since_the_previous_line():
+    from pagoda.engine.stats_logger import StatsLogger
+    from pagoda.outputs import EngineStats
+
+    now = [0.0]
+    logger = StatsLogger(5.0, clock=lambda: now[0])
+    now[0] = 10.0
+    line = logger.log(EngineStats(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
+                                  spec_decode_num_accepted_tokens=15, spec_decode_accepted_per_pos=[8, 5, 2]))
+    assert "mean acceptance length 2.50" in line and "draft acceptance rate 50.0%" in line
+    assert "accepted 1.5 tokens/s" in line and "per-position acceptance rate 0.80, 0.50, 0.20" in line
+    now[0] = 20.0
+    line = logger.log(EngineStats(spec_decode_num_drafts=20, spec_decode_num_draft_tokens=60,
+                                  spec_decode_num_accepted_tokens=15, spec_decode_accepted_per_pos=[8, 5, 2]))
+    assert "draft acceptance rate 0.0%" in line and "per-position acceptance rate 0.00, 0.00, 0.00" in line
+    assert "Spec decode" not in StatsLogger(5.0).log(EngineStats())
