@@ -3,7 +3,7 @@ batches, with stops, n > 1, prefix caching, chunked prefill and preemption; and 
 on the default model when the answer copies its input."""
 
 import pytest
-from test_hf_parity import MAX_TOKENS, PROMPTS, pagoda_greedy
+from test_hf_parity import PROMPTS, pagoda_greedy
 
 from pagoda import LLM, SamplingParams
 

@@ -278,3 +278,15 @@ def test_stats_line_reports_acceptance_since_the_previous_line():
                                   spec_decode_num_accepted_tokens=15, spec_decode_accepted_per_pos=[8, 5, 2]))
     assert "draft acceptance rate 0.0%" in line and "per-position acceptance rate 0.00, 0.00, 0.00" in line
     assert "Spec decode" not in StatsLogger(5.0).log(EngineStats())
+
+
+def test_serve_flag_errors_name_the_flag(capsys):
+    from pagoda.entrypoints.cli import main
+
+    for value, message in [('{"method": "ngram"}', "--speculative-config: num_speculative_tokens"),
+                           ('{"method": "ngram", "num_speculative_tokens": 2, "x": 1}', "--speculative-config: unknown key 'x'"),
+                           ("[1, 2]", "argument --speculative-config: invalid JSON object"),
+                           ("{bad json", "argument --speculative-config: invalid JSON object")]:
+        with pytest.raises(SystemExit) as err:
+            main(["serve", "--speculative-config", value])
+        assert err.value.code == 2 and message in capsys.readouterr().err

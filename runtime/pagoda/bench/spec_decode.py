@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from pagoda import LLM, SamplingParams
 
@@ -104,8 +105,7 @@ def main(argv=None) -> int:
         results.append(result)
         print(json.dumps(result), flush=True)
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(results, f, indent=2)
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
     return 0
 
 

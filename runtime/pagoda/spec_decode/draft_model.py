@@ -75,7 +75,7 @@ class DraftModelProposer:
             dist, is_greedy = target_probs(self.runner.sampler, logits, t)
             tokens = sample_rows(dist, is_greedy, [self._generator(i, seqs) for i in seq_ids])
             next_chunks = []
-            for row, ((seq_id, _, start), token) in enumerate(zip(chunks, tokens)):
+            for row, ((seq_id, _, _), token) in enumerate(zip(chunks, tokens)):
                 drafts[seq_id].append(token)
                 probs[seq_id].append(dist[row])
                 if len(drafts[seq_id]) < wanted[seq_id]:
