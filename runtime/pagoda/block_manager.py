@@ -107,8 +107,8 @@ class BlockManager:
             copies.append((shared, own))
         for _ in range(num_needed):
             table.append(self._take_free_block())
-        if self.enable_prefix_caching:
-            self._register_full_blocks(seq, table, num_computed + num_new_tokens)
+        if self.enable_prefix_caching:  # draft tokens (past the sequence's own) are not cached
+            self._register_full_blocks(seq, table, min(num_computed + num_new_tokens, seq.num_tokens))
         return copies
 
     def _take_free_block(self) -> int:
@@ -134,6 +134,19 @@ class BlockManager:
             if h not in self.cached_blocks and self.hash_of_block[block] is None:
                 self.cached_blocks[h] = block
                 self.hash_of_block[block] = h
+
+    def release_slots_after(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep seq's blocks for its first num_tokens tokens, free the rest (the slots of rejected
+        speculative drafts: private, never hashed)."""
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            block = table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares all of parent's blocks (copy-on-write later)."""

@@ -1,5 +1,6 @@
 """Engine configuration: the user's arguments (EngineArgs) and the validated configs built from them."""
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -25,7 +26,6 @@ LOAD_FORMATS = ("auto", "safetensors")
 
 # vLLM engine arguments Pagoda does not implement yet: refused by name unless left at vLLM's default.
 UNSUPPORTED_ARGS = {
-    "speculative_config": None,
     "enable_lora": False,
     "max_loras": 1,
     "max_lora_rank": 16,
@@ -87,8 +87,10 @@ class EngineArgs:
     preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
     tokenizer_mode: str = "auto"
     load_format: str = "auto"
-    # refused unless at their defaults (UNSUPPORTED_ARGS), so vLLM snippets fail by name, before loading
+    # speculative decoding, as vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    # "prompt_lookup_min": m} or {"model": PATH, "num_speculative_tokens": k} (see docs/speculative-decoding.md)
     speculative_config: dict | None = None
+    # refused unless at their defaults (UNSUPPORTED_ARGS), so vLLM snippets fail by name, before loading
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -155,6 +157,69 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+DEFAULT_PROMPT_LOOKUP_MIN = 1
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each step a sequence proposes up to num_speculative_tokens draft tokens that
+    the target model verifies in one forward pass."""
+
+    method: str  # "ngram" (prompt lookup) | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX  # ngram: longest suffix looked up
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN  # ngram: shortest suffix looked up
+    model: str | None = None  # draft_model: the draft checkpoint (a local path once resolved)
+
+    @classmethod
+    def from_dict(cls, raw) -> "SpeculativeConfig":
+        """vLLM's speculative_config dict -> the config; InvalidParam("speculative_config") naming the key."""
+        def bad(message: str) -> InvalidParam:
+            return InvalidParam("speculative_config", f"speculative_config: {message}")
+
+        if not isinstance(raw, dict):
+            raise bad(f"must be a JSON object / dict; got {raw!r}")
+        unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise bad(f"unknown key {unknown[0]!r}; the keys are {', '.join(_SPECULATIVE_KEYS)}")
+        model = raw.get("model")
+        method = raw.get("method") or ("draft_model" if model is not None else None)
+        if method is None:
+            raise bad('give "method": "ngram" or a draft "model"')
+        if method not in SPECULATIVE_METHODS:
+            raise bad(f"method {method!r} is not supported; use one of {', '.join(SPECULATIVE_METHODS)}")
+        if method == "draft_model" and not (isinstance(model, str) and model):
+            raise bad('method "draft_model" needs "model": the draft checkpoint\'s path or Hub id')
+        if method == "ngram" and model is not None:
+            raise bad('method "ngram" takes no "model"')
+        k = raw.get("num_speculative_tokens")
+        if not _is_int(k) or k < 1:
+            raise bad(f"num_speculative_tokens must be an integer >= 1; got {k!r}")
+        lookup = {}
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = raw.get(key)
+            if value is None:
+                continue
+            if method != "ngram":
+                raise bad(f"{key} applies to method \"ngram\" only")
+            if not _is_int(value) or value < 1:
+                raise bad(f"{key} must be an integer >= 1; got {value!r}")
+            lookup[key] = value
+        hi = lookup.get("prompt_lookup_max", max(DEFAULT_PROMPT_LOOKUP_MAX, lookup.get("prompt_lookup_min", 0)))
+        lo = lookup.get("prompt_lookup_min", min(DEFAULT_PROMPT_LOOKUP_MIN, hi))
+        if lo > hi:
+            raise bad(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
+                   model=model)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Built once from EngineArgs, validated, never changed after (a part that needs another value, such as
@@ -170,6 +235,8 @@ class EngineConfig:
     args: EngineArgs = field(repr=False)
     log_stats: bool = False  # the periodic stats log line
     stats_log_interval: float = 5.0
+    speculative: SpeculativeConfig | None = None
+    draft_model: ModelConfig | None = None  # speculative method draft_model: the draft checkpoint
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "EngineConfig":
@@ -194,6 +261,13 @@ class EngineConfig:
             raise InvalidParam("max_num_batched_tokens",
                                f"max_num_batched_tokens must be >= 1; got {args.max_num_batched_tokens}")
         _check_vllm_args(args)
+        speculative = None
+        if args.speculative_config is not None:
+            speculative = SpeculativeConfig.from_dict(args.speculative_config)
+            if speculative.method == "draft_model" and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+                raise InvalidParam("speculative_config", "speculative_config: a draft model runs with "
+                                   "tensor_parallel_size = pipeline_parallel_size = 1 only; use method \"ngram\" "
+                                   "with tensor or pipeline parallelism")
         backend = args.distributed_executor_backend
         world = args.tensor_parallel_size * args.pipeline_parallel_size
         if backend is None:
@@ -236,6 +310,11 @@ class EngineConfig:
             budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
         budget = max(budget, args.max_num_seqs) if not args.enable_chunked_prefill else budget
 
+        draft_model = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft_model = _draft_model_config(speculative, hf_config, dtype, max_model_len, args)
+            speculative = dataclasses.replace(speculative, model=draft_model.path)
+
         served = args.served_model_name or args.model or DEFAULT_MODEL_NAME
         swap_gib = args.swap_space
         if swap_gib is None:
@@ -268,8 +347,33 @@ class EngineConfig:
             seed=args.seed,
             log_stats=not args.disable_log_stats,
             stats_log_interval=args.stats_log_interval,
+            speculative=speculative,
+            draft_model=draft_model,
             args=args,
         )
+
+
+def _draft_model_config(spec: SpeculativeConfig, target_hf_config, dtype: str, max_model_len: int,
+                        args: EngineArgs) -> ModelConfig:
+    """The draft checkpoint, checked against the target: it must share the tokenizer (the same vocabulary)."""
+    from pagoda.model_loader import load_hf_config, resolve_model_path
+
+    try:
+        path = resolve_model_path(spec.model, None)
+        hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise InvalidParam("speculative_config", f"speculative_config: model {spec.model!r} cannot be loaded: {e}"
+                           ) from e
+    if hf_config.vocab_size != target_hf_config.vocab_size:
+        raise InvalidParam("speculative_config", f"speculative_config: the draft model {spec.model!r} has a "
+                           f"vocabulary of {hf_config.vocab_size} tokens, the target {target_hf_config.vocab_size}: "
+                           "a draft model must share the target's tokenizer")
+    limit = getattr(hf_config, "max_position_embeddings", None) or max_model_len
+    if limit < max_model_len:
+        raise InvalidParam("speculative_config", f"speculative_config: the draft model's context ({limit}) is "
+                           f"shorter than max_model_len ({max_model_len}); lower max_model_len")
+    return ModelConfig(path=path, tokenizer_path=path, served_model_name=spec.model, hf_config=hf_config,
+                       dtype=dtype, max_model_len=max_model_len, trust_remote_code=args.trust_remote_code)
 
 
 def _check_vllm_args(args: EngineArgs) -> None:

@@ -19,10 +19,12 @@ from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class
 from pagoda.pooler import Pooler
 from pagoda.prompt_logprobs import score_prompt_tokens
-from pagoda.runner_output import ModelRunnerOutput
+from pagoda.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler_output import SchedulerOutput
+from pagoda.spec_decode.draft_model import DraftModelProposer
+from pagoda.spec_decode.rejection_sampler import RejectionSampler, target_probs
 from pagoda.structured_output import GrammarMatcher, apply_bitmask, get_grammar_backend
 
 logger = logging.getLogger(__name__)
@@ -66,18 +68,8 @@ class ModelRunner:
             if config.attention_backend == "torch":
                 cpu_kernels.available()  # build the decode kernel now, not inside the first request
         torch.manual_seed(config.seed)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model_class = get_model_class(hf.architectures[0])
-                self.model = model_class(hf, config.parallel.pp_layer_partition)
-        finally:
-            torch.set_default_dtype(previous)
-        load_weights(self.model, config.model.path, config.model.quantization)
-        self.model.eval()
-        if packing_supported(self.device, self.dtype):
-            pack_weights(self.model)
+        self.model = self._load_model(hf, config.model.path, config.model.quantization,
+                                      config.parallel.pp_layer_partition)
         self.attention_layers = self.model.attention_layers()
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] = []  # host copies of swapped-out blocks, one per layer
@@ -86,13 +78,37 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.shared_generator)
         self.pooler = Pooler()
+        self.rejection_sampler = RejectionSampler(self.shared_generator)
+        self.drafter = None  # speculative decoding with a draft model: it proposes each step's drafts
+        if config.draft_model is not None:
+            draft = config.draft_model
+            self.drafter = DraftModelProposer(self, self._load_model(draft.hf_config, draft.path, None, None),
+                                              config.seed)
+        self.draft_probs: dict[int, torch.Tensor] = {}
+
+    def _load_model(self, hf_config, path: str, quantization, pp_layer_partition):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model_class = get_model_class(hf_config.architectures[0])
+                model = model_class(hf_config, pp_layer_partition)
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(model, path, quantization)
+        model.eval()
+        if packing_supported(self.device, self.dtype):
+            pack_weights(model)
+        return model
 
     # --- KV cache -------------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
         layer = self.attention_layers[0]
         per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_size * self.dtype.itemsize
-        return per_layer * len(self.attention_layers)
+        # a draft model's cache has as many blocks, under the same block tables: the budget holds both
+        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
+        return per_layer * len(self.attention_layers) + draft
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -140,6 +156,8 @@ class ModelRunner:
                                 dtype=self.dtype, device=self.device).transpose(2, 3)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         self.allocate_swap_space(self.config.cache.num_swap_blocks)
 
     def allocate_swap_space(self, num_swap_blocks: int) -> None:
@@ -186,7 +204,8 @@ class ModelRunner:
             self._copy_blocks(out.blocks_to_copy)
         if out.is_empty:
             return ModelRunnerOutput() if self.is_last_stage else None
-        input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out)
+        drafts = self._drafts(out)
+        input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out, drafts)
         hidden_in = residual_in = None
         if intermediate is not None:
             hidden_in, residual_in = intermediate.hidden, intermediate.residual
@@ -210,6 +229,15 @@ class ModelRunner:
         self._advance_matchers(sample_seq_ids, result.failed)
         if result.failed:  # sample the others only
             keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in result.failed]
+            logits, generators = logits[keep], [generators[i] for i in keep]
+            sample_seq_ids = [sample_seq_ids[i] for i in keep]
+            if not sample_seq_ids:
+                return result
+        if drafts:  # the rows of sequences with drafts are verified; the others sampled as usual
+            verify = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id in drafts]
+            self._verify(logits[verify], [sample_seq_ids[i] for i in verify], [generators[i] for i in verify],
+                         drafts, result)
+            keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in drafts]
             logits, generators = logits[keep], [generators[i] for i in keep]
             sample_seq_ids = [sample_seq_ids[i] for i in keep]
             if not sample_seq_ids:
@@ -246,6 +274,31 @@ class ModelRunner:
                     result[s.seq_id] = (start + 1, scored)
             row += s.num_new_tokens
         return result
+
+    def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """seq id -> its draft tokens this step: the scheduler's (n-gram) or the draft model's."""
+        drafts = {s.seq_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
+        self.draft_probs = {}
+        if self.drafter is not None:
+            proposed, self.draft_probs = self.drafter.propose(out, self.seqs)
+            drafts.update(proposed)
+        return drafts
+
+    def _verify(self, logits: torch.Tensor, seq_ids: list[int], generators: list, drafts: dict[int, list[int]],
+                result: ModelRunnerOutput) -> None:
+        """logits [R, V]: k + 1 consecutive rows per sequence with k drafts -> result.verified."""
+        if not seq_ids:
+            return
+        probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
+        firsts = [i for i, seq_id in enumerate(seq_ids) if i == 0 or seq_ids[i - 1] != seq_id]
+        order = [seq_ids[i] for i in firsts]
+        draft_probs = [self.draft_probs[seq_id] for seq_id in order] if self.draft_probs else None
+        runs = self.rejection_sampler(probs, [drafts[seq_id] for seq_id in order], draft_probs,
+                                      [row_greedy[i] for i in firsts], [generators[i] for i in firsts])
+        for seq_id, run in zip(order, runs):
+            result.verified[seq_id] = [SampledToken(token) for token in run]
+            if self.drafter is not None:
+                self.drafter.accepted(seq_id, len(run) - 1)
 
     def _generators(self, seq_ids: list[int], failed: dict[int, str]) -> list[torch.Generator | None]:
         """Each seeded sequence's own generator (made on its first sample). A failure here concerns one
@@ -309,8 +362,12 @@ class ModelRunner:
         for seq_id in out.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             self.seq_generators.pop(seq_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(seq_id)
         for s in out.scheduled:
             if s.reset:
+                if self.drafter is not None:  # new to the runner, or its blocks changed: no draft KV kept
+                    self.drafter.forget(s.seq_id)
                 self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
                                                 s.params)
                 continue
@@ -322,10 +379,10 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
             cache[:, dst] = cache[:, src]
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: SchedulerOutput, drafts: dict[int, list[int]] | None = None):
         bs = self.block_size
         token_chunks, position_chunks, slot_chunks = [], [], []
         query_lens, seq_lens, tables = [], [], []
@@ -337,13 +394,18 @@ class ModelRunner:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             positions = np.arange(start, end, dtype=np.int64)
             table = np.asarray(seq.block_table, dtype=np.int64)
-            token_chunks.append(seq.token_ids[start:end])
+            num_drafts = s.num_draft_tokens if drafts and s.seq_id in drafts else 0
+            token_chunks.append(seq.token_ids[start : end - num_drafts] + (drafts[s.seq_id] if num_drafts else []))
             position_chunks.append(positions)
             slot_chunks.append(table[positions // bs] * bs + positions % bs)
             query_lens.append(s.num_new_tokens)
             seq_lens.append(end)
             tables.append(seq.block_table)
             row += s.num_new_tokens
+            if num_drafts:  # the target's distribution after the last token and after each draft
+                sample_rows += range(row - num_drafts - 1, row)
+                sample_seq_ids += [s.seq_id] * (num_drafts + 1)
+                continue
             for _ in range(s.num_samples):
                 sample_rows.append(row - 1)
                 sample_seq_ids.append(s.seq_id)

@@ -99,3 +99,8 @@ class EngineStats:
     def observe_iteration(self, num_tokens: int) -> None:
         self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
         self.iteration_tokens_sum += num_tokens
+    # speculative decoding (counters): verification steps, draft tokens proposed, accepted; accepted by position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list[int] = field(default_factory=list)

@@ -16,6 +16,8 @@ class SampledToken:
 class ModelRunnerOutput:
     # seq id -> its new tokens: one, or n at the end of an n > 1 prompt (the forks' first tokens)
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # seq id -> what verifying its drafts gave: the accepted draft tokens, then one the target sampled
+    verified: dict[int, list[SampledToken]] = field(default_factory=dict)
     # seq id -> why this step failed for it alone: its request is finished with an error, the rest go on
     failed: dict[int, str] = field(default_factory=dict)
     # seq id -> (position of the first prompt token scored, each token's logprobs from there): the prompt

@@ -45,11 +45,7 @@ class Sampler:
         want_logprobs = any(n is not None for n in t.num_logprobs)
         raw = logits if raw_logits is None else raw_logits.float()
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
-        if t.any_penalty:
-            logits = apply_penalties(logits, t)
-        if t.banned_tokens:
-            rows, cols = zip(*t.banned_tokens)
-            logits[list(rows), list(cols)] = float("-inf")
+        logits = self.process_logits(logits, t)
         greedy_tokens = logits.argmax(dim=-1)
         if t.all_greedy:
             tokens = greedy_tokens
@@ -60,7 +56,20 @@ class Sampler:
             return [SampledToken(tok) for tok in token_list]
         return self._with_logprobs(raw_logprobs, tokens, token_list, t.num_logprobs)
 
-    def _sample_random(self, logits, t: SamplingTensors, greedy_tokens):
+    @staticmethod
+    def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """float32 logits [N, V] -> the logits every row samples from: penalties, banned tokens."""
+        if t.any_penalty:
+            logits = apply_penalties(logits, t)
+        if t.banned_tokens:
+            rows, cols = zip(*t.banned_tokens)
+            logits[list(rows), list(cols)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """processed logits [N, V] -> the distribution a non-greedy row samples from [N, V]: temperature,
+        top-k, top-p, min-p (greedy rows: as with temperature 1; callers take their argmax)."""
         is_greedy = t.temperature < 1e-5
         temperature = torch.where(is_greedy, torch.ones_like(t.temperature), t.temperature)
         logits = logits / temperature.unsqueeze(1)
@@ -70,6 +79,11 @@ class Sampler:
         if t.any_min_p:
             threshold = t.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def _sample_random(self, logits, t: SamplingTensors, greedy_tokens):
+        is_greedy = t.temperature < 1e-5
+        probs = self.probabilities(logits, t)
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race) without a CPU sync
         noise = torch.empty_like(probs)
         shared_rows = [i for i, g in enumerate(t.generators) if g is None]

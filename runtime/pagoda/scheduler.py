@@ -8,6 +8,10 @@ running sequence is preempted: with preemption_mode "swap" its blocks are copied
 and back when it resumes (swapped sequences resume before waiting ones are admitted); with "recompute",
 or when the swap space is full, its KV is dropped and its tokens recomputed later.
 
+Speculative decoding: a decoding sequence that takes drafts is scheduled like a chunk of 1 + k tokens
+(its last token and k drafts, proposed here by prompt lookup or later by the runner's draft model), with
+KV slots for all of them; when the step is done the slots of rejected drafts are released.
+
 The model runner keeps its own copy of each sequence's tokens and block table; the scheduler sends
 only what changed since the runner last saw the sequence.
 """
@@ -15,15 +19,25 @@ only what changed since the runner last saw the sequence.
 from collections import deque
 
 from pagoda.block_manager import BlockManager
-from pagoda.config import SchedulerConfig
+from pagoda.config import SchedulerConfig, SpeculativeConfig
+from pagoda.runner_output import ModelRunnerOutput
 from pagoda.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
+from pagoda.spec_decode.stats import SpecDecodeStats
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 speculative: SpeculativeConfig | None = None):
         self.config = config
         self.block_manager = block_manager
+        self.speculative = speculative
+        self.ngram = None
+        if speculative is not None and speculative.method == "ngram":
+            self.ngram = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                       speculative.prompt_lookup_max)
+        self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted, KV in the swap space; oldest preemption first
@@ -74,7 +88,11 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            copies = self.block_manager.allocate(seq, num_new)
+            drafts, num_drafts = self._propose(seq, budget - num_new)
+            copies = self.block_manager.allocate(seq, num_new + num_drafts)
+            if copies is None and num_drafts:  # no room for the drafts: decode one token
+                drafts, num_drafts = None, 0
+                copies = self.block_manager.allocate(seq, num_new)
             while copies is None:
                 victim = self._newest_preemptible()
                 self._preempt(victim, out)
@@ -85,8 +103,8 @@ class Scheduler:
             if copies is None:
                 break
             out.blocks_to_copy += copies
-            out.scheduled.append(self._schedule_seq(seq, num_new, bool(copies)))
-            budget -= num_new
+            out.scheduled.append(self._schedule_seq(seq, num_new, bool(copies), drafts, num_drafts))
+            budget -= num_new + num_drafts
             i += 1
 
         while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
@@ -139,13 +157,31 @@ class Scheduler:
             self.in_flight.add(s.seq_id)
         return out
 
+    def _propose(self, seq: Sequence, budget: int) -> tuple[list[int] | None, int]:
+        """A decoding sequence's drafts: (their ids or None when the runner's draft model proposes them, how
+        many). Never past max_tokens, max_model_len or the step's token budget."""
+        if (self.speculative is None or seq.num_tokens - seq.num_computed_tokens != 1 or seq.pending_forks
+                or not can_speculate(seq.params, seq.num_output_tokens)):
+            return None, 0
+        max_tokens = seq.params.max_tokens or self.config.max_model_len
+        # the step samples one token beyond the drafts: k drafts give up to k + 1 tokens
+        room = min(max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens) - 1
+        limit = min(self.speculative.num_speculative_tokens, room, budget)
+        if limit < 1:
+            return None, 0
+        if self.ngram is None:
+            return None, limit
+        drafts = self.ngram.propose(seq.token_ids, limit)
+        return (drafts, len(drafts)) if drafts else (None, 0)
+
     def _newest_preemptible(self) -> Sequence:
         for seq in reversed(self.running):
             if seq.seq_id not in self.in_flight:
                 return seq
         raise RuntimeError("no sequence can be preempted")  # unreachable: the caller is not in flight
 
-    def _schedule_seq(self, seq: Sequence, num_new: int, copied: bool) -> ScheduledSeq:
+    def _schedule_seq(self, seq: Sequence, num_new: int, copied: bool, draft_token_ids: list[int] | None = None,
+                      num_drafts: int = 0) -> ScheduledSeq:
         table = self.block_manager.block_table(seq)
         reset = seq.needs_reset
         if reset:
@@ -156,7 +192,7 @@ class Scheduler:
         ends_prompt = seq.num_computed_tokens + num_new == seq.num_tokens
         scheduled = ScheduledSeq(
             seq_id=seq.seq_id,
-            num_new_tokens=num_new,
+            num_new_tokens=num_new + num_drafts,
             num_computed_tokens=seq.num_computed_tokens,
             new_token_ids=seq.token_ids[seq.num_tokens_sent :],
             block_ids_start=block_start,
@@ -166,6 +202,8 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             params=seq.params if reset else None,
             pooling=seq.pooling if reset else None,
+            num_draft_tokens=num_drafts,
+            draft_token_ids=draft_token_ids,
         )
         seq.num_tokens_sent = seq.num_tokens
         seq.num_blocks_sent = len(table)
@@ -187,14 +225,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_recomputed += 1
 
-    def step_done(self, out: SchedulerOutput) -> None:
-        """The runner finished out: the scheduled tokens' KV is now in the cache."""
+    def step_done(self, out: SchedulerOutput, result: ModelRunnerOutput | None = None) -> None:
+        """The runner finished out: the scheduled tokens' KV is now in the cache (of drafts, the accepted
+        ones' only: the slots past them are released)."""
         for s in out.scheduled:
             self.in_flight.discard(s.seq_id)
         for s in out.scheduled:
             seq = self._live.get(s.seq_id)
-            if seq is not None and seq.status == SequenceStatus.RUNNING:
+            if seq is None or seq.status != SequenceStatus.RUNNING:
+                continue
+            if not s.num_draft_tokens:
                 seq.num_computed_tokens += s.num_new_tokens
+                continue
+            verified = result.verified.get(s.seq_id) if result is not None else None
+            num_accepted = len(verified) - 1 if verified else 0
+            self.spec_stats.record(s.num_draft_tokens, num_accepted)
+            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens + num_accepted
+            # room for the tokens this step gives (accepted drafts and one more); the rest held rejected drafts
+            self.block_manager.release_slots_after(seq, seq.num_computed_tokens + 1)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Remove a sequence (finished or aborted) and free its blocks at once."""

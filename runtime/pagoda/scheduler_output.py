@@ -19,6 +19,10 @@ class ScheduledSeq:
     num_prompt_tokens: int = 0
     params: SamplingParams | None = None  # sent on reset only
     pooling: PoolingParams | None = None  # an embedding request (sent on reset only): pool, never sample
+    # speculative decoding: the last num_draft_tokens of the num_new_tokens are drafts to verify (not in
+    # new_token_ids); their ids here (n-gram), or None when the runner's draft model proposes them
+    num_draft_tokens: int = 0
+    draft_token_ids: list[int] | None = None
 
 
 @dataclass

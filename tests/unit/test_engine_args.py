@@ -27,7 +27,7 @@ def no_loading(monkeypatch):
 
 
 @pytest.mark.parametrize("name,value", [
-    ("speculative_config", {"model": "draft", "num_speculative_tokens": 4}), ("enable_lora", True),
+    ("speculative_config", {"method": "eagle", "num_speculative_tokens": 4}), ("enable_lora", True),
     ("max_loras", 4), ("max_lora_rank", 64), ("max_cpu_loras", 8), ("cpu_offload_gb", 4.0),
     ("num_scheduler_steps", 8), ("data_parallel_size", 2), ("enable_sleep_mode", True),
     ("tokenizer_mode", "mistral"), ("tokenizer_mode", "slow"), ("load_format", "pt"), ("load_format", "gguf"),

@@ -80,7 +80,8 @@ def core_with(tokens, num_blocks=16) -> EngineCore:
         cache=CacheConfig(block_size=4, enable_prefix_caching=True, gpu_memory_utilization=0.9,
                           kv_cache_memory_gib=None),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
-                                  max_model_len=64))
+                                  max_model_len=64),
+        speculative=None)
     return EngineCore(config, ScriptedExecutor(tokens), num_blocks)
 
 

@@ -29,6 +29,9 @@ class CoreStep:
     # seq id -> (first position, logprobs) of the prompt tokens its chunk scored (prompt_logprobs)
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)  # embedding requests done
+    # speculative decoding: each sequence's verified run (accepted drafts, then the target's token), NOT
+    # appended yet: the caller appends them one by one, so a stop inside the run drops the rest
+    verified: list[tuple[Sequence, list[SampledToken]]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -39,7 +42,7 @@ class EngineCore:
                                           cache.num_swap_blocks)
         depth = executor.pipeline_depth
         per_batch = dataclasses.replace(config.scheduler, max_num_seqs=-(-config.scheduler.max_num_seqs // depth))
-        self.schedulers = [Scheduler(per_batch, self.block_manager) for _ in range(depth)]
+        self.schedulers = [Scheduler(per_batch, self.block_manager, config.speculative) for _ in range(depth)]
         self.in_flight: deque = deque()  # (scheduler, its output, executor handle), oldest first
         self.schedule_seconds = 0.0  # time spent scheduling (for the benchmarks' overhead figures)
 
@@ -75,12 +78,16 @@ class EngineCore:
             return None
         scheduler, sched_out, handle = self.in_flight.popleft()
         result = self.executor.wait(handle)
-        scheduler.step_done(sched_out)
+        scheduler.step_done(sched_out, result)
         return self._update(scheduler, result)
 
     @staticmethod
     def _update(scheduler: Scheduler, result) -> CoreStep:
         step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs))
+        for seq_id, tokens in result.verified.items():
+            seq = scheduler.get(seq_id)
+            if seq is not None and seq_id not in step.failed:
+                step.verified.append((seq, tokens))
         for seq_id, tokens in result.sampled.items():
             seq = scheduler.get(seq_id)
             if seq is None or seq_id in step.failed:  # finished (aborted, failed) while its step ran

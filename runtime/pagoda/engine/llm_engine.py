@@ -8,6 +8,7 @@ and the output processor (text, logprobs, stops → RequestOutput). One step:
     core.finish(stopped)                # their blocks freed at once
 """
 
+import functools
 import logging
 import time
 
@@ -24,6 +25,7 @@ from pagoda.outputs import EngineStats, RequestMetrics, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -176,28 +178,38 @@ class LLMEngine:
             state.metrics.first_token_time = state.metrics.last_token_time = now
             changed[state.request_id] = state
         for seq, token in core_step.new_tokens:
-            state = self.requests.of_seq(seq.seq_id)
-            if state is None or state.finished:
-                continue
-            self.stats.generation_tokens += 1
-            try:
-                stop = self.output_processor.process_token(state, seq, token)
-            except Exception as e:  # noqa: BLE001 - one request's failure must not take the engine down
-                self._fail_request(state, f"processing its output failed: {e!r}")
-            else:
-                if stop is not None:
-                    self.core.finish(seq, stop.reason, stop.stop_reason)
-                    self._count_finish(stop.reason)
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                state.metrics.last_token_time = now
-            changed[state.request_id] = state
+            self._process_token(seq, token, now, changed)
+        for seq, tokens in core_step.verified:
+            for token in tokens:  # a speculative run: tokens after a stop are dropped
+                if seq.is_finished:
+                    break
+                seq.append_token(token.token_id)
+                self._process_token(seq, token, now, changed)
         outputs = []
         for state in changed.values():
             outputs.append(state.to_output())
             if state.finished:
                 self.requests.remove(state.request_id)
         return outputs
+
+    def _process_token(self, seq: Sequence, token, now: float, changed: dict[str, RequestState]) -> None:
+        """`token` was appended to `seq`: its text and stop check; a stopped sequence is finished at once."""
+        state = self.requests.of_seq(seq.seq_id)
+        if state is None or state.finished:
+            return
+        self.stats.generation_tokens += 1
+        try:
+            stop = self.output_processor.process_token(state, seq, token)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not take the engine down
+            self._fail_request(state, f"processing its output failed: {e!r}")
+        else:
+            if stop is not None:
+                self.core.finish(seq, stop.reason, stop.stop_reason)
+                self._count_finish(stop.reason)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+        changed[state.request_id] = state
 
     def _fail_request(self, state: RequestState, message: str) -> None:
         """Finish one request with an error; its sequences free their blocks, the engine goes on."""
@@ -230,6 +242,11 @@ class LLMEngine:
         s.num_recomputed = sum(sc.num_recomputed for sc in self.schedulers)
         s.num_swap_blocks_used = self.block_manager.num_used_swap_blocks
         s.swap_space_usage = self.block_manager.swap_usage()
+        spec = functools.reduce(SpecDecodeStats.merged, (sc.spec_stats for sc in self.schedulers))
+        s.spec_decode_num_drafts = spec.num_drafts
+        s.spec_decode_num_draft_tokens = spec.num_draft_tokens
+        s.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
+        s.spec_decode_accepted_per_pos = list(spec.accepted_per_pos)
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
                               "iteration_tokens_counts": list(s.iteration_tokens_counts)})
 

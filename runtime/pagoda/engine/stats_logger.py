@@ -32,6 +32,22 @@ class StatsLogger:
                 f"Swap space usage: {100 * stats.swap_space_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%, "
                 f"Preemptions: {stats.num_preemptions - prev.num_preemptions}")
+        if stats.spec_decode_accepted_per_pos:
+            line += ", " + _spec_decode_part(stats, prev, elapsed)
         logger.info(line)
         self.last_time, self.last = now, stats
         return line
+
+
+def _spec_decode_part(stats: EngineStats, prev: EngineStats, elapsed: float) -> str:
+    """Speculative decoding since the previous line, as vLLM's SpecDecoding line."""
+    drafts = stats.spec_decode_num_drafts - prev.spec_decode_num_drafts
+    drafted = stats.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+    prev_pos = prev.spec_decode_accepted_per_pos or [0] * len(stats.spec_decode_accepted_per_pos)
+    per_pos = [(now - before) / drafts if drafts else 0.0
+               for now, before in zip(stats.spec_decode_accepted_per_pos, prev_pos)]
+    return (f"Spec decode: mean acceptance length {1 + accepted / drafts if drafts else 0.0:.2f}, "
+            f"draft acceptance rate {100 * accepted / drafted if drafted else 0.0:.1f}%, "
+            f"accepted {accepted / elapsed:.1f} tokens/s, drafted {drafted / elapsed:.1f} tokens/s, "
+            f"per-position acceptance rate {', '.join(f'{r:.2f}' for r in per_pos)}")

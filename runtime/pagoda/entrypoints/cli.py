@@ -14,6 +14,7 @@ BENCHMARKS = {
     "kernels": "pagoda.bench.kernels",
     "serve": "pagoda.bench.serve",
     "parallel": "pagoda.bench.parallel",
+    "spec-decode": "pagoda.bench.spec_decode",
 }
 
 

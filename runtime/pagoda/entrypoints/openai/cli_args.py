@@ -105,6 +105,8 @@ def chat_template_arg(text: str) -> str:
     if "{{" in text or "{%" in text:
         return text
     raise ValueError(text)
+
+
 def json_string_list(text: str) -> list[str]:
     """`--allowed-origins '["https://a.example"]'`: a JSON list of strings, as vLLM's CORS flags."""
     value = json.loads(text)
@@ -113,11 +115,20 @@ def json_string_list(text: str) -> list[str]:
     return value
 
 
+def json_object(text: str) -> dict:
+    """`--speculative-config '{"method": "ngram", ...}'`: a JSON object (its keys are checked by the engine)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(text)
+    return value
+
+
 # argparse names the type function in its error message: make those readable
-for _fn, _name in [(json_string_list, "JSON list of strings"), (positive_int, "positive integer"), (non_negative_int, "non-negative integer"),
+for _fn, _name in [(positive_int, "positive integer"), (non_negative_int, "non-negative integer"),
                    (positive_float, "positive number"), (non_negative_float, "non-negative number"),
                    (port_number, "port number"), (int_list, "comma-separated list of positive integers"),
-                   (chat_template_arg, "chat template (no such file, and not a Jinja template)")]:
+                   (chat_template_arg, "chat template (no such file, and not a Jinja template)"),
+                   (json_string_list, "JSON list of strings"), (json_object, "JSON object")]:
     _fn.__name__ = _name
 
 
@@ -196,6 +207,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--preemption-mode", choices=PREEMPTION_MODES,
           help="when KV blocks run out: swap the preempted sequence out, or drop and recompute it "
                "(default: swap when --swap-space > 0)")
+    p.add("--speculative-config", type=json_object,
+          help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts by prompt lookup (over the prompt and '
+               'the output so far; any device, with TP and PP); \'{"model": PATH, "num_speculative_tokens": 4}\' '
+               'drafts with a smaller model sharing the tokenizer (its own KV cache, taken from the same memory '
+               'budget; TP = PP = 1 only). Outputs keep the target\'s distribution (greedy: identical). Costs: each '
+               'step computes 1 + k tokens per speculating sequence, wasted where drafts are rejected, and KV '
+               'slots for the drafts; requests with logprobs, penalties or structured outputs do not speculate. '
+               'See docs/speculative-decoding.md')
     p.add("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
           help="only auto (the model's dtype) for now")
     p.add("--enforce-eager", default=d["enforce_eager"], boolean=True,

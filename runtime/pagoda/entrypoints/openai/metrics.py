@@ -91,6 +91,18 @@ class EngineStatsCollector(Collector):
         yield counter("num_swapped_in", "Sequences swapped back in from the swap space.", stats.num_swapped_in)
         yield counter("num_recomputed", "Preempted sequences whose KV was dropped, to be recomputed.",
                       stats.num_recomputed)
+        if stats.spec_decode_accepted_per_pos:  # speculative decoding is on (k positions)
+            yield counter("spec_decode_num_drafts", "Verification steps of sequences that had drafts.",
+                          stats.spec_decode_num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_decode_num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.",
+                          stats.spec_decode_num_accepted_tokens)
+            per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by their position in the draft.",
+                                          labels=["model_name", "position"])
+            for position, accepted in enumerate(stats.spec_decode_accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(position)], accepted)
+            yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in sorted({"stop", "length", "abort", *stats.finished_reasons}):

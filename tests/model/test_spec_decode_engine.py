@@ -1,0 +1,172 @@
+"""Speculative decoding through the public API: greedy outputs identical to decoding without it, in mixed
+batches, with stops, n > 1, prefix caching, chunked prefill and preemption; and drafts that are accepted
+on the default model when the answer copies its input."""
+
+import pytest
+from test_hf_parity import PROMPTS, pagoda_greedy
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+BLOCK_BYTES = 8192  # the tiny llama's KV block of 16 tokens, float32
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_factory):
+    return pagoda_greedy(tiny_model_factory("llama"))[1]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_model_factory):
+    return LLM(str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=0.02, speculative_config=NGRAM)
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 16},  # chunked prefill beside drafts
+    {"kv_cache_memory": 10 * BLOCK_BYTES / 2**30, "max_model_len": 160, "preemption_mode": "recompute",
+     "swap_space": 0},
+    {"kv_cache_memory": 10 * BLOCK_BYTES / 2**30, "max_model_len": 160, "preemption_mode": "swap",
+     "swap_space": 64 * BLOCK_BYTES / 2**30},
+], ids=["default", "no-prefix-cache", "chunked-prefill", "preempt-recompute", "preempt-swap"])
+def test_greedy_equals_decoding_without_speculation(tiny_model_factory, reference, engine_kwargs):
+    # the prompts twice: the second copies hit the prefix cache
+    llm, got = pagoda_greedy(tiny_model_factory("llama"), PROMPTS * 2, speculative_config=NGRAM, **engine_kwargs)
+    assert got == reference * 2  # pagoda_greedy checked that no KV block leaked
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_drafts
+    if "preemption_mode" in engine_kwargs:
+        assert stats.num_preemptions > 0
+
+
+def test_requests_that_do_not_speculate_share_the_batch(spec_llm, tiny_model_factory):
+    plain = LLM(str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=0.02)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=16, structured_outputs={"choice": ["yes", "no"]})]
+    prompts = [PROMPTS[3]] * len(params)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec_llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].text == w.outputs[0].text
+    assert got[1].outputs[0].logprobs is not None and len(got[1].outputs[0].logprobs) == 16
+    assert got[3].outputs[0].text in ("yes", "no")
+    spec_llm.engine.block_manager.check_no_leaks()
+
+
+def test_sampling_with_n_and_seeds(spec_llm):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, n=3, seed=11, ignore_eos=True)
+    a = spec_llm.generate(PROMPTS[3], params, use_tqdm=False)[0]
+    b = spec_llm.generate(["x", PROMPTS[3]], [SamplingParams(max_tokens=5), params], use_tqdm=False)[1]
+    assert [len(c.token_ids) for c in a.outputs] == [20, 20, 20]
+    # the drafts are a function of each sequence's own tokens, so a seed reproduces the outputs
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    spec_llm.engine.block_manager.check_no_leaks()
+
+
+# --- the default model: drafts accepted when the answer copies the prompt -----------------------
+
+TEXT = ("Paged attention stores the keys and values of every sequence in fixed-size blocks, so memory is "
+        "allocated on demand and shared between requests that start with the same prompt.")
+COPY_PROMPT = [{"role": "user", "content": f"Repeat this text exactly, word for word:\n\n{TEXT}"}]
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    kwargs = dict(dtype="float32", kv_cache_memory=0.25, max_model_len=1024)
+    spec = LLM(**kwargs, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                             "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    return LLM(**kwargs), spec
+
+
+def test_default_model_accepts_drafts_and_keeps_greedy_output(default_pair):
+    plain, spec = default_pair
+    params = SamplingParams(temperature=0, max_tokens=48)
+    want = plain.chat(COPY_PROMPT, params, use_tqdm=False)[0].outputs[0]
+    steps_before = spec.engine.get_stats().spec_decode_num_drafts
+    got = spec.chat(COPY_PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert "fixed-size blocks" in got.text
+    stats = spec.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_accepted_per_pos[0] > 0
+    # fewer verification steps than tokens: runs of accepted drafts
+    assert stats.spec_decode_num_drafts - steps_before < len(got.token_ids)
+    spec.engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("stop", ["stop_string", "stop_token", "max_tokens"])
+def test_default_model_stops_inside_an_accepted_run(default_pair, stop):
+    plain, spec = default_pair
+    base = plain.chat(COPY_PROMPT, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    # cut well inside the copied text, where runs of drafts are accepted
+    kwargs = {"stop_string": {"stop": base.text[60:70]}, "stop_token": {"stop_token_ids": [base.token_ids[23]]},
+              "max_tokens": {"max_tokens": 23}}[stop]
+    params = SamplingParams(temperature=0, **{"max_tokens": 40, **kwargs})
+    want = plain.chat(COPY_PROMPT, params, use_tqdm=False)[0].outputs[0]
+    got = spec.chat(COPY_PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+        (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert len(got.token_ids) < 40
+    spec.engine.block_manager.check_no_leaks()
+
+
+# --- a draft model -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft,engine_kwargs", [
+    ("self", {}),
+    ("other", {"max_num_batched_tokens": 16}),
+    ("self", {"kv_cache_memory": 10 * BLOCK_BYTES / 2**30, "max_model_len": 160, "preemption_mode": "swap",
+              "swap_space": 64 * BLOCK_BYTES / 2**30}),
+    ("other", {"kv_cache_memory": 10 * BLOCK_BYTES / 2**30, "max_model_len": 160, "preemption_mode": "recompute",
+               "swap_space": 0}),
+], ids=["self", "other-chunked", "self-preempt-swap", "other-preempt-recompute"])
+def test_draft_model_greedy_equals_decoding_without_speculation(tiny_model_factory, reference, draft, engine_kwargs):
+    target = tiny_model_factory("llama")
+    draft_path = target if draft == "self" else tiny_model_factory("llama", seed=1, num_layers=1)
+    if "kv_cache_memory" in engine_kwargs:  # the draft's blocks come from the same budget
+        engine_kwargs["kv_cache_memory"] *= 2 if draft == "self" else 1.5
+    llm, got = pagoda_greedy(target, PROMPTS * 2, speculative_config={"model": str(draft_path),
+                                                                      "num_speculative_tokens": 3}, **engine_kwargs)
+    assert got == reference * 2
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_drafts > 0
+    if draft == "self":  # the target's own greedy tokens: every draft accepted
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    if "preemption_mode" in engine_kwargs:
+        assert stats.num_preemptions > 0
+
+
+def test_draft_model_sampling_accepts_its_own_distribution(tiny_model_factory):
+    """With the target as its own draft p = q, so every sampled draft is accepted; seeds reproduce."""
+    path = str(tiny_model_factory("llama"))
+    llm = LLM(path, dtype="float32", kv_cache_memory=0.02,
+              speculative_config={"model": path, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=24, n=2, seed=5, ignore_eos=True)
+    a = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    b = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    llm.engine.block_manager.check_no_leaks()
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_model_factory, tmp_path):
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_model_factory("llama"), draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["vocab_size"] += 1
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="speculative_config.*vocabulary"):
+        LLM(str(tiny_model_factory("llama")), speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config.*cannot be loaded"):
+        LLM(str(tiny_model_factory("llama")), speculative_config={"model": str(tmp_path / "nope"),
+                                                                  "num_speculative_tokens": 2})
