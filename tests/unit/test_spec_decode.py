@@ -88,6 +88,9 @@ def test_requests_that_cannot_speculate():
     assert not can_speculate(SamplingParams(min_tokens=4, max_tokens=10), 3)
     assert can_speculate(SamplingParams(min_tokens=4, max_tokens=10), 4)
     assert not can_speculate(SamplingParams(structured_outputs={"choice": ["a", "b"]}), 0)
+    assert not can_speculate(SamplingParams(logit_bias={5: 3.0}), 0)
+    assert not can_speculate(SamplingParams(allowed_token_ids=[1, 2, 3]), 0)
+    assert not can_speculate(SamplingParams(bad_words=["no"]), 0)
 
 
 # --- scheduler and blocks ------------------------------------------------------------------------
