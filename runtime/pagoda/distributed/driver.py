@@ -40,6 +40,7 @@ class DriverExecutor:
             self.config = config
             torch.set_num_threads(cpu_threads_per_rank(ranks_on_node))
             self.group = init_group(config, 0, on_failure=self._fail)
+            self._group_formed()
             self.runner = ModelRunner(config, eos_token_ids, device=self._driver_device(config))
         except BaseException:
             self.shutdown()
@@ -52,6 +53,9 @@ class DriverExecutor:
         """Start ranks 1.. (they rendezvous with rank 0); returns the config every rank uses (it may fill
         in the master address and port) and how many ranks share the driver's machine."""
         raise NotImplementedError
+
+    def _group_formed(self) -> None:
+        """The driver joined the torch.distributed group."""
 
     def _stop_watching(self) -> None:
         """From here on a rank that exits is expected (shutdown)."""

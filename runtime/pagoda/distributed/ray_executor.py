@@ -36,19 +36,24 @@ class RayPlacementError(RuntimeError):
     pass
 
 
-def use_node_interface(node_ip: str, device: str) -> None:
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def use_node_interface(node_ip: str) -> list[str]:
     """Collectives go over the interface holding this node's Ray address (other nodes reach it there),
     unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise: gloo's default, the interface of the host
-    name's address, is wrong wherever the host name resolves elsewhere (containers, namespaces)."""
+    name's address, is wrong wherever the host name resolves elsewhere (containers, namespaces).
+    Returns the variables it set."""
     import psutil
 
     name = next((name for name, addresses in psutil.net_if_addrs().items()
                  if any(a.address == node_ip for a in addresses)), None)
     if name is None:
-        return
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
-    if device.startswith("cuda"):
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
+        return []
+    unset = [variable for variable in SOCKET_IFNAME_VARIABLES if variable not in os.environ]
+    for variable in unset:
+        os.environ[variable] = name
+    return unset
 
 
 class RankActor:
@@ -65,7 +70,7 @@ class RankActor:
         logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
                             datefmt="%H:%M:%S")
         torch.set_num_threads(cpu_threads_per_rank(ranks_on_node))
-        use_node_interface(node_ip, config.device)
+        use_node_interface(node_ip)
         run_worker(config, rank, eos_token_ids, device=device)
 
 
@@ -116,7 +121,7 @@ class RayExecutor(DriverExecutor):
 
         config = dataclasses.replace(config, parallel=dataclasses.replace(p, master_addr=driver_ip,
                                                                           master_port=free_port()))
-        use_node_interface(driver_ip, config.device)
+        self._ifname_variables_set = use_node_interface(driver_ip)
         if gpu:
             self._driver_gpu = ray.get(self.driver_gpu_holder.where.remote(), timeout=timeout)[1][0]
         log_level = logging.getLogger().level
@@ -131,6 +136,10 @@ class RayExecutor(DriverExecutor):
         self._watching.set()
         threading.Thread(target=self._watch, name="pagoda-ray-watch", daemon=True).start()
         return config, ranks_per_node[driver_ip]
+
+    def _group_formed(self) -> None:
+        for variable in self._ifname_variables_set:  # read when the groups form: leave the process as it was
+            os.environ.pop(variable, None)
 
     def _driver_device(self, config: EngineConfig) -> str:
         if not config.device.startswith("cuda"):
