@@ -184,6 +184,7 @@ class RayExecutor(DriverExecutor):
 
     def _stop_other_ranks(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         if not ray.is_initialized():
             return
@@ -194,7 +195,7 @@ class RayExecutor(DriverExecutor):
             if actor is not None:
                 ray.kill(actor)
         if getattr(self, "placement_group", None) is not None:
-            ray.util.remove_placement_group(self.placement_group)
+            remove_placement_group(self.placement_group)
 
 
 def _first_line(error: BaseException) -> str:
