@@ -42,9 +42,9 @@ class DriverExecutor:
             self.group = init_group(config, 0, on_failure=self._fail)
             self._group_formed()
             self.runner = ModelRunner(config, eos_token_ids, device=self._driver_device(config))
-        except BaseException:
+        except BaseException as e:
             self.shutdown()
-            raise
+            self._raise_with_cause(e)
         self.pending = comm.PendingSends()
 
     # --- what subclasses provide ------------------------------------------------------------------
@@ -73,6 +73,13 @@ class DriverExecutor:
         if self.failure is not None:
             callback(self.failure)
 
+    def _raise_with_cause(self, error: BaseException) -> None:
+        """A collective fails with a generic error (a closed connection) when a rank is gone: say why
+        it is gone when the group knows."""
+        if self.failure is not None and isinstance(error, Exception):
+            raise RuntimeError(f"distributed group failed: {self.failure}") from error
+        raise error
+
     def _fail(self, message: str) -> None:
         if self.failure is not None:
             return
@@ -86,7 +93,10 @@ class DriverExecutor:
     # --- cache ------------------------------------------------------------------------------------
 
     def determine_num_blocks(self) -> int:
-        return min_over_group(self.runner.determine_num_blocks(), self.group.cpu_group)
+        try:
+            return min_over_group(self.runner.determine_num_blocks(), self.group.cpu_group)
+        except RuntimeError as e:
+            self._raise_with_cause(e)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
