@@ -16,7 +16,7 @@ import pytest
 from hosts import make_two_hosts, remove_two_hosts
 from ray_nodes import RayNode, wait_for_nodes
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, EngineArgs, SamplingParams
 from pagoda.default_model import default_model_path
 
 pytestmark = pytest.mark.distributed
@@ -84,6 +84,16 @@ def reference(model):
 
 def greedy(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def test_inside_the_cluster_ray_is_chosen_when_this_node_cannot_hold_every_rank(cluster, model):
+    def backend(**kwargs) -> str:
+        return EngineArgs(model=str(model), **kwargs).create_config().parallel.distributed_executor_backend
+
+    assert backend(tensor_parallel_size=2) == "mp"  # the head node has 2 CPUs
+    assert backend(tensor_parallel_size=3) == "ray"
+    assert backend(tensor_parallel_size=3, distributed_executor_backend="mp") == "mp"  # the flag wins
+    assert backend() == "uni"
 
 
 def test_tp2_x_pp2_packs_each_stage_on_a_node_and_equals_one_process(cluster, model, reference):
