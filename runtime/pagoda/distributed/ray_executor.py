@@ -141,8 +141,13 @@ class RayExecutor(DriverExecutor):
         return config, ranks_per_node[driver_ip]
 
     def _group_formed(self) -> None:
-        for variable in self._ifname_variables_set:  # read when the groups form: leave the process as it was
+        self._restore_interface_variables()
+
+    def _restore_interface_variables(self) -> None:
+        """They are read only while the groups form: leave the process as it was."""
+        for variable in getattr(self, "_ifname_variables_set", []):
             os.environ.pop(variable, None)
+        self._ifname_variables_set = []
 
     def _driver_device(self, config: EngineConfig) -> str:
         if not config.device.startswith("cuda"):
@@ -205,6 +210,7 @@ class RayExecutor(DriverExecutor):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        self._restore_interface_variables()  # start-up may have failed before the group formed
         if not ray.is_initialized():
             return
         runs = list(getattr(self, "runs", {}))
