@@ -110,7 +110,7 @@ def test_pp2_spreads_stages_and_a_killed_actor_fails_the_engine_naming_it(cluste
               pipeline_parallel_size=2)
     try:
         executor = llm.engine.executor
-        # the head could hold both stages: SPREAD still puts the second on the other node
+        # the head could hold both stages: STRICT_SPREAD still puts the second on the other node
         assert executor.node_of_rank == {0: cluster.hosts.head_ip, 1: cluster.hosts.worker_ip}
         assert greedy(llm) == reference
 

@@ -4,8 +4,8 @@ Pagoda imports without Ray installed.
 
 Placement: the driver (global rank 0) runs in the engine's process, so the first bundle is pinned to its
 node. When that node can hold a whole pipeline stage, there is one bundle per stage (a bundle never spans
-nodes: a stage's TP ranks share a node, and its collectives shared memory or NVLink) and the stages are
-spread over distinct nodes where the cluster has them. When it cannot, there is one bundle per rank, packed
+nodes: a stage's TP ranks share a node, and its collectives shared memory or NVLink) and the stages go to
+distinct nodes when the cluster has enough nodes that can each hold one (STRICT_SPREAD). When it cannot, there is one bundle per rank, packed
 as tightly as the cluster allows (TP collectives then cross the network, as in vLLM's Ray layout).
 """
 
@@ -70,13 +70,17 @@ class PlacementPlan:
         return f"{len(self.bundles)} bundle(s) {shown} ({what}, the first on the driver's node)"
 
 
-def plan_placement(tp_size: int, pp_size: int, resource: str, driver_ip: str,
-                   driver_node_capacity: float) -> PlacementPlan:
+def plan_placement(tp_size: int, pp_size: int, resource: str, driver_ip: str, node_capacities: dict[str, float],
+                   ) -> PlacementPlan:
+    """node_capacities: each live node's total of `resource`, by node IP."""
     world = tp_size * pp_size
+    driver_node_capacity = node_capacities.get(driver_ip, 0)
     if driver_node_capacity >= tp_size:
         bundles = [{resource: float(tp_size)} for _ in range(pp_size)]
-        # SPREAD: distinct nodes for the stages where there are enough, shared ones otherwise
-        strategy = "SPREAD" if pp_size > 1 else "STRICT_PACK"
+        # a node per stage where the cluster has enough nodes that can hold one (waiting for them to be
+        # free, as Ray's soft SPREAD would not); shared nodes otherwise
+        nodes_for_a_stage = sum(capacity >= tp_size for capacity in node_capacities.values())
+        strategy = "STRICT_PACK" if pp_size == 1 else "STRICT_SPREAD" if nodes_for_a_stage >= pp_size else "SPREAD"
         bundle_of_rank = [rank // tp_size for rank in range(world)]
     else:
         bundles = [{resource: 1.0} for _ in range(world)]
@@ -84,6 +88,11 @@ def plan_placement(tp_size: int, pp_size: int, resource: str, driver_ip: str,
         bundle_of_rank = list(range(world))
     bundles[0][f"node:{driver_ip}"] = 0.001  # Ray's per-node resource: the driver's rank lives there
     return PlacementPlan(bundles, strategy, bundle_of_rank, driver_node_capacity >= tp_size)
+
+
+def node_capacities(nodes: list[dict], resource: str) -> dict[str, float]:
+    """Each live node's total of `resource`, by IP, from ray.nodes()."""
+    return {n["NodeManagerAddress"]: n["Resources"].get(resource, 0) for n in nodes if n.get("Alive")}
 
 
 def describe_cluster(nodes: list[dict], resource: str) -> str:

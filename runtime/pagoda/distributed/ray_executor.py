@@ -25,6 +25,7 @@ from pagoda.distributed.ray_cluster import (
     current_node,
     describe_cluster,
     device_resource,
+    node_capacities,
     plan_placement,
 )
 from pagoda.distributed.worker import run_worker
@@ -88,8 +89,7 @@ class RayExecutor(DriverExecutor):
         resource = device_resource(config.device)
         driver_node = current_node()
         driver_ip = driver_node["NodeManagerAddress"]
-        plan = plan_placement(self.tp_size, self.pp_size, resource, driver_ip,
-                              driver_node["Resources"].get(resource, 0))
+        plan = plan_placement(self.tp_size, self.pp_size, resource, driver_ip, node_capacities(ray.nodes(), resource))
         if not plan.stages_packed and self.tp_size > 1:
             logger.warning("this node (%s) has %g %s, fewer than one pipeline stage's %d ranks: TP ranks will "
                            "span nodes and their collectives cross the network", driver_ip,
