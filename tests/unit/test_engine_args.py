@@ -31,7 +31,7 @@ def no_loading(monkeypatch):
     ("max_loras", 4), ("max_lora_rank", 64), ("max_cpu_loras", 8), ("cpu_offload_gb", 4.0),
     ("num_scheduler_steps", 8), ("data_parallel_size", 2), ("enable_sleep_mode", True),
     ("tokenizer_mode", "mistral"), ("tokenizer_mode", "slow"), ("load_format", "pt"), ("load_format", "gguf"),
-    ("kv_cache_dtype", "fp8"), ("kv_cache_dtype", "fp8_e5m2"), ("distributed_executor_backend", "ray"),
+    ("kv_cache_dtype", "fp8"), ("kv_cache_dtype", "fp8_e5m2"), ("distributed_executor_backend", "dask"),
     ("swap_space", -1), ("preemption_mode", "evict"), ("stats_log_interval", 0),
 ])
 def test_unsupported_or_bad_values_are_refused_by_name_before_loading(no_loading, name, value):
@@ -46,9 +46,20 @@ def test_swap_mode_without_swap_space_is_refused(no_loading):
     assert err.value.param == "preemption_mode"
 
 
-def test_ray_backend_is_named_as_not_supported_yet(no_loading):
-    with pytest.raises(InvalidParam, match="'ray' is not supported yet"):
-        EngineArgs(model="/not/loaded", distributed_executor_backend="ray").create_config()
+def test_ray_backend_without_ray_installed_names_the_extra(no_loading, monkeypatch):
+    from pagoda import config
+
+    monkeypatch.setattr(config, "ray_installed", lambda: False)
+    with pytest.raises(InvalidParam, match=r"needs Ray, which is not installed: pip install 'pagoda\[ray\]'") as err:
+        EngineArgs(model="/not/loaded", distributed_executor_backend="ray", tensor_parallel_size=2).create_config()
+    assert err.value.param == "distributed_executor_backend"
+
+
+def test_ray_backend_refuses_nnodes(no_loading):
+    with pytest.raises(InvalidParam, match="nnodes is for the 'mp' backend") as err:
+        EngineArgs(model="/not/loaded", distributed_executor_backend="ray", pipeline_parallel_size=2,
+                   nnodes=2).create_config()
+    assert err.value.param == "nnodes"
 
 
 def test_the_tutorial_arguments_are_accepted_and_take_effect(tiny_llama_dir):

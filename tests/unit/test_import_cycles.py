@@ -92,8 +92,9 @@ def test_the_check_finds_a_cycle_hidden_in_a_function(tmp_path):
 def test_every_executor_implements_the_protocol():
     from pagoda.distributed.executor import MultiprocExecutor, UniProcExecutor
     from pagoda.distributed.executor_base import Executor
+    from pagoda.distributed.ray_executor import RayExecutor
 
-    for cls in (UniProcExecutor, MultiprocExecutor):
+    for cls in (UniProcExecutor, MultiprocExecutor, RayExecutor):
         assert isinstance(cls.__new__(cls), Executor), cls
         assert not hasattr(cls, "execute")  # the engine core drives submit/wait only
 

@@ -101,5 +101,5 @@ def test_triton_backend_without_cuda_is_refused_at_config_time(tiny_llama_dir, m
 def test_configuration_errors_come_before_any_loading():
     """A bad backend is refused before the model path is even looked at (nothing loads, nothing converts)."""
     with pytest.raises(InvalidParam) as err:
-        EngineArgs(model="/does/not/exist", distributed_executor_backend="ray").create_config()
+        EngineArgs(model="/does/not/exist", distributed_executor_backend="dask").create_config()
     assert err.value.param == "distributed_executor_backend"

@@ -36,13 +36,18 @@ def _die(message: str) -> None:
     os._exit(1)
 
 
-def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_joined=None) -> None:
-    """Join the group, load this rank's shard, then serve schedules until shutdown. Blocking."""
+def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_joined=None,
+               device: str | None = None) -> None:
+    """Join the group, load this rank's shard, then serve schedules until shutdown. Blocking.
+    device: where the launcher placed this rank (default: by its local rank)."""
     group = init_group(config, rank, on_failure=_die)
     if on_joined is not None:
         on_joined()
-    info = group.info
-    runner = ModelRunner(config, eos_token_ids, device=local_device(config, info))
+    if device is None:
+        device = local_device(config, group.info)
+    elif device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    runner = ModelRunner(config, eos_token_ids, device=device)
     num_blocks = min_over_group(runner.determine_num_blocks(), group.cpu_group)
     runner.allocate_kv_cache(num_blocks)
     _serve_schedules(runner, group)

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pagoda.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineArgs
+from pagoda.config import DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineArgs
 from pagoda.default_model import DEFAULT_MODEL_NAME
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.layers.quantization.config import GROUP_SIZES, METHODS
@@ -186,7 +186,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--master-addr", default=d["master_addr"])
     p.add("--master-port", default=d["master_port"], type=port_number)
     p.add("--distributed-timeout", default=d["distributed_timeout"], type=positive_float,
-          help="seconds to wait for every rank to join")
+          help="seconds to wait for every rank to join (and, with Ray, for the cluster to place them)")
+    p.add("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+          help="uni: one process; mp: local processes (and --nnodes); ray: Ray actors over a Ray cluster "
+               "(default: ray inside a Ray cluster whose local node cannot hold every rank, else mp or uni)")
     p.add("--dtype", default=d["dtype"], choices=DTYPES)
     p.add("--max-model-len", type=positive_int)
     p.add("--block-size", default=d["block_size"], type=positive_int)

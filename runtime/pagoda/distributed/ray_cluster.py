@@ -1,0 +1,104 @@
+"""What Pagoda asks of a Ray cluster (torch-free): whether this process runs inside one, and the placement
+group that holds a group's ranks. Ray is imported only here and in ray_executor, and only when used, so
+Pagoda imports without Ray installed.
+
+Placement: the driver (global rank 0) runs in the engine's process, so the first bundle is pinned to its
+node. When that node can hold a whole pipeline stage, there is one bundle per stage (a bundle never spans
+nodes: a stage's TP ranks share a node, and its collectives shared memory or NVLink) and the stages go to
+distinct nodes when the cluster has enough nodes that can each hold one (STRICT_SPREAD). When it cannot, there is one bundle per rank, packed
+as tightly as the cluster allows (TP collectives then cross the network, as in vLLM's Ray layout).
+"""
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+RAY_INSTALL_HINT = "pip install 'pagoda[ray]'"
+
+
+def ray_installed() -> bool:
+    return importlib.util.find_spec("ray") is not None
+
+
+def device_resource(device: str) -> str:
+    """The Ray resource one rank takes."""
+    return "GPU" if device.startswith("cuda") else "CPU"
+
+
+def inside_ray_cluster() -> bool:
+    """This process called ray.init() or runs in a Ray task or actor of a placement group."""
+    ray = sys.modules.get("ray")  # a process that never imported Ray has not joined a cluster
+    if ray is None:
+        return False
+    if ray.is_initialized():
+        return True
+    from ray.util import get_current_placement_group
+
+    try:
+        return get_current_placement_group() is not None
+    except Exception:  # not connected: no placement group either
+        return False
+
+
+def current_node() -> dict:
+    """This process's Ray node, as ray.nodes() describes it (NodeID, NodeManagerAddress, Resources)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return next(n for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def ray_backend_wanted(world_size: int, device: str) -> bool:
+    """vLLM's automatic choice: Ray when this process runs inside a Ray cluster and its own node cannot
+    hold every rank."""
+    if world_size == 1 or not inside_ray_cluster():
+        return False
+    return current_node()["Resources"].get(device_resource(device), 0) < world_size
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    bundles: list[dict[str, float]]
+    strategy: str  # a Ray placement group strategy
+    bundle_of_rank: list[int]  # bundle index of every global rank (rank 0 = the driver)
+    stages_packed: bool  # one bundle per pipeline stage
+
+    def describe(self) -> str:
+        shown = ", ".join("{" + ", ".join(f"{k}: {v:g}" for k, v in b.items() if not k.startswith("node:")) + "}"
+                          for b in self.bundles)
+        what = "one per pipeline stage, each on one node" if self.stages_packed else "one per rank"
+        return f"{len(self.bundles)} bundle(s) {shown} ({what}, the first on the driver's node)"
+
+
+def plan_placement(tp_size: int, pp_size: int, resource: str, driver_ip: str, node_capacities: dict[str, float],
+                   ) -> PlacementPlan:
+    """node_capacities: each live node's total of `resource`, by node IP."""
+    world = tp_size * pp_size
+    driver_node_capacity = node_capacities.get(driver_ip, 0)
+    if driver_node_capacity >= tp_size:
+        bundles = [{resource: float(tp_size)} for _ in range(pp_size)]
+        # a node per stage where the cluster has enough nodes that can hold one (waiting for them to be
+        # free, as Ray's soft SPREAD would not); shared nodes otherwise
+        nodes_for_a_stage = sum(capacity >= tp_size for capacity in node_capacities.values())
+        strategy = "STRICT_PACK" if pp_size == 1 else "STRICT_SPREAD" if nodes_for_a_stage >= pp_size else "SPREAD"
+        bundle_of_rank = [rank // tp_size for rank in range(world)]
+    else:
+        bundles = [{resource: 1.0} for _ in range(world)]
+        strategy = "PACK"
+        bundle_of_rank = list(range(world))
+    bundles[0][f"node:{driver_ip}"] = 0.001  # Ray's per-node resource: the driver's rank lives there
+    return PlacementPlan(bundles, strategy, bundle_of_rank, driver_node_capacity >= tp_size)
+
+
+def node_capacities(nodes: list[dict], resource: str) -> dict[str, float]:
+    """Each live node's total of `resource`, by IP, from ray.nodes()."""
+    return {n["NodeManagerAddress"]: n["Resources"].get(resource, 0) for n in nodes if n.get("Alive")}
+
+
+def describe_cluster(nodes: list[dict], resource: str) -> str:
+    """Each live node's total of `resource`, for error messages."""
+    alive = [n for n in nodes if n.get("Alive")]
+    if not alive:
+        return "no live nodes"
+    return ", ".join(f"node {n['NodeManagerAddress']} has {n['Resources'].get(resource, 0):g} {resource}"
+                     for n in alive)
