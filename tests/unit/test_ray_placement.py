@@ -52,3 +52,12 @@ def test_a_process_that_never_imported_ray_is_not_in_a_ray_cluster(monkeypatch):
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     assert not ray_backend_wanted(4, "cpu")
     assert "ray" not in sys.modules  # deciding did not import it
+
+
+def test_a_process_that_only_imported_ray_neither_uses_nor_starts_it():
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+    # before the fix, looking for a current placement group auto-started a local Ray cluster, and a TP x PP
+    # engine in any process that had imported Ray then waited on a placement group its node could not hold
+    assert not ray_backend_wanted(4, "cpu")
+    assert not ray.is_initialized(), "deciding the backend started Ray"

@@ -26,18 +26,11 @@ def device_resource(device: str) -> str:
 
 
 def inside_ray_cluster() -> bool:
-    """This process called ray.init() or runs in a Ray task or actor of a placement group."""
+    """This process joined a Ray cluster: it called ray.init(), or it is a Ray task or actor (which Ray
+    initialises), placement groups included. Only asks an initialised Ray: most of Ray's API, placement
+    group lookups among them, would otherwise start a local cluster just by being called."""
     ray = sys.modules.get("ray")  # a process that never imported Ray has not joined a cluster
-    if ray is None:
-        return False
-    if ray.is_initialized():
-        return True
-    from ray.util import get_current_placement_group
-
-    try:
-        return get_current_placement_group() is not None
-    except Exception:  # not connected: no placement group either
-        return False
+    return ray is not None and ray.is_initialized()
 
 
 def current_node() -> dict:
