@@ -58,6 +58,10 @@ def cluster(tmp_path_factory):
     except (OSError, subprocess.CalledProcessError) as e:
         pytest.skip(f"cannot make network namespaces here: {(getattr(e, 'stderr', '') or str(e)).strip()}")
     started = None
+    # Ray turns on token authentication for every cluster on a machine once some local ray.init() left a
+    # token in ~/.ray/auth_token; this private test cluster must not depend on what other Ray use left there
+    env = pytest.MonkeyPatch()
+    env.setenv("RAY_AUTH_MODE", "disabled")
     try:
         started = Cluster(hosts, tmp_path_factory.mktemp("ray"))
         wait_for_nodes(started.address, [started.head, started.worker])
@@ -69,6 +73,7 @@ def cluster(tmp_path_factory):
             started.stop()
             assert started.head.session_pids() == [] and started.worker.session_pids() == []
         remove_two_hosts(hosts)
+        env.undo()
 
 
 @pytest.fixture(scope="module")
