@@ -85,7 +85,7 @@ def _remove(metric: Any, *labels: str) -> None:
     try:
         metric.remove(*labels)
     except KeyError:
-        pass  # never observed
+        pass  # this label set was never observed: nothing to remove
 
 
 def serve(port: int, registry: CollectorRegistry) -> Any:

@@ -37,6 +37,13 @@ class LiveServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def client(self, api_key: str, timeout: float, asynchronous: bool = False):
+        """The official openai client for this server, without retries (a test sees the first answer)."""
+        import openai
+
+        client_class = openai.AsyncOpenAI if asynchronous else openai.OpenAI
+        return client_class(base_url=self.url + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 

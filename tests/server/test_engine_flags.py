@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from live_server import API_KEY
 
@@ -23,7 +22,7 @@ def test_swap_and_stats_flags_take_effect(server_factory):
                             "--kv-cache-memory", str(10 * BLOCK_BYTES / 2**30), "--swap-space", "0.001",  # 131 blocks
                             "--preemption-mode", "swap", "--stats-log-interval", "0.2", "--enforce-eager",
                             "--kv-cache-dtype", "auto", "--log-level", "info")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    client = server.client(API_KEY, timeout=120)
     prompts = ["Hello, my name is", "The quick brown fox jumps over the lazy dog", "a", "Paris is the capital of"]
 
     def complete(prompt):

@@ -23,7 +23,7 @@ def server(server_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    return server.client("none", timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_chat_template_kwargs_reach_only_the_templates_variables(client):
 
 def test_trusted_server_runs_the_requests_chat_template(server_factory):
     server = server_factory("--trust-request-chat-template")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    client = server.client("none", timeout=60)
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     out = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "abc abc"}],
                                          max_tokens=1, extra_body={"chat_template": template})

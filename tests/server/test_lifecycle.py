@@ -112,7 +112,7 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(server_factory):
 
 def test_engine_death_fails_requests_and_health(server_factory):
     server = server_factory(launcher=PATCHED_LAUNCHER)
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=30)
+    client = server.client("none", timeout=30)
     stream = client.completions.create(model=None, prompt="Hello", max_tokens=480, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))

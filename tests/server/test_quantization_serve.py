@@ -1,7 +1,6 @@
 """`pagoda serve --quantization` end to end: the official openai client gets the quantized engine's greedy
 completion, and a GPTQ checkpoint serves without the flag."""
 
-import openai
 import pytest
 from live_server import start_server
 from quantized_checkpoints import write_quantized_model
@@ -23,7 +22,7 @@ def offline_greedy(path, **kwargs) -> str:
 
 
 def served_greedy(server) -> str:
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    client = server.client("unused", timeout=60)
     model = client.models.list().data[0].id
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

@@ -43,7 +43,7 @@ def server(server_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    return server.client("none", timeout=60)
 
 
 @pytest.fixture(scope="module")

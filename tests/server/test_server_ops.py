@@ -40,7 +40,7 @@ def server(server_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    return server.client("unused", timeout=60)
 
 
 @pytest.fixture(scope="module")

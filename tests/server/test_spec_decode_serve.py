@@ -6,7 +6,6 @@ import re
 import time
 
 import httpx
-import openai
 import pytest
 from live_server import API_KEY
 
@@ -25,7 +24,7 @@ def test_ngram_speculation_over_http(server_factory, tiny_llama_dir):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     server = server_factory("--api-key", API_KEY, "--dtype", "float32", "--speculative-config", json.dumps(config),
                             "--stats-log-interval", "0.2", "--log-level", "info")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    client = server.client(API_KEY, timeout=120)
     model = client.models.list().data[0].id
     kwargs = dict(model=model, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
     assert client.completions.create(**kwargs).choices[0].text == want

@@ -38,12 +38,12 @@ def server(server_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    return server.client(API_KEY, timeout=120)
 
 
 @pytest.fixture
 def async_client(server):
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    return server.client(API_KEY, timeout=120, asynchronous=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -38,7 +38,7 @@ def server(server_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    return server.client(API_KEY, timeout=120)
 
 
 def check_calls(message) -> None:
@@ -132,7 +132,7 @@ def test_bad_tool_requests_are_400_naming_the_field(client, kwargs, param):
 def test_auto_parses_the_models_output_with_the_chosen_parser(server_factory):
     server = server_factory("--served-model-name", MODEL, "--enable-auto-tool-choice", "--tool-call-parser",
                             "hermes", env={"PAGODA_API_KEY": API_KEY})
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    client = server.client(API_KEY, timeout=120)
     out = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, max_tokens=16, seed=1)
     # a random model writes no <tool_call> block: its text is content, as the parser found no call
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
@@ -144,7 +144,7 @@ def test_auto_parses_the_models_output_with_the_chosen_parser(server_factory):
 def test_auto_streams_its_content_and_reassembles_to_the_whole_reply(server_factory):
     server = server_factory("--served-model-name", MODEL, "--enable-auto-tool-choice", "--tool-call-parser",
                             "llama3_json", env={"PAGODA_API_KEY": API_KEY})
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    client = server.client(API_KEY, timeout=120)
     kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="auto", max_tokens=24, temperature=0.0)
     whole = client.chat.completions.create(**kwargs).choices[0]
     chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
