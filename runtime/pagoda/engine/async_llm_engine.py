@@ -169,7 +169,11 @@ class AsyncLLMEngine:
             while not self._stopping.is_set():
                 block = not self.engine.has_unfinished_requests()
                 self._drain_commands(block)
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                else:
+                    outputs = []
+                    self.engine.log_stats_if_due()  # the interval the last requests ended in
                 # stats first: a client that has seen its output must find it counted in /metrics
                 self._stats = self.engine.get_stats()
                 self._publish(outputs)

@@ -138,11 +138,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_step = self.core.step(self._mark_scheduled)
-        if self.stats_logger is not None and self.stats_logger.due():
-            self.stats_logger.log(self.get_stats())
+        self.log_stats_if_due()
         if core_step is None:
             return []
         return self._process(core_step)
+
+    def log_stats_if_due(self) -> None:
+        """The periodic stats line: each step calls it, and an idle engine loop too, so that the last
+        requests' interval is logged even when they finished between two lines."""
+        if self.stats_logger is not None and self.stats_logger.due():
+            stats = self.get_stats()
+            if not self.stats_logger.nothing_new(stats):
+                self.stats_logger.log(stats)
 
     def _mark_scheduled(self, sched_out) -> None:
         now = time.time()

@@ -18,6 +18,12 @@ class StatsLogger:
     def due(self) -> bool:
         return self.clock() - self.last_time >= self.interval
 
+    def nothing_new(self, stats: EngineStats) -> bool:
+        """No tokens since the previous line and no request in the engine: an idle engine stays quiet."""
+        prev = self.last or EngineStats()
+        return (stats.prompt_tokens == prev.prompt_tokens and stats.generation_tokens == prev.generation_tokens
+                and not (stats.num_requests_running or stats.num_requests_waiting or stats.num_requests_swapped))
+
     def log(self, stats: EngineStats) -> str:
         """Log one line from a fresh snapshot; rates are over the time since the previous line."""
         now = self.clock()
