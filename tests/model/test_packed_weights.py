@@ -1,12 +1,12 @@
-"""bfloat16 on CPU: matmul weights packed for oneDNN give what the plain weights give, use no extra memory,
-and a tied LM head keeps the embedding's plain weight."""
+"""bfloat16 on CPU: matmul weights packed for our AVX512_BF16 kernel or for oneDNN give what the plain weights
+give, use no extra memory, and a tied LM head keeps the embedding's plain weight."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers import packed_weights
+from pagoda.layers import bf16_matmul_cpu, packed_weights
 from pagoda.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = [
@@ -16,22 +16,46 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+LAYOUTS = [packed_weights.ONEDNN] + [packed_weights.VNNI] * bf16_matmul_cpu.available()
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request, monkeypatch):
+    if request.param == packed_weights.ONEDNN:
+        monkeypatch.setattr(bf16_matmul_cpu, "available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_layer_matches_plain_matmul(rows, bias):
+@pytest.mark.parametrize("in_features, out_features", [(96, 160), (64, 100)])  # 100: a part-filled last block
+def test_packed_layer_matches_plain_matmul(layout, rows, bias, in_features, out_features):
     torch.manual_seed(0)
-    layer = ColumnParallelLinear(96, 160, bias=bias).to(torch.bfloat16)
+    layer = ColumnParallelLinear(in_features, out_features, bias=bias).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight)
     if bias:
         torch.nn.init.normal_(layer.bias)
     weight = layer.weight.detach().clone()
-    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     expected = F.linear(x, weight, layer.bias)
 
     packed_weights.pack_weights(layer)
 
-    assert layer.weight is None and layer.packed_weight is not None
+    assert layer.weight is None and layer.packed_weight.layout == layout
+    assert layer.packed_weight.data.numel() <= weight.numel() + 31 * in_features  # no more than a padded block
     torch.testing.assert_close(layer(x), expected, atol=0.1, rtol=1.6e-2)
+    strided = torch.randn(rows, 2 * in_features, dtype=torch.bfloat16)[:, :in_features]  # rows not contiguous
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight, layer.bias), atol=0.1, rtol=1.6e-2)
+
+
+def test_an_odd_input_size_packs_for_onednn():
+    layer = ColumnParallelLinear(97, 64).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    weight = layer.weight.detach().clone()
+    packed_weights.pack_weights(layer)
+    x = torch.randn(3, 97, dtype=torch.bfloat16)
+    assert layer.packed_weight.layout == packed_weights.ONEDNN
+    torch.testing.assert_close(layer(x), F.linear(x, weight), atol=0.1, rtol=1.6e-2)
 
 
 def top_logprobs(llm: LLM) -> list[dict[int, float]]:
@@ -42,7 +66,7 @@ def top_logprobs(llm: LLM) -> list[dict[int, float]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied LM head; tied, with attention bias
-def test_engine_packs_its_weights_and_gives_the_plain_logprobs(tiny_model_factory, monkeypatch, arch):
+def test_engine_packs_its_weights_and_gives_the_plain_logprobs(tiny_model_factory, monkeypatch, layout, arch):
     path = str(tiny_model_factory(arch))
     packed = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
     model = packed.engine.executor.runner.model
@@ -57,5 +81,5 @@ def test_engine_packs_its_weights_and_gives_the_plain_logprobs(tiny_model_factor
         for token in shared:
             assert got[token] == pytest.approx(want[token], abs=0.05)
     assert all(m.weight is None for m in model.modules() if isinstance(m, RowParallelLinear))
-    assert model.lm_head.packed_weight is not None
+    assert model.lm_head.packed_weight.layout == layout
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (arch == "qwen2")

@@ -144,7 +144,7 @@ def test_linear_layers_quantized_embeddings_and_lm_head_not(tiny_model_factory, 
             assert layer.qweight.dtype == (torch.int8 if quantization == "int8" else torch.uint8)
         assert model.model.embed_tokens.weight.dtype == torch.bfloat16
         head = model.lm_head
-        assert (head.weight if head.packed_weight is None else head.packed_weight).dtype == torch.bfloat16
+        assert (head.weight if head.packed_weight is None else head.packed_weight.data).dtype == torch.bfloat16
         plain_layers = [m for m in plain.engine.executor.runner.model.modules() if isinstance(m, LinearBase)]
         ratio = sum(map(weight_bytes, layers)) / sum(map(weight_bytes, plain_layers))
         # int8: 1 byte a weight + a scale a row; int4: half a byte + a scale and a zero a group of 32

@@ -6,7 +6,7 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 from pagoda.layers.linear import copy_checked
-from pagoda.layers.packed_weights import linear
+from pagoda.layers.packed_weights import PackedWeight, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,7 +40,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
+    packed_weight: PackedWeight | None = None  # set by packed_weights.pack_weights
     shares_weight = False  # True when tied to the embedding, which keeps using the plain weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] on every rank

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
-from pagoda.layers.packed_weights import linear
+from pagoda.layers.packed_weights import PackedWeight, linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -34,7 +34,7 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> N
 class LinearBase(nn.Module):
     """The weight setup every linear layer shares: this rank's [output, input] weight and optional bias,
     each parameter carrying the layer's loader, and one matmul that a quantization method can take over."""
-    packed_weight: torch.Tensor | None = None  # set by packed_weights.pack_weights
+    packed_weight: PackedWeight | None = None  # set by packed_weights.pack_weights
     quant_method = None  # set by quantization.methods.attach, before loading
     input_is_sharded = False  # row-parallel: each rank holds some input columns of every row
 

@@ -1,15 +1,30 @@
-"""Matmul weights packed once into oneDNN's blocked layout, for CPU inference in bfloat16.
+"""Matmul weights packed once into a CPU kernel's own layout, for CPU inference in bfloat16.
 
 ``F.linear`` on CPU in bfloat16 hands oneDNN a plain weight, which it re-lays out on every call. With
-decode's few rows that costs as much as the product itself (the 49k-row LM head of the default model
-takes ~13 ms per step instead of ~10 ms; a layer's four matmuls ~20 % more). Packing after loading,
-as torch.compile's freezing pass does, removes that; the plain copy is freed, so weights take no more
-memory (a tied LM head keeps the embedding's plain copy for lookups, as before).
+decode's few rows that costs as much as the product itself. Packing after loading, as torch.compile's
+freezing pass does, removes that; the plain copy is freed, so weights take no more memory (a tied LM head
+keeps the embedding's plain copy for lookups, as before).
+
+Two layouts: ``bf16_matmul_cpu``'s where the CPU has AVX512_BF16 (it streams the weights at memory speed,
+twice oneDNN's rate at decode's few rows), else oneDNN's blocked layout.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.layers import bf16_matmul_cpu
+
+ONEDNN, VNNI = "onednn", "vnni"  # oneDNN's blocked layout; bf16_matmul_cpu's [N/32, K/2, 32, 2]
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    data: torch.Tensor
+    layout: str  # ONEDNN or VNNI
+    out_features: int
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -19,10 +34,19 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, layer.weight, bias)``, through the layer's packed weight once it has one."""
-    packed = getattr(layer, "packed_weight", None)
+    packed: PackedWeight | None = getattr(layer, "packed_weight", None)
     if packed is None:
         return F.linear(x, layer.weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.layout == VNNI:
+        return bf16_matmul_cpu.linear(x, packed.data, packed.out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+
+
+def pack(weight: torch.Tensor) -> PackedWeight:
+    weight = weight.detach()
+    if bf16_matmul_cpu.can_pack(weight) and bf16_matmul_cpu.available():
+        return PackedWeight(bf16_matmul_cpu.pack(weight), VNNI, weight.shape[0])
+    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), ONEDNN, weight.shape[0])
 
 
 def pack_weights(model: nn.Module) -> None:
@@ -31,6 +55,6 @@ def pack_weights(model: nn.Module) -> None:
     for layer in model.modules():
         if not hasattr(type(layer), "packed_weight") or layer.weight is None:
             continue
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+        layer.packed_weight = pack(layer.weight)
         if not getattr(layer, "shares_weight", False):
             layer.weight = None  # forward uses packed_weight from now on

@@ -62,10 +62,10 @@ def unquantized_bytes(layer: LinearBase) -> int:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters, buffers and oneDNN-packed weights, each tensor counted once."""
+    """Bytes of a module's parameters, buffers and packed weights, each tensor counted once."""
     tensors: dict[int, torch.Tensor] = {}
     for m in module.modules():
         packed = getattr(m, "packed_weight", None)
-        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False), *([packed] if packed is not None else [])]:
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False), *([packed.data] if packed is not None else [])]:
             tensors[id(t)] = t
     return sum(t.numel() * t.element_size() for t in tensors.values())
