@@ -69,7 +69,7 @@ def make_batch(pairs, num_heads: int, num_kv_heads: int, head_size: int, block_s
 def reference_attention(batch: PagedBatch) -> torch.Tensor:
     from pagoda.attention import torch_backend
 
-    return torch_backend.paged_attention(batch.query.float(), batch.kv_cache.float(), batch.metadata, batch.scale)
+    return torch_backend.paged_attention_in_torch(batch.query.float(), batch.kv_cache.float(), batch.metadata, batch.scale)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

@@ -2,7 +2,8 @@
 for a batch mixing decodes, a chunked prefill and a fresh prefill, in each dtype and in both cache
 layouts: token-major (contiguous) and head-major (what the model runner allocates).
 
-Decodes go through the C++ kernel when it builds, else through batched matmuls: both are tested."""
+Attention goes through the C++ kernels when they build (prefill and decode), else through SDPA and
+batched matmuls: both paths are tested."""
 
 import math
 import shutil

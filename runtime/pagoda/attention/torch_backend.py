@@ -49,7 +49,21 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-    """Each query row attends causally to its sequence's context through the block table."""
+    """Each query row attends causally to its sequence's context through the block table: the C++ kernels
+    where they are built, else ``paged_attention_in_torch``."""
+    if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.available():
+        return _paged_attention_cpu(query, kv_cache, metadata, scale)
+    return paged_attention_in_torch(query, kv_cache, metadata, scale)
+
+
+def paged_attention_in_torch(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    """torch ops only (SDPA per prefill, batched matmuls for decodes): the reference the kernels are tested
+    against, and the path on other devices."""
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -76,32 +90,41 @@ def paged_attention(
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     if decode_rows:
-        _decode_rows(query, key_cache, value_cache, metadata, decode_rows, scale, out)
+        _decode_rows(query, key_cache, value_cache, metadata, decode_rows, scale, out, _batched_decode)
     return out
 
 
-def _decode_rows(query, key_cache, value_cache, metadata, rows, scale, out):
-    """The batch's single-token queries (sequences `rows`) as one dense decode batch: gathered out of the
-    query rows, and scattered back, only when prefill chunks sit among them."""
+def _paged_attention_cpu(query, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C++ kernels: one call for every sequence with several query rows, one for the single-row ones."""
+    out = torch.empty_like(query)
+    if metadata.max_query_len > 1:
+        cpu_kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
+                                            metadata.query_start_loc, metadata.seq_lens, scale, out)
+    decode_rows = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
+    if decode_rows:
+        _decode_rows(query, kv_cache[0], kv_cache[1], metadata, decode_rows, scale, out, _cpp_decode)
+    return out
+
+
+def _decode_rows(query, key_cache, value_cache, metadata, rows, scale, out, decode):
+    """The batch's single-token queries (sequences `rows`) as one dense decode batch for ``decode``
+    (``_cpp_decode`` or ``_batched_decode``): gathered out of the query rows, and scattered back, only when
+    prefill chunks sit among them."""
     max_len = max(metadata.seq_lens_cpu[i] for i in rows)
     if len(rows) == metadata.num_seqs:  # query row i is sequence i
-        _decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, max_len, scale, out)
+        decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, max_len, scale, out)
         return
     rows_t = torch.tensor(rows, device=query.device)
     token_idx = metadata.query_start_loc[rows_t].long()  # query row of each decode sequence
     o = torch.empty((len(rows), *query.shape[1:]), dtype=query.dtype, device=query.device)
-    _decode(query[token_idx], key_cache, value_cache, metadata.block_tables[rows_t], metadata.seq_lens[rows_t],
-            max_len, scale, o)
+    decode(query[token_idx], key_cache, value_cache, metadata.block_tables[rows_t], metadata.seq_lens[rows_t],
+           max_len, scale, o)
     out[token_idx] = o
 
 
-def _decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):
-    """query/out [B, Hq, D], sequence i's context through block_tables[i]: the C++ kernel, which reads the
-    paged cache in place, when it is built; else batched matmuls."""
-    if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.available():
-        cpu_kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
-    else:
-        _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out)
+def _cpp_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):
+    """query/out [B, Hq, D]: the C++ kernel reads the paged cache in place."""
+    cpu_kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}

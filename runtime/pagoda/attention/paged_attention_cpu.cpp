@@ -1,0 +1,439 @@
+// Attention on CPU straight from the paged KV cache: decode (one query token per sequence) and prefill
+// (several: a prompt, a prefill chunk, verified drafts).
+//
+// Decode reads each sequence's K and V blocks in place through its block table (no gather, no padding to
+// the longest context), so every cached byte is read once. Work items are (sequence, KV head) pairs;
+// the query heads sharing a KV head (GQA) are scored together against each K row.
+// Scores and the softmax are float32 whatever the cache dtype.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  // bfloat16 is the top half of a float32: a shift the compiler vectorises
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for the softmax's x <= 0, in plain arithmetic that vectorises (std::exp stays a scalar call):
+// 2^(x log2 e) = 2^i * 2^f with f in [0, 1) by a degree-5 fit, relative error under 2e-7. The exponent is
+// clamped at -126, the smallest normal float's, so 2^i stays a valid float (exp(-87.3) ~ 1e-38: zero weight).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x * 1.44269504f, -126.f);
+  const float i = std::floor(t), f = t - i;
+  float p = 1.87537657e-3f;
+  p = p * f + 8.98725919e-3f;
+  p = p * f + 5.58359654e-2f;
+  p = p * f + 2.40146495e-1f;
+  p = p * f + 6.93154738e-1f;
+  p = p * f + 9.99999834e-1f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(i) + 127) << 23;
+  float two_to_i;
+  std::memcpy(&two_to_i, &bits, sizeof(two_to_i));
+  return p * two_to_i;
+}
+
+// Calls visit(row, t) for each position t < seq_len of a context, row pointing at its entry in one KV
+// head's cache, walking the block table one block at a time.
+template <typename scalar_t, typename Visit>
+inline void for_each_row(const scalar_t* cache, const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                         int64_t block_stride, int64_t pos_stride, Visit&& visit) {
+  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
+    const scalar_t* block = cache + block_table[t0 / block_size] * block_stride;
+    const int64_t n = std::min(block_size, seq_len - t0);
+    for (int64_t t = 0; t < n; ++t) visit(block + t * pos_stride, t0 + t);
+  }
+}
+
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
+constexpr int64_t kMaxHeadSize = 256;  // MAX_HEAD_SIZE in cpu_kernels.py
+constexpr int64_t kMaxGroup = 16;
+
+// kHeadSize > 0 fixes the head size at compile time (the common sizes), so the per-row loops unroll into
+// registers; 0 reads it from head_size.
+template <typename scalar_t, int kHeadSize>
+void decode_one(
+    const scalar_t* q,        // [G, D] of this (sequence, KV head), row stride q_head_stride
+    int64_t q_head_stride,
+    const scalar_t* k_cache,  // block b, position t, head h at b*block_stride + t*pos_stride + h*head_stride
+    const scalar_t* v_cache,
+    int64_t block_stride, int64_t pos_stride, int64_t head_stride,
+    const int32_t* block_table, int64_t seq_len, int64_t block_size,
+    int64_t group, int64_t head_size, float scale,
+    scalar_t* out, int64_t out_head_stride,  // [G, D]
+    std::vector<float>& scores) {           // scratch, grown to [G, seq_len]
+  if constexpr (kHeadSize > 0) head_size = kHeadSize;
+  float qf[kMaxGroup][kMaxHeadSize];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_size; ++d) qf[g][d] = to_float(q[g * q_head_stride + d]) * scale;
+  if (static_cast<int64_t>(scores.size()) < group * seq_len) scores.resize(group * seq_len);
+  float* s = scores.data();  // [G, seq_len]
+
+  float row[kMaxHeadSize];
+  for_each_row(k_cache, block_table, seq_len, block_size, block_stride, pos_stride, [&](const scalar_t* k, int64_t t) {
+    for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(k[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_size; ++d) dot += qf[g][d] * row[d];
+      s[g * seq_len + t] = dot;
+    }
+  });
+
+  float acc[kMaxGroup][kMaxHeadSize];
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s + g * seq_len;
+    float max_score = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, sg[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < seq_len; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - max_score);
+      total += sg[t];
+    }
+    const float inv_total = 1.f / total;
+    for (int64_t t = 0; t < seq_len; ++t) sg[t] *= inv_total;
+    for (int64_t d = 0; d < head_size; ++d) acc[g][d] = 0.f;
+  }
+
+  for_each_row(v_cache, block_table, seq_len, block_size, block_stride, pos_stride, [&](const scalar_t* v, int64_t t) {
+    for (int64_t d = 0; d < head_size; ++d) row[d] = to_float(v[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = s[g * seq_len + t];
+      for (int64_t d = 0; d < head_size; ++d) acc[g][d] += p * row[d];
+    }
+  });
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_size; ++d) out[g * out_head_stride + d] = from_float<scalar_t>(acc[g][d]);
+}
+
+template <typename scalar_t>
+void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t q_seq = query.stride(0), q_head = query.stride(1);
+  const int64_t o_seq = out.stride(0), o_head = out.stride(1);
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
+
+  auto decode = head_size == 64    ? decode_one<scalar_t, 64>
+                : head_size == 128 ? decode_one<scalar_t, 128>
+                                   : decode_one<scalar_t, 0>;
+  // grain 1: the items differ a lot in cost (context lengths), so let OpenMP split them evenly by count
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
+      // wider groups (multi-query models) in chunks that fit the per-thread accumulators
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+        const int64_t first_head = h * group + g0;
+        decode(q + i * q_seq + first_head * q_head, q_head, k + h * head_stride, v + h * head_stride,
+               block_stride, pos_stride, head_stride, tables + i * table_stride, lens[i], block_size,
+               std::min(kMaxGroup, group - g0), head_size, static_cast<float>(scale),
+               o + i * o_seq + first_head * o_head, o_head, scores);
+      }
+    }
+  });
+}
+
+// --- prefill: flash attention over KV blocks -------------------------------------------------------------
+//
+// Work items are (sequence, KV head, tile of query rows). A tile's query vectors (its rows times the G query
+// heads sharing the KV head) meet each KV block once: the block is widened to float32 (K transposed, so 16
+// keys' scores are one vector op per head-dim element), then every vector updates its running max, sum and
+// output (online softmax). Blocks past the tile's last row are never read; the diagonal ones are masked.
+
+constexpr int64_t kKeysPerChunk = 16;  // keys scored together: one 16-lane float32 vector
+constexpr int64_t kTileVectors = 32;  // query vectors per tile (rows x group): the tile's state stays in L1
+
+// The tile's running state: per query vector (row r, head g at r * group + g) its scaled query, output
+// accumulator, running max and sum. kWidth: the scratch rows' length (the head size when fixed).
+template <int kWidth>
+struct TileState {
+  alignas(64) float query[kTileVectors][kWidth];
+  alignas(64) float acc[kTileVectors][kWidth];
+  float row_max[kTileVectors], row_sum[kTileVectors];
+  alignas(64) float keys_t[kWidth][kKeysPerChunk];  // the chunk's keys, transposed
+  alignas(64) float values[kKeysPerChunk][kWidth];
+};
+
+// Folds one chunk's scores s (already masked to `visible` keys) into vector v's state; p: scratch.
+template <int kWidth>
+inline void online_softmax_update(TileState<kWidth>& st, int64_t v, const float* s, int64_t visible,
+                                  int64_t head_size) {
+  float chunk_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < visible; ++j) chunk_max = std::max(chunk_max, s[j]);
+  const float new_max = std::max(st.row_max[v], chunk_max);
+  const float rescale = std::exp(st.row_max[v] - new_max);  // 0 for the first chunk (max was -inf)
+  float p[kKeysPerChunk];
+  float chunk_sum = 0.f;
+  for (int64_t j = 0; j < visible; ++j) {
+    p[j] = exp_nonpositive(s[j] - new_max);
+    chunk_sum += p[j];
+  }
+  st.row_max[v] = new_max;
+  st.row_sum[v] = st.row_sum[v] * rescale + chunk_sum;
+  float* o = st.acc[v];
+  for (int64_t d = 0; d < head_size; ++d) o[d] *= rescale;
+  for (int64_t j = 0; j < visible; ++j)
+    for (int64_t d = 0; d < head_size; ++d) o[d] += p[j] * st.values[j][d];
+}
+
+#if defined(__AVX512F__)
+// exp(x) of 16 lanes, as exp_nonpositive (2^i by scalef)
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(-126.f));
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, i);
+  __m512 p = _mm512_set1_ps(1.87537657e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.98725919e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.58359654e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40146495e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93154738e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99999834e-1f));
+  return _mm512_scalef_ps(p, i);
+}
+
+// Vectors v..v+kVectors-1 against the chunk: their scores share each key row load (kVectors independent
+// FMA chains), then each takes its softmax step and adds its 16 weighted value rows, kHeadSize/16 vectors wide.
+template <int kHeadSize, int kVectors>
+inline void chunk_step_avx512(TileState<kHeadSize>& st, int64_t v, const int64_t* visible) {
+  constexpr int kLanes = kHeadSize / 16;
+  __m512 s[kVectors];
+  for (int q = 0; q < kVectors; ++q) s[q] = _mm512_setzero_ps();
+  for (int d = 0; d < kHeadSize; ++d) {
+    const __m512 k = _mm512_load_ps(st.keys_t[d]);
+    for (int q = 0; q < kVectors; ++q) s[q] = _mm512_fmadd_ps(_mm512_set1_ps(st.query[v + q][d]), k, s[q]);
+  }
+  for (int q = 0; q < kVectors; ++q) {
+    if (visible[q] <= 0) continue;
+    const __mmask16 mask = static_cast<__mmask16>((1u << visible[q]) - 1);
+    const float chunk_max = _mm512_mask_reduce_max_ps(mask, s[q]);
+    const float new_max = std::max(st.row_max[v + q], chunk_max);
+    const float rescale = exp_nonpositive(st.row_max[v + q] - new_max);  // -inf - x: clamped to ~1e-38, times 0
+    const __m512 p = _mm512_maskz_mov_ps(mask, exp_nonpositive16(_mm512_sub_ps(s[q], _mm512_set1_ps(new_max))));
+    st.row_max[v + q] = new_max;
+    st.row_sum[v + q] = st.row_sum[v + q] * rescale + _mm512_reduce_add_ps(p);
+    alignas(64) float pj[kKeysPerChunk];
+    _mm512_store_ps(pj, p);
+    __m512 o[kLanes];
+    const __m512 r = _mm512_set1_ps(rescale);
+    for (int i = 0; i < kLanes; ++i) o[i] = _mm512_mul_ps(_mm512_load_ps(st.acc[v + q] + 16 * i), r);
+    for (int j = 0; j < visible[q]; ++j) {
+      const __m512 w = _mm512_set1_ps(pj[j]);
+      for (int i = 0; i < kLanes; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_load_ps(st.values[j] + 16 * i), o[i]);
+    }
+    for (int i = 0; i < kLanes; ++i) _mm512_store_ps(st.acc[v + q] + 16 * i, o[i]);
+  }
+}
+#endif
+
+template <typename scalar_t, int kHeadSize>
+void prefill_tile(
+    const scalar_t* q, int64_t q_row_stride, int64_t q_head_stride,  // first row's first head of the group
+    const scalar_t* k_cache, const scalar_t* v_cache,  // at this KV head
+    int64_t block_stride, int64_t pos_stride, const int32_t* block_table, int64_t block_size,
+    int64_t first_pos, int64_t rows, int64_t group, int64_t head_size, float scale,
+    scalar_t* out, int64_t out_row_stride, int64_t out_head_stride) {
+  if constexpr (kHeadSize > 0) head_size = kHeadSize;
+  constexpr int kWidth = kHeadSize > 0 ? kHeadSize : kMaxHeadSize;
+  TileState<kWidth> st;
+  const int64_t vectors = rows * group;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t v = r * group + g;
+      for (int64_t d = 0; d < head_size; ++d)
+        st.query[v][d] = to_float(q[r * q_row_stride + g * q_head_stride + d]) * scale;
+      for (int64_t d = 0; d < head_size; ++d) st.acc[v][d] = 0.f;
+      st.row_max[v] = -std::numeric_limits<float>::infinity();
+      st.row_sum[v] = 0.f;
+    }
+  const int64_t last_pos = first_pos + rows - 1;
+  for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeysPerChunk) {
+    const int64_t keys = std::min(kKeysPerChunk, last_pos + 1 - t0);
+    for (int64_t j = 0; j < kKeysPerChunk; ++j) {
+      const int64_t t = t0 + std::min(j, keys - 1);  // past the end: repeat a valid key (never weighted)
+      const int64_t offset = block_table[t / block_size] * block_stride + (t % block_size) * pos_stride;
+      for (int64_t d = 0; d < head_size; ++d) st.keys_t[d][j] = to_float(k_cache[offset + d]);
+      for (int64_t d = 0; d < head_size; ++d) st.values[j][d] = to_float(v_cache[offset + d]);
+    }
+    int64_t visible[kTileVectors];  // causal: vector v (row v / group) sees keys t <= its position
+    for (int64_t v = 0; v < vectors; ++v) visible[v] = std::min(keys, first_pos + v / group - t0 + 1);
+    int64_t v = 0;
+#if defined(__AVX512F__)
+    if constexpr (kHeadSize > 0 && kHeadSize % 16 == 0) {
+      for (; v + 4 <= vectors; v += 4) chunk_step_avx512<kHeadSize, 4>(st, v, visible + v);
+      for (; v < vectors; ++v) chunk_step_avx512<kHeadSize, 1>(st, v, visible + v);
+    }
+#endif
+    for (; v < vectors; ++v) {
+      if (visible[v] <= 0) continue;
+      float s[kKeysPerChunk] = {0.f};
+      for (int64_t d = 0; d < head_size; ++d)
+        for (int64_t j = 0; j < kKeysPerChunk; ++j) s[j] += st.query[v][d] * st.keys_t[d][j];
+      online_softmax_update(st, v, s, visible[v], head_size);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t v = r * group + g;
+      const float inv = 1.f / st.row_sum[v];
+      for (int64_t d = 0; d < head_size; ++d)
+        out[r * out_row_stride + g * out_head_stride + d] = from_float<scalar_t>(st.acc[v][d] * inv);
+    }
+}
+
+struct PrefillItem {
+  int64_t seq, kv_head, first_row, rows, g0, heads;  // rows relative to the sequence's first query row
+};
+
+template <typename scalar_t>
+void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                 double scale, at::Tensor& out) {
+  const int64_t num_seqs = seq_lens.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t heads_per_item = std::min(group, kTileVectors);
+  const int64_t rows_per_item = std::max<int64_t>(1, kTileVectors / heads_per_item);
+  std::vector<PrefillItem> items;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = starts[i + 1] - starts[i];
+    TORCH_CHECK(0 <= q_len && q_len <= lens[i], "paged_prefill_attention: sequence ", i, " has ", q_len,
+                " query rows but a context of ", lens[i]);
+    if (q_len < 2) continue;  // decode rows: paged_decode_attention
+    for (int64_t r0 = 0; r0 < q_len; r0 += rows_per_item)
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t g0 = 0; g0 < group; g0 += heads_per_item)
+          items.push_back({i, h, r0, std::min(rows_per_item, q_len - r0), g0, std::min(heads_per_item, group - g0)});
+  }
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
+  auto tile = head_size == 64    ? prefill_tile<scalar_t, 64>
+              : head_size == 128 ? prefill_tile<scalar_t, 128>
+                                 : prefill_tile<scalar_t, 0>;
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
+  // round-robin: a tile's cost grows with its position (causal), so contiguous ranges would be unequal
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t thread = begin; thread < end; ++thread)
+      for (int64_t n = thread; n < num_items; n += threads) {
+        const PrefillItem& it = items[n];
+        const int64_t row = starts[it.seq] + it.first_row;  // row in the batch
+        const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+        const int64_t first_head = it.kv_head * group + it.g0;
+        tile(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0), query.stride(1),
+             k + it.kv_head * head_stride, v + it.kv_head * head_stride, block_stride, pos_stride,
+             tables + it.seq * block_tables.stride(0), block_size, lens[it.seq] - q_len + it.first_row, it.rows,
+             it.heads, head_size, static_cast<float>(scale), o + row * out.stride(0) + first_head * out.stride(1),
+             out.stride(0), out.stride(1));
+      }
+  });
+}
+
+void check_attention_args(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& out) {
+  TORCH_CHECK(query.device().is_cpu(), op, " runs on CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              op, ": query must be [tokens, Hq, D] and the caches [num_blocks, block_size, H_kv, D]");
+  TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes(),
+              op, ": key and value caches must have the same shape and strides");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && out.stride(2) == 1,
+              op, ": the head dimension must be contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              op, ": query, caches and out must share one dtype");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, op, ": query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(2) <= kMaxHeadSize,
+              op, ": head size must match the cache and be at most ", kMaxHeadSize);
+  TORCH_CHECK(out.sizes() == query.sizes(), op, ": out must have the query's shape");
+}
+
+// query/out [T, Hq, D], sequence i's rows query_start_loc[i]:query_start_loc[i+1], the last of its seq_lens[i]
+// positions; only sequences with two or more rows are computed. Caches as paged_decode_attention's.
+void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& seq_lens, double scale, at::Tensor out) {
+  check_attention_args("paged_prefill_attention", query, key_cache, value_cache, out);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
+                  seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "paged_prefill_attention: block_tables, query_start_loc and seq_lens must be int32, contiguous rows");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
+              "paged_prefill_attention: one block table row and one length per sequence, num_seqs + 1 starts");
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      prefill_all<float>(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out);
+      break;
+    case at::kBFloat16:
+      prefill_all<c10::BFloat16>(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out);
+      break;
+    case at::kHalf:
+      prefill_all<c10::Half>(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out);
+      break;
+    default: TORCH_CHECK(false, "paged_prefill_attention supports float32, bfloat16 and float16");
+  }
+}
+
+// query [B, Hq, D]; key_cache/value_cache [num_blocks, block_size, H_kv, D] (any strides, D contiguous);
+// block_tables [B, max_blocks] int32; seq_lens [B] int32; out [B, Hq, D].
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            at::Tensor out) {
+  check_attention_args("paged_decode_attention", query, key_cache, value_cache, out);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_tables.stride(1) == 1 && seq_lens.is_contiguous(),
+              "block_tables and seq_lens must be int32 with contiguous rows");
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
+              "one block table row and one length per query row");
+  switch (query.scalar_type()) {
+    case at::kFloat: decode_all<float>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case at::kBFloat16:
+      decode_all<c10::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+      break;
+    case at::kHalf: decode_all<c10::Half>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagoda_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+  m.def("paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
