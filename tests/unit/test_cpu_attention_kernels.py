@@ -196,3 +196,19 @@ def test_prefill_refuses_bad_input_with_a_message(change, message):
         cpu_kernels.paged_prefill_attention(args["query"], kv_cache[0], kv_cache[1], metadata.block_tables,
                                             args["query_start_loc"], metadata.seq_lens, 1.0,
                                             torch.empty_like(args["query"]))
+
+
+def test_bfloat16_decode_ignores_whatever_sits_past_each_context():
+    """The bfloat16 decode path reads keys in pairs; an odd context's partner row is a free slot of the
+    block, which may hold any bits (here NaN and inf): it must weigh nothing."""
+    query, kv_cache, metadata, tables = decode_batch([7, 33, 1], 9, 3, 64, torch.bfloat16, seed=2)
+    for table, seq_len in zip(tables, metadata.seq_lens_cpu):
+        last, used = table[-1], seq_len - 4 * (len(table) - 1)
+        kv_cache[0, last, used:] = float("nan")
+        kv_cache[1, last, used:] = float("inf")
+    out = torch.empty_like(query)
+
+    cpu_kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables, metadata.seq_lens,
+                                       0.125, out)
+
+    check_against_dense(out, query, kv_cache, metadata, tables, 0.125, 3e-2)

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -122,6 +123,107 @@ void decode_one(
     for (int64_t d = 0; d < head_size; ++d) out[g * out_head_stride + d] = from_float<scalar_t>(acc[g][d]);
 }
 
+#if defined(__AVX512BF16__)
+// decode_one for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs straight
+// from the cache (no widening pass), 3-4x the generic loop. Scores: one instruction per 32 head-dim elements
+// and a horizontal sum per (key, head). P @ V: two keys at a time, their value rows interleaved into pairs
+// and the two probabilities (rounded to bfloat16, as SDPA's math path does) broadcast as one pair.
+// Needs an even block_size, so a pair of keys never straddles two blocks.
+template <int kHeadSize>
+void decode_one_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloat16* k_cache,
+                     const c10::BFloat16* v_cache, int64_t block_stride, int64_t pos_stride, int64_t /*head_stride*/,
+                     const int32_t* block_table, int64_t seq_len, int64_t block_size, int64_t group,
+                     int64_t /*head_size*/, float scale, c10::BFloat16* out, int64_t out_head_stride,
+                     std::vector<float>& scores) {
+  constexpr int kVecs = kHeadSize / 32;  // 512-bit vectors of bfloat16 per row
+  const int64_t padded_len = seq_len + (seq_len & 1);
+  if (static_cast<int64_t>(scores.size()) < group * padded_len * 2) scores.resize(group * padded_len * 2);
+  float* s = scores.data();  // [G, padded_len]
+  uint16_t* p16 = reinterpret_cast<uint16_t*>(s + group * padded_len);  // [G, padded_len] bfloat16 bits
+  __m512bh qv[kMaxGroup][kVecs];
+  for (int64_t g = 0; g < group; ++g)
+    for (int i = 0; i < kVecs; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(q + g * q_head_stride + 32 * i);
+
+  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+  // blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: ask for it
+  auto prefetch_block = [&](const c10::BFloat16* cache, int64_t b) {
+    if (b >= num_blocks) return;
+    const char* rows = reinterpret_cast<const char*>(cache + block_table[b] * block_stride);
+    for (int64_t t = 0; t < block_size; ++t)
+      for (int64_t byte = 0; byte < kHeadSize * 2; byte += 64) _mm_prefetch(rows + t * pos_stride * 2 + byte, _MM_HINT_T0);
+  };
+  prefetch_block(k_cache, 0);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    prefetch_block(k_cache, b + 1);
+    const c10::BFloat16* block = k_cache + block_table[b] * block_stride;
+    const int64_t t0 = b * block_size, n = std::min(block_size, seq_len - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512bh kv[kVecs];
+      for (int i = 0; i < kVecs; ++i) kv[i] = (__m512bh)_mm512_loadu_si512(block + t * pos_stride + 32 * i);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+        for (int i = 1; i < kVecs; ++i) acc = _mm512_dpbf16_ps(acc, qv[g][i], kv[i]);
+        s[g * padded_len + t0 + t] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+  prefetch_block(v_cache, 0);
+
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s + g * padded_len;
+    float max_score = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < seq_len; ++t) max_score = std::max(max_score, sg[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < seq_len; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - max_score);
+      total += sg[t];
+    }
+    const float inv_total = 1.f / total;
+    uint16_t* pg = p16 + g * padded_len;
+    for (int64_t t = 0; t < seq_len; ++t) pg[t] = c10::BFloat16(sg[t] * inv_total).x;
+    if (seq_len & 1) pg[seq_len] = 0;  // the odd last key's partner weighs nothing
+  }
+
+  // acc[g][2i] holds, per 128-bit lane L, outputs 32i + 8L + 0..3; acc[g][2i+1] outputs 32i + 8L + 4..7
+  // (the unpack instructions interleave within 128-bit lanes); put back in order at the end
+  __m512 acc[kMaxGroup][2 * kVecs];
+  for (int64_t g = 0; g < group; ++g)
+    for (int i = 0; i < 2 * kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    prefetch_block(v_cache, b + 1);
+    const c10::BFloat16* block = v_cache + block_table[b] * block_stride;
+    const int64_t t0 = b * block_size, n = std::min(block_size, seq_len - t0);
+    for (int64_t t = 0; t < n; t += 2) {
+      const __mmask32 second = t + 1 < n ? 0xFFFFFFFFu : 0u;  // a row past the context may hold any bits
+      for (int i = 0; i < kVecs; ++i) {
+        const __m512i v0 = _mm512_loadu_si512(block + t * pos_stride + 32 * i);
+        const __m512i v1 = _mm512_maskz_loadu_epi16(second, block + (t + 1) * pos_stride + 32 * i);
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1), hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int64_t g = 0; g < group; ++g) {
+          int32_t pair;
+          std::memcpy(&pair, p16 + g * padded_len + t0 + t, sizeof(pair));
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+          acc[g][2 * i] = _mm512_dpbf16_ps(acc[g][2 * i], w, lo);
+          acc[g][2 * i + 1] = _mm512_dpbf16_ps(acc[g][2 * i + 1], w, hi);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int i = 0; i < kVecs; ++i) {
+      alignas(64) float lo[16], hi[16];
+      _mm512_store_ps(lo, acc[g][2 * i]);
+      _mm512_store_ps(hi, acc[g][2 * i + 1]);
+      c10::BFloat16* o = out + g * out_head_stride + 32 * i;
+      for (int lane = 0; lane < 4; ++lane)
+        for (int j = 0; j < 4; ++j) {
+          o[8 * lane + j] = c10::BFloat16(lo[4 * lane + j]);
+          o[8 * lane + 4 + j] = c10::BFloat16(hi[4 * lane + j]);
+        }
+    }
+}
+#endif
+
 template <typename scalar_t>
 void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -142,6 +244,12 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   auto decode = head_size == 64    ? decode_one<scalar_t, 64>
                 : head_size == 128 ? decode_one<scalar_t, 128>
                                    : decode_one<scalar_t, 0>;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (block_size % 2 == 0 && (head_size == 64 || head_size == 128))
+      decode = head_size == 64 ? decode_one_bf16<64> : decode_one_bf16<128>;
+  }
+#endif
   // grain 1: the items differ a lot in cost (context lengths), so let OpenMP split them evenly by count
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
