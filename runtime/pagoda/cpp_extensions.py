@@ -87,3 +87,12 @@ class OptionalExtension:
                         logger.warning("Could not build the C++ kernels for %s, using the torch path: %s",
                                        self.what, e)
         return self._loaded
+
+
+def build_concurrently(*availability_checks) -> list[bool]:
+    """Run several extensions' ``available()`` at once: each first build is ~10 s of one compiler process,
+    mostly parsing torch's headers, so on a fresh cache they overlap instead of adding up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(availability_checks)) as pool:
+        return list(pool.map(lambda check: check(), availability_checks))

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda import cpp_extensions
 from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.cpu_allocator import keep_freed_memory
 from pagoda.distributed.parallel_state import get_parallel_state
-from pagoda.layers import fused_cpu_ops
+from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.logits_processors import apply_logits_processors
@@ -66,9 +67,9 @@ class ModelRunner:
         self.triton_ops = config.attention_backend == "triton"
         if self.device.type == "cpu":
             keep_freed_memory()
-            if config.attention_backend == "torch":
-                cpu_kernels.available()  # build the C++ kernels now, not inside the first request
-                fused_cpu_ops.available()
+            if config.attention_backend == "torch":  # build the C++ kernels now, not inside the first request
+                matmul = [bf16_matmul_cpu.available] if packing_supported(self.device, self.dtype) else []
+                cpp_extensions.build_concurrently(cpu_kernels.available, fused_cpu_ops.available, *matmul)
         torch.manual_seed(config.seed)
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
                                       config.parallel.pp_layer_partition)
