@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagoda.attention import AttentionMetadata
+from pagoda.layers.module import Module
 
 
 @dataclass
@@ -38,7 +38,7 @@ def forward_context(metadata: AttentionMetadata, backend, triton_ops: bool = Fal
         _context = previous
 
 
-class Attention(nn.Module):
+class Attention(Module):
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale

@@ -6,10 +6,11 @@ from torch import nn
 
 from pagoda.distributed.parallel_state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 from pagoda.layers.linear import copy_checked
+from pagoda.layers.module import Module
 from pagoda.layers.packed_weights import PackedWeight, linear
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         state = get_parallel_state()

@@ -5,9 +5,10 @@ from torch import nn
 
 from pagoda.layers import custom_ops
 from pagoda.layers.linear import copy_checked
+from pagoda.layers.module import Module
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
+from pagoda.layers.module import Module
 from pagoda.layers.packed_weights import PackedWeight, linear
 
 
@@ -31,7 +32,7 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> N
     param.data.copy_(loaded)
 
 
-class LinearBase(nn.Module):
+class LinearBase(Module):
     """The weight setup every linear layer shares: this rank's [output, input] weight and optional bias,
     each parameter carrying the layer's loader, and one matmul that a quantization method can take over."""
     packed_weight: PackedWeight | None = None  # set by packed_weights.pack_weights

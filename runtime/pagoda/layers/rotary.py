@@ -6,9 +6,9 @@ Scaling only changes the inverse frequencies, so it lives entirely in the cos/si
 import math
 
 import torch
-from torch import nn
 
 from pagoda.layers import custom_ops
+from pagoda.layers.module import Module
 
 
 def inverse_frequencies(head_size: int, params: dict) -> torch.Tensor:
@@ -30,7 +30,7 @@ def inverse_frequencies(head_size: int, params: dict) -> torch.Tensor:
     return inv_freq.float()
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Module):
     def __init__(self, head_size: int, max_position: int, params: dict):
         super().__init__()
         self.head_size = head_size

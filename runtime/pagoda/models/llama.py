@@ -13,11 +13,12 @@ from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.layernorm import RMSNorm
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagoda.layers.module import Module
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model_loader import rope_parameters
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         hidden = config.hidden_size
@@ -43,7 +44,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     def __init__(self, config):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
@@ -58,7 +59,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
@@ -85,11 +86,11 @@ def lm_head_cost_in_layers(config) -> float:
     return config.vocab_size * hidden / layer
 
 
-class MissingLayer(nn.Module):
+class MissingLayer(Module):
     """Stands in for a layer another pipeline stage owns."""
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, pp_partition: list[int] | None = None):
         super().__init__()
         state = get_parallel_state()
@@ -117,7 +118,7 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Module):
     # checkpoint name -> (our parameter name, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
