@@ -35,8 +35,14 @@ def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
+# headers the kernels share (#include "parallel_tasks.h"): on the include path, and in every build's key
+INCLUDE_DIR = Path(__file__).with_name("csrc")
+
+
 def build_name(prefix: str, source: Path, cflags: list[str]) -> str:
-    key = "\n".join([source.read_text(), " ".join(cflags), torch.__version__, platform.machine(), _cpu_flags()])
+    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    key = "\n".join([source.read_text(), *headers, " ".join(cflags), torch.__version__, platform.machine(),
+                     _cpu_flags()])
     return prefix + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -56,7 +62,8 @@ def build_and_load(prefix: str, source: Path, cflags: list[str] = NATIVE_CFLAGS,
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("Loading %s (compiled once into %s)", source.name, build_dir)
     return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(build_dir),
-                              is_python_module=is_python_module, verbose=False)
+                              extra_include_paths=[str(INCLUDE_DIR)], is_python_module=is_python_module,
+                              verbose=False)
 
 
 class OptionalExtension:

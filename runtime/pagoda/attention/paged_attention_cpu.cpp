@@ -6,7 +6,6 @@
 // the query heads sharing a KV head (GQA) are scored together against each K row.
 // Scores and the softmax are float32 whatever the cache dtype.
 
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__)
@@ -18,6 +17,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "parallel_tasks.h"
 
 namespace {
 
@@ -250,19 +251,15 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
       decode = head_size == 64 ? decode_one_bf16<64> : decode_one_bf16<128>;
   }
 #endif
-  // grain 1: the items differ a lot in cost (context lengths), so let OpenMP split them evenly by count
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
-      // wider groups (multi-query models) in chunks that fit the per-thread accumulators
-      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
-        const int64_t first_head = h * group + g0;
-        decode(q + i * q_seq + first_head * q_head, q_head, k + h * head_stride, v + h * head_stride,
-               block_stride, pos_stride, head_stride, tables + i * table_stride, lens[i], block_size,
-               std::min(kMaxGroup, group - g0), head_size, static_cast<float>(scale),
-               o + i * o_seq + first_head * o_head, o_head, scores);
-      }
+  pagoda::parallel_tasks(num_seqs * num_kv_heads, [&](int64_t item) {
+    thread_local std::vector<float> scores;
+    const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
+    // wider groups (multi-query models) in chunks that fit the per-thread accumulators
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+      const int64_t first_head = h * group + g0;
+      decode(q + i * q_seq + first_head * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
+             pos_stride, head_stride, tables + i * table_stride, lens[i], block_size, std::min(kMaxGroup, group - g0),
+             head_size, static_cast<float>(scale), o + i * o_seq + first_head * o_head, o_head, scores);
     }
   });
 }
@@ -450,21 +447,17 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
               : head_size == 128 ? prefill_tile<scalar_t, 128>
                                  : prefill_tile<scalar_t, 0>;
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(num_items, 1));
-  // round-robin: a tile's cost grows with its position (causal), so contiguous ranges would be unequal
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t thread = begin; thread < end; ++thread)
-      for (int64_t n = thread; n < num_items; n += threads) {
-        const PrefillItem& it = items[n];
-        const int64_t row = starts[it.seq] + it.first_row;  // row in the batch
-        const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
-        const int64_t first_head = it.kv_head * group + it.g0;
-        tile(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0), query.stride(1),
-             k + it.kv_head * head_stride, v + it.kv_head * head_stride, block_stride, pos_stride,
-             tables + it.seq * block_tables.stride(0), block_size, lens[it.seq] - q_len + it.first_row, it.rows,
-             it.heads, head_size, static_cast<float>(scale), o + row * out.stride(0) + first_head * out.stride(1),
-             out.stride(0), out.stride(1));
-      }
+  // last items first: a sequence's last tiles see the most keys (causal), and the cheap ones fill in at the end
+  pagoda::parallel_tasks(num_items, [&](int64_t task) {
+    const PrefillItem& it = items[num_items - 1 - task];
+    const int64_t row = starts[it.seq] + it.first_row;  // row in the batch
+    const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+    const int64_t first_head = it.kv_head * group + it.g0;
+    tile(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0), query.stride(1),
+         k + it.kv_head * head_stride, v + it.kv_head * head_stride, block_stride, pos_stride,
+         tables + it.seq * block_tables.stride(0), block_size, lens[it.seq] - q_len + it.first_row, it.rows, it.heads,
+         head_size, static_cast<float>(scale), o + row * out.stride(0) + first_head * out.stride(1), out.stride(0),
+         out.stride(1));
   });
 }
 

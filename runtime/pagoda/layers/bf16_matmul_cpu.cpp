@@ -11,8 +11,9 @@
 // exactly one 64-byte vector per 16 outputs per pair, as `vdpbf16ps` multiplies them. Rows past N are 0.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "parallel_tasks.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -118,15 +119,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   bf16* y_data = y.data_ptr<bf16>();
   const int64_t ldx = x.stride(0);
   const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  // blocks vary fastest, so at decode's few rows each thread streams one contiguous part of the weight
-  at::parallel_for(0, blocks * row_tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task % blocks, m0 = (task / blocks) * kRowsPerTask;
-      const int64_t n0 = b * kBlockN;
-      rows_against_block(x_data + m0 * ldx, ldx, std::min(kRowsPerTask, rows - m0), w_data + b * k_pairs * 64,
-                         k_pairs, y_data + m0 * out_features + n0, out_features,
-                         std::min(kBlockN, out_features - n0), bias_data ? bias_data + n0 : nullptr);
-    }
+  // blocks vary fastest, so at decode's few rows the threads stream the weight front to back together
+  pagoda::parallel_tasks(blocks * row_tasks, [&](int64_t task) {
+    const int64_t b = task % blocks, m0 = (task / blocks) * kRowsPerTask;
+    const int64_t n0 = b * kBlockN;
+    rows_against_block(x_data + m0 * ldx, ldx, std::min(kRowsPerTask, rows - m0), w_data + b * k_pairs * 64,
+                       k_pairs, y_data + m0 * out_features + n0, out_features, std::min(kBlockN, out_features - n0),
+                       bias_data ? bias_data + n0 : nullptr);
   });
 #endif
   return y;
