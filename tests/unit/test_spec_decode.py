@@ -61,9 +61,6 @@ def test_bad_config_is_refused_before_the_model_loads():
     with pytest.raises(InvalidParam) as err:
         EngineArgs(model="/does/not/exist", speculative_config={"method": "ngram"}).create_config()
     assert "num_speculative_tokens" in str(err.value)
-    with pytest.raises(InvalidParam, match="tensor_parallel_size"):
-        EngineArgs(model="/does/not/exist", tensor_parallel_size=2,
-                   speculative_config={"model": "/d", "num_speculative_tokens": 2}).create_config()
 
 
 # --- n-gram proposer -----------------------------------------------------------------------------
