@@ -299,16 +299,31 @@ class ModelRunner:
         """logits [R, V]: k + 1 consecutive rows per sequence with k drafts -> result.verified."""
         if not seq_ids:
             return
-        probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
         firsts = [i for i, seq_id in enumerate(seq_ids) if i == 0 or seq_ids[i - 1] != seq_id]
         order = [seq_ids[i] for i in firsts]
         scheduled = {s.seq_id: s for s in out.scheduled}
+        # row j of a sequence comes after its drafts 0..j-1: they count for bad_words as generated tokens
+        first_row = {seq_ids[i]: i for i in firsts}
+        before = [scheduled[seq_id].draft_token_ids[: i - first_row[seq_id]] for i, seq_id in enumerate(seq_ids)]
+        logits = self.apply_logits_processors(logits, seq_ids, before)  # logits[verify] is a copy: in place
+        probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
         draft_probs = [None if scheduled[seq_id].draft_probs is None
                        else torch.from_numpy(scheduled[seq_id].draft_probs).to(self.device) for seq_id in order]
         runs = self.rejection_sampler(probs, [scheduled[seq_id].draft_token_ids for seq_id in order], draft_probs,
                                       [row_greedy[i] for i in firsts], [generators[i] for i in firsts])
         for seq_id, run in zip(order, runs):
             result.verified[seq_id] = [SampledToken(token) for token in run]
+
+    def apply_logits_processors(self, logits: torch.Tensor, seq_ids: list[int], drafts_before: list[list[int]]
+                                ) -> torch.Tensor:
+        """Speculative rows: logits [N, V], row i predicting what follows seq_ids[i]'s tokens and then
+        drafts_before[i] -> with each row's logits processors applied, in place (the same tensor when
+        no row uses any)."""
+        seqs = [self.seqs[seq_id] for seq_id in seq_ids]
+        if not any(q.params.uses_logits_processors for q in seqs):
+            return logits
+        outputs = [q.token_ids[q.num_prompt_tokens :] + drafts for q, drafts in zip(seqs, drafts_before)]
+        return apply_logits_processors(logits, [q.params for q in seqs], outputs, in_place=True)
 
     def _generators(self, seq_ids: list[int], failed: dict[int, str]) -> list[torch.Generator | None]:
         """Each seeded sequence's own generator (made on its first sample). A failure here concerns one

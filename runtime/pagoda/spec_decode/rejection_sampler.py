@@ -35,9 +35,10 @@ class RejectionSampler:
                                   dtype=torch.long, device=device)
         drafts = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.long, device=device)  # [D]
         p_draft = target_probs[draft_rows, drafts]  # [D]
+        # [D]: q(x) of each draft, 1 for a point mass
         q_draft = torch.cat([q[torch.arange(k, device=device), torch.tensor(d, device=device)] if q is not None
                              else torch.ones(k, dtype=target_probs.dtype, device=device)
-                             for q, d, k in zip(draft_probs, draft_token_ids, num_drafts)])  # [D]: q(x), 1 for a point mass
+                             for q, d, k in zip(draft_probs, draft_token_ids, num_drafts)])
         uniform = torch.cat([torch.rand(k, generator=self._gen(g), device=device)
                              for k, g in zip(num_drafts, generators)])  # [D]
         # accept with probability min(1, p / q): u < p / q, written without dividing by q
