@@ -71,7 +71,8 @@ def draft_reference(model_3_layers):
     ("other", dict(tensor_parallel_size=2, max_num_batched_tokens=16)),
     ("self", dict(pipeline_parallel_size=2)),
     ("other", dict(pipeline_parallel_size=2, max_num_batched_tokens=16)),
-], ids=["tp2-self", "tp2-other-chunked", "pp2-self", "pp2-other-chunked"])
+    ("other", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+], ids=["tp2-self", "tp2-other-chunked", "pp2-self", "pp2-other-chunked", "tp2xpp2-other"])
 def test_draft_model_in_parallel_equals_single_process(model_3_layers, tiny_model_factory, draft_reference,
                                                        draft, kwargs):
     params, want = draft_reference
