@@ -141,6 +141,39 @@ def test_draft_model_greedy_equals_decoding_without_speculation(tiny_model_facto
         assert stats.num_preemptions > 0
 
 
+def test_draft_model_proposes_its_own_greedy_continuation_after_rejections(tiny_model_factory, monkeypatch):
+    """The draft model's K/V after verification rejected some of its drafts: each proposal equals what the
+    draft model alone continues the sequence's tokens with (a stale K/V from a rejected draft would not)."""
+    from pagoda.spec_decode.draft_model import DraftModelProposer
+
+    draft_path = tiny_model_factory("llama", seed=1, num_layers=1)
+    proposals = []  # (the sequence's tokens, the drafts proposed after them)
+    propose = DraftModelProposer.propose
+
+    def recording(self, out, seqs):
+        propose(self, out, seqs)
+        proposals.extend((list(seqs[s.seq_id].token_ids), s.draft_token_ids) for s in out.scheduled
+                         if s.num_draft_tokens)
+
+    monkeypatch.setattr(DraftModelProposer, "propose", recording)
+    # few KV blocks: some steps have no room for a sequence's drafts, so tokens the draft model never saw
+    # pile up after a rejected draft's position (and preemptions make it start over)
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=14 * BLOCK_BYTES * 1.5 / 2**30,
+              max_model_len=160, preemption_mode="recompute", swap_space=0,
+              speculative_config={"model": str(draft_path), "num_speculative_tokens": 3})
+    before = llm.engine.get_stats()
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.get_stats()
+    rejected = (stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+                - (stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens))
+    assert len(proposals) > 20 and rejected > 10 and stats.num_preemptions > 0
+    draft = LLM(str(draft_path), dtype="float32", kv_cache_memory=0.02)
+    alone = draft.generate([{"prompt_token_ids": tokens} for tokens, _ in proposals],
+                           [SamplingParams(temperature=0, max_tokens=len(d), ignore_eos=True) for _, d in proposals],
+                           use_tqdm=False)
+    assert [d for _, d in proposals] == [o.outputs[0].token_ids for o in alone]
+
+
 def test_draft_model_sampling_accepts_its_own_distribution(tiny_model_factory):
     """With the target as its own draft p = q, so every sampled draft is accepted; seeds reproduce."""
     path = str(tiny_model_factory("llama"))
