@@ -3,6 +3,7 @@ output without speculation; drafts (n-gram, or a draft model's, proposed unshard
 verified across ranks and stages."""
 
 import re
+from contextlib import contextmanager
 
 import pytest
 from test_parallel_llm import PARAMS, PROMPTS, greedy
@@ -12,6 +13,17 @@ from pagoda import LLM, SamplingParams
 pytestmark = pytest.mark.distributed
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@contextmanager
+def speculating(path, speculative_config, **kwargs):
+    """A parallel engine that speculates; shut down after, and checked for KV block leaks first."""
+    llm = LLM(str(path), dtype="float32", speculative_config=speculative_config, **kwargs)
+    try:
+        yield llm
+        llm.engine.block_manager.check_no_leaks()
+    finally:
+        llm.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +38,9 @@ def model_3_layers(tiny_model_factory):
 ], ids=["tp2", "pp2-chunked"])
 def test_ngram_speculation_in_parallel_equals_single_process(model_3_layers, kwargs):
     reference = greedy(model_3_layers)
-    llm = LLM(str(model_3_layers), dtype="float32", kv_cache_memory=0.02, speculative_config=NGRAM, **kwargs)
-    try:
+    with speculating(model_3_layers, NGRAM, kv_cache_memory=0.02, **kwargs) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         stats = llm.engine.get_stats()
-        llm.engine.block_manager.check_no_leaks()
-    finally:
-        llm.engine.shutdown()
     assert got == reference
     assert stats.spec_decode_num_drafts > 0
 
@@ -77,9 +85,8 @@ def test_draft_model_in_parallel_equals_single_process(model_3_layers, tiny_mode
                                                        draft, kwargs):
     params, want = draft_reference
     draft_path = model_3_layers if draft == "self" else tiny_model_factory("llama", seed=1, num_layers=1)
-    llm = LLM(str(model_3_layers), dtype="float32", kv_cache_memory=0.03,
-              speculative_config={"model": str(draft_path), "num_speculative_tokens": 3}, **kwargs)
-    try:
+    config = {"model": str(draft_path), "num_speculative_tokens": 3}
+    with speculating(model_3_layers, config, kv_cache_memory=0.03, **kwargs) as llm:
         got = outputs(llm, params)
         greedy_stats = llm.engine.get_stats()
         llm.engine.block_manager.check_no_leaks()
@@ -90,9 +97,6 @@ def test_draft_model_in_parallel_equals_single_process(model_3_layers, tiny_mode
         runs = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], sampled, use_tqdm=False)]
         again = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:2], sampled, use_tqdm=False)]
         stats = llm.engine.get_stats()
-        llm.engine.block_manager.check_no_leaks()
-    finally:
-        llm.engine.shutdown()
     assert got == want
     assert greedy_stats.spec_decode_num_drafts > 0
     assert any(o[0][2] == "stop" for o in want)  # the stop string was met
