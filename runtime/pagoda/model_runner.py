@@ -305,7 +305,7 @@ class ModelRunner:
         # row j of a sequence comes after its drafts 0..j-1: they count for bad_words as generated tokens
         first_row = {seq_ids[i]: i for i in firsts}
         before = [scheduled[seq_id].draft_token_ids[: i - first_row[seq_id]] for i, seq_id in enumerate(seq_ids)]
-        logits = self.apply_logits_processors(logits, seq_ids, before)  # logits[verify] is a copy: in place
+        logits = self.apply_processors_after_drafts(logits, seq_ids, before)  # logits[verify] is a copy: in place
         probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
         draft_probs = [None if scheduled[seq_id].draft_probs is None
                        else torch.from_numpy(scheduled[seq_id].draft_probs).to(self.device) for seq_id in order]
@@ -314,8 +314,8 @@ class ModelRunner:
         for seq_id, run in zip(order, runs):
             result.verified[seq_id] = [SampledToken(token) for token in run]
 
-    def apply_logits_processors(self, logits: torch.Tensor, seq_ids: list[int], drafts_before: list[list[int]]
-                                ) -> torch.Tensor:
+    def apply_processors_after_drafts(self, logits: torch.Tensor, seq_ids: list[int],
+                                      drafts_before: list[list[int]]) -> torch.Tensor:
         """Speculative rows: logits [N, V], row i predicting what follows seq_ids[i]'s tokens and then
         drafts_before[i] -> with each row's logits processors applied, in place (the same tensor when
         no row uses any)."""

@@ -81,7 +81,7 @@ class DraftModelProposer:
             logits = self._forward(chunks, seqs)  # [len(chunks), V]: after each chunk's last token
             # the request's logits processors, as the target's verification applies them: drafts that
             # break them would only be rejected
-            logits = self.runner.apply_logits_processors(logits, seq_ids, [drafts[i] for i in seq_ids])
+            logits = self.runner.apply_processors_after_drafts(logits, seq_ids, [drafts[i] for i in seq_ids])
             t = self.runner._sampling_tensors(seq_ids, [None] * len(seq_ids))
             dist, is_greedy = target_probs(self.runner.sampler, logits, t)
             tokens = sample_rows(dist, is_greedy, [self._generator(i, seqs) for i in seq_ids])
