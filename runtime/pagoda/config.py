@@ -266,10 +266,6 @@ class EngineConfig:
         speculative = None
         if args.speculative_config is not None:
             speculative = SpeculativeConfig.from_dict(args.speculative_config)
-            if speculative.method == "draft_model" and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-                raise InvalidParam("speculative_config", "speculative_config: a draft model runs with "
-                                   "tensor_parallel_size = pipeline_parallel_size = 1 only; use method \"ngram\" "
-                                   "with tensor or pipeline parallelism")
         world = args.tensor_parallel_size * args.pipeline_parallel_size
         device = resolve_device(args.device)
         backend = _resolve_executor_backend(args, world, device)

@@ -12,7 +12,7 @@ from pagoda import cpp_extensions
 from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.cpu_allocator import keep_freed_memory
-from pagoda.distributed.parallel_state import get_parallel_state
+from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
 from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
@@ -82,12 +82,14 @@ class ModelRunner:
         self.sampler = Sampler(self.shared_generator)
         self.pooler = Pooler()
         self.rejection_sampler = RejectionSampler(self.shared_generator)
-        self.drafter = None  # speculative decoding with a draft model: it proposes each step's drafts
-        if config.draft_model is not None:
+        # speculative decoding with a draft model: it proposes each step's drafts on the driver (global
+        # rank 0) alone, unsharded, and they travel with the schedule to the other ranks
+        self.drafter = None
+        if config.draft_model is not None and state.is_first_stage and state.tp_rank == 0:
             draft = config.draft_model
-            self.drafter = DraftModelProposer(self, self._load_model(draft.hf_config, draft.path, None, None),
-                                              config.seed)
-        self.draft_probs: dict[int, torch.Tensor] = {}
+            with single_process_state():
+                model = self._load_model(draft.hf_config, draft.path, None, None)
+            self.drafter = DraftModelProposer(self, model, config.seed)
 
     def _load_model(self, hf_config, path: str, quantization, pp_layer_partition):
         previous = torch.get_default_dtype()
@@ -197,6 +199,14 @@ class ModelRunner:
                 ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run this stage's layers over the scheduled tokens. The last stage returns the sampled tokens of
         every sequence that sampled; earlier stages return what the next stage needs (None if empty)."""
+        self.start_step(out)
+        return self.run_step(out, intermediate)
+
+    @torch.inference_mode()
+    def start_step(self, out: SchedulerOutput) -> None:
+        """The first half of execute: bring the sequences and caches up to out (deltas, swaps, copies).
+        With the draft model (the driver), also fill in out's drafts: the driver calls this before it
+        passes out to the other ranks, then run_step."""
         self._apply_deltas(out)
         self.pooler.update(out)
         if out.blocks_to_swap_out:
@@ -205,9 +215,16 @@ class ModelRunner:
             self._swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             self._copy_blocks(out.blocks_to_copy)
+        if self.drafter is not None:
+            self.drafter.propose(out, self.seqs)
+
+    @torch.inference_mode()
+    def run_step(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
+                 ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """The second half of execute: the forward pass, then sampling and verification."""
         if out.is_empty:
             return ModelRunnerOutput() if self.is_last_stage else None
-        drafts = self._drafts(out)
+        drafts = {s.seq_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
         input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out, drafts)
         hidden_in = residual_in = None
         if intermediate is not None:
@@ -239,7 +256,7 @@ class ModelRunner:
         if drafts:  # the rows of sequences with drafts are verified; the others sampled as usual
             verify = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id in drafts]
             self._verify(logits[verify], [sample_seq_ids[i] for i in verify], [generators[i] for i in verify],
-                         drafts, result)
+                         out, result)
             keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in drafts]
             logits, generators = logits[keep], [generators[i] for i in keep]
             sample_seq_ids = [sample_seq_ids[i] for i in keep]
@@ -278,30 +295,36 @@ class ModelRunner:
             row += s.num_new_tokens
         return result
 
-    def _drafts(self, out: SchedulerOutput) -> dict[int, list[int]]:
-        """seq id -> its draft tokens this step: the scheduler's (n-gram) or the draft model's."""
-        drafts = {s.seq_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
-        self.draft_probs = {}
-        if self.drafter is not None:
-            proposed, self.draft_probs = self.drafter.propose(out, self.seqs)
-            drafts.update(proposed)
-        return drafts
-
-    def _verify(self, logits: torch.Tensor, seq_ids: list[int], generators: list, drafts: dict[int, list[int]],
+    def _verify(self, logits: torch.Tensor, seq_ids: list[int], generators: list, out: SchedulerOutput,
                 result: ModelRunnerOutput) -> None:
         """logits [R, V]: k + 1 consecutive rows per sequence with k drafts -> result.verified."""
         if not seq_ids:
             return
-        probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
         firsts = [i for i, seq_id in enumerate(seq_ids) if i == 0 or seq_ids[i - 1] != seq_id]
         order = [seq_ids[i] for i in firsts]
-        draft_probs = [self.draft_probs[seq_id] for seq_id in order] if self.draft_probs else None
-        runs = self.rejection_sampler(probs, [drafts[seq_id] for seq_id in order], draft_probs,
+        scheduled = {s.seq_id: s for s in out.scheduled}
+        # row j of a sequence comes after its drafts 0..j-1: they count for bad_words as generated tokens
+        first_row = {seq_ids[i]: i for i in firsts}
+        before = [scheduled[seq_id].draft_token_ids[: i - first_row[seq_id]] for i, seq_id in enumerate(seq_ids)]
+        logits = self.apply_processors_after_drafts(logits, seq_ids, before)  # logits[verify] is a copy: in place
+        probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
+        draft_probs = [None if scheduled[seq_id].draft_probs is None
+                       else torch.from_numpy(scheduled[seq_id].draft_probs).to(self.device) for seq_id in order]
+        runs = self.rejection_sampler(probs, [scheduled[seq_id].draft_token_ids for seq_id in order], draft_probs,
                                       [row_greedy[i] for i in firsts], [generators[i] for i in firsts])
         for seq_id, run in zip(order, runs):
             result.verified[seq_id] = [SampledToken(token) for token in run]
-            if self.drafter is not None:
-                self.drafter.accepted(seq_id, len(run) - 1)
+
+    def apply_processors_after_drafts(self, logits: torch.Tensor, seq_ids: list[int],
+                                      drafts_before: list[list[int]]) -> torch.Tensor:
+        """Speculative rows: logits [N, V], row i predicting what follows seq_ids[i]'s tokens and then
+        drafts_before[i] -> with each row's logits processors applied, in place (the same tensor when
+        no row uses any)."""
+        seqs = [self.seqs[seq_id] for seq_id in seq_ids]
+        if not any(q.params.uses_logits_processors for q in seqs):
+            return logits
+        outputs = [q.token_ids[q.num_prompt_tokens :] + drafts for q, drafts in zip(seqs, drafts_before)]
+        return apply_logits_processors(logits, [q.params for q in seqs], outputs, in_place=True)
 
     def _generators(self, seq_ids: list[int], failed: dict[int, str]) -> list[torch.Generator | None]:
         """Each seeded sequence's own generator (made on its first sample). A failure here concerns one

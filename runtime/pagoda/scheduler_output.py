@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -20,9 +22,13 @@ class ScheduledSeq:
     params: SamplingParams | None = None  # sent on reset only
     pooling: PoolingParams | None = None  # an embedding request (sent on reset only): pool, never sample
     # speculative decoding: the last num_draft_tokens of the num_new_tokens are drafts to verify (not in
-    # new_token_ids); their ids here (n-gram), or None when the runner's draft model proposes them
+    # new_token_ids); their ids here: the scheduler's (n-gram), or None until the driver's draft model fills
+    # them in, before the batch goes on to the other ranks
     num_draft_tokens: int = 0
     draft_token_ids: list[int] | None = None
+    # [num_draft_tokens, V] float32: the distributions the draft model drew them from, for a request that
+    # samples; None where each draft is a point mass (n-gram drafts, greedy requests)
+    draft_probs: np.ndarray | None = None
 
 
 @dataclass

@@ -141,6 +141,39 @@ def test_draft_model_greedy_equals_decoding_without_speculation(tiny_model_facto
         assert stats.num_preemptions > 0
 
 
+def test_draft_model_proposes_its_own_greedy_continuation_after_rejections(tiny_model_factory, monkeypatch):
+    """The draft model's K/V after verification rejected some of its drafts: each proposal equals what the
+    draft model alone continues the sequence's tokens with (a stale K/V from a rejected draft would not)."""
+    from pagoda.spec_decode.draft_model import DraftModelProposer
+
+    draft_path = tiny_model_factory("llama", seed=1, num_layers=1)
+    proposals = []  # (the sequence's tokens, the drafts proposed after them)
+    propose = DraftModelProposer.propose
+
+    def recording(self, out, seqs):
+        propose(self, out, seqs)
+        proposals.extend((list(seqs[s.seq_id].token_ids), s.draft_token_ids) for s in out.scheduled
+                         if s.num_draft_tokens)
+
+    monkeypatch.setattr(DraftModelProposer, "propose", recording)
+    # few KV blocks: some steps have no room for a sequence's drafts, so tokens the draft model never saw
+    # pile up after a rejected draft's position (and preemptions make it start over)
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=14 * BLOCK_BYTES * 1.5 / 2**30,
+              max_model_len=160, preemption_mode="recompute", swap_space=0,
+              speculative_config={"model": str(draft_path), "num_speculative_tokens": 3})
+    before = llm.engine.get_stats()
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.get_stats()
+    rejected = (stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+                - (stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens))
+    assert len(proposals) > 20 and rejected > 10 and stats.num_preemptions > 0
+    draft = LLM(str(draft_path), dtype="float32", kv_cache_memory=0.02)
+    alone = draft.generate([{"prompt_token_ids": tokens} for tokens, _ in proposals],
+                           [SamplingParams(temperature=0, max_tokens=len(d), ignore_eos=True) for _, d in proposals],
+                           use_tqdm=False)
+    assert [d for _, d in proposals] == [o.outputs[0].token_ids for o in alone]
+
+
 def test_draft_model_sampling_accepts_its_own_distribution(tiny_model_factory):
     """With the target as its own draft p = q, so every sampled draft is accepted; seeds reproduce."""
     path = str(tiny_model_factory("llama"))
@@ -170,3 +203,131 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_model_factory, tmp_
     with pytest.raises(ValueError, match="speculative_config.*cannot be loaded"):
         LLM(str(tiny_model_factory("llama")), speculative_config={"model": str(tmp_path / "nope"),
                                                                   "num_speculative_tokens": 2})
+
+
+# --- logits processors: verification applies them at each position ------------------------------
+
+def two_token_bad_word(tokenizer, tokens: list[int]) -> tuple[int, str]:
+    """(i, word): a word the output spells with tokens[i], tokens[i + 1], banned as those two tokens."""
+    from pagoda.logits_processors import tokenize_bad_words
+
+    for i in range(3, len(tokens) - 1):
+        word = tokenizer.decode(tokens[i : i + 2])
+        if word.strip() and tokens[i : i + 2] in tokenize_bad_words(tokenizer, [word]):
+            return i, word
+    raise AssertionError(f"no two-token word in {tokens}")
+
+
+@pytest.fixture(scope="module")
+def self_draft_llm(tiny_model_factory):
+    path = str(tiny_model_factory("llama"))
+    return LLM(path, dtype="float32", kv_cache_memory=0.04,
+               speculative_config={"model": path, "num_speculative_tokens": 3})
+
+
+def test_logits_processors_greedy_equals_decoding_without_speculation(spec_llm, self_draft_llm, tiny_model_factory):
+    plain = LLM(str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=0.02)
+    tokenizer = plain.get_tokenizer()
+    prompt = PROMPTS[3]
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = plain.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    i, word = two_token_bad_word(tokenizer, free)
+    allowed = sorted((set(tokenizer.encode(prompt)) | set(free)) - {free[6]})
+    params = [SamplingParams(**greedy, logit_bias={free[4]: -100.0, free[2]: 5.0}),
+              SamplingParams(**greedy, allowed_token_ids=allowed),
+              SamplingParams(**greedy, bad_words=[word])]
+    want = [o.outputs[0].token_ids for o in plain.generate([prompt] * 3, params, use_tqdm=False)]
+    assert all(w != free for w in want)  # each processor changed the output
+    assert want[2][: i + 1] == free[: i + 1] and want[2][i + 1] != free[i + 1]  # the word's 2nd token banned
+    for llm in (spec_llm, self_draft_llm):
+        before = llm.engine.get_stats()
+        got = [o.outputs[0].token_ids for o in llm.generate([prompt] * 3, params, use_tqdm=False)]
+        stats = llm.engine.get_stats()
+        assert got == want
+        assert stats.spec_decode_num_drafts > before.spec_decode_num_drafts  # they speculated
+        llm.engine.block_manager.check_no_leaks()
+    # the draft model applies the processors too: the target accepts its every greedy draft
+    drafted = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    assert stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens == drafted
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square value exceeded with probability 0.001 (z: the normal's), by Wilson and Hilferty."""
+    h = 2 / (9 * df)
+    return df * (1 - h + z * h**0.5) ** 3
+
+
+def two_token_word(tokenizer) -> tuple[str, int, int]:
+    """A word of two different letter tokens that bad_words bans as exactly those two: (word, first, second)."""
+    from pagoda.logits_processors import tokenize_bad_words
+
+    letters = [t for t in range(len(tokenizer)) if tokenizer.decode([t]).isalpha()]
+    for a in letters:
+        for b in letters:
+            word = tokenizer.decode([a, b])
+            if a != b and tokenize_bad_words(tokenizer, [word]) == [[a, b]]:
+                return word, a, b
+    raise AssertionError("no two-token word in the vocabulary")
+
+
+@pytest.mark.parametrize("speculation", ["none", "ngram", "draft-model"])
+def test_logits_processors_keep_the_sampled_distribution(tiny_model_factory, speculation):
+    """Three tokens sampled at temperature 1 under allowed_token_ids, logit_bias and a two-token bad word
+    follow the distribution computed from transformers' logits: with speculation the second token is
+    verified as a draft and the third comes after it, so a banned pair never appears across a draft."""
+    import torch
+    from checkpoints import load_hf_reference
+
+    path = tiny_model_factory("llama")
+    config = {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+              "draft-model": {"model": str(tiny_model_factory("llama", seed=1, num_layers=1)),
+                              "num_speculative_tokens": 2}}[speculation]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.05, speculative_config=config)
+    word, a, b = two_token_word(llm.get_tokenizer())
+    c = next(t for t in range(3, 300) if t not in (a, b))
+    allowed, bias = [a, b, c], 1.0
+    # n-gram drafts: after a sampled c the draft is a ("a c" was followed by a), whose verified successor
+    # must not be b
+    prompt = [b, a, c, a, b, c, b, a]
+
+    hf = load_hf_reference(path)
+
+    def probs(outputs: list[int]) -> torch.Tensor:  # [3]: over allowed, as the processors make them
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + outputs])).logits[0, -1, allowed].double()
+        logits[0] += bias
+        if outputs and outputs[-1] == a:
+            logits[1] = float("-inf")  # b right after a
+        return torch.softmax(logits, dim=0)
+
+    expected = torch.zeros(3, 3, 3, dtype=torch.float64)  # [t1, t2, t3] as indices into allowed
+    p1 = probs([])
+    for i in range(3):
+        p2 = probs([allowed[i]])
+        for j in range(3):
+            expected[i, j] = p1[i] * p2[j] * probs([allowed[i], allowed[j]])
+
+    num = 6000
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, allowed_token_ids=allowed,
+                            logit_bias={a: bias}, bad_words=[word])
+    outs = llm.generate([{"prompt_token_ids": prompt}] * num, params, use_tqdm=False)
+    counts = torch.zeros(3, 3, 3, dtype=torch.float64)
+    for o in outs:
+        counts[tuple(allowed.index(t) for t in o.outputs[0].token_ids)] += 1
+    stats = llm.engine.get_stats()
+    llm.engine.block_manager.check_no_leaks()
+    assert counts[expected == 0].sum() == 0  # never b right after a
+    # the chi-square test wants >= 5 expected per cell: the rarest sequences share one
+    flat_expected, flat_counts = expected.flatten(), counts.flatten()
+    order = [i for i in flat_expected.argsort().tolist() if flat_expected[i] > 0]  # rarest first
+    merged = 1
+    while flat_expected[order[:merged]].sum() * num < 5:
+        merged += 1
+    bins = [order[:merged]] + [[i] for i in order[merged:]]
+    want = torch.stack([flat_expected[cells].sum() for cells in bins]) * num
+    got = torch.stack([flat_counts[cells].sum() for cells in bins])
+    chi2 = float(((got - want) ** 2 / want).sum())
+    assert chi2 < chi_square_critical(len(want) - 1), (chi2, got, want)
+    if speculation != "none":  # the second token was verified as a draft, accepted or not
+        assert stats.spec_decode_num_drafts > num / 2
+        assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens

@@ -106,9 +106,10 @@ class DriverExecutor:
     def submit(self, out: SchedulerOutput):
         """Run the first stage now and pass the batch on; the result comes back through wait()."""
         self._check()
+        self.runner.start_step(out)  # a draft model here fills in the drafts, which travel with out
         if self.tp_size > 1:
             dist.broadcast_object_list([out], src=0, group=self.group.tp_cpu_group)
-        result = self.runner.execute(out)
+        result = self.runner.run_step(out)
         if self.pp_size == 1:
             return result
         comm.send_object(out, self.tp_size, self.group.cpu_group, self.pending)

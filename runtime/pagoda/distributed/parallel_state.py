@@ -5,6 +5,7 @@ Ranks are TP-major: global rank = pp_rank * tp_size + tp_rank.
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,18 @@ def get_parallel_state() -> ParallelState:
 def set_parallel_state(state: ParallelState) -> None:
     global _state
     _state = state
+
+
+@contextmanager
+def single_process_state():
+    """Build a model for this process alone inside a parallel group (a draft model on the driver): its
+    layers record TP = PP = 1 while it is built, so they hold every weight and never communicate."""
+    previous = _state
+    set_parallel_state(ParallelState())
+    try:
+        yield
+    finally:
+        set_parallel_state(previous)
 
 
 def reset_parallel_state() -> None:

@@ -45,5 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     shares_weight = False  # True when tied to the embedding, which keeps using the plain weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] on every rank
-        logits = tp_all_gather_last_dim(linear(hidden, self))
+        logits = linear(hidden, self)
+        if self.tp_size > 1:
+            logits = tp_all_gather_last_dim(logits)
         return logits[:, : self.num_embeddings]

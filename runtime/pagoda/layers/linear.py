@@ -83,7 +83,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x):
         y = self.matmul(x, self.bias)
-        return tp_all_gather_last_dim(y) if self.gather_output else y
+        return tp_all_gather_last_dim(y) if self.gather_output and self.tp_size > 1 else y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -154,5 +154,7 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, loaded[:])
 
     def forward(self, x):
-        y = tp_all_reduce(self.matmul(x))
+        y = self.matmul(x)
+        if self.tp_size > 1:  # a layer built for one process (a draft model's) never communicates
+            y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y

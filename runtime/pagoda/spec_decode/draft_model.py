@@ -1,11 +1,14 @@
 """Drafts from a smaller model that shares the target's tokenizer.
 
-The draft model has its own paged KV cache with as many blocks as the target's, addressed by the same
-block tables (the scheduler's slots for a sequence hold both models' K/V). It catches up lazily: when a
-sequence is to speculate, the draft model first runs over the tokens it has not seen (the whole prompt the
-first time, or after a preemption), then proposes k tokens autoregressively, sampling each from its own
-distribution under the request's sampling parameters; those distributions are kept for the rejection
-sampler. After verification the draft KV of accepted drafts stays valid, so only those are kept.
+The draft model runs unsharded in the driver's process (global rank 0), whatever the target's tensor and
+pipeline parallelism: it proposes before the batch leaves the driver, so the drafts travel with the
+schedule to every rank and stage. It has its own paged KV cache with as many blocks as the target's,
+addressed by the same block tables (the scheduler's slots for a sequence hold both models' K/V). It
+catches up lazily: when a sequence is to speculate, the draft model first runs over the tokens it has not
+seen (the whole prompt the first time, or after a preemption), then proposes k tokens autoregressively,
+sampling each from its own distribution under the request's sampling parameters; those distributions go
+with the drafts to the rejection sampler. The draft K/V of fed drafts the target accepted stays valid:
+the next proposal keeps those the sequence's tokens still match.
 """
 
 import numpy as np
@@ -17,12 +20,12 @@ from pagoda.spec_decode.rejection_sampler import sample_rows, target_probs
 
 class DraftModelProposer:
     def __init__(self, runner, model, seed: int):
-        self.runner = runner  # the target's model runner: its sequences, metadata and sampling tensors
+        self.runner = runner  # the driver's model runner: its sequences, metadata and sampling tensors
         self.model = model
         self.attention_layers = model.attention_layers()
         self.kv_caches: list[torch.Tensor] = []
-        self.num_computed: dict[int, int] = {}  # seq id -> tokens whose draft K/V is in the cache
-        self.proposed_at: dict[int, tuple[int, int]] = {}  # seq id -> (position of the first draft, k)
+        # seq id -> (leading tokens of its own whose draft K/V is cached, the drafts fed to the model after them)
+        self.cached: dict[int, tuple[int, list[int]]] = {}
         self.generator = torch.Generator(device=runner.device).manual_seed(seed + 1)
         self.seq_generators: dict[int, torch.Generator] = {}
 
@@ -41,48 +44,61 @@ class DraftModelProposer:
             self.kv_caches.append(cache)
 
     def forget(self, seq_id: int) -> None:
-        self.num_computed.pop(seq_id, None)
-        self.proposed_at.pop(seq_id, None)
+        self.cached.pop(seq_id, None)
         self.seq_generators.pop(seq_id, None)
 
-    def accepted(self, seq_id: int, num_accepted: int) -> None:
-        """Verification accepted num_accepted drafts: their draft K/V (written while proposing) stays."""
-        first, k = self.proposed_at.pop(seq_id)
-        # the last draft was proposed but never fed to the draft model: no K/V for it
-        self.num_computed[seq_id] = first + min(num_accepted, k - 1)
+    def _num_valid(self, seq_id: int, token_ids: list[int]) -> int:
+        """Leading tokens of the sequence whose draft K/V is in the cache: its own tokens the model saw,
+        then the fed drafts that verification accepted (the ones its tokens still match)."""
+        num_tokens, fed = self.cached.get(seq_id, (0, []))
+        matched = 0
+        for draft, token in zip(fed, token_ids[num_tokens:]):
+            if draft != token:
+                break
+            matched += 1
+        return num_tokens + matched
 
     @torch.inference_mode()
-    def propose(self, out, seqs) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
-        """Drafts for the scheduled sequences that asked the draft model for them: seq id -> draft ids, and
-        seq id -> [k, V] the distributions they were drawn from."""
+    def propose(self, out, seqs) -> None:
+        """Fill in the drafts of the scheduled sequences that take the draft model's (draft_token_ids None):
+        their ids and, for a request that samples, the [k, V] distributions they were drawn from."""
         jobs = [s for s in out.scheduled if s.num_draft_tokens and s.draft_token_ids is None]
         if not jobs:
-            return {}, {}
+            return
         chunks = []  # (seq id, token ids, first position)
         for s in jobs:
+            tokens = seqs[s.seq_id].token_ids
             end = s.num_computed_tokens + s.num_new_tokens - s.num_draft_tokens  # the real tokens' end
-            start = min(self.num_computed.get(s.seq_id, 0), end - 1)
-            chunks.append((s.seq_id, seqs[s.seq_id].token_ids[start:end], start))
-            self.num_computed[s.seq_id] = end
-            self.proposed_at[s.seq_id] = (end, s.num_draft_tokens)
+            start = min(self._num_valid(s.seq_id, tokens), end - 1)
+            chunks.append((s.seq_id, tokens[start:end], start))
+            self.cached[s.seq_id] = (end, [])
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in jobs}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in jobs}
+        greedy: dict[int, bool] = {}
         wanted = {s.seq_id: s.num_draft_tokens for s in jobs}
         while chunks:
             seq_ids = [c[0] for c in chunks]
             logits = self._forward(chunks, seqs)  # [len(chunks), V]: after each chunk's last token
+            # the request's logits processors, as the target's verification applies them: drafts that
+            # break them would only be rejected
+            logits = self.runner.apply_processors_after_drafts(logits, seq_ids, [drafts[i] for i in seq_ids])
             t = self.runner._sampling_tensors(seq_ids, [None] * len(seq_ids))
             dist, is_greedy = target_probs(self.runner.sampler, logits, t)
             tokens = sample_rows(dist, is_greedy, [self._generator(i, seqs) for i in seq_ids])
             next_chunks = []
-            for row, ((seq_id, _, _), token) in enumerate(zip(chunks, tokens)):
+            for row, (seq_id, token) in enumerate(zip(seq_ids, tokens)):
                 drafts[seq_id].append(token)
                 probs[seq_id].append(dist[row])
+                greedy[seq_id] = is_greedy[row]
                 if len(drafts[seq_id]) < wanted[seq_id]:
-                    position = self.proposed_at[seq_id][0] + len(drafts[seq_id]) - 1
-                    next_chunks.append((seq_id, [token], position))
+                    end, fed = self.cached[seq_id]
+                    next_chunks.append((seq_id, [token], end + len(fed)))
+                    fed.append(token)
             chunks = next_chunks
-        return drafts, {seq_id: torch.stack(rows) for seq_id, rows in probs.items()}
+        for s in jobs:
+            s.draft_token_ids = drafts[s.seq_id]
+            # a greedy request's drafts are point masses (one-hot at the draft's argmax): nothing to send
+            s.draft_probs = None if greedy[s.seq_id] else torch.stack(probs[s.seq_id]).cpu().numpy()
 
     def _generator(self, seq_id: int, seqs) -> torch.Generator:
         seed = seqs[seq_id].params.seed

@@ -35,11 +35,10 @@ class NgramProposer:
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a sequence with these parameters takes drafts. The rest decode one token per step, in the
     same batches: structured outputs (the grammar would have to follow every draft), logprobs (reported
-    per sampled token), penalties (they count the output so far, drafts included), min_tokens not
-    reached yet (eos is banned, so drafts past it would be judged by another distribution) and the logits
-    processors (logit_bias, allowed_token_ids, bad_words: applied after the sampler's own processing, which
-    verification does not run; bad_words also depend on the tokens just before)."""
+    per sampled token), penalties (they count the output so far, drafts included) and min_tokens not
+    reached yet (eos is banned, so drafts past it would be judged by another distribution). The logits
+    processors (logit_bias, allowed_token_ids, bad_words) do speculate: verification applies them at each
+    position, counting the drafts before it as generated tokens."""
     return (params.structured_outputs is None and params.logprobs is None
             and not params.presence_penalty and not params.frequency_penalty
-            and params.repetition_penalty == 1.0 and num_output_tokens >= params.min_tokens
-            and not params.logit_bias and params.allowed_token_ids is None and not params.bad_words)
+            and params.repetition_penalty == 1.0 and num_output_tokens >= params.min_tokens)

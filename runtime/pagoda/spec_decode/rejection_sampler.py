@@ -17,14 +17,17 @@ class RejectionSampler:
 
     @torch.inference_mode()
     def __call__(self, target_probs: torch.Tensor, draft_token_ids: list[list[int]],
-                 draft_probs: list[torch.Tensor] | None, is_greedy: list[bool],
+                 draft_probs: list[torch.Tensor | None] | None, is_greedy: list[bool],
                  generators: list[torch.Generator | None]) -> list[list[int]]:
         """target_probs [R, V]: the target's distribution at each scheduled position, k_i + 1 consecutive
         rows for sequence i (its last token, then each draft); draft_token_ids[i]: its k_i drafts;
-        draft_probs[i] [k_i, V]: the distributions they were drawn from (None for all: point masses);
-        is_greedy / generators: per sequence. Returns per sequence its accepted drafts then one token."""
+        draft_probs[i] [k_i, V]: the distributions they were drawn from (None for a sequence, or for all:
+        point masses); is_greedy / generators: per sequence. Returns per sequence its accepted drafts then
+        one token."""
         device = target_probs.device
         num_drafts = [len(d) for d in draft_token_ids]
+        if draft_probs is None:
+            draft_probs = [None] * len(num_drafts)
         starts = [0]
         for k in num_drafts:
             starts.append(starts[-1] + k + 1)
@@ -32,13 +35,14 @@ class RejectionSampler:
                                   dtype=torch.long, device=device)
         drafts = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.long, device=device)  # [D]
         p_draft = target_probs[draft_rows, drafts]  # [D]
-        q_all = torch.cat(draft_probs) if draft_probs is not None else None  # [D, V]
-        q_draft = q_all[torch.arange(len(drafts), device=device), drafts] if q_all is not None else None
+        # [D]: q(x) of each draft, 1 for a point mass
+        q_draft = torch.cat([q[torch.arange(k, device=device), torch.tensor(d, device=device)] if q is not None
+                             else torch.ones(k, dtype=target_probs.dtype, device=device)
+                             for q, d, k in zip(draft_probs, draft_token_ids, num_drafts)])
         uniform = torch.cat([torch.rand(k, generator=self._gen(g), device=device)
                              for k, g in zip(num_drafts, generators)])  # [D]
         # accept with probability min(1, p / q): u < p / q, written without dividing by q
-        accepted = (uniform * q_draft < p_draft) if q_draft is not None else (uniform < p_draft)
-        accepted = accepted.tolist()
+        accepted = (uniform * q_draft < p_draft).tolist()
 
         num_accepted, final_rows = [], []
         offset = 0
@@ -49,8 +53,8 @@ class RejectionSampler:
                 final_rows.append(target_probs[starts[i] + k])
             else:
                 p = target_probs[starts[i] + n]
-                if q_all is not None:
-                    q = q_all[offset + n]
+                if draft_probs[i] is not None:
+                    q = draft_probs[i][n]
                 else:
                     q = torch.zeros_like(p)
                     q[draft_token_ids[i][n]] = 1.0

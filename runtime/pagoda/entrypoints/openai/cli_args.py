@@ -215,10 +215,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts by prompt lookup (over the prompt and '
                'the output so far; any device, with TP and PP); \'{"model": PATH, "num_speculative_tokens": 4}\' '
                'drafts with a smaller model sharing the tokenizer (its own KV cache, taken from the same memory '
-               'budget; TP = PP = 1 only). Outputs keep the target\'s distribution (greedy: identical). Costs: each '
-               'step computes 1 + k tokens per speculating sequence, wasted where drafts are rejected, and KV '
-               'slots for the drafts; requests with logprobs, penalties or structured outputs do not speculate. '
-               'See docs/speculative-decoding.md')
+               'budget; with TP and PP it runs unsharded on rank 0). Outputs keep the target\'s distribution '
+               '(greedy: identical). Costs: each step computes 1 + k tokens per speculating sequence, wasted where '
+               'drafts are rejected, and KV slots for the drafts; requests with logprobs, penalties or structured '
+               'outputs do not speculate. See docs/speculative-decoding.md')
     p.add("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
           help="only auto (the model's dtype) for now")
     p.add("--enforce-eager", default=d["enforce_eager"], boolean=True,
