@@ -97,9 +97,12 @@ def paged_attention_in_torch(
 def _paged_attention_cpu(query, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """The C++ kernels: one call for every sequence with several query rows, one for the single-row ones."""
     out = torch.empty_like(query)
-    if metadata.max_query_len > 1:
-        cpu_kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
-                                            metadata.query_start_loc, metadata.seq_lens, scale, out)
+    if metadata.max_query_len == 1:  # all decodes: query row i is sequence i
+        cpu_kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
+                                           metadata.seq_lens, scale, out)
+        return out
+    cpu_kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
+                                        metadata.query_start_loc, metadata.seq_lens, scale, out)
     decode_rows = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
     if decode_rows:
         _decode_rows(query, kv_cache[0], kv_cache[1], metadata, decode_rows, scale, out, _cpp_decode)

@@ -14,11 +14,15 @@ from pagoda.attention import AttentionMetadata
 from pagoda.layers.module import Module
 
 
+UNDECIDED = object()
+
+
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
     backend: object  # module with write_kv_cache / paged_attention
     triton_ops: bool = False  # RMSNorm and rotary through the Triton kernels (layers.custom_ops)
+    fused_ops: object = UNDECIDED  # the pass's kernel set, chosen by custom_ops.fused_ops on its first call
 
 
 _context: ForwardContext | None = None

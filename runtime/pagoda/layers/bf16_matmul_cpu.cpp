@@ -13,6 +13,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "parallel_tasks.h"
 
 #if defined(__AVX512BF16__)
@@ -93,12 +95,14 @@ void rows_against_block(const bf16* x, int64_t ldx, int64_t rows, const bf16* bl
 
 #endif  // __AVX512BF16__
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+// x [..., K] -> [..., out_features]
+at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(supported(), "bf16_matmul_cpu.linear needs a CPU with AVX512_BF16");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "linear: x must be a bfloat16 CPU tensor");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 2 == 0,
-              "linear: x must be [rows, K] with contiguous rows of even stride, got ", x.sizes(), x.strides());
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16 && input.dim() >= 1,
+              "linear: x must be a bfloat16 CPU tensor");
+  at::Tensor x = input.reshape({-1, input.size(-1)});
+  if (x.stride(1) != 1 || x.stride(0) % 2 != 0) x = x.contiguous();  // rows read as pairs of elements
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == kBlockN && packed.size(3) == 2,
               "linear: packed must be [N/32, K/2, 32, 2] bfloat16, got ", packed.sizes());
@@ -112,7 +116,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
                 "linear: bias must be [out_features] bfloat16");
     bias_data = bias->data_ptr<bf16>();
   }
-  auto y = at::empty({rows, out_features}, x.options());
+  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
+  out_shape.back() = out_features;
+  auto y = at::empty(out_shape, x.options());
 #if defined(__AVX512BF16__)
   const bf16* x_data = x.data_ptr<bf16>();
   const bf16* w_data = packed.data_ptr<bf16>();

@@ -31,14 +31,14 @@ def can_pack(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N/32), K/2, 32, 2]: per block of 32 outputs, each pair of inputs' weights side by side."""
     n, k = weight.shape
-    padded = F.pad(weight.detach(), (0, 0, 0, -n % BLOCK_N))
-    return padded.view(-1, BLOCK_N, k // 2, 2).transpose(1, 2).contiguous()
+    weight = weight.detach()
+    if n % BLOCK_N:
+        weight = F.pad(weight, (0, 0, 0, -n % BLOCK_N))
+    # each input pair moves as one int32: a copy of 4-byte elements instead of 2-byte ones
+    pairs = weight.contiguous().view(torch.int32).view(-1, BLOCK_N, k // 2)
+    return pairs.transpose(1, 2).contiguous().view(torch.bfloat16).view(-1, k // 2, BLOCK_N, 2)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` for x [..., K] against a weight packed by ``pack``: [..., out_features]."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1 or rows.stride(0) % 2:
-        rows = rows.contiguous()
-    y = torch.ops.pagoda_bf16_matmul.linear(rows, packed, out_features, bias)
-    return y.view(*x.shape[:-1], out_features)
+    return torch.ops.pagoda_bf16_matmul.linear(x, packed, out_features, bias)

@@ -40,10 +40,11 @@ class TritonOps:
 
 
 def fused_ops(x: torch.Tensor):
-    """The kernel set for ``x`` in the current forward pass (TritonOps or fused_cpu_ops), or None for torch."""
+    """The kernel set for the current forward pass (TritonOps or fused_cpu_ops), or None for torch: decided
+    on the pass's first call, from ``x``'s device (every op of a pass runs on one device)."""
     context = attention.current_forward_context()
     if context is None:
         return None
-    if context.triton_ops:
-        return TritonOps
-    return fused_cpu_ops if fused_cpu_ops.usable(x) else None
+    if context.fused_ops is attention.UNDECIDED:
+        context.fused_ops = TritonOps if context.triton_ops else fused_cpu_ops if fused_cpu_ops.usable(x) else None
+    return context.fused_ops
