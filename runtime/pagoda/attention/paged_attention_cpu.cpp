@@ -184,9 +184,13 @@ void decode_heads_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10:
 
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   // blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: ask for it
+  // (a software prefetch that misses the TLB may be dropped, and blocks often sit on pages of their own: one
+  // real load of the block's first line first, which walks the page table)
   auto prefetch_block = [&](const c10::BFloat16* cache, int64_t b) {
     if (b >= num_blocks) return;
     const char* rows = reinterpret_cast<const char*>(cache + block_table[b] * block_stride);
+    const char first_byte = *reinterpret_cast<const volatile char*>(rows);
+    asm volatile("" : : "r"(first_byte));
     for (int64_t t = 0; t < block_size; ++t)
       for (int64_t byte = 0; byte < kHeadSize * 2; byte += 64) _mm_prefetch(rows + t * pos_stride * 2 + byte, _MM_HINT_T0);
   };
