@@ -348,7 +348,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
 // output (online softmax). Blocks past the tile's last row are never read; the diagonal ones are masked.
 
 constexpr int64_t kKeysPerChunk = 16;  // keys scored together: one 16-lane float32 vector
-constexpr int64_t kTileVectors = 32;  // query vectors per tile (rows x group): the tile's state stays in L1
+constexpr int64_t kTileVectors = 48;  // query vectors per tile (rows x group): the tile's state stays in L1
 
 // The tile's running state: per query vector (row r, head g at r * group + g) its scaled query, output
 // accumulator, running max and sum. kWidth: the scratch rows' length (the head size when fixed).
