@@ -110,8 +110,8 @@ class LlamaModel(Module):
         Returns (hidden, residual) for the next stage, or the final normed hidden on the last."""
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
+        for i in range(self.start_layer, self.end_layer):  # (slicing a ModuleList builds a new one per call)
+            hidden, residual = self.layers[i](positions, hidden, residual)
         if not self.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
