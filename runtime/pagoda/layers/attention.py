@@ -4,6 +4,7 @@ The batch's metadata and the chosen backend come from the forward context that t
 sets around each forward pass, so model code stays free of batching details.
 """
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -12,7 +13,6 @@ import torch.nn.functional as F
 
 from pagoda.attention import AttentionMetadata
 from pagoda.layers.module import Module
-
 
 UNDECIDED = object()
 
@@ -25,21 +25,22 @@ class ForwardContext:
     fused_ops: object = UNDECIDED  # the pass's kernel set, chosen by custom_ops.fused_ops on its first call
 
 
-_context: ForwardContext | None = None
+# per thread: engines in one process (an AsyncLLMEngine's thread beside an LLM's) run passes concurrently
+_local = threading.local()
 
 
 def current_forward_context() -> ForwardContext | None:
-    return _context
+    return getattr(_local, "context", None)
 
 
 @contextmanager
 def forward_context(metadata: AttentionMetadata, backend, triton_ops: bool = False):
-    global _context
-    previous, _context = _context, ForwardContext(metadata, backend, triton_ops)
+    previous = getattr(_local, "context", None)
+    _local.context = ForwardContext(metadata, backend, triton_ops)
     try:
         yield
     finally:
-        _context = previous
+        _local.context = previous
 
 
 class Attention(Module):
@@ -51,7 +52,7 @@ class Attention(Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
-        ctx = _context
+        ctx = _local.context
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
