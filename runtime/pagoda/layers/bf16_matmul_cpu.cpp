@@ -3,8 +3,8 @@
 //
 // Why our own: at decode's few rows a step is bound by reading the weights, and oneDNN's packed layout
 // streams them at about 10 GB/s per core against the 20 GB/s a plain sequential read gets, so a batch-1
-// step spent 90 % of its time in matmuls. Here a thread reads its share of the weight as one sequential
-// stream (2x oneDNN at 1-8 rows); at large batches the same micro-kernel is compute bound and on par.
+// step spent 90 % of its time in matmuls. Here a thread reads the weight in long sequential runs (2x
+// oneDNN at 1-8 rows); at large batches the same micro-kernel is compute bound and on par.
 //
 // Packed layout (made by bf16_matmul_cpu.py): [ceil(N/32), K/2, 32, 2]. Block b holds output columns
 // [32b, 32b+32); within it, for each pair of input columns k, the 32 outputs' two weights side by side:
