@@ -303,10 +303,11 @@ class ModelRunner:
         firsts = [i for i, seq_id in enumerate(seq_ids) if i == 0 or seq_ids[i - 1] != seq_id]
         order = [seq_ids[i] for i in firsts]
         scheduled = {s.seq_id: s for s in out.scheduled}
-        # row j of a sequence comes after its drafts 0..j-1: they count for bad_words as generated tokens
-        first_row = {seq_ids[i]: i for i in firsts}
-        before = [scheduled[seq_id].draft_token_ids[: i - first_row[seq_id]] for i, seq_id in enumerate(seq_ids)]
-        logits = self.apply_processors_after_drafts(logits, seq_ids, before)  # logits[verify] is a copy: in place
+        if any(self.seqs[seq_id].params.uses_logits_processors for seq_id in order):
+            # row j of a sequence comes after its drafts 0..j-1: they count for bad_words as generated tokens
+            first_row = {seq_ids[i]: i for i in firsts}
+            before = [scheduled[seq_id].draft_token_ids[: i - first_row[seq_id]] for i, seq_id in enumerate(seq_ids)]
+            logits = self.apply_processors_after_drafts(logits, seq_ids, before)  # a copy (logits[verify])
         probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
         draft_probs = [None if scheduled[seq_id].draft_probs is None
                        else torch.from_numpy(scheduled[seq_id].draft_probs).to(self.device) for seq_id in order]
