@@ -44,6 +44,9 @@ ARCH_CONFIGS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # q/k/v and output projection biases (attention_bias)
+    "llama-bias": dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=True,
+                       tie_word_embeddings=False),
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None,
                     tie_word_embeddings=False),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),

@@ -16,6 +16,7 @@ from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from pagoda.layers.module import Module
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model_loader import rope_parameters
+from pagoda.models import llama_decode_cpu
 
 
 class LlamaAttention(Module):
@@ -104,14 +105,19 @@ class LlamaModel(Module):
             else MissingLayer()
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
+        self.cpu_decode_stack: llama_decode_cpu.DecodeStack | None = None  # built on the first pure-decode pass
 
     def forward(self, input_ids, positions, hidden=None, residual=None):
         """First stage: input_ids [T]. Later stages: hidden/residual [T, hidden] from the previous one.
         Returns (hidden, residual) for the next stage, or the final normed hidden on the last."""
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        for i in range(self.start_layer, self.end_layer):  # (slicing a ModuleList builds a new one per call)
-            hidden, residual = self.layers[i](positions, hidden, residual)
+        in_one_call = llama_decode_cpu.decode_layers(self, positions, hidden, residual)
+        if in_one_call is not None:
+            hidden, residual = in_one_call
+        else:
+            for i in range(self.start_layer, self.end_layer):  # (slicing a ModuleList builds a new one per call)
+                hidden, residual = self.layers[i](positions, hidden, residual)
         if not self.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

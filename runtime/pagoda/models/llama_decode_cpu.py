@@ -1,0 +1,96 @@
+"""A decode step's pass through the Llama decoder layers in one C++ call (``llama_decode_cpu.cpp``).
+
+At one sequence a decode step is ~10 ms of kernels; calling them from Python, layer by layer, added ~3 ms
+(module calls, attribute lookups, ~10 dispatches per layer). The C++ loop makes the same kernel calls in the
+same order, so its output is bit for bit that of ``LlamaDecoderLayer.forward``, which stays the path for
+everything else: prefill and mixed batches, other devices, quantized or oneDNN-packed weights, tensor
+parallelism, and machines where a kernel library is not built.
+"""
+
+from pathlib import Path
+
+import torch
+
+from pagoda import cpp_extensions
+from pagoda.attention import cpu_kernels, torch_backend
+from pagoda.layers import attention, bf16_matmul_cpu, custom_ops, fused_cpu_ops
+from pagoda.layers.packed_weights import VNNI
+
+_extension = cpp_extensions.OptionalExtension(
+    "pagoda_llama_cpu_", Path(__file__).with_name("llama_decode_cpu.cpp"), "PAGODA_CPU_KERNELS",
+    "the Llama decode loop")
+
+# a layer's tensors in the C++ loop's list, in its order (enum Slot)
+LAYER_SLOTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "out", "out_bias", "post_norm", "gate_up",
+               "down", "kv_cache")
+
+
+def build() -> bool:
+    """Build and load the loop's own library (the model runner does at start-up, beside the kernels)."""
+    return _extension.available()
+
+
+def available() -> bool:
+    """The loop and every kernel it calls are loaded (it finds them by name on its first call)."""
+    return (bf16_matmul_cpu.available() and fused_cpu_ops.available() and cpu_kernels.available()
+            and _extension.available())
+
+
+class DecodeStack:
+    """What the loop needs of a stage's layers, gathered once: one flat tensor list (None when the loop cannot
+    run these layers) and the sizes every layer shares."""
+
+    def __init__(self, layers: list):
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        self.first_kv_cache = attn.attn.kv_cache  # the runner assigns every layer's cache at once
+        slots = [_layer_tensors(layer) for layer in layers]
+        self.tensors = None if None in slots else [t for layer_slots in slots for t in layer_slots]
+        self.cos_sin_cache = attn.rotary_emb.cos_sin_cache  # every layer's rotary is built alike
+        self.sizes = (attn.num_heads, attn.num_kv_heads, attn.head_size, mlp.gate_up_proj.output_size_per_rank // 2)
+        self.eps = layers[0].input_layernorm.eps
+        self.scale = attn.attn.scale
+
+
+def _vnni_weight(linear) -> torch.Tensor | None:
+    packed = linear.packed_weight
+    if linear.quant_method is not None or packed is None or packed.layout != VNNI:
+        return None
+    return packed.data
+
+
+def _layer_tensors(layer) -> list[torch.Tensor | None] | None:
+    """The layer's LAYER_SLOTS, or None when the loop cannot run it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = [_vnni_weight(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    kv_cache = attn.attn.kv_cache
+    if (None in weights or attn.o_proj.tp_size > 1 or mlp.gate_up_proj.bias is not None
+            or mlp.down_proj.bias is not None or kv_cache is None
+            or kv_cache.dtype != torch.bfloat16 or attn.head_size > cpu_kernels.MAX_HEAD_SIZE):
+        return None
+    qkv, out, gate_up, down = weights
+    norm_weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
+    slots = dict(input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=attn.qkv_proj.bias,
+                 q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm), out=out, out_bias=attn.o_proj.bias,
+                 post_norm=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down, kv_cache=kv_cache)
+    return [slots[name] for name in LAYER_SLOTS]
+
+
+def decode_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """model's layers start_layer..end_layer over a pure-decode batch in one call -> (hidden, residual), each
+    [B, hidden]; None when this pass is not one the loop runs (the caller runs the layers itself)."""
+    context = attention.current_forward_context()
+    if (context is None or not context.metadata.is_pure_decode or context.backend is not torch_backend
+            or hidden.dtype != torch.bfloat16 or custom_ops.fused_ops(hidden) is not fused_cpu_ops
+            or not available()):
+        return None
+    first = model.layers[model.start_layer]
+    stack = model.cpu_decode_stack
+    if stack is None or stack.first_kv_cache is not first.self_attn.attn.kv_cache:
+        layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
+        stack = model.cpu_decode_stack = DecodeStack(layers)
+    if stack.tensors is None:
+        return None
+    metadata = context.metadata
+    return torch.ops.pagoda_llama_cpu.decode_layers(
+        hidden, residual, positions, stack.tensors, stack.cos_sin_cache, metadata.block_tables, metadata.seq_lens,
+        metadata.slot_mapping, *stack.sizes, stack.eps, stack.scale)
