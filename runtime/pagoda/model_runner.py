@@ -18,7 +18,7 @@ from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.logits_processors import apply_logits_processors
 from pagoda.model_loader import load_weights
-from pagoda.models import get_model_class, llama_decode_cpu
+from pagoda.models import get_model_class, llama_layers_cpu
 from pagoda.pooler import Pooler
 from pagoda.prompt_logprobs import score_prompt_tokens
 from pagoda.runner_output import ModelRunnerOutput, SampledToken
@@ -68,8 +68,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
             if config.attention_backend == "torch":  # build the C++ kernels now, not inside the first request
-                # bfloat16 matmuls, and the Llama decode loop that calls them
-                matmul = [bf16_matmul_cpu.available, llama_decode_cpu.build] \
+                # bfloat16 matmuls, and the Llama layer loop that calls them
+                matmul = [bf16_matmul_cpu.available, llama_layers_cpu.build] \
                     if packing_supported(self.device, self.dtype) else []
                 cpp_extensions.build_concurrently(cpu_kernels.available, fused_cpu_ops.available, *matmul)
         torch.manual_seed(config.seed)

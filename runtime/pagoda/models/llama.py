@@ -16,7 +16,7 @@ from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from pagoda.layers.module import Module
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.model_loader import rope_parameters
-from pagoda.models import llama_decode_cpu
+from pagoda.models import llama_layers_cpu
 
 
 class LlamaAttention(Module):
@@ -105,14 +105,14 @@ class LlamaModel(Module):
             else MissingLayer()
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
-        self.cpu_decode_stack: llama_decode_cpu.DecodeStack | None = None  # built on the first pure-decode pass
+        self.cpu_layer_stack: llama_layers_cpu.LayerStack | None = None  # built on the loop's first pass
 
     def forward(self, input_ids, positions, hidden=None, residual=None):
         """First stage: input_ids [T]. Later stages: hidden/residual [T, hidden] from the previous one.
         Returns (hidden, residual) for the next stage, or the final normed hidden on the last."""
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        in_one_call = llama_decode_cpu.decode_layers(self, positions, hidden, residual)
+        in_one_call = llama_layers_cpu.run_layers(self, positions, hidden, residual)
         if in_one_call is not None:
             hidden, residual = in_one_call
         else:

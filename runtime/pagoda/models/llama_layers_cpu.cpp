@@ -1,12 +1,13 @@
-// A decode step's pass through a stack of Llama decoder layers, in one call from Python.
+// A forward pass through a stack of Llama decoder layers, in one call from Python.
 //
 // A batch-1 decode step of the default model is ~10 ms of kernels and, before this, ~3 ms of Python
 // between them: ~10 op calls per layer, each a module call, attribute lookups and a dispatch. This loop
 // makes the same calls, to the same kernels (through the dispatcher: each kernel stays in its own
-// library), in the order of models/llama.py, so the result is bit for bit the Python path's.
+// library), in the order of models/llama.py and attention/torch_backend.py, so the result is bit for bit
+// the Python path's.
 //
-// Scope (llama_decode_cpu.py checks it): every row a decode (one query row per sequence), bfloat16
-// weights packed for bf16_matmul_cpu, one tensor-parallel rank, the C++ attention and fused kernels.
+// Scope (llama_layers_cpu.py checks it): bfloat16 weights packed for bf16_matmul_cpu, one tensor-parallel
+// rank, a KV cache in the model's dtype, the C++ attention and fused kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -32,6 +33,9 @@ struct Kernels {
   c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, double, at::Tensor)>
       paged_decode_attention;
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, at::Tensor)>
+      paged_prefill_attention;
 };
 
 template <typename Signature>
@@ -39,7 +43,7 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-// looked up on first use: the kernels' libraries are loaded by then (llama_decode_cpu.py loads them first)
+// looked up on first use: the kernels' libraries are loaded by then (llama_layers_cpu.py loads them first)
 const Kernels& kernels() {
   static const Kernels k{
       find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>(
@@ -54,33 +58,69 @@ const Kernels& kernels() {
           "pagoda_cpu_fused::write_kv_cache"),
       find<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 double, at::Tensor)>("pagoda_cpu::paged_decode_attention"),
+      find<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                const at::Tensor&, double, at::Tensor)>("pagoda_cpu::paged_prefill_attention"),
   };
   return k;
 }
 
-// A layer's tensors in layer_tensors, kSlots per layer (llama_decode_cpu.py's LAYER_SLOTS, same order).
+// A layer's tensors in layer_tensors, kSlots per layer (llama_layers_cpu.py's LAYER_SLOTS, same order).
 enum Slot {
   kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kSlots
 };
 
 at::Tensor required(const c10::List<OptionalTensor>& tensors, int64_t layer, Slot slot) {
   OptionalTensor t = tensors.get(layer * kSlots + slot);
-  TORCH_CHECK(t.has_value(), "llama_decode_layers: layer ", layer, " has no tensor in slot ", int(slot));
+  TORCH_CHECK(t.has_value(), "llama_layers: layer ", layer, " has no tensor in slot ", int(slot));
   return *std::move(t);
 }
 
-std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
-    const at::Tensor& hidden_in,  // [B, hidden]: one row per sequence
-    const OptionalTensor& residual_in,  // [B, hidden], None before the first layer of the model
-    const at::Tensor& positions,  // [B] int64
+// The batch's attention metadata (attention/metadata.py), with its single-row sequences picked out once per
+// pass when prefill chunks sit among them.
+struct Batch {
+  const at::Tensor& query_start_loc;  // [S + 1] int32
+  const at::Tensor& seq_lens;  // [S] int32
+  const at::Tensor& block_tables;  // [S, max_blocks] int32
+  bool all_decode;  // every sequence has one query row: row i is sequence i
+  const OptionalTensor& decode_rows;  // [R] int64: the query rows of single-row sequences, in a mixed batch
+  const OptionalTensor& decode_block_tables;  // [R, max_blocks]
+  const OptionalTensor& decode_seq_lens;  // [R]
+};
+
+// attention/torch_backend.py's _paged_attention_cpu: query [T, Hq, D] -> [T, Hq, D]
+at::Tensor paged_attention(const Kernels& k, const at::Tensor& query, const at::Tensor& kv_cache, const Batch& b,
+                           double scale) {
+  at::Tensor out = at::empty_like(query);
+  const at::Tensor key_cache = kv_cache[0], value_cache = kv_cache[1];
+  if (b.all_decode) {
+    k.paged_decode_attention.call(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out);
+    return out;
+  }
+  k.paged_prefill_attention.call(query, key_cache, value_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale,
+                                 out);
+  if (b.decode_rows.has_value()) {
+    at::Tensor decoded = at::empty({b.decode_rows->size(0), query.size(1), query.size(2)}, query.options());
+    k.paged_decode_attention.call(query.index_select(0, *b.decode_rows), key_cache, value_cache,
+                                  *b.decode_block_tables, *b.decode_seq_lens, scale, decoded);
+    out.index_copy_(0, *b.decode_rows, decoded);
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> llama_layers(
+    const at::Tensor& hidden_in,  // [T, hidden]
+    const OptionalTensor& residual_in,  // [T, hidden], None before the first layer of the model
+    const at::Tensor& positions,  // [T] int64
     const c10::List<OptionalTensor>& layer_tensors,  // kSlots per layer, None where a layer has no such tensor
     const at::Tensor& cos_sin_cache,  // [max_positions, head_size] float32
-    const at::Tensor& block_tables,  // [B, max_blocks] int32
-    const at::Tensor& seq_lens,  // [B] int32
-    const at::Tensor& slot_mapping,  // [B] int64
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+    const at::Tensor& slot_mapping, bool all_decode, const OptionalTensor& decode_rows,
+    const OptionalTensor& decode_block_tables, const OptionalTensor& decode_seq_lens,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size, double eps,
     double scale) {
-  TORCH_CHECK(layer_tensors.size() % kSlots == 0, "llama_decode_layers: ", kSlots, " tensors per layer, got ",
+  const Batch batch{query_start_loc, seq_lens, block_tables, all_decode, decode_rows,
+                    decode_block_tables, decode_seq_lens};
+  TORCH_CHECK(layer_tensors.size() % kSlots == 0, "llama_layers: ", kSlots, " tensors per layer, got ",
               layer_tensors.size(), " in all");
   const Kernels& k = kernels();
   const int64_t num_layers = static_cast<int64_t>(layer_tensors.size()) / kSlots;
@@ -100,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     }
     // attention
     const at::Tensor qkv = k.linear.call(hidden, required(layer_tensors, i, kQKV), q_size + 2 * kv_size,
-                                         optional(i, kQKVBias));  // [B, q + 2 kv]
+                                         optional(i, kQKVBias));  // [T, q + 2 kv]
     at::Tensor q = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
     if (const OptionalTensor q_norm = optional(i, kQNorm); q_norm.has_value()) {  // Qwen3: per-head norms
@@ -113,27 +153,26 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor kv_cache = required(layer_tensors, i, kKVCache);  // [2, blocks, block_size, Hkv, D]
     k.write_kv_cache.call(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
                           kv_cache, slot_mapping);
-    const at::Tensor query = q.view({rows, num_heads, head_size});
-    at::Tensor attended = at::empty_like(query);  // [B, Hq, D]
-    k.paged_decode_attention.call(query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, attended);
+    const at::Tensor attended = paged_attention(k, q.view({rows, num_heads, head_size}), kv_cache, batch, scale);
     at::Tensor out = k.linear.call(attended.flatten(1), required(layer_tensors, i, kOut), hidden_size, std::nullopt);
     if (const OptionalTensor bias = optional(i, kOutBias); bias.has_value()) out = out + *bias;
     // MLP, after the post-attention norm with the residual add
     std::tie(hidden, residual) = k.fused_add_rms_norm.call(out, *residual, required(layer_tensors, i, kPostNorm), eps);
     const at::Tensor gate_up = k.linear.call(hidden, required(layer_tensors, i, kGateUp), 2 * intermediate_size,
-                                             std::nullopt);  // [B, 2 I]
+                                             std::nullopt);  // [T, 2 I]
     hidden = k.linear.call(k.silu_and_mul.call(gate_up), required(layer_tensors, i, kDown), hidden_size, std::nullopt);
   }
-  TORCH_CHECK(residual.has_value(), "llama_decode_layers: no layers given");
+  TORCH_CHECK(residual.has_value(), "llama_layers: no layers given");
   return {hidden, *residual};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(pagoda_llama_cpu, m) {
-  m.def("decode_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, "
-        "Tensor cos_sin_cache, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, int num_heads, "
-        "int num_kv_heads, int head_size, int intermediate_size, float eps, float scale) -> (Tensor, Tensor)");
+  m.def("layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, Tensor cos_sin_cache, "
+        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor slot_mapping, bool all_decode, "
+        "Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, int num_heads, int num_kv_heads, "
+        "int head_size, int intermediate_size, float eps, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagoda_llama_cpu, CPU, m) { m.impl("decode_layers", &llama_decode_layers); }
+TORCH_LIBRARY_IMPL(pagoda_llama_cpu, CPU, m) { m.impl("layers", &llama_layers); }

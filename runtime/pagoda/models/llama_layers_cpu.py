@@ -1,10 +1,10 @@
-"""A decode step's pass through the Llama decoder layers in one C++ call (``llama_decode_cpu.cpp``).
+"""A forward pass through the Llama decoder layers in one C++ call (``llama_layers_cpu.cpp``).
 
 At one sequence a decode step is ~10 ms of kernels; calling them from Python, layer by layer, added ~3 ms
 (module calls, attribute lookups, ~10 dispatches per layer). The C++ loop makes the same kernel calls in the
 same order, so its output is bit for bit that of ``LlamaDecoderLayer.forward``, which stays the path for
-everything else: prefill and mixed batches, other devices, quantized or oneDNN-packed weights, tensor
-parallelism, and machines where a kernel library is not built.
+everything else: other devices, float32 and float16, quantized or oneDNN-packed weights, tensor parallelism,
+the memory-profiling pass (no KV cache yet), and machines where a kernel library is not built.
 """
 
 from pathlib import Path
@@ -17,8 +17,8 @@ from pagoda.layers import attention, bf16_matmul_cpu, custom_ops, fused_cpu_ops
 from pagoda.layers.packed_weights import VNNI
 
 _extension = cpp_extensions.OptionalExtension(
-    "pagoda_llama_cpu_", Path(__file__).with_name("llama_decode_cpu.cpp"), "PAGODA_CPU_KERNELS",
-    "the Llama decode loop")
+    "pagoda_llama_cpu_", Path(__file__).with_name("llama_layers_cpu.cpp"), "PAGODA_CPU_KERNELS",
+    "the Llama layer loop")
 
 # a layer's tensors in the C++ loop's list, in its order (enum Slot)
 LAYER_SLOTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "out", "out_bias", "post_norm", "gate_up",
@@ -36,7 +36,7 @@ def available() -> bool:
             and _extension.available())
 
 
-class DecodeStack:
+class LayerStack:
     """What the loop needs of a stage's layers, gathered once: one flat tensor list (None when the loop cannot
     run these layers) and the sizes every layer shares."""
 
@@ -75,22 +75,30 @@ def _layer_tensors(layer) -> list[torch.Tensor | None] | None:
     return [slots[name] for name in LAYER_SLOTS]
 
 
-def decode_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-    """model's layers start_layer..end_layer over a pure-decode batch in one call -> (hidden, residual), each
-    [B, hidden]; None when this pass is not one the loop runs (the caller runs the layers itself)."""
+def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """model's layers start_layer..end_layer in one call -> (hidden, residual), each [T, hidden]; None when
+    this pass is not one the loop runs (the caller runs the layers itself)."""
     context = attention.current_forward_context()
-    if (context is None or not context.metadata.is_pure_decode or context.backend is not torch_backend
-            or hidden.dtype != torch.bfloat16 or custom_ops.fused_ops(hidden) is not fused_cpu_ops
+    if (context is None or context.backend is not torch_backend or hidden.dtype != torch.bfloat16
+            or custom_ops.fused_ops(hidden) is not fused_cpu_ops or model.start_layer == model.end_layer
             or not available()):
         return None
     first = model.layers[model.start_layer]
-    stack = model.cpu_decode_stack
+    stack = model.cpu_layer_stack
     if stack is None or stack.first_kv_cache is not first.self_attn.attn.kv_cache:
         layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
-        stack = model.cpu_decode_stack = DecodeStack(layers)
+        stack = model.cpu_layer_stack = LayerStack(layers)
     if stack.tensors is None:
         return None
-    metadata = context.metadata
-    return torch.ops.pagoda_llama_cpu.decode_layers(
-        hidden, residual, positions, stack.tensors, stack.cos_sin_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.slot_mapping, *stack.sizes, stack.eps, stack.scale)
+    m = context.metadata
+    decode_rows = decode_tables = decode_lens = None
+    if not m.is_pure_decode:  # the single-row sequences among prefill chunks, as torch_backend picks them
+        seqs = [i for i, query_len in enumerate(m.query_lens_cpu) if query_len == 1]
+        if seqs:
+            seqs_t = torch.tensor(seqs)
+            decode_rows = m.query_start_loc[seqs_t].long()
+            decode_tables, decode_lens = m.block_tables[seqs_t], m.seq_lens[seqs_t]
+    return torch.ops.pagoda_llama_cpu.layers(
+        hidden, residual, positions, stack.tensors, stack.cos_sin_cache, m.query_start_loc, m.seq_lens,
+        m.block_tables, m.slot_mapping, m.is_pure_decode, decode_rows, decode_tables, decode_lens, *stack.sizes,
+        stack.eps, stack.scale)

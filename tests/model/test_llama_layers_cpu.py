@@ -1,0 +1,117 @@
+"""The C++ layer loop (models/llama_layers_cpu) gives exactly what the Python layers give: the same kernels in
+the same order, so greedy tokens and logprobs are equal, not merely close; and it stands aside for the
+passes it does not run."""
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.layers import attention
+from pagoda.models import llama_layers_cpu
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(not llama_layers_cpu.available(),
+                       reason="the loop needs the C++ kernels and a CPU with AVX512_BF16"),
+]
+
+
+class Passes(list):
+    """Each forward pass's answer (True where the loop ran the layers), and its query lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.query_lens: list[list[int]] = []
+
+    def clear(self):
+        super().clear()
+        self.query_lens.clear()
+
+
+@pytest.fixture
+def loop_calls(monkeypatch) -> Passes:
+    calls = Passes()
+    real = llama_layers_cpu.run_layers
+
+    def counted(*args):
+        result = real(*args)
+        calls.append(result is not None)
+        calls.query_lens.append(attention.current_forward_context().metadata.query_lens_cpu)
+        return result
+
+    monkeypatch.setattr(llama_layers_cpu, "run_layers", counted)
+    return calls
+
+
+def generate(llm: LLM, loop: bool, monkeypatch) -> list[tuple[list[int], list[dict[int, float]]]]:
+    monkeypatch.setattr(llama_layers_cpu, "available", lambda: loop)
+    # different lengths: decodes at different positions, contexts crossing blocks (16 tokens each); the last
+    # prompt shares the first's start (a prefix-cache hit, when caching is on)
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 14, 3] * 5, [7] * 30, list(range(3, 60)),
+                                                       [5, 9, 14, 3] * 5 + [8, 1])]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=4, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+# untied head; q/k/v and output biases; tied head with q/k/v biases; per-head q/k norms, GQA
+@pytest.mark.parametrize("arch", ["llama", "llama-bias", "qwen2", "qwen3"])
+def test_the_loop_gives_the_python_layers_results_exactly(tiny_model_factory, monkeypatch, loop_calls, arch):
+    llm = LLM(str(tiny_model_factory(arch)), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False)
+
+    in_python = generate(llm, False, monkeypatch)
+    assert loop_calls and not any(loop_calls)
+    loop_calls.clear()
+    in_one_call = generate(llm, True, monkeypatch)
+
+    assert len(loop_calls) == 24 and all(loop_calls)  # one prefill pass, then 23 decode steps
+    assert in_one_call == in_python
+
+
+def test_mixed_batches_of_prefill_chunks_and_decodes_give_the_python_layers_results(tiny_model_factory, monkeypatch,
+                                                                                    loop_calls):
+    # 24 tokens a step: prompts go in chunks, beside the decodes of those already started
+    llm = LLM(str(tiny_model_factory("qwen3")), dtype="bfloat16", kv_cache_memory=0.05, max_num_batched_tokens=24,
+              max_num_seqs=4)
+
+    in_python = generate(llm, False, monkeypatch)
+    loop_calls.clear()
+    in_one_call = generate(llm, True, monkeypatch)
+
+    assert all(loop_calls)
+    assert any(1 in lens and max(lens) > 1 for lens in loop_calls.query_lens)  # decodes among prefill chunks
+    assert in_one_call == in_python
+
+
+def test_the_loop_stands_aside_for_float32_and_tensor_parallel_layers(tiny_model_factory, monkeypatch, loop_calls):
+    path = str(tiny_model_factory("llama"))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    LLM(path, dtype="float32", kv_cache_memory=0.05).generate("hello", params, use_tqdm=False)
+    assert loop_calls and not any(loop_calls)  # weights are not packed for the bfloat16 kernel
+
+    loop_calls.clear()
+    bf16 = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
+    bf16.generate("hello", params, use_tqdm=False)
+    assert loop_calls == [True] * 4
+
+    model = bf16.engine.executor.runner.model.model
+    layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
+    assert llama_layers_cpu.LayerStack(layers).tensors is not None
+    monkeypatch.setattr(layers[-1].self_attn.o_proj, "tp_size", 2)  # as a tensor-parallel rank's layer is
+    assert llama_layers_cpu.LayerStack(layers).tensors is None
+
+
+def test_a_layer_tensor_missing_from_the_list_is_a_clear_error(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", kv_cache_memory=0.05)
+    llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    stack = llm.engine.executor.runner.model.model.cpu_layer_stack
+    tensors = list(stack.tensors)
+    tensors[llama_layers_cpu.LAYER_SLOTS.index("qkv")] = None
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="layer 0 has no tensor in slot 1"):
+        torch.ops.pagoda_llama_cpu.layers(
+            torch.zeros(1, 64, dtype=torch.bfloat16), None, torch.zeros(1, dtype=torch.long), tensors,
+            stack.cos_sin_cache, torch.tensor([0, 1], dtype=torch.int32), one, torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.long), True, None, None, None, *stack.sizes, stack.eps, stack.scale)
