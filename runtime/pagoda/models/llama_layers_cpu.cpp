@@ -141,15 +141,15 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     // attention
     const at::Tensor qkv = k.linear.call(hidden, required(layer_tensors, i, kQKV), q_size + 2 * kv_size,
                                          optional(i, kQKVBias));  // [T, q + 2 kv]
+    // views into qkv: the kernels take rows at any stride (the Python layers copy them: torch's rotary
+    // needs contiguous rows; the values are the same)
     at::Tensor q = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
-    const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).contiguous();
+    const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size);
     if (const OptionalTensor q_norm = optional(i, kQNorm); q_norm.has_value()) {  // Qwen3: per-head norms
       q = k.rms_norm.call(q.reshape({-1, head_size}), *q_norm, eps).view({-1, q_size});
       key = k.rms_norm.call(key.reshape({-1, head_size}), required(layer_tensors, i, kKNorm), eps).view({-1, kv_size});
     }
-    q = q.contiguous();
-    key = key.contiguous();
-    k.apply_rotary_.call(positions, q, key, cos_sin_cache, head_size);
+    k.apply_rotary_.call(positions, q, key, cos_sin_cache, head_size);  // in place
     at::Tensor kv_cache = required(layer_tensors, i, kKVCache);  // [2, blocks, block_size, Hkv, D]
     k.write_kv_cache.call(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
                           kv_cache, slot_mapping);
