@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.layers import fused_cpu_ops
 from pagoda.runner_output import SampledToken
 
 
@@ -46,7 +47,7 @@ class Sampler:
         raw = logits if raw_logits is None else raw_logits.float()
         raw_logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
         logits = self.process_logits(logits, t)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = fused_cpu_ops.argmax(logits)
         if t.all_greedy:
             tokens = greedy_tokens
         else:
@@ -93,7 +94,7 @@ class Sampler:
         for i, gen in enumerate(t.generators):
             if gen is not None:
                 noise[i].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = fused_cpu_ops.argmax(probs / noise)
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """The fused C++ CPU ops against the torch code they replace: RMSNorm (with and without the residual add),
-rotary in place, SiLU-and-multiply and the KV-cache write, in every dtype, on strided rows, with many
-rows (the parallel path); clear errors for input they do not take; and the layers picking them only
+rotary in place, SiLU-and-multiply, the KV-cache write and argmax, in every dtype, on strided rows, with
+many rows (the parallel path); clear errors for input they do not take; and the layers picking them only
 inside a forward pass."""
 
 import shutil
@@ -108,6 +108,22 @@ def test_kv_cache_write_matches_torch(dtype, monkeypatch):
     assert cache.abs().sum() > 0
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 49152])
+def test_argmax_gives_torchs_first_largest_index(rows, n):
+    torch.manual_seed(n)
+    # few distinct values: ties within and across the 16 lanes; -inf rows and entries; a row's largest last
+    x = torch.randint(-3, 4, (rows, n)).float()
+    x[0, n // 2] = float("-inf")
+    x[-1] = float("-inf")
+    if rows > 2:
+        x[1, -1] = 10.0
+    strided = torch.randn(rows, 2 * n)[:, :n]
+
+    for logits in (x, strided, torch.randn(rows, n)):
+        assert torch.equal(fused_cpu_ops.argmax(logits), logits.argmax(dim=-1))
+
+
 def test_errors_name_the_problem():
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match="weight must be"):
@@ -115,6 +131,8 @@ def test_errors_name_the_problem():
     with pytest.raises(RuntimeError, match="position 99 outside"):
         fused_cpu_ops.apply_rotary_(torch.tensor([0, 1, 99]), torch.randn(3, 8), torch.randn(3, 8),
                                     torch.randn(10, 8), 8)
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+        torch.ops.pagoda_cpu_fused.argmax_rows(torch.zeros(2, 3, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="slot 1000 outside"):
         cache = torch.zeros(2, 2, 4, 1, 8)
         fused_cpu_ops.write_kv_cache(torch.randn(1, 1, 8), torch.randn(1, 1, 8), cache, torch.tensor([1000]))

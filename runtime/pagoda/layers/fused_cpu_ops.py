@@ -1,5 +1,6 @@
 """The fused CPU kernels of ``fused_cpu_ops.cpp`` (RMSNorm with the residual add, rotary in place,
-SiLU-and-multiply, the KV-cache write), built on first use and cached (``pagoda.cpp_extensions``).
+SiLU-and-multiply, the KV-cache write; the sampler's argmax), built on first use and cached
+(``pagoda.cpp_extensions``).
 
 Each replaces 5-15 torch ops, which at decode's few rows cost more in dispatch than in arithmetic. The
 torch code beside each caller stays as the fallback (no compiler, a failed build, ``PAGODA_CPU_KERNELS=0``)
@@ -49,3 +50,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] (gate, up) -> [T, 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
     """key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T] (-1 skips)."""
     torch.ops.pagoda_cpu_fused.write_kv_cache(key, value, kv_cache, slot_mapping)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for float32 [N, V] on CPU, through the kernel where it is built (6-10x torch's at
+    decode's row counts); other tensors go to torch."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0 and x.stride(1) == 1 and usable(x):
+        return torch.ops.pagoda_cpu_fused.argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -10,6 +10,8 @@ is the argmax and the emitted token is the argmax: the output equals decoding wi
 
 import torch
 
+from pagoda.layers import fused_cpu_ops
+
 
 class RejectionSampler:
     def __init__(self, generator: torch.Generator | None = None):
@@ -78,9 +80,9 @@ def sample_rows(weights: torch.Tensor, is_greedy: list[bool], generators: list[t
     noise = torch.empty_like(weights)
     for row, g in enumerate(generators):
         noise[row].exponential_(generator=g)
-    sampled = (weights / noise).argmax(dim=-1)
+    sampled = fused_cpu_ops.argmax(weights / noise)
     greedy = torch.tensor(is_greedy, device=weights.device)
-    return torch.where(greedy, weights.argmax(dim=-1), sampled).tolist()
+    return torch.where(greedy, fused_cpu_ops.argmax(weights), sampled).tolist()
 
 
 def target_probs(sampler, logits: torch.Tensor, t) -> tuple[torch.Tensor, list[bool]]:
