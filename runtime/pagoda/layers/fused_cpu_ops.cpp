@@ -266,7 +266,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
 #endif
   for (; i < n; ++i)
-    if (x[i] > best || (i == 0 && n > 0)) {
+    if (i == 0 || x[i] > best) {
       best = x[i];
       best_index = i;
     }
