@@ -30,3 +30,8 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def decode_seqs(self) -> list[int]:
+        """The sequences with a single query row."""
+        return [i for i, query_len in enumerate(self.query_lens_cpu) if query_len == 1]

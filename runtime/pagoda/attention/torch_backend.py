@@ -103,7 +103,7 @@ def _paged_attention_cpu(query, kv_cache, metadata: AttentionMetadata, scale: fl
         return out
     cpu_kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
                                         metadata.query_start_loc, metadata.seq_lens, scale, out)
-    decode_rows = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
+    decode_rows = metadata.decode_seqs
     if decode_rows:
         _decode_rows(query, kv_cache[0], kv_cache[1], metadata, decode_rows, scale, out, _cpp_decode)
     return out
@@ -117,12 +117,17 @@ def _decode_rows(query, key_cache, value_cache, metadata, rows, scale, out, deco
     if len(rows) == metadata.num_seqs:  # query row i is sequence i
         decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, max_len, scale, out)
         return
-    rows_t = torch.tensor(rows, device=query.device)
-    token_idx = metadata.query_start_loc[rows_t].long()  # query row of each decode sequence
+    token_idx, block_tables, seq_lens = gather_sequences(metadata, rows)
     o = torch.empty((len(rows), *query.shape[1:]), dtype=query.dtype, device=query.device)
-    decode(query[token_idx], key_cache, value_cache, metadata.block_tables[rows_t], metadata.seq_lens[rows_t],
-           max_len, scale, o)
+    decode(query[token_idx], key_cache, value_cache, block_tables, seq_lens, max_len, scale, o)
     out[token_idx] = o
+
+
+def gather_sequences(metadata: AttentionMetadata, seqs: list[int]):
+    """Single-row sequences `seqs` among prefill chunks -> their query rows [R] int64, block tables
+    [R, max_blocks] and context lengths [R]: a dense decode batch."""
+    seqs_t = torch.tensor(seqs, device=metadata.seq_lens.device)
+    return metadata.query_start_loc[seqs_t].long(), metadata.block_tables[seqs_t], metadata.seq_lens[seqs_t]
 
 
 def _cpp_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):

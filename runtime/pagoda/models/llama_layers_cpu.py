@@ -92,12 +92,8 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
         return None
     m = context.metadata
     decode_rows = decode_tables = decode_lens = None
-    if not m.is_pure_decode:  # the single-row sequences among prefill chunks, as torch_backend picks them
-        seqs = [i for i, query_len in enumerate(m.query_lens_cpu) if query_len == 1]
-        if seqs:
-            seqs_t = torch.tensor(seqs)
-            decode_rows = m.query_start_loc[seqs_t].long()
-            decode_tables, decode_lens = m.block_tables[seqs_t], m.seq_lens[seqs_t]
+    if not m.is_pure_decode and (seqs := m.decode_seqs):  # single-row sequences among prefill chunks
+        decode_rows, decode_tables, decode_lens = torch_backend.gather_sequences(m, seqs)
     return torch.ops.pagoda_llama_cpu.layers(
         hidden, residual, positions, stack.tensors, stack.cos_sin_cache, m.query_start_loc, m.seq_lens,
         m.block_tables, m.slot_mapping, m.is_pure_decode, decode_rows, decode_tables, decode_lens, *stack.sizes,
