@@ -86,18 +86,19 @@ def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_
 def load_hf_reference(path):
     """The transformers model of a checkpoint, in float32, as the reference for greedy parity tests."""
     import torch
-    from safetensors import safe_open
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    names = set()
-    for file in Path(path).glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            names.update(f.keys())
-    if "lm_head.weight" not in names:
-        # A tied checkpoint holds only the embedding. Once, in a full CI run, transformers 5.23 reported
-        # lm_head.weight MISSING and left it freshly initialised (not reproduced since): tie it explicitly,
-        # so the reference is always the model the checkpoint describes.
+    tensors = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    # The reference is the checkpoint's tensors, whatever transformers' loader did: twice in full CI runs its
+    # output differed (once it reported lm_head.weight MISSING in a tied checkpoint and initialised it afresh;
+    # once qwen3's greedy tokens differed, not reproduced alone). Copy every tensor in and tie lm_head.
+    unknown = model.load_state_dict(tensors, strict=False).unexpected_keys
+    assert not unknown, f"{path}: tensors transformers' model does not have: {unknown}"
+    if "lm_head.weight" not in tensors:  # a tied checkpoint holds only the embedding
         model.lm_head.weight = model.get_input_embeddings().weight
     return model
 
