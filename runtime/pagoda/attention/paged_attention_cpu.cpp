@@ -354,6 +354,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
 // heads sharing the KV head) meet each KV block once: the block is widened to float32 (K transposed, so 16
 // keys' scores are one vector op per head-dim element), then every vector updates its running max, sum and
 // output (online softmax). Blocks past the tile's last row are never read; the diagonal ones are masked.
+// A bfloat16 cache with AVX512_BF16 takes prefill_tile_bf16 instead (no widening).
 
 constexpr int64_t kKeysPerChunk = 16;  // keys scored together: one 16-lane float32 vector
 constexpr int64_t kTileVectors = 48;  // query vectors per tile (rows x group): the tile's state stays in L1
@@ -481,6 +482,129 @@ void prefill_tile(
     }
 }
 
+#if defined(__AVX512BF16__)
+// prefill_tile for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs as they
+// are, where the generic tile widens every key and value to float32 and spends one FMA per element.
+// 32 keys a chunk (two score vectors: the softmax's reductions are paid once per 32 keys). Scores: the
+// chunk's keys transposed into [D/2][32] pairs of head-dim elements, one instruction per pair and 16 keys, the
+// query's pair broadcast. P @ V: the probabilities rounded to bfloat16 (as the decode kernel and SDPA's math
+// path do), two keys at a time against their value rows interleaved, one instruction per 16 head-dim
+// elements. The output accumulators hold the head dimension in unpack order (as decode_heads_bf16's).
+constexpr int64_t kKeysPerChunkBf16 = 32;
+
+template <int kHeadSize>
+struct TileStateBf16 {
+  static constexpr int kPairs = kHeadSize / 2;  // head-dim pairs per row
+  static constexpr int kAcc = kHeadSize / 16;   // float32 accumulator vectors per query vector
+  alignas(64) uint32_t query[kTileVectors][kPairs];  // bfloat16 pairs
+  alignas(64) float acc[kTileVectors][kHeadSize];
+  float row_max[kTileVectors], row_sum[kTileVectors];
+  alignas(64) uint32_t keys_t[kPairs][kKeysPerChunkBf16];  // [pair][key]: keys 0-15, then 16-31
+  alignas(64) __m512i values[kKeysPerChunkBf16 / 2][kAcc];  // per key pair: both rows, unpacked into pairs
+};
+
+// Vectors v..v+kVectors-1 against the chunk, as chunk_step_avx512
+template <int kHeadSize, int kVectors>
+inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, int64_t v, const int64_t* visible, float scale) {
+  constexpr int kPairs = TileStateBf16<kHeadSize>::kPairs, kAcc = TileStateBf16<kHeadSize>::kAcc;
+  __m512 s0[kVectors], s1[kVectors];  // keys 0-15 and 16-31
+  for (int q = 0; q < kVectors; ++q) s0[q] = s1[q] = _mm512_setzero_ps();
+  for (int p = 0; p < kPairs; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(st.keys_t[p]), k1 = (__m512bh)_mm512_load_si512(st.keys_t[p] + 16);
+    for (int q = 0; q < kVectors; ++q) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(st.query[v + q][p]));
+      s0[q] = _mm512_dpbf16_ps(s0[q], w, k0);
+      s1[q] = _mm512_dpbf16_ps(s1[q], w, k1);
+    }
+  }
+  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  for (int q = 0; q < kVectors; ++q) {
+    const int64_t seen = visible[q];
+    if (seen <= 0) continue;
+    const __mmask16 mask0 = static_cast<__mmask16>(seen >= 16 ? 0xFFFF : (1u << seen) - 1);
+    const __mmask16 mask1 = static_cast<__mmask16>(seen >= 32 ? 0xFFFF : seen > 16 ? (1u << (seen - 16)) - 1 : 0);
+    const __m512 a0 = _mm512_mul_ps(s0[q], _mm512_set1_ps(scale)), a1 = _mm512_mul_ps(s1[q], _mm512_set1_ps(scale));
+    const float chunk_max = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_mask_mov_ps(lowest, mask0, a0), _mm512_mask_mov_ps(lowest, mask1, a1)));
+    const float new_max = std::max(st.row_max[v + q], chunk_max);
+    const float rescale = exp_nonpositive(st.row_max[v + q] - new_max);  // -inf - x: clamped to ~1e-38, times 0
+    const __m512 m = _mm512_set1_ps(new_max);
+    const __m512 p0 = _mm512_maskz_mov_ps(mask0, exp_nonpositive16(_mm512_sub_ps(a0, m)));
+    const __m512 p1 = _mm512_maskz_mov_ps(mask1, exp_nonpositive16(_mm512_sub_ps(a1, m)));
+    st.row_max[v + q] = new_max;
+    st.row_sum[v + q] = st.row_sum[v + q] * rescale + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    alignas(64) uint32_t weight_pairs[kKeysPerChunkBf16 / 2];  // bfloat16 (p[2j], p[2j+1])
+    _mm512_store_si512(weight_pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    __m512 o[kAcc];
+    const __m512 r = _mm512_set1_ps(rescale);
+    for (int i = 0; i < kAcc; ++i) o[i] = _mm512_mul_ps(_mm512_load_ps(st.acc[v + q] + 16 * i), r);
+    for (int64_t j = 0; j < (seen + 1) / 2; ++j) {  // past `seen` the weights are zero
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[j]));
+      for (int i = 0; i < kAcc; ++i) o[i] = _mm512_dpbf16_ps(o[i], w, (__m512bh)st.values[j][i]);
+    }
+    for (int i = 0; i < kAcc; ++i) _mm512_store_ps(st.acc[v + q] + 16 * i, o[i]);
+  }
+}
+
+template <int kHeadSize>
+void prefill_tile_bf16(
+    const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, const c10::BFloat16* k_cache,
+    const c10::BFloat16* v_cache, int64_t block_stride, int64_t pos_stride, const int32_t* block_table,
+    int64_t block_size, int64_t first_pos, int64_t rows, int64_t group, int64_t /*head_size*/, float scale,
+    c10::BFloat16* out, int64_t out_row_stride, int64_t out_head_stride) {
+  using State = TileStateBf16<kHeadSize>;
+  constexpr int kPairs = State::kPairs, kVecs = kHeadSize / 32;
+  State st;
+  const int64_t vectors = rows * group;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t v = r * group + g;
+      std::memcpy(st.query[v], q + r * q_row_stride + g * q_head_stride, kHeadSize * sizeof(c10::BFloat16));
+      for (int64_t d = 0; d < kHeadSize; ++d) st.acc[v][d] = 0.f;
+      st.row_max[v] = -std::numeric_limits<float>::infinity();
+      st.row_sum[v] = 0.f;
+    }
+  auto row_at = [&](const c10::BFloat16* cache, int64_t t) {
+    return cache + block_table[t / block_size] * block_stride + (t % block_size) * pos_stride;
+  };
+  const int64_t last_pos = first_pos + rows - 1;
+  for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeysPerChunkBf16) {
+    const int64_t keys = std::min(kKeysPerChunkBf16, last_pos + 1 - t0);
+    for (int64_t j = 0; j < kKeysPerChunkBf16; ++j) {  // past the end: repeat a valid key (never weighted)
+      uint32_t pairs[kPairs];
+      std::memcpy(pairs, row_at(k_cache, t0 + std::min(j, keys - 1)), sizeof(pairs));
+      for (int p = 0; p < kPairs; ++p) st.keys_t[p][j] = pairs[p];
+    }
+    for (int64_t j = 0; j < kKeysPerChunkBf16 / 2; ++j) {
+      const c10::BFloat16* first = row_at(v_cache, t0 + std::min(2 * j, keys - 1));
+      const c10::BFloat16* second = row_at(v_cache, t0 + std::min(2 * j + 1, keys - 1));
+      for (int i = 0; i < kVecs; ++i) {
+        const __m512i v0 = _mm512_loadu_si512(first + 32 * i), v1 = _mm512_loadu_si512(second + 32 * i);
+        st.values[j][2 * i] = _mm512_unpacklo_epi16(v0, v1);
+        st.values[j][2 * i + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
+    }
+    int64_t visible[kTileVectors];  // causal: vector v (row v / group) sees keys t <= its position
+    for (int64_t v = 0; v < vectors; ++v) visible[v] = std::min(keys, first_pos + v / group - t0 + 1);
+    int64_t v = 0;
+    for (; v + 4 <= vectors; v += 4) chunk_step_bf16<kHeadSize, 4>(st, v, visible + v, scale);
+    for (; v < vectors; ++v) chunk_step_bf16<kHeadSize, 1>(st, v, visible + v, scale);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t v = r * group + g;
+      const float inv = 1.f / st.row_sum[v];
+      c10::BFloat16* o = out + r * out_row_stride + g * out_head_stride;
+      for (int i = 0; i < kVecs; ++i)  // accumulators 2i, 2i+1: per 128-bit lane L, outputs 32i + 8L + 0..3, 4..7
+        for (int lane = 0; lane < 4; ++lane)
+          for (int j = 0; j < 4; ++j) {
+            o[32 * i + 8 * lane + j] = c10::BFloat16(st.acc[v][32 * i + 4 * lane + j] * inv);
+            o[32 * i + 8 * lane + 4 + j] = c10::BFloat16(st.acc[v][32 * i + 16 + 4 * lane + j] * inv);
+          }
+    }
+}
+#endif
+
 struct PrefillItem {
   int64_t seq, kv_head, first_row, rows, g0, heads;  // rows relative to the sequence's first query row
 };
@@ -516,6 +640,11 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
   auto tile = head_size == 64    ? prefill_tile<scalar_t, 64>
               : head_size == 128 ? prefill_tile<scalar_t, 128>
                                  : prefill_tile<scalar_t, 0>;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (head_size == 64 || head_size == 128) tile = head_size == 64 ? prefill_tile_bf16<64> : prefill_tile_bf16<128>;
+  }
+#endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   // last items first: a sequence's last tiles see the most keys (causal), and the cheap ones fill in at the end
   pagoda::parallel_tasks(num_items, [&](int64_t task) {
