@@ -163,11 +163,12 @@ def test_prefill_in_half_precision_with_strided_query_and_output(dtype, toleranc
     check_against_dense(o, q, kv_cache, sub, sub_tables, 0.125, tolerance)
 
 
-def test_prefill_matches_the_torch_path_on_long_chunks_in_bfloat16():
-    query, kv_cache, metadata, _ = prefill_batch([300, 129, 1, 64], [900, 129, 400, 700], 9, 3, 64, torch.bfloat16,
-                                                 seed=3)
-    out = run_prefill(query, kv_cache, metadata, 0.125)
-    reference = torch_backend.paged_attention_in_torch(query, kv_cache, metadata, 0.125)
+@pytest.mark.parametrize("head_size", [64, 128])  # both have a bfloat16 tile where the CPU has AVX512_BF16
+def test_prefill_matches_the_torch_path_on_long_chunks_in_bfloat16(head_size):
+    query, kv_cache, metadata, _ = prefill_batch([300, 129, 1, 64], [900, 129, 400, 700], 9, 3, head_size,
+                                                 torch.bfloat16, seed=3)
+    out = run_prefill(query, kv_cache, metadata, head_size**-0.5)
+    reference = torch_backend.paged_attention_in_torch(query, kv_cache, metadata, head_size**-0.5)
 
     prefill_rows = torch.cat([torch.arange(0, 429), torch.arange(430, 494)])
     torch.testing.assert_close(out[prefill_rows].float(), reference[prefill_rows].float(), atol=1.6e-2, rtol=1e-2)
