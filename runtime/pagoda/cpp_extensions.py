@@ -1,10 +1,14 @@
 """C++ extensions compiled on first use with torch's extension builder and cached under $PAGODA_CACHE_DIR.
 
 Builds are tuned for the CPU they run on (``-march=native``), so the cache key holds the CPU's feature
-flags as well as the source, the flags and the torch version. Processes starting together build once:
-torch's builder holds a file lock in the build directory.
+flags as well as the source, the flags and the torch version. Processes starting together build once,
+one after the other under an flock on ``<build dir>.lock``, which the OS releases when its holder dies.
+torch's builder also keeps a lock file of its own in the build directory, which it waits on with no
+deadline; one left behind by a process killed mid-build (OOM, a pod deleted, Ctrl-C) would hang every later
+start, so whoever holds the flock removes it first.
 """
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -61,9 +65,12 @@ def build_and_load(prefix: str, source: Path, cflags: list[str] = NATIVE_CFLAGS,
     build_dir = cache_dir() / "cpu_kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("Loading %s (compiled once into %s)", source.name, build_dir)
-    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(build_dir),
-                              extra_include_paths=[str(INCLUDE_DIR)], is_python_module=is_python_module,
-                              verbose=False)
+    with open(build_dir.with_name(name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's, stale: no other process is building here now
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                  build_directory=str(build_dir), extra_include_paths=[str(INCLUDE_DIR)],
+                                  is_python_module=is_python_module, verbose=False)
 
 
 class OptionalExtension:

@@ -1,5 +1,11 @@
 """TP and PP through `LLM`, in local processes over gloo: greedy tokens equal the single-process output."""
 
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
 import pytest
 
 from pagoda import LLM, SamplingParams
@@ -65,3 +71,25 @@ def test_bad_layer_partition_is_rejected(model_3_layers):
     with pytest.raises(ValueError, match="pp_layer_partition"):
         LLM(str(model_3_layers), dtype="float32", pipeline_parallel_size=2, pp_layer_partition=[1, 1],
             kv_cache_memory=0.01)
+
+
+def test_a_rank_that_dies_during_start_up_fails_the_engine_at_once(model_3_layers):
+    """The head's rendezvous used to wait for the dead rank until --distributed-timeout."""
+    def kill_rank_1():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for child in multiprocessing.active_children():
+                if child.name == "pagoda-rank1" and child.pid is not None:
+                    os.kill(child.pid, signal.SIGKILL)
+                    return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"pagoda-rank1 exited with code -9"):
+        LLM(str(model_3_layers), dtype="float32", tensor_parallel_size=2, kv_cache_memory=0.02,
+            distributed_timeout=300)
+    killer.join()
+    assert time.monotonic() - started < 120, "the head waited for the dead rank"
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("pagoda-rank")]

@@ -39,7 +39,7 @@ class DriverExecutor:
             config, ranks_on_node = self._start_other_ranks(config, eos_token_ids)
             self.config = config
             torch.set_num_threads(cpu_threads_per_rank(ranks_on_node))
-            self.group = init_group(config, 0, on_failure=self._fail)
+            self.group = init_group(config, 0, on_failure=self._fail, failure=lambda: self.failure)
             self._group_formed()
             self.runner = ModelRunner(config, eos_token_ids, device=self._driver_device(config))
         except BaseException as e:

@@ -3,6 +3,7 @@
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,13 +67,15 @@ def cpu_threads_per_rank(ranks_on_this_node: int) -> int:
     return max(1, cores // ranks_on_this_node)
 
 
-def init_group(config: EngineConfig, rank: int, on_failure) -> GroupHandles:
-    """Rendezvous, torch.distributed init and process groups; raises RendezvousError with a clear message."""
+def init_group(config: EngineConfig, rank: int, on_failure, failure: Callable[[], str | None] = lambda: None
+               ) -> GroupHandles:
+    """Rendezvous, torch.distributed init and process groups; raises RendezvousError with a clear message,
+    at once when failure() gives a reason while the rendezvous waits."""
     p = config.parallel
     info = rank_info(config, rank)
     timeout = p.distributed_timeout
     store = connect_store(p.master_addr, p.master_port, is_master=rank == 0, timeout=timeout)
-    join(store, info, group_settings(config), timeout)
+    join(store, info, group_settings(config), timeout, failure)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore("pagoda", store), rank=rank,
                             world_size=info.world_size, timeout=timedelta(seconds=timeout))

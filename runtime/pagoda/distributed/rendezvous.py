@@ -66,21 +66,28 @@ def connect_store(master_addr: str, master_port: int, is_master: bool, timeout: 
                               f"(--master-addr/--master-port): {e}") from None
 
 
-def join(store: dist.TCPStore, info: RankInfo, settings: dict, timeout: float) -> None:
-    """Announce this rank; the head (rank 0) waits for everyone and checks their settings."""
+def join(store: dist.TCPStore, info: RankInfo, settings: dict, timeout: float,
+         failure: Callable[[], str | None] = lambda: None) -> None:
+    """Announce this rank; the head (rank 0) waits for everyone and checks their settings. failure() says
+    why the group cannot form while it waits (a rank's process exited): the wait ends then, not at the
+    deadline."""
     store.set(f"join/{info.rank}", json.dumps(settings))
     if info.rank == 0:
-        _wait_for_all(store, info, settings, timeout)
+        _wait_for_all(store, info, settings, timeout, failure)
     else:
         _wait_for_head(store, info, settings, timeout)
 
 
-def _wait_for_all(store, info: RankInfo, settings: dict, timeout: float) -> None:
+def _wait_for_all(store, info: RankInfo, settings: dict, timeout: float, failure: Callable[[], str | None]) -> None:
     deadline = time.monotonic() + timeout
     pending = set(range(info.world_size))
     while True:
         if store.check(["abort"]):
             raise RendezvousError(store.get("abort").decode())
+        if (reason := failure()) is not None:
+            message = f"rendezvous aborted: {reason}"
+            store.set("abort", message)
+            raise RendezvousError(message)
         for rank in sorted(pending):
             if store.check([f"join/{rank}"]):
                 theirs = json.loads(store.get(f"join/{rank}"))

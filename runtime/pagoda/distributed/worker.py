@@ -158,5 +158,6 @@ class ProcessWatcher:
         while sentinels and not self._stopped.is_set():
             for ready in wait(list(sentinels), timeout=1.0):
                 process = sentinels.pop(ready)
+                process.join(timeout=1.0)  # reap it, so that its exitcode is set (the sentinel can be first)
                 if not self._stopped.is_set():
                     on_exit(process)
