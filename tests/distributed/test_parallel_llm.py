@@ -1,4 +1,5 @@
-"""TP and PP through `LLM`, in local processes over gloo: greedy tokens equal the single-process output."""
+"""TP and PP through `LLM`, in local processes over gloo: greedy tokens equal the single-process output; bad
+sizes and a rank that dies during start-up fail with clear errors."""
 
 import multiprocessing
 import os

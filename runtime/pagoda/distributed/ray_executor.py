@@ -13,10 +13,8 @@ import logging
 import os
 import threading
 from collections import Counter
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.driver import DriverExecutor
@@ -178,23 +176,11 @@ class RayExecutor(DriverExecutor):
                     why = f"failed: {_first_line(e.cause if e.cause is not None else e)}"
                 except Exception as e:  # any other way Ray lost it
                     why = f"was lost: {_first_line(e)}"
-                message = f"the Ray actor of rank {rank} (node {self.node_of_rank[rank]}) {why}"
-                if not hasattr(self, "group"):
-                    self._abort_rendezvous(message)
-                self._fail(message)
+                # before the group formed, this also ends the driver's rendezvous (DriverExecutor.failure)
+                self._fail(f"the Ray actor of rank {rank} (node {self.node_of_rank[rank]}) {why}")
                 # a rank that raised is still alive: ending it closes its sockets, so collectives waiting
                 # on it fail now instead of at their timeout, as when an `mp` rank exits
                 ray.kill(self.actors[rank])
-
-    def _abort_rendezvous(self, message: str) -> None:
-        """The driver still waits for every rank to join: make it fail now, with the reason."""
-        p = self.config_for_ranks.parallel
-        try:
-            store = dist.TCPStore(p.master_addr, p.master_port, is_master=False, timeout=timedelta(seconds=5),
-                                  wait_for_workers=False)
-            store.set("abort", message)
-        except (RuntimeError, OSError) as e:
-            logger.warning("could not abort the rendezvous: %s", e)
 
     def _fail(self, message: str) -> None:
         placement = getattr(self, "node_of_rank", None)

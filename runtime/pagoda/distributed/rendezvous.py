@@ -1,6 +1,7 @@
 """Joining a group: every rank announces itself and its settings in a TCPStore hosted by the head.
 
-The head waits for all ranks up to a deadline, naming the ones that never came; a rank whose
+The head waits for all ranks up to a deadline, naming the ones that never came (or until a rank it
+started itself is known to have exited); a rank whose
 settings differ from the head's makes everyone fail fast, saying which setting differs. Once joined,
 every rank bumps a heartbeat counter, and each side watches the other's, so a dead or hung rank is
 noticed within seconds instead of at the next collective's timeout.
