@@ -1,8 +1,10 @@
 """AsyncLLMEngine: built in its own engine thread (torch's CPU thread pool lives there alone), load
-errors reach the caller, cumulative outputs stream, an explicit abort ends the stream."""
+errors reach the caller, cumulative outputs stream, an explicit abort ends the stream, and dropping the
+last reference shuts the engine down."""
 
 import asyncio
 import threading
+import weakref
 
 import pytest
 
@@ -59,3 +61,28 @@ def test_outputs_stream_and_an_abort_ends_the_stream(engine_args):
     assert lengths[-1] == 6 and lengths == sorted(lengths)
     assert last.finished and last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < 500
     engine.engine.block_manager.check_no_leaks()
+
+
+def test_dropping_the_last_reference_shuts_the_engine_down(engine_args, monkeypatch):
+    shut_down = []
+    real_shutdown = LLMEngine.shutdown
+
+    def recording_shutdown(self):
+        shut_down.append(threading.current_thread().name)
+        real_shutdown(self)
+
+    monkeypatch.setattr(LLMEngine, "shutdown", recording_shutdown)
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+
+    async def one():
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=2, ignore_eos=True), "x"):
+            pass
+        return out
+
+    assert asyncio.run(asyncio.wait_for(one(), timeout=60)).finished
+    thread, collected = engine._thread, weakref.ref(engine)
+    del engine  # no gc.collect(): the engine thread must not keep it alive
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the engine thread outlived its AsyncLLMEngine"
+    assert collected() is None
+    assert len(shut_down) == 1
