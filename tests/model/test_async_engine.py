@@ -74,12 +74,11 @@ def test_dropping_the_last_reference_shuts_the_engine_down(engine_args, monkeypa
     monkeypatch.setattr(LLMEngine, "shutdown", recording_shutdown)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
 
-    async def one():
-        async for out in engine.generate("Hello", SamplingParams(max_tokens=2, ignore_eos=True), "x"):
-            pass
-        return out
+    async def one(engine):
+        outputs = [out async for out in engine.generate("Hello", SamplingParams(max_tokens=2, ignore_eos=True), "x")]
+        return outputs[-1]
 
-    assert asyncio.run(asyncio.wait_for(one(), timeout=60)).finished
+    assert asyncio.run(asyncio.wait_for(one(engine), timeout=60)).finished
     thread, collected = engine._thread, weakref.ref(engine)
     del engine  # no gc.collect(): the engine thread must not keep it alive
     thread.join(timeout=30)

@@ -124,7 +124,6 @@ class RayExecutor(DriverExecutor):
         self._ifname_variables_set = use_node_interface(driver_ip)
         if gpu:
             self._driver_gpu = ray.get(self.driver_gpu_holder.where.remote(), timeout=timeout)[1][0]
-        self.config_for_ranks = config
         log_level = logging.getLogger().level
         self.runs = {}
         for rank, actor in self.actors.items():
