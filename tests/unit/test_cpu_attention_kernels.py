@@ -41,6 +41,23 @@ def test_decode_matches_dense_attention(head_size, num_heads, num_kv_heads):
     check_against_dense(out, query, kv_cache, metadata, tables, head_size**-0.5, 1e-5)
 
 
+@pytest.mark.parametrize("head_size", [64, 128])  # the bfloat16 path where the CPU has AVX512_BF16
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (16, 1), (12, 4), (40, 2)])
+@pytest.mark.parametrize("seq_lens", [[45], [1, 4, 5, 37, 64, 3]])  # fewer sequences than threads: per KV head
+def test_bfloat16_decode_matches_dense_attention(head_size, num_heads, num_kv_heads, seq_lens):
+    query, kv_cache, metadata, tables = decode_batch(seq_lens, num_heads, num_kv_heads, head_size, torch.bfloat16)
+    out = torch.full_like(query, float("nan"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cpu_kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
+                                           metadata.seq_lens, head_size**-0.5, out)
+    finally:
+        torch.set_num_threads(threads)
+
+    check_against_dense(out, query, kv_cache, metadata, tables, head_size**-0.5, 3e-2)
+
+
 def test_strided_query_and_output():
     """The engine passes the query as a slice of the fused QKV projection."""
     query, kv_cache, metadata, tables = decode_batch([9, 21], 4, 2, 64, torch.bfloat16)

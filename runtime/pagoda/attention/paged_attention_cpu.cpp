@@ -2,8 +2,9 @@
 // (several: a prompt, a prefill chunk, verified drafts).
 //
 // Decode reads each sequence's K and V blocks in place through its block table (no gather, no padding to
-// the longest context), so every cached byte is read once. Work items are (sequence, KV head) pairs;
-// the query heads sharing a KV head (GQA) are scored together against each K row.
+// the longest context), so every cached byte is read once. Work items are sequences with all their KV heads
+// in the bfloat16 path (see decode_bf16), (sequence, KV head) pairs in the generic one; the query heads
+// sharing a KV head (GQA) are scored together against each K row.
 // Scores and the softmax are float32 whatever the cache dtype.
 
 #include <torch/library.h>
@@ -66,7 +67,7 @@ template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
 
 constexpr int64_t kMaxHeadSize = 256;  // MAX_HEAD_SIZE in cpu_kernels.py
-constexpr int64_t kPrefetchKeys = 64;  // how far ahead decode prefetches a context's keys
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead decode prefetches a block that starts a run
 constexpr int64_t kMaxGroup = 16;
 
 // kHeadSize > 0 fixes the head size at compile time (the common sizes), so the per-row loops unroll into
@@ -143,11 +144,21 @@ inline __m512 exp_nonpositive16(__m512 x) {
 #endif
 
 #if defined(__AVX512BF16__)
-// decode_one for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs straight
-// from the cache (no widening pass), 3-4x the generic loop. Scores: one instruction per 32 head-dim elements
-// and a horizontal sum per (key, head). P @ V: two keys at a time, their value rows interleaved into pairs
-// and the two probabilities (rounded to bfloat16, as SDPA's math path does) broadcast as one pair.
-// Needs an even block_size, so a pair of keys never straddles two blocks.
+// Decode for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs straight
+// from the cache (no widening pass). Scores: one instruction per 32 head-dim elements and a horizontal sum
+// per (key, head). P @ V: two keys at a time, their value rows interleaved into pairs and the two
+// probabilities (rounded to bfloat16, as SDPA's math path does) broadcast as one pair. Needs an even
+// block_size, so a pair of keys never straddles two blocks.
+//
+// A work item is a sequence and a range of its KV heads (all of them when there are sequences enough for
+// every thread). Block by block, the K rows of all the item's heads are scored (then their V rows summed)
+// in one sweep in memory order: in the head-major cache a block's heads are contiguous, and a context's
+// blocks mostly follow each other (a prompt's are allocated together), so the item reads long runs that the
+// hardware prefetcher follows while the kernel computes. Software prefetch is only for a block that starts
+// a new run. Per query head the P @ V accumulators stay in memory between blocks.
+// (One item per (sequence, KV head), reading 2 KB runs 6 KB apart with prefetches 64 keys ahead into L1,
+// took 630-690 us a layer on 40 contexts of 10 MB out of cache; this takes 400-420, ~25 GB/s: what the
+// two cores read.)
 // lane j of the result = the sum of v[j]'s 16 lanes: a transposing tree of 45 instructions for all 16, where
 // 16 separate horizontal sums take ~130
 inline __m512 sum_each16(const __m512* v) {
@@ -167,145 +178,173 @@ inline __m512 sum_each16(const __m512* v) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// kGroup query heads at once, fixed at compile time so that their accumulators live in registers
-template <int kHeadSize, int kGroup>
-void decode_heads_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloat16* k_cache,
-                       const c10::BFloat16* v_cache, int64_t block_stride, int64_t pos_stride,
-                       const int32_t* block_table, int64_t seq_len, int64_t block_size, float scale,
-                       c10::BFloat16* out, int64_t out_head_stride, std::vector<float>& scores) {
-  constexpr int64_t group = kGroup;
+// softmax of one head's scores sg[0, seq_len), the probabilities rounded to bfloat16 into pg (and a zero
+// partner after an odd last key)
+inline void softmax_to_bf16(float* sg, uint16_t* pg, int64_t seq_len) {
+  auto mask_at = [&](int64_t t) { return static_cast<__mmask16>(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1); };
+  __m512 max16 = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  for (int64_t t = 0; t < seq_len; t += 16) max16 = _mm512_mask_max_ps(max16, mask_at(t), max16, _mm512_maskz_loadu_ps(mask_at(t), sg + t));
+  const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max16));
+  __m512 total16 = _mm512_setzero_ps();
+  for (int64_t t = 0; t < seq_len; t += 16) {
+    const __m512 e = _mm512_maskz_mov_ps(mask_at(t), exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask_at(t), sg + t), max_score)));
+    _mm512_mask_storeu_ps(sg + t, mask_at(t), e);
+    total16 = _mm512_add_ps(total16, e);
+  }
+  const __m512 inv_total = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
+  for (int64_t t = 0; t < seq_len; t += 16)
+    _mm256_mask_storeu_epi16(pg + t, mask_at(t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask_at(t), sg + t), inv_total)));
+  if (seq_len & 1) pg[seq_len] = 0;  // the odd last key's partner weighs nothing
+}
+
+// Scores of kN query heads (q: the first, rows q_head_stride apart) against one block's n keys into
+// s[g * padded_len + 0..n), scaled. kN is fixed at compile time so that the query rows live in registers.
+template <int kHeadSize, int kN>
+inline void score_block(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloat16* block,
+                        int64_t pos_stride, int64_t n, float scale, float* s, int64_t padded_len) {
   constexpr int kVecs = kHeadSize / 32;  // 512-bit vectors of bfloat16 per row
-  const int64_t padded_len = seq_len + (seq_len & 1);
-  if (static_cast<int64_t>(scores.size()) < group * padded_len * 2) scores.resize(group * padded_len * 2);
-  float* s = scores.data();  // [G, padded_len]
-  uint16_t* p16 = reinterpret_cast<uint16_t*>(s + group * padded_len);  // [G, padded_len] bfloat16 bits
-  __m512bh qv[kGroup][kVecs];
-  for (int64_t g = 0; g < group; ++g)
+  __m512bh qv[kN][kVecs];
+  for (int g = 0; g < kN; ++g)
     for (int i = 0; i < kVecs; ++i) qv[g][i] = (__m512bh)_mm512_loadu_si512(q + g * q_head_stride + 32 * i);
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys: their 16 partial sums reduce together
+    const int64_t keys = std::min<int64_t>(16, n - c0);
+    for (int g = 0; g < kN; ++g) {
+      __m512 partial[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= keys) {
+          partial[j] = _mm512_setzero_ps();
+          continue;
+        }
+        const c10::BFloat16* k = block + (c0 + j) * pos_stride;
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(k));
+        for (int i = 1; i < kVecs; ++i) acc = _mm512_dpbf16_ps(acc, qv[g][i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+        partial[j] = acc;
+      }
+      const __m512 dots = _mm512_mul_ps(sum_each16(partial), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(s + g * padded_len + c0, static_cast<__mmask16>((1u << keys) - 1), dots);
+    }
+  }
+}
+
+// kN query heads' accumulators (acc_mem: [kN, 2 kVecs, 16] floats) += their probabilities over one block's
+// n keys (p: bfloat16 bits, rows padded_len apart) @ the block's V rows
+template <int kHeadSize, int kN>
+inline void accumulate_block(const uint16_t* p, int64_t padded_len, const c10::BFloat16* block,
+                             int64_t pos_stride, int64_t n, float* acc_mem) {
+  constexpr int kVecs = kHeadSize / 32;
+  // acc[g][2i] holds, per 128-bit lane L, outputs 32i + 8L + 0..3; acc[g][2i+1] outputs 32i + 8L + 4..7
+  // (the unpack instructions interleave within 128-bit lanes); decode_bf16 puts them back in order
+  __m512 acc[kN][2 * kVecs];
+  for (int g = 0; g < kN; ++g)
+    for (int i = 0; i < 2 * kVecs; ++i) acc[g][i] = _mm512_loadu_ps(acc_mem + (g * 2 * kVecs + i) * 16);
+  for (int64_t t = 0; t < n; t += 2) {
+    const __mmask32 second = t + 1 < n ? 0xFFFFFFFFu : 0u;  // a row past the context may hold any bits
+    for (int i = 0; i < kVecs; ++i) {
+      const __m512i v0 = _mm512_loadu_si512(block + t * pos_stride + 32 * i);
+      const __m512i v1 = _mm512_maskz_loadu_epi16(second, block + (t + 1) * pos_stride + 32 * i);
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1), hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+      for (int g = 0; g < kN; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, p + g * padded_len + t, sizeof(pair));
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        acc[g][2 * i] = _mm512_dpbf16_ps(acc[g][2 * i], w, lo);
+        acc[g][2 * i + 1] = _mm512_dpbf16_ps(acc[g][2 * i + 1], w, hi);
+      }
+    }
+  }
+  for (int g = 0; g < kN; ++g)
+    for (int i = 0; i < 2 * kVecs; ++i) _mm512_storeu_ps(acc_mem + (g * 2 * kVecs + i) * 16, acc[g][i]);
+}
+
+// Calls visit(std::integral_constant<int, n>) for n in 1..kMax (the query heads a unit takes at once)
+template <int kMax, typename Visit>
+inline void with_unit_size(int64_t n, Visit&& visit) {
+  switch (n) {
+    case 1: visit(std::integral_constant<int, 1>{}); break;
+    case 2: visit(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (kMax >= 3) visit(std::integral_constant<int, 3>{}); break;
+    default: if constexpr (kMax >= 4) visit(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// One sequence, KV heads 0..num_kv_heads of the pointers given (q/out: their first query head's row)
+template <int kHeadSize>
+void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloat16* k_cache,
+                 const c10::BFloat16* v_cache, int64_t block_stride, int64_t pos_stride, int64_t head_stride,
+                 int64_t num_kv_heads, int64_t group, const int32_t* block_table, int64_t seq_len,
+                 int64_t block_size, float scale, c10::BFloat16* out, int64_t out_head_stride,
+                 std::vector<float>& scratch) {
+  constexpr int kVecs = kHeadSize / 32;
+  constexpr int kUnit = 16 / (kHeadSize / 16);  // query heads at once: 16 of the 32 registers for P @ V
+  const int64_t heads = num_kv_heads * group;
+  const int64_t padded_len = seq_len + (seq_len & 1);
+  const int64_t acc_floats = heads * 2 * kVecs * 16;
+  if (static_cast<int64_t>(scratch.size()) < 2 * heads * padded_len + acc_floats)
+    scratch.resize(2 * heads * padded_len + acc_floats);
+  float* s = scratch.data();                                                // [heads, padded_len] scores
+  uint16_t* p16 = reinterpret_cast<uint16_t*>(s + heads * padded_len);      // [heads, padded_len] bfloat16
+  float* acc = s + 2 * heads * padded_len;                                  // [heads, 2 kVecs, 16]
 
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  // blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: ask for it
-  // (a software prefetch that misses the TLB may be dropped, and blocks often sit on pages of their own: one
-  // real load of the block's first line first, which walks the page table)
-  auto prefetch_block = [&](const c10::BFloat16* cache, int64_t b, auto hint) {
-    if (b >= num_blocks) return;
+  // a block that does not follow its predecessor in memory starts a run the hardware prefetcher cannot
+  // guess: fetch it into L2 ahead (one real load first: a prefetch that misses the TLB may be dropped).
+  // Prefetching every block, or into L1, was slower: 4 blocks of 3 heads overflow L1, and requests the
+  // hardware would make anyway take the core's miss buffers.
+  auto prefetch_run_start = [&](const c10::BFloat16* cache, int64_t b) {
+    if (b >= num_blocks || (b > 0 && block_table[b] == block_table[b - 1] + 1)) return;
     const char* rows = reinterpret_cast<const char*>(cache + block_table[b] * block_stride);
     const char first_byte = *reinterpret_cast<const volatile char*>(rows);
     asm volatile("" : : "r"(first_byte));
-    for (int64_t t = 0; t < block_size; ++t)
-      for (int64_t byte = 0; byte < kHeadSize * 2; byte += 64)
-        _mm_prefetch(rows + t * pos_stride * 2 + byte, static_cast<_mm_hint>(decltype(hint)::value));
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t t = 0; t < block_size; ++t)
+        for (int64_t byte = 0; byte < kHeadSize * 2; byte += 64)
+          _mm_prefetch(rows + (h * head_stride + t * pos_stride) * 2 + byte, _MM_HINT_T1);
   };
-  using ToL1 = std::integral_constant<int, _MM_HINT_T0>;
-  using ToL2 = std::integral_constant<int, _MM_HINT_T1>;
-  // keys kPrefetchKeys ahead, and each block's values into L2 while its keys are read, for the second pass
-  // (32 sequences of 400 tokens, 30 layers out of cache, against one block ahead and the values fetched in
-  // their own pass: one thread 1480-2020 -> 1350-1620 us a layer, median 1690 -> 1450; two threads 750-950 ->
-  // 710-870)
-  const int64_t ahead = std::max<int64_t>(1, kPrefetchKeys / block_size);
-  for (int64_t b = 0; b < ahead; ++b) prefetch_block(k_cache, b, ToL1{});
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    prefetch_block(k_cache, b + ahead, ToL1{});
-    prefetch_block(v_cache, b, ToL2{});
-    const c10::BFloat16* block = k_cache + block_table[b] * block_stride;
-    const int64_t t0 = b * block_size, n = std::min(block_size, seq_len - t0);
-    for (int64_t c0 = 0; c0 < n; c0 += 16) {  // 16 keys: their 16 partial sums reduce together
-      const int64_t keys = std::min<int64_t>(16, n - c0);
-      for (int64_t g = 0; g < group; ++g) {
-        __m512 partial[16];
-        for (int64_t j = 0; j < 16; ++j) {
-          if (j >= keys) {
-            partial[j] = _mm512_setzero_ps();
-            continue;
-          }
-          const c10::BFloat16* k = block + (c0 + j) * pos_stride;
-          __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], (__m512bh)_mm512_loadu_si512(k));
-          for (int i = 1; i < kVecs; ++i) acc = _mm512_dpbf16_ps(acc, qv[g][i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
-          partial[j] = acc;
-        }
-        const __m512 dots = _mm512_mul_ps(sum_each16(partial), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(s + g * padded_len + t0 + c0, static_cast<__mmask16>((1u << keys) - 1), dots);
-      }
+  // a unit: KV head h and query heads [first, first + count) of its group, count <= kUnit
+  auto for_each_unit = [&](auto&& visit) {
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t g0 = 0; g0 < group; g0 += kUnit) visit(h, h * group + g0, std::min<int64_t>(kUnit, group - g0));
+  };
+  // one pass over the context's blocks: visit(block's first position, its size, its rows in cache)
+  auto sweep = [&](const c10::BFloat16* cache, auto&& visit) {
+    for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_run_start(cache, b);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      prefetch_run_start(cache, b + kPrefetchBlocks);
+      const int64_t t0 = b * block_size;
+      visit(t0, std::min(block_size, seq_len - t0), cache + block_table[b] * block_stride);
     }
-  }
+  };
 
-  for (int64_t g = 0; g < group; ++g) {  // softmax, 16 scores at a time; probabilities rounded to bfloat16
-    float* sg = s + g * padded_len;
-    auto mask_at = [&](int64_t t) { return static_cast<__mmask16>(seq_len - t >= 16 ? 0xFFFF : (1u << (seq_len - t)) - 1); };
-    __m512 max16 = _mm512_set1_ps(std::numeric_limits<float>::lowest());
-    for (int64_t t = 0; t < seq_len; t += 16) max16 = _mm512_mask_max_ps(max16, mask_at(t), max16, _mm512_maskz_loadu_ps(mask_at(t), sg + t));
-    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max16));
-    __m512 total16 = _mm512_setzero_ps();
-    for (int64_t t = 0; t < seq_len; t += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(mask_at(t), exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask_at(t), sg + t), max_score)));
-      _mm512_mask_storeu_ps(sg + t, mask_at(t), e);
-      total16 = _mm512_add_ps(total16, e);
-    }
-    const __m512 inv_total = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
-    uint16_t* pg = p16 + g * padded_len;
-    for (int64_t t = 0; t < seq_len; t += 16)
-      _mm256_mask_storeu_epi16(pg + t, mask_at(t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask_at(t), sg + t), inv_total)));
-    if (seq_len & 1) pg[seq_len] = 0;  // the odd last key's partner weighs nothing
-  }
-
-  // acc[g][2i] holds, per 128-bit lane L, outputs 32i + 8L + 0..3; acc[g][2i+1] outputs 32i + 8L + 4..7
-  // (the unpack instructions interleave within 128-bit lanes); put back in order at the end
-  __m512 acc[kGroup][2 * kVecs];
-  for (int64_t g = 0; g < group; ++g)
-    for (int i = 0; i < 2 * kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const c10::BFloat16* block = v_cache + block_table[b] * block_stride;
-    const int64_t t0 = b * block_size, n = std::min(block_size, seq_len - t0);
-    for (int64_t t = 0; t < n; t += 2) {
-      const __mmask32 second = t + 1 < n ? 0xFFFFFFFFu : 0u;  // a row past the context may hold any bits
-      for (int i = 0; i < kVecs; ++i) {
-        const __m512i v0 = _mm512_loadu_si512(block + t * pos_stride + 32 * i);
-        const __m512i v1 = _mm512_maskz_loadu_epi16(second, block + (t + 1) * pos_stride + 32 * i);
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(v0, v1), hi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
-        for (int64_t g = 0; g < group; ++g) {
-          int32_t pair;
-          std::memcpy(&pair, p16 + g * padded_len + t0 + t, sizeof(pair));
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
-          acc[g][2 * i] = _mm512_dpbf16_ps(acc[g][2 * i], w, lo);
-          acc[g][2 * i + 1] = _mm512_dpbf16_ps(acc[g][2 * i + 1], w, hi);
-        }
-      }
-    }
-  }
-  for (int64_t g = 0; g < group; ++g)
+  sweep(k_cache, [&](int64_t t0, int64_t n, const c10::BFloat16* block) {
+    for_each_unit([&](int64_t h, int64_t first, int64_t count) {
+      with_unit_size<kUnit>(count, [&](auto size) {
+        score_block<kHeadSize, decltype(size)::value>(q + first * q_head_stride, q_head_stride, block + h * head_stride,
+                                                      pos_stride, n, scale, s + first * padded_len + t0, padded_len);
+      });
+    });
+  });
+  for (int64_t head = 0; head < heads; ++head) softmax_to_bf16(s + head * padded_len, p16 + head * padded_len, seq_len);
+  std::memset(acc, 0, acc_floats * sizeof(float));
+  sweep(v_cache, [&](int64_t t0, int64_t n, const c10::BFloat16* block) {
+    for_each_unit([&](int64_t h, int64_t first, int64_t count) {
+      with_unit_size<kUnit>(count, [&](auto size) {
+        accumulate_block<kHeadSize, decltype(size)::value>(p16 + first * padded_len + t0, padded_len,
+                                                           block + h * head_stride, pos_stride, n,
+                                                           acc + first * 2 * kVecs * 16);
+      });
+    });
+  });
+  for (int64_t head = 0; head < heads; ++head)
     for (int i = 0; i < kVecs; ++i) {
-      alignas(64) float lo[16], hi[16];
-      _mm512_store_ps(lo, acc[g][2 * i]);
-      _mm512_store_ps(hi, acc[g][2 * i + 1]);
-      c10::BFloat16* o = out + g * out_head_stride + 32 * i;
+      const float* lo = acc + (head * 2 * kVecs + 2 * i) * 16;
+      const float* hi = lo + 16;
+      c10::BFloat16* o = out + head * out_head_stride + 32 * i;
       for (int lane = 0; lane < 4; ++lane)
         for (int j = 0; j < 4; ++j) {
           o[8 * lane + j] = c10::BFloat16(lo[4 * lane + j]);
           o[8 * lane + 4 + j] = c10::BFloat16(hi[4 * lane + j]);
         }
     }
-}
-template <int kHeadSize>
-void decode_one_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloat16* k_cache,
-                     const c10::BFloat16* v_cache, int64_t block_stride, int64_t pos_stride, int64_t /*head_stride*/,
-                     const int32_t* block_table, int64_t seq_len, int64_t block_size, int64_t group,
-                     int64_t /*head_size*/, float scale, c10::BFloat16* out, int64_t out_head_stride,
-                     std::vector<float>& scores) {
-  constexpr int64_t kHeadsAtOnce = 16 / (kHeadSize / 16);  // 16 of the 32 registers for P @ V accumulators
-  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
-    const int64_t heads = std::min(kHeadsAtOnce, group - g0);
-    auto run = [&](auto heads_constant) {
-      decode_heads_bf16<kHeadSize, decltype(heads_constant)::value>(
-          q + g0 * q_head_stride, q_head_stride, k_cache, v_cache, block_stride, pos_stride, block_table, seq_len,
-          block_size, scale, out + g0 * out_head_stride, out_head_stride, scores);
-    };
-    switch (heads) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: if constexpr (kHeadsAtOnce >= 3) run(std::integral_constant<int, 3>{}); break;
-      default: if constexpr (kHeadsAtOnce >= 4) run(std::integral_constant<int, 4>{}); break;
-    }
-  }
 }
 #endif
 
@@ -326,15 +365,27 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t table_stride = block_tables.stride(0);
   const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
 
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (block_size % 2 == 0 && (head_size == 64 || head_size == 128)) {
+      auto decode = head_size == 64 ? decode_bf16<64> : decode_bf16<128>;
+      // a sequence's KV heads together when every thread gets a sequence; else one item per KV head
+      const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? num_kv_heads : 1;
+      const int64_t items_per_seq = num_kv_heads / heads_per_item;
+      pagoda::parallel_tasks(num_seqs * items_per_seq, [&](int64_t item) {
+        thread_local std::vector<float> scratch;
+        const int64_t i = item / items_per_seq, h = item % items_per_seq * heads_per_item;
+        decode(q + i * q_seq + h * group * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
+               pos_stride, head_stride, heads_per_item, group, tables + i * table_stride, lens[i], block_size,
+               static_cast<float>(scale), o + i * o_seq + h * group * o_head, o_head, scratch);
+      });
+      return;
+    }
+  }
+#endif
   auto decode = head_size == 64    ? decode_one<scalar_t, 64>
                 : head_size == 128 ? decode_one<scalar_t, 128>
                                    : decode_one<scalar_t, 0>;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (block_size % 2 == 0 && (head_size == 64 || head_size == 128))
-      decode = head_size == 64 ? decode_one_bf16<64> : decode_one_bf16<128>;
-  }
-#endif
   pagoda::parallel_tasks(num_seqs * num_kv_heads, [&](int64_t item) {
     thread_local std::vector<float> scores;
     const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
@@ -489,7 +540,7 @@ void prefill_tile(
 // chunk's keys transposed into [D/2][32] pairs of head-dim elements, one instruction per pair and 16 keys, the
 // query's pair broadcast. P @ V: the probabilities rounded to bfloat16 (as the decode kernel and SDPA's math
 // path do), two keys at a time against their value rows interleaved, one instruction per 16 head-dim
-// elements. The output accumulators hold the head dimension in unpack order (as decode_heads_bf16's).
+// elements. The output accumulators hold the head dimension in unpack order (as accumulate_block's).
 constexpr int64_t kKeysPerChunkBf16 = 32;
 
 template <int kHeadSize>
