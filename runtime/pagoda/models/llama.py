@@ -79,12 +79,21 @@ class LlamaDecoderLayer(Module):
         return self.mlp(hidden), residual
 
 
+# Rows the LM head multiplies per row a decoder layer multiplies: the head runs on one row per sequence
+# a step, the layers on every scheduled token, prompt tokens included. With prompts about twice as long
+# as outputs (bench throughput's mix: prompts 32-512, outputs 32-256) that is about a third. Measured on
+# SmolLM2-135M's shape at PP=2 (docs/distributed.md): 19/11 layers (the head at its full per-row
+# cost, ~8 layers) gave 1.45x one batch at a time; 14/16 to 16/14 gave 1.59-1.61x.
+LM_HEAD_ROWS_PER_LAYER_ROW = 1 / 3
+
+
 def lm_head_cost_in_layers(config) -> float:
-    """The LM head's matmul work per token, in decoder layers (weights multiplied per token)."""
+    """The LM head's matmul work per step, in decoder layers: its weights against a layer's, times the
+    share of a step's rows it multiplies."""
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_size = getattr(config, "head_dim", None) or hidden // heads
     layer = hidden * head_size * (2 * heads + 2 * kv_heads) + 3 * hidden * config.intermediate_size
-    return config.vocab_size * hidden / layer
+    return config.vocab_size * hidden / layer * LM_HEAD_ROWS_PER_LAYER_ROW
 
 
 class MissingLayer(Module):
