@@ -110,6 +110,21 @@ def test_tp2_x_pp2_packs_each_stage_on_a_node_and_equals_one_process(cluster, mo
         assert greedy(llm) == reference
 
 
+def test_pp2_with_a_draft_model_equals_one_process(cluster, model, reference):
+    """The draft model runs unsharded on the driver, in this process; its drafts travel with each batch
+    to the Ray actor of the last stage, which verifies them."""
+    draft = {"model": str(model), "num_speculative_tokens": 3}
+    with LLM(str(model), dtype="float32", kv_cache_memory=0.02, distributed_executor_backend="ray",
+             pipeline_parallel_size=2, speculative_config=draft) as llm:
+        assert llm.engine.executor.node_of_rank == {0: cluster.hosts.head_ip, 1: cluster.hosts.worker_ip}
+        assert greedy(llm) == reference
+        stats = llm.engine.get_stats()
+        llm.engine.block_manager.check_no_leaks()
+    assert stats.spec_decode_num_drafts > 0
+    # the target is its own draft: under greedy nearly every draft is accepted
+    assert stats.spec_decode_num_accepted_tokens > 0.9 * stats.spec_decode_num_draft_tokens
+
+
 def test_pp2_spreads_stages_and_a_killed_actor_fails_the_engine_naming_it(cluster, model, reference):
     llm = LLM(str(model), dtype="float32", kv_cache_memory=0.02, distributed_executor_backend="ray",
               pipeline_parallel_size=2)
