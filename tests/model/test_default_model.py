@@ -34,13 +34,36 @@ def test_default_model_chats_sensibly(default_llm):
 
 
 def test_conversion_is_cached_and_atomic(default_llm, tmp_path, monkeypatch):
+    import threading
+    import time
     from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     from pagoda.default_model import ensure_converted, find_default_gguf
 
+    # transformers' loader swaps process-wide functions while it runs: two loads at once in one process
+    # could leave them swapped (later checkpoints then loaded untied, with garbage RoPE buffers)
+    unpatched = PreTrainedModel.init_weights, PreTrainedModel.tie_weights
+    real_load, loading, most_at_once, lock = AutoModelForCausalLM.from_pretrained, [0], [0], threading.Lock()
+
+    def counted_load(*args, **kwargs):
+        with lock:
+            loading[0] += 1
+            most_at_once[0] = max(most_at_once[0], loading[0])
+        try:
+            time.sleep(0.2)  # widen the window a second load would overlap in
+            return real_load(*args, **kwargs)
+        finally:
+            with lock:
+                loading[0] -= 1
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", counted_load)
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
     gguf = find_default_gguf()
     with ThreadPoolExecutor(2) as pool:  # two starts at once both end with the same complete directory
         paths = list(pool.map(lambda _: ensure_converted(gguf, "race"), range(2)))
     assert paths[0] == paths[1] and (paths[0] / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [paths[0].name]
+    assert most_at_once[0] == 1
+    assert (PreTrainedModel.init_weights, PreTrainedModel.tie_weights) == unpatched
