@@ -48,6 +48,25 @@ def test_packed_layer_matches_plain_matmul(layout, rows, bias, in_features, out_
     torch.testing.assert_close(layer(strided), F.linear(strided, weight, layer.bias), atol=0.1, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_float32_out_gives_the_sums_before_rounding(layout, rows):
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(64, 100).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    exact = x.float() @ layer.weight.detach().float().t()
+    packed_weights.pack_weights(layer)
+
+    wide = packed_weights.linear(x, layer, float32_out=True)
+
+    assert wide.dtype == torch.float32 and wide.shape == (rows, 100)
+    if layout == packed_weights.VNNI:  # the kernel's float32 sums: far closer than bfloat16's 8 bits
+        torch.testing.assert_close(wide, exact, atol=1e-4, rtol=1e-5)
+        assert torch.equal(wide.bfloat16(), layer(x))  # and rounded, exactly the bfloat16 result
+    else:  # oneDNN's bfloat16 result, widened
+        assert torch.equal(wide, layer(x).float())
+
+
 def test_an_odd_input_size_packs_for_onednn():
     layer = ColumnParallelLinear(97, 64).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight)
@@ -83,3 +102,17 @@ def test_engine_packs_its_weights_and_gives_the_plain_logprobs(tiny_model_factor
     assert all(m.weight is None for m in model.modules() if isinstance(m, RowParallelLinear))
     assert model.lm_head.packed_weight.layout == layout
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (arch == "qwen2")
+
+
+@pytest.mark.skipif(not bf16_matmul_cpu.available(), reason="needs the AVX512_BF16 kernel")
+def test_the_lm_head_gives_logits_not_rounded_to_bfloat16(tiny_model_factory):
+    llm = LLM(str(tiny_model_factory("qwen2")), dtype="bfloat16", kv_cache_memory=0.05)
+    model = llm.engine.executor.runner.model
+    hidden = torch.randn(3, 64, dtype=torch.bfloat16)
+
+    logits = model.compute_logits(hidden)
+
+    assert logits.dtype == torch.float32
+    assert not torch.equal(logits, logits.bfloat16().float())  # bfloat16 logits would tie 1/16 apart
+    embedding = model.lm_head.weight  # tied: the plain weight stays for lookups
+    torch.testing.assert_close(logits, hidden.float() @ embedding.float().t(), atol=1e-4, rtol=1e-5)

@@ -42,9 +42,15 @@ inline __m512 bias_vector(const bf16* bias, __mmask16 mask) {  // 16 bfloat16 wi
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// y[0:MB, 0:ncols] = x[0:MB, :] @ block, summed in float32 and rounded once to bfloat16 (as oneDNN)
-template <int MB>
-inline void micro_kernel(const bf16* x, int64_t ldx, const bf16* block, int64_t k_pairs, bf16* y, int64_t ldy,
+// 16 float32 sums into y's type: rounded once to bfloat16 (as oneDNN), or kept
+inline void store_16(bf16* y, __mmask16 mask, __m512 sums) {
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+inline void store_16(float* y, __mmask16 mask, __m512 sums) { _mm512_mask_storeu_ps(y, mask, sums); }
+
+// y[0:MB, 0:ncols] = x[0:MB, :] @ block, summed in float32
+template <int MB, typename OutT>
+inline void micro_kernel(const bf16* x, int64_t ldx, const bf16* block, int64_t k_pairs, OutT* y, int64_t ldy,
                          int64_t ncols, const bf16* bias) {
   __m512 low[MB], high[MB];  // outputs 0-15 and 16-31 of each row
   for (int m = 0; m < MB; ++m) low[m] = high[m] = _mm512_setzero_ps();
@@ -68,14 +74,14 @@ inline void micro_kernel(const bf16* x, int64_t ldx, const bf16* block, int64_t 
     bias_high = bias_vector(bias + 16, mask_high);
   }
   for (int m = 0; m < MB; ++m) {
-    _mm256_mask_storeu_epi16(y + m * ldy, mask_low, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(low[m], bias_low)));
-    _mm256_mask_storeu_epi16(y + m * ldy + 16, mask_high,
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(high[m], bias_high)));
+    store_16(y + m * ldy, mask_low, _mm512_add_ps(low[m], bias_low));
+    store_16(y + m * ldy + 16, mask_high, _mm512_add_ps(high[m], bias_high));
   }
 }
 
 // rows of x against one block, 8 at a time (16 accumulators + 2 weight vectors fit the 32 registers)
-void rows_against_block(const bf16* x, int64_t ldx, int64_t rows, const bf16* block, int64_t k_pairs, bf16* y,
+template <typename OutT>
+void rows_against_block(const bf16* x, int64_t ldx, int64_t rows, const bf16* block, int64_t k_pairs, OutT* y,
                         int64_t ldy, int64_t ncols, const bf16* bias) {
   int64_t m = 0;
   for (; m + 8 <= rows; m += 8) micro_kernel<8>(x + m * ldx, ldx, block, k_pairs, y + m * ldy, ldy, ncols, bias);
@@ -95,9 +101,9 @@ void rows_against_block(const bf16* x, int64_t ldx, int64_t rows, const bf16* bl
 
 #endif  // __AVX512BF16__
 
-// x [..., K] -> [..., out_features]
+// x [..., K] -> [..., out_features], bfloat16, or float32 with float32_out (logits: not rounded to 8 bits)
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
-                  const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& bias, bool float32_out) {
   TORCH_CHECK(supported(), "bf16_matmul_cpu.linear needs a CPU with AVX512_BF16");
   TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16 && input.dim() >= 1,
               "linear: x must be a bfloat16 CPU tensor");
@@ -118,21 +124,27 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   }
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = out_features;
-  auto y = at::empty(out_shape, x.options());
+  auto y = at::empty(out_shape, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
 #if defined(__AVX512BF16__)
   const bf16* x_data = x.data_ptr<bf16>();
   const bf16* w_data = packed.data_ptr<bf16>();
-  bf16* y_data = y.data_ptr<bf16>();
   const int64_t ldx = x.stride(0);
   const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  // blocks vary fastest, so at decode's few rows the threads stream the weight front to back together
-  pagoda::parallel_tasks(blocks * row_tasks, [&](int64_t task) {
-    const int64_t b = task % blocks, m0 = (task / blocks) * kRowsPerTask;
-    const int64_t n0 = b * kBlockN;
-    rows_against_block(x_data + m0 * ldx, ldx, std::min(kRowsPerTask, rows - m0), w_data + b * k_pairs * 64,
-                       k_pairs, y_data + m0 * out_features + n0, out_features, std::min(kBlockN, out_features - n0),
-                       bias_data ? bias_data + n0 : nullptr);
-  });
+  auto run = [&](auto* y_data) {
+    // blocks vary fastest, so at decode's few rows the threads stream the weight front to back together
+    pagoda::parallel_tasks(blocks * row_tasks, [&](int64_t task) {
+      const int64_t b = task % blocks, m0 = (task / blocks) * kRowsPerTask;
+      const int64_t n0 = b * kBlockN;
+      rows_against_block(x_data + m0 * ldx, ldx, std::min(kRowsPerTask, rows - m0), w_data + b * k_pairs * 64,
+                         k_pairs, y_data + m0 * out_features + n0, out_features,
+                         std::min(kBlockN, out_features - n0), bias_data ? bias_data + n0 : nullptr);
+    });
+  };
+  if (float32_out) {
+    run(y.data_ptr<float>());
+  } else {
+    run(y.data_ptr<bf16>());
+  }
 #endif
   return y;
 }
@@ -141,7 +153,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
 
 TORCH_LIBRARY(pagoda_bf16_matmul, m) {
   m.def("supported() -> bool", &supported);  // no tensor to dispatch on: one kernel for every backend
-  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool float32_out=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_bf16_matmul, CPU, m) { m.impl("linear", &linear); }

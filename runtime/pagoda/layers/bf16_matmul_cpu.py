@@ -39,6 +39,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return pairs.transpose(1, 2).contiguous().view(torch.bfloat16).view(-1, k // 2, BLOCK_N, 2)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for x [..., K] against a weight packed by ``pack``: [..., out_features]."""
-    return torch.ops.pagoda_bf16_matmul.linear(x, packed, out_features, bias)
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+           float32_out: bool = False) -> torch.Tensor:
+    """``F.linear`` for x [..., K] against a weight packed by ``pack``: [..., out_features], bfloat16, or the
+    float32 sums unrounded with float32_out."""
+    return torch.ops.pagoda_bf16_matmul.linear(x, packed, out_features, bias, float32_out)

@@ -44,8 +44,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight: PackedWeight | None = None  # set by packed_weights.pack_weights
     shares_weight = False  # True when tied to the embedding, which keeps using the plain weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] on every rank
-        logits = linear(hidden, self)
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32 on every rank
+        # float32 sums, not rounded to bfloat16: logits ~10 apart by 1/16 would tie and greedy pick the lower id
+        logits = linear(hidden, self, float32_out=True)
         if self.tp_size > 1:
             logits = tp_all_gather_last_dim(logits)
         return logits[:, : self.num_embeddings]

@@ -32,14 +32,19 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, layer.weight, bias)``, through the layer's packed weight once it has one."""
+def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None,
+           float32_out: bool = False) -> torch.Tensor:
+    """``F.linear(x, layer.weight, bias)``, through the layer's packed weight once it has one. float32_out:
+    a float32 result, the kernel's float32 sums themselves where it can keep them (bf16_matmul_cpu's), else
+    the product widened."""
     packed: PackedWeight | None = getattr(layer, "packed_weight", None)
+    if packed is not None and packed.layout == VNNI:
+        return bf16_matmul_cpu.linear(x, packed.data, packed.out_features, bias, float32_out)
     if packed is None:
-        return F.linear(x, layer.weight, bias)
-    if packed.layout == VNNI:
-        return bf16_matmul_cpu.linear(x, packed.data, packed.out_features, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+        y = F.linear(x, layer.weight, bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+    return y.float() if float32_out else y
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:

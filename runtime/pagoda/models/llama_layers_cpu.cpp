@@ -20,7 +20,8 @@ namespace {
 using OptionalTensor = std::optional<at::Tensor>;
 
 struct Kernels {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)> linear;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, bool)>
+      linear;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
   c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                              const at::Tensor&, double)>
@@ -46,7 +47,7 @@ c10::TypedOperatorHandle<Signature> find(const char* name) {
 // looked up on first use: the kernels' libraries are loaded by then (llama_layers_cpu.py loads them first)
 const Kernels& kernels() {
   static const Kernels k{
-      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>(
+      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, bool)>(
           "pagoda_bf16_matmul::linear"),
       find<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("pagoda_cpu_fused::rms_norm"),
       find<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
@@ -140,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     }
     // attention
     const at::Tensor qkv = k.linear.call(hidden, required(layer_tensors, i, kQKV), q_size + 2 * kv_size,
-                                         optional(i, kQKVBias));  // [T, q + 2 kv]
+                                         optional(i, kQKVBias), false);  // [T, q + 2 kv]
     // views into qkv: the kernels take rows at any stride (the Python layers copy them: torch's rotary
     // needs contiguous rows; the values are the same)
     at::Tensor q = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
@@ -154,13 +155,15 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     k.write_kv_cache.call(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
                           kv_cache, slot_mapping);
     const at::Tensor attended = paged_attention(k, q.view({rows, num_heads, head_size}), kv_cache, batch, scale);
-    at::Tensor out = k.linear.call(attended.flatten(1), required(layer_tensors, i, kOut), hidden_size, std::nullopt);
+    at::Tensor out =
+        k.linear.call(attended.flatten(1), required(layer_tensors, i, kOut), hidden_size, std::nullopt, false);
     if (const OptionalTensor bias = optional(i, kOutBias); bias.has_value()) out = out + *bias;
     // MLP, after the post-attention norm with the residual add
     std::tie(hidden, residual) = k.fused_add_rms_norm.call(out, *residual, required(layer_tensors, i, kPostNorm), eps);
     const at::Tensor gate_up = k.linear.call(hidden, required(layer_tensors, i, kGateUp), 2 * intermediate_size,
-                                             std::nullopt);  // [T, 2 I]
-    hidden = k.linear.call(k.silu_and_mul.call(gate_up), required(layer_tensors, i, kDown), hidden_size, std::nullopt);
+                                             std::nullopt, false);  // [T, 2 I]
+    hidden = k.linear.call(k.silu_and_mul.call(gate_up), required(layer_tensors, i, kDown), hidden_size,
+                           std::nullopt, false);
   }
   TORCH_CHECK(residual.has_value(), "llama_layers: no layers given");
   return {hidden, *residual};
