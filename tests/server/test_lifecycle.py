@@ -110,6 +110,25 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(server_factory):
     assert "data: [DONE]" not in received and len(received) < 480
 
 
+def test_sigterm_while_the_model_loads_exits_at_once(server_factory):
+    """A pod deleted while its model loads (or downloads) stops now, not once the load is done."""
+    server = server_factory(launcher=PATCHED_LAUNCHER, env={"TEST_SERVE_LOAD_DELAY": "120"}, wait=False)
+    deadline = time.monotonic() + 60
+    while True:  # the port is open and says the model is loading
+        assert server.process.poll() is None and time.monotonic() < deadline, server.log()
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 503:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0
+    assert time.monotonic() - started < 10
+    assert "Traceback" not in server.log()
+
+
 def test_engine_death_fails_requests_and_health(server_factory):
     server = server_factory(launcher=PATCHED_LAUNCHER)
     client = server.client("none", timeout=30)

@@ -2,14 +2,20 @@
 
 The port opens at once and the model loads in a worker thread meanwhile, so `/health` can say 503
 (loading) to Kubernetes' startup probe. SIGTERM drains: new requests get 503 while running ones have
-`--shutdown-timeout` seconds to finish; then the engine stops and the process exits 0.
+`--shutdown-timeout` seconds to finish; then the engine stops and the process exits 0. A SIGTERM while the
+model still loads exits at once.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import multiprocessing
+import os
 import secrets
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +55,7 @@ class ServerState:
     engine_args: EngineArgs
     server_args: ServerArgs
     engine: object | None = None
+    loader: threading.Thread | None = None  # the model load's thread
     load_error: BaseException | None = None
     draining: bool = False
     started: float = field(default_factory=time.time)
@@ -130,8 +137,21 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     state = ServerState(engine_args, server_args)
 
     async def load() -> None:
+        loaded: concurrent.futures.Future = concurrent.futures.Future()
+
+        def load_engine() -> None:
+            loaded.set_running_or_notify_cancel()
+            try:
+                loaded.set_result(engine_factory(engine_args))
+            except BaseException as e:  # noqa: BLE001 - handed to the await below
+                loaded.set_exception(e)
+
+        # a daemon thread of its own, not asyncio's executor, which the process would join at exit: a
+        # SIGTERM during a long load must not wait for it (run_server)
+        state.loader = threading.Thread(target=load_engine, name="pagoda-load", daemon=True)
+        state.loader.start()
         try:
-            engine = await asyncio.to_thread(engine_factory, engine_args)
+            engine = await asyncio.wrap_future(loaded)
         except Exception as e:  # noqa: BLE001 - logged, then the process exits non-zero
             logger.error("failed to load the model: %s", flagify(str(e)),
                          exc_info=not isinstance(e, ValueError | OSError))
@@ -281,6 +301,10 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
             return
         self.state.draining = True
+        if self.state.engine is None:  # nothing to drain
+            logger.info("%s while the model loads: stopping", signal.Signals(sig).name)
+            self.should_exit = True
+            return
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(sig)))
 
     async def _drain(self, sig: int) -> None:
@@ -304,6 +328,22 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs,
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
                             access_log=server_args.log_level == "debug", timeout_graceful_shutdown=1,
                             timeout_keep_alive=5)
-    server = DrainingServer(config, app.state.pagoda)
+    state: ServerState = app.state.pagoda
+    server = DrainingServer(config, state)
     server.run()
-    return 1 if server.failed else 0
+    code = 1 if server.failed else 0
+    if state.loader is not None and state.loader.is_alive():
+        exit_while_loading(code)
+    return code
+
+
+def exit_while_loading(code: int) -> None:
+    """Stopped before the model finished loading: the load cannot be interrupted, so exit without waiting
+    for it (the interpreter's own exit would, or end its thread in the middle of C++), and take the
+    worker processes it has started along (SIGTERM ends them at once: they install no handler)."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
