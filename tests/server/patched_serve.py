@@ -1,8 +1,10 @@
 """`pagoda serve` with test hooks: a slower model load (TEST_SERVE_LOAD_DELAY seconds, to observe the
 loading state), slower steps (TEST_SERVE_STEP_DELAY seconds, for long requests) and an engine step that
 raises once a prompt contains KILL_ENGINE (engine death), and output processing that raises for a request
-whose prompt contains FAIL_REQUEST (one request's failure: the engine must go on)."""
+whose prompt contains FAIL_REQUEST (one request's failure: the engine must go on); and it prints the garbage
+collector's state once the model is loaded ("TEST gc ...")."""
 
+import gc
 import os
 import sys
 import time
@@ -11,6 +13,7 @@ from pagoda.engine.async_llm_engine import AsyncLLMEngine
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.entrypoints.cli import main
+from pagoda.entrypoints.openai import api_server
 
 KILL = "KILL_ENGINE"
 FAIL = "FAIL_REQUEST"
@@ -44,7 +47,16 @@ def from_engine_args(cls, args):
     return _from_engine_args(cls, args)
 
 
+_attach_engine = api_server._attach_engine
+
+
+def attach_engine(state, engine):
+    print(f"TEST gc enabled={gc.isenabled()} frozen={gc.get_freeze_count()}", file=sys.stderr, flush=True)
+    return _attach_engine(state, engine)
+
+
 LLMEngine.add_request, LLMEngine.step = add_request, step
+api_server._attach_engine = attach_engine
 OutputProcessor.process_token = process_token
 AsyncLLMEngine.from_engine_args = classmethod(from_engine_args)
 

@@ -1,6 +1,7 @@
 """Overload (429), graceful shutdown on SIGTERM, engine death, and CLI errors."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,13 @@ def small_server(server_factory):
 def test_503_while_loading(small_server):
     assert 503 in small_server.statuses_while_starting
     assert 503 in small_server.v1_statuses_while_starting
+
+
+def test_start_up_heap_is_frozen_and_collections_are_back_on(small_server):
+    """A full collection over what start-up built stalls every request (~200 ms on the default model)."""
+    state = re.search(r"TEST gc enabled=(\w+) frozen=(\d+)", small_server.log_path.read_text())
+    assert state is not None, small_server.log()
+    assert state[1] == "True" and int(state[2]) > 50_000
 
 
 def test_full_queue_is_429_with_retry_after(small_server):

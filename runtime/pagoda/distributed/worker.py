@@ -24,6 +24,7 @@ from pagoda.distributed.parallel_state import reset_parallel_state
 from pagoda.distributed.rendezvous import RendezvousError
 from pagoda.generation_config import eos_token_ids_for
 from pagoda.model_runner import IntermediateTensors, ModelRunner
+from pagoda.startup_heap import frozen_when_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +48,10 @@ def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_join
         device = local_device(config, group.info)
     elif device.startswith("cuda"):
         torch.cuda.set_device(device)
-    runner = ModelRunner(config, eos_token_ids, device=device)
-    num_blocks = min_over_group(runner.determine_num_blocks(), group.cpu_group)
-    runner.allocate_kv_cache(num_blocks)
+    with frozen_when_loaded():
+        runner = ModelRunner(config, eos_token_ids, device=device)
+        num_blocks = min_over_group(runner.determine_num_blocks(), group.cpu_group)
+        runner.allocate_kv_cache(num_blocks)
     _serve_schedules(runner, group)
     group.heartbeat.stop()
     reset_parallel_state()

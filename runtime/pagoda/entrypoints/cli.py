@@ -47,6 +47,9 @@ def configure_logging(level: str) -> None:
 
 
 def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from pagoda.startup_heap import pause_collections
+
+    pause_collections()  # until the model is loaded (the server's or the worker rank's frozen_when_loaded)
     from pagoda.entrypoints.openai.cli_args import flagify, split_args
 
     configure_logging(ns.log_level)

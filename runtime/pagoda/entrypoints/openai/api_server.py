@@ -46,6 +46,7 @@ from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.startup_heap import frozen_when_loaded
 
 logger = logging.getLogger("pagoda.server")
 
@@ -149,9 +150,10 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
         # a daemon thread of its own, not asyncio's executor, which the process would join at exit: a
         # SIGTERM during a long load must not wait for it (run_server)
         state.loader = threading.Thread(target=load_engine, name="pagoda-load", daemon=True)
-        state.loader.start()
         try:
-            engine = await asyncio.wrap_future(loaded)
+            with frozen_when_loaded():
+                state.loader.start()
+                engine = await asyncio.wrap_future(loaded)
         except Exception as e:  # noqa: BLE001 - logged, then the process exits non-zero
             logger.error("failed to load the model: %s", flagify(str(e)),
                          exc_info=not isinstance(e, ValueError | OSError))
