@@ -119,7 +119,7 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(server_factory):
 
 
 def test_sigterm_while_the_model_loads_exits_at_once(server_factory):
-    """A pod deleted while its model loads (or downloads) stops now, not once the load is done."""
+    """A pod deleted while its model loads stops now, not once the load is done."""
     server = server_factory(launcher=PATCHED_LAUNCHER, env={"TEST_SERVE_LOAD_DELAY": "120"}, wait=False)
     deadline = time.monotonic() + 60
     while True:  # the port is open and says the model is loading
