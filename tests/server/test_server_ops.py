@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 from checkpoints import load_hf_reference
+from live_server import PATCHED_LAUNCHER
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
@@ -36,6 +37,13 @@ def vllm_server(server_factory):
 def server(server_factory):
     """Default flags (prefix caching on, CORS open as vLLM's defaults); float32 to compare with transformers."""
     return server_factory("--served-model-name", MODEL, "--dtype", "float32")
+
+
+@pytest.fixture(scope="module")
+def slow_server(server_factory):
+    """Steps slowed to 20 ms: a request of 200 tokens stays in flight for 4 s (the tiny model's take 0.2 s)."""
+    return server_factory("--served-model-name", MODEL, launcher=PATCHED_LAUNCHER,
+                          env={"TEST_SERVE_STEP_DELAY": "0.02"})
 
 
 @pytest.fixture(scope="module")
@@ -267,19 +275,22 @@ def test_embeddings_errors(client, server, hf):
         client.embeddings.create(model="other", input="x")
 
 
-def test_a_request_id_in_flight_twice_is_refused(server):
-    long = threading.Thread(target=lambda: httpx.post(
-        server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True},
-        headers={"X-Request-Id": "twice"}, timeout=120))
+def test_a_request_id_in_flight_twice_is_refused(slow_server):
+    url = slow_server.url
+    first: list[httpx.Response] = []
+    long = threading.Thread(target=lambda: first.append(httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True},
+        headers={"X-Request-Id": "twice"}, timeout=120)))
     long.start()
     try:
         deadline = time.monotonic() + 30
-        while value(server.url, "pagoda:num_requests_running") == 0:
+        while value(url, "pagoda:num_requests_running") == 0:
             assert time.monotonic() < deadline, "the first request never ran"
             time.sleep(0.05)
-        second = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2},
+        second = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 2},
                             headers={"X-Request-Id": "twice"}, timeout=60)
         assert second.status_code == 400
         assert "already running" in second.json()["error"]["message"]
     finally:
         long.join()
+    assert first[0].status_code == 200 and first[0].json()["usage"]["completion_tokens"] == 200
