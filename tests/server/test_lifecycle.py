@@ -28,9 +28,10 @@ def data_lines(response: httpx.Response):
 
 @pytest.fixture(scope="module")
 def small_server(server_factory):
-    """One running request at a time and one waiting: easy to fill."""
+    """One running request at a time and one waiting: easy to fill. Steps take 5 ms or more, so a LONG request
+    stays in flight 2.4 s (the tiny model's own steps, ~0.3 ms, would end it before a test's next request)."""
     return server_factory("--max-num-seqs", "1", "--max-queued-requests", "1", "--shutdown-timeout", "60",
-                          launcher=PATCHED_LAUNCHER, env={"TEST_SERVE_LOAD_DELAY": "3"})
+                          launcher=PATCHED_LAUNCHER, env={"TEST_SERVE_LOAD_DELAY": "3", "TEST_SERVE_STEP_DELAY": "0.005"})
 
 
 def test_503_while_loading(small_server):

@@ -6,7 +6,7 @@ import time
 import httpx
 import openai
 import pytest
-from live_server import API_KEY
+from live_server import API_KEY, PATCHED_LAUNCHER
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.server
@@ -21,6 +21,16 @@ def server(server_factory):
     # the API key from the environment, the model name from a flag that beats the environment
     return server_factory("--served-model-name", MODEL,
                           env={"PAGODA_API_KEY": API_KEY, "PAGODA_SERVED_MODEL_NAME": "loses-to-the-flag"})
+
+
+@pytest.fixture(scope="module")
+def slow_http(server_factory):
+    """A server whose steps take 10 ms (the patched launcher): a 400-token request stays in flight for 4 s,
+    where the tiny model's takes ~0.2 s, so a test can disconnect before it ends."""
+    server = server_factory("--served-model-name", MODEL, launcher=PATCHED_LAUNCHER,
+                            env={"PAGODA_API_KEY": API_KEY, "TEST_SERVE_STEP_DELAY": "0.01"})
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -278,25 +288,23 @@ async def test_async_completion(async_client):
     assert r.choices[0].text
 
 
-def test_disconnect_aborts_streaming_request(server, http):
-    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
-        body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 400, "ignore_eos": True}
-        with c.stream("POST", server.url + "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            assert metrics(http)["pagoda:num_requests_running"] == 1
-    m = wait_idle(http)
+def test_disconnect_aborts_streaming_request(slow_http):
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 400, "ignore_eos": True}
+    with slow_http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert metrics(slow_http)["pagoda:num_requests_running"] == 1
+    m = wait_idle(slow_http)
     assert m["pagoda:request_success_total{finished_reason=abort}"] >= 1
 
 
-def test_disconnect_aborts_non_streaming_request(server, http):
-    aborted = metrics(http)["pagoda:request_success_total{finished_reason=abort}"]
-    # the client gives up long before the tiny model's 480 tokens are done (~0.3 ms a step on two cores)
+def test_disconnect_aborts_non_streaming_request(slow_http):
+    aborted = metrics(slow_http)["pagoda:request_success_total{finished_reason=abort}"]
+    # the client gives up long before the 480 tokens are done (4.8 s)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                   timeout=httpx.Timeout(30, read=0.05))
-    m = wait_idle(http)
+        slow_http.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    m = wait_idle(slow_http)
     assert m["pagoda:request_success_total{finished_reason=abort}"] == aborted + 1
 
 
