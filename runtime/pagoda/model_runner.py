@@ -231,8 +231,13 @@ class ModelRunner:
         hidden_in = residual_in = None
         if intermediate is not None:
             hidden_in, residual_in = intermediate.hidden, intermediate.residual
+        keep_rows = self._rows_read(out, sample_rows, len(input_ids))
+        if keep_rows is not None:  # hidden's rows become keep_rows'
+            row_of = {row: i for i, row in enumerate(keep_rows)}
+            sample_rows = [row_of[row] for row in sample_rows]
+            keep_rows = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         with forward_context(metadata, self.attn_backend, self.triton_ops):
-            hidden = self.model(input_ids, positions, hidden_in, residual_in)
+            hidden = self.model(input_ids, positions, hidden_in, residual_in, keep_rows=keep_rows)
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
         prompt_logprobs = self._prompt_logprobs(out, hidden)
@@ -276,6 +281,17 @@ class ModelRunner:
         for seq_id, token in zip(sample_seq_ids, tokens):
             result.sampled.setdefault(seq_id, []).append(token)
         return result
+
+    def _rows_read(self, out: SchedulerOutput, sample_rows: list[int], num_rows: int) -> list[int] | None:
+        """The rows of the last stage's hidden this step reads, ascending, when they are fewer than all: the
+        model then skips the last layer's output projection and MLP for the others (a prompt's rows but its
+        last: ~3 % of a prefill). None when every row is read, or may be: prompt logprobs, pooling."""
+        if not self.is_last_stage or self.pooler.states:
+            return None
+        if any(self.seqs[s.seq_id].params.prompt_logprobs is not None for s in out.scheduled):
+            return None
+        rows = sorted(set(sample_rows))
+        return rows if len(rows) < num_rows else None
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, tuple[int, list]]:
         """The logprobs of the prompt tokens this step's chunks predict, for sequences that asked. Hidden row

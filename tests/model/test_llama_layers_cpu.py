@@ -84,6 +84,63 @@ def test_mixed_batches_of_prefill_chunks_and_decodes_give_the_python_layers_resu
     assert in_one_call == in_python
 
 
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "python"])
+def test_rows_nobody_reads_skip_the_last_layers_mlp_and_change_nothing(tiny_model_factory, monkeypatch, loop):
+    """A prefill samples only its prompt's last row: the model is given those rows and returns them alone. Each
+    row's sums are its own in the bfloat16 kernels, so tokens and logprobs equal a full pass's bit for bit."""
+    llm = LLM(str(tiny_model_factory("qwen3")), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
+    passes = []
+    forward = runner.model.forward
+
+    def recorded(input_ids, *args, keep_rows=None):
+        hidden = forward(input_ids, *args, keep_rows=keep_rows)
+        passes.append((len(input_ids), None if keep_rows is None else keep_rows.tolist(), len(hidden)))
+        return hidden
+
+    monkeypatch.setattr(runner.model, "forward", recorded)
+    kept = generate(llm, loop, monkeypatch)
+    # the four prompts (20, 30, 57 and 22 tokens) in one pass, their last rows kept; decodes keep every row
+    assert passes[0] == (129, [19, 49, 106, 128], 4)
+    assert all(keep is None and rows == out for rows, keep, out in passes[1:])
+    with monkeypatch.context() as every_row:
+        every_row.setattr(runner, "_rows_read", lambda *args: None)
+        assert generate(llm, loop, monkeypatch) == kept
+
+    passes.clear()
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    llm.generate({"prompt_token_ids": [5, 9, 14, 3] * 5}, params, use_tqdm=False)
+    assert passes[0] == (20, None, 20)  # every row is scored
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "python"])
+def test_a_prompts_chunks_before_its_last_keep_no_row(tiny_model_factory, monkeypatch, loop):
+    llm = LLM(str(tiny_model_factory("qwen3")), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False,
+              max_num_batched_tokens=16)
+    runner = llm.engine.executor.runner
+    monkeypatch.setattr(llama_layers_cpu, "available", lambda: loop)
+    passes = []
+    forward = runner.model.forward
+
+    def recorded(input_ids, *args, keep_rows=None):
+        hidden = forward(input_ids, *args, keep_rows=keep_rows)
+        passes.append((len(input_ids), None if keep_rows is None else keep_rows.tolist(), len(hidden)))
+        return hidden
+
+    monkeypatch.setattr(runner.model, "forward", recorded)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 43))}
+
+    def tokens_and_logprobs():
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        return out.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+
+    kept = tokens_and_logprobs()
+    assert passes[:4] == [(16, [], 0), (16, [], 0), (8, [7], 1), (1, None, 1)]
+    monkeypatch.setattr(runner, "_rows_read", lambda *args: None)
+    assert tokens_and_logprobs() == kept
+
+
 def test_the_loop_stands_aside_for_float32_and_tensor_parallel_layers(tiny_model_factory, monkeypatch, loop_calls):
     path = str(tiny_model_factory("llama"))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -114,4 +171,4 @@ def test_a_layer_tensor_missing_from_the_list_is_a_clear_error(tiny_model_factor
         torch.ops.pagoda_llama_cpu.layers(
             torch.zeros(1, 64, dtype=torch.bfloat16), None, torch.zeros(1, dtype=torch.long), tensors,
             stack.cos_sin_cache, torch.tensor([0, 1], dtype=torch.int32), one, torch.zeros(1, 1, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.long), True, None, None, None, *stack.sizes, stack.eps, stack.scale)
+            torch.zeros(1, dtype=torch.long), True, None, None, None, None, *stack.sizes, stack.eps, stack.scale)

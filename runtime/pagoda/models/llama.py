@@ -36,13 +36,18 @@ class LlamaAttention(Module):
         self.rotary_emb = RotaryEmbedding(self.head_size, config.max_position_embeddings, rope_parameters(config))
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, self.head_size**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, keep_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden], or [K, hidden] for keep_rows [K] (every row's K and V are cached)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_size)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_size)).view(-1, self.kv_size)
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        attended = self.attn(q, k, v.contiguous())  # [T, q_size]
+        if keep_rows is not None:
+            attended = attended.index_select(0, keep_rows)
+        return self.o_proj(attended)
 
 
 class LlamaMLP(Module):
@@ -68,13 +73,16 @@ class LlamaDecoderLayer(Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, positions, hidden, residual, keep_rows=None):
+        """keep_rows [K]: only these rows leave the layer (its attention still caches every row's K and V)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self.self_attn(positions, hidden, keep_rows)
+        if keep_rows is not None:
+            residual = residual.index_select(0, keep_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -116,17 +124,24 @@ class LlamaModel(Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
         self.cpu_layer_stack: llama_layers_cpu.LayerStack | None = None  # built on the loop's first pass
 
-    def forward(self, input_ids, positions, hidden=None, residual=None):
+    def forward(self, input_ids, positions, hidden=None, residual=None, keep_rows=None):
         """First stage: input_ids [T]. Later stages: hidden/residual [T, hidden] from the previous one.
-        Returns (hidden, residual) for the next stage, or the final normed hidden on the last."""
+        Returns (hidden, residual) for the next stage, or the final normed hidden on the last: [T, hidden],
+        or [K, hidden] for keep_rows [K] (the rows the caller reads; the last layer computes only those
+        past its attention)."""
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
-        in_one_call = llama_layers_cpu.run_layers(self, positions, hidden, residual)
+        keep_rows = keep_rows if self.is_last else None
+        in_one_call = llama_layers_cpu.run_layers(self, positions, hidden, residual, keep_rows)
         if in_one_call is not None:
             hidden, residual = in_one_call
+        elif self.start_layer == self.end_layer:  # a last stage without layers
+            if keep_rows is not None:
+                hidden, residual = hidden.index_select(0, keep_rows), residual.index_select(0, keep_rows)
         else:
             for i in range(self.start_layer, self.end_layer):  # (slicing a ModuleList builds a new one per call)
-                hidden, residual = self.layers[i](positions, hidden, residual)
+                last = i == self.end_layer - 1
+                hidden, residual = self.layers[i](positions, hidden, residual, keep_rows if last else None)
         if not self.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
@@ -155,8 +170,8 @@ class LlamaForCausalLM(Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
                 self.lm_head.shares_weight = True
 
-    def forward(self, input_ids, positions, hidden=None, residual=None):
-        return self.model(input_ids, positions, hidden, residual)
+    def forward(self, input_ids, positions, hidden=None, residual=None, keep_rows=None):
+        return self.model(input_ids, positions, hidden, residual, keep_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         return self.lm_head(hidden).float()

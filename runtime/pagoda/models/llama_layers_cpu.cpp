@@ -117,6 +117,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
     const at::Tensor& slot_mapping, bool all_decode, const OptionalTensor& decode_rows,
     const OptionalTensor& decode_block_tables, const OptionalTensor& decode_seq_lens,
+    const OptionalTensor& keep_rows,  // [K] int64: the rows the last layer outputs (None: all)
     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size, double eps,
     double scale) {
   const Batch batch{query_start_loc, seq_lens, block_tables, all_decode, decode_rows,
@@ -154,9 +155,12 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     at::Tensor kv_cache = required(layer_tensors, i, kKVCache);  // [2, blocks, block_size, Hkv, D]
     k.write_kv_cache.call(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
                           kv_cache, slot_mapping);
-    const at::Tensor attended = paged_attention(k, q.view({rows, num_heads, head_size}), kv_cache, batch, scale);
-    at::Tensor out =
-        k.linear.call(attended.flatten(1), required(layer_tensors, i, kOut), hidden_size, std::nullopt, false);
+    at::Tensor attended = paged_attention(k, q.view({rows, num_heads, head_size}), kv_cache, batch, scale).flatten(1);
+    if (i == num_layers - 1 && keep_rows.has_value()) {  // past attention, rows nobody reads are dropped
+      attended = attended.index_select(0, *keep_rows);
+      residual = residual->index_select(0, *keep_rows);
+    }
+    at::Tensor out = k.linear.call(attended, required(layer_tensors, i, kOut), hidden_size, std::nullopt, false);
     if (const OptionalTensor bias = optional(i, kOutBias); bias.has_value()) out = out + *bias;
     // MLP, after the post-attention norm with the residual add
     std::tie(hidden, residual) = k.fused_add_rms_norm.call(out, *residual, required(layer_tensors, i, kPostNorm), eps);
@@ -174,8 +178,9 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
 TORCH_LIBRARY(pagoda_llama_cpu, m) {
   m.def("layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, Tensor cos_sin_cache, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor slot_mapping, bool all_decode, "
-        "Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, int num_heads, int num_kv_heads, "
-        "int head_size, int intermediate_size, float eps, float scale) -> (Tensor, Tensor)");
+        "Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, Tensor? keep_rows, "
+        "int num_heads, int num_kv_heads, int head_size, int intermediate_size, float eps, float scale) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_llama_cpu, CPU, m) { m.impl("layers", &llama_layers); }

@@ -75,9 +75,11 @@ def _layer_tensors(layer) -> list[torch.Tensor | None] | None:
     return [slots[name] for name in LAYER_SLOTS]
 
 
-def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-    """model's layers start_layer..end_layer in one call -> (hidden, residual), each [T, hidden]; None when
-    this pass is not one the loop runs (the caller runs the layers itself)."""
+def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+               keep_rows: torch.Tensor | None = None):
+    """model's layers start_layer..end_layer in one call -> (hidden, residual), each [T, hidden], or [K, hidden]
+    for keep_rows [K] (the last layer's output rows); None when this pass is not one the loop runs (the caller
+    runs the layers itself)."""
     context = attention.current_forward_context()
     if (context is None or context.backend is not torch_backend or hidden.dtype != torch.bfloat16
             or custom_ops.fused_ops(hidden) is not fused_cpu_ops or model.start_layer == model.end_layer
@@ -96,5 +98,5 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
         decode_rows, decode_tables, decode_lens = torch_backend.gather_sequences(m, seqs)
     return torch.ops.pagoda_llama_cpu.layers(
         hidden, residual, positions, stack.tensors, stack.cos_sin_cache, m.query_start_loc, m.seq_lens,
-        m.block_tables, m.slot_mapping, m.is_pure_decode, decode_rows, decode_tables, decode_lens, *stack.sizes,
-        stack.eps, stack.scale)
+        m.block_tables, m.slot_mapping, m.is_pure_decode, decode_rows, decode_tables, decode_lens, keep_rows,
+        *stack.sizes, stack.eps, stack.scale)

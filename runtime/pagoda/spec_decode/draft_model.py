@@ -127,6 +127,8 @@ class DraftModelProposer:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
         position_ids = torch.from_numpy(np.concatenate(positions)).to(device)
         metadata = self.runner._metadata(query_lens, seq_lens, tables, torch.from_numpy(np.concatenate(slots)))
+        # one row per chunk read: the model skips its last layer's MLP for the others (none when all are read)
+        keep_rows = None if row == len(last_rows) else torch.tensor(last_rows, dtype=torch.long, device=device)
         with forward_context(metadata, self.runner.attn_backend, self.runner.triton_ops):
-            hidden = self.model(input_ids, position_ids)
-        return self.model.compute_logits(hidden[last_rows])
+            hidden = self.model(input_ids, position_ids, keep_rows=keep_rows)  # [len(last_rows), hidden]
+        return self.model.compute_logits(hidden)
