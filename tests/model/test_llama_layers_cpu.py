@@ -84,12 +84,8 @@ def test_mixed_batches_of_prefill_chunks_and_decodes_give_the_python_layers_resu
     assert in_one_call == in_python
 
 
-@pytest.mark.parametrize("loop", [True, False], ids=["loop", "python"])
-def test_rows_nobody_reads_skip_the_last_layers_mlp_and_change_nothing(tiny_model_factory, monkeypatch, loop):
-    """A prefill samples only its prompt's last row: the model is given those rows and returns them alone. Each
-    row's sums are its own in the bfloat16 kernels, so tokens and logprobs equal a full pass's bit for bit."""
-    llm = LLM(str(tiny_model_factory("qwen3")), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False)
-    runner = llm.engine.executor.runner
+def record_kept_rows(runner, monkeypatch) -> list[tuple[int, list[int] | None, int]]:
+    """Each pass's (rows in, keep_rows given, rows out), recorded around the runner's model."""
     passes = []
     forward = runner.model.forward
 
@@ -99,6 +95,16 @@ def test_rows_nobody_reads_skip_the_last_layers_mlp_and_change_nothing(tiny_mode
         return hidden
 
     monkeypatch.setattr(runner.model, "forward", recorded)
+    return passes
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "python"])
+def test_rows_nobody_reads_skip_the_last_layers_mlp_and_change_nothing(tiny_model_factory, monkeypatch, loop):
+    """A prefill samples only its prompt's last row: the model is given those rows and returns them alone. Each
+    row's sums are its own in the bfloat16 kernels, so tokens and logprobs equal a full pass's bit for bit."""
+    llm = LLM(str(tiny_model_factory("qwen3")), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False)
+    runner = llm.engine.executor.runner
+    passes = record_kept_rows(runner, monkeypatch)
     kept = generate(llm, loop, monkeypatch)
     # the four prompts (20, 30, 57 and 22 tokens) in one pass, their last rows kept; decodes keep every row
     assert passes[0] == (129, [19, 49, 106, 128], 4)
@@ -119,15 +125,7 @@ def test_a_prompts_chunks_before_its_last_keep_no_row(tiny_model_factory, monkey
               max_num_batched_tokens=16)
     runner = llm.engine.executor.runner
     monkeypatch.setattr(llama_layers_cpu, "available", lambda: loop)
-    passes = []
-    forward = runner.model.forward
-
-    def recorded(input_ids, *args, keep_rows=None):
-        hidden = forward(input_ids, *args, keep_rows=keep_rows)
-        passes.append((len(input_ids), None if keep_rows is None else keep_rows.tolist(), len(hidden)))
-        return hidden
-
-    monkeypatch.setattr(runner.model, "forward", recorded)
+    passes = record_kept_rows(runner, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(3, 43))}
 
