@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -554,7 +555,9 @@ struct TileStateBf16 {
   alignas(64) __m512i values[kKeysPerChunkBf16 / 2][kAcc];  // per key pair: both rows, unpacked into pairs
 };
 
-// Vectors v..v+kVectors-1 against the chunk, as chunk_step_avx512
+// Vectors v..v+kVectors-1 against the chunk, as chunk_step_avx512. P @ V runs kVectors vectors together: each
+// value pair is loaded once for all of them, and their kVectors * kAcc accumulator chains keep vdpbf16ps's
+// pipeline full (one vector's kAcc chains alone wait on its latency). A vector's sums keep their order.
 template <int kHeadSize, int kVectors>
 inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, int64_t v, const int64_t* visible, float scale) {
   constexpr int kPairs = TileStateBf16<kHeadSize>::kPairs, kAcc = TileStateBf16<kHeadSize>::kAcc;
@@ -569,31 +572,49 @@ inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, int64_t v, const int64
     }
   }
   const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  alignas(64) uint32_t weight_pairs[kVectors][kKeysPerChunkBf16 / 2];  // bfloat16 (p[2j], p[2j+1]); 0: unseen
+  float rescale[kVectors];
+  int64_t most_seen = 0;
   for (int q = 0; q < kVectors; ++q) {
     const int64_t seen = visible[q];
-    if (seen <= 0) continue;
+    most_seen = std::max(most_seen, seen);
+    if (seen <= 0) {  // no key of this chunk is visible: the state stays as it is
+      rescale[q] = 1.f;
+      _mm512_store_si512(weight_pairs[q], _mm512_setzero_si512());
+      continue;
+    }
     const __mmask16 mask0 = static_cast<__mmask16>(seen >= 16 ? 0xFFFF : (1u << seen) - 1);
     const __mmask16 mask1 = static_cast<__mmask16>(seen >= 32 ? 0xFFFF : seen > 16 ? (1u << (seen - 16)) - 1 : 0);
     const __m512 a0 = _mm512_mul_ps(s0[q], _mm512_set1_ps(scale)), a1 = _mm512_mul_ps(s1[q], _mm512_set1_ps(scale));
     const float chunk_max = _mm512_reduce_max_ps(
         _mm512_max_ps(_mm512_mask_mov_ps(lowest, mask0, a0), _mm512_mask_mov_ps(lowest, mask1, a1)));
     const float new_max = std::max(st.row_max[v + q], chunk_max);
-    const float rescale = exp_nonpositive(st.row_max[v + q] - new_max);  // -inf - x: clamped to ~1e-38, times 0
+    rescale[q] = exp_nonpositive(st.row_max[v + q] - new_max);  // -inf - x: clamped to ~1e-38, times 0
     const __m512 m = _mm512_set1_ps(new_max);
     const __m512 p0 = _mm512_maskz_mov_ps(mask0, exp_nonpositive16(_mm512_sub_ps(a0, m)));
     const __m512 p1 = _mm512_maskz_mov_ps(mask1, exp_nonpositive16(_mm512_sub_ps(a1, m)));
     st.row_max[v + q] = new_max;
-    st.row_sum[v + q] = st.row_sum[v + q] * rescale + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-    alignas(64) uint32_t weight_pairs[kKeysPerChunkBf16 / 2];  // bfloat16 (p[2j], p[2j+1])
-    _mm512_store_si512(weight_pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    __m512 o[kAcc];
-    const __m512 r = _mm512_set1_ps(rescale);
-    for (int i = 0; i < kAcc; ++i) o[i] = _mm512_mul_ps(_mm512_load_ps(st.acc[v + q] + 16 * i), r);
-    for (int64_t j = 0; j < (seen + 1) / 2; ++j) {  // past `seen` the weights are zero
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[j]));
-      for (int i = 0; i < kAcc; ++i) o[i] = _mm512_dpbf16_ps(o[i], w, (__m512bh)st.values[j][i]);
+    st.row_sum[v + q] = st.row_sum[v + q] * rescale[q] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    _mm512_store_si512(weight_pairs[q], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+  // vectors at once in P @ V: their accumulators and one value load per head-dim vector stay in registers
+  constexpr int kTogether = std::min(kVectors, std::max(1, 16 / kAcc));
+  for (int q0 = 0; q0 < kVectors; q0 += kTogether) {
+    __m512 o[kTogether][kAcc];
+    for (int q = 0; q < kTogether; ++q) {
+      const __m512 r = _mm512_set1_ps(rescale[q0 + q]);
+      for (int i = 0; i < kAcc; ++i) o[q][i] = _mm512_mul_ps(_mm512_load_ps(st.acc[v + q0 + q] + 16 * i), r);
     }
-    for (int i = 0; i < kAcc; ++i) _mm512_store_ps(st.acc[v + q] + 16 * i, o[i]);
+    for (int64_t j = 0; j < (most_seen + 1) / 2; ++j) {  // past a vector's `seen` its weights are zero
+      for (int i = 0; i < kAcc; ++i) {
+        const __m512bh values = (__m512bh)st.values[j][i];
+        for (int q = 0; q < kTogether; ++q)
+          o[q][i] = _mm512_dpbf16_ps(o[q][i], (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[q0 + q][j])),
+                                     values);
+      }
+    }
+    for (int q = 0; q < kTogether; ++q)
+      for (int i = 0; i < kAcc; ++i) _mm512_store_ps(st.acc[v + q0 + q] + 16 * i, o[q][i]);
   }
 }
 
