@@ -14,9 +14,11 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -551,20 +553,53 @@ struct TileStateBf16 {
   alignas(64) uint32_t query[kTileVectors][kPairs];  // bfloat16 pairs
   alignas(64) float acc[kTileVectors][kHeadSize];
   float row_max[kTileVectors], row_sum[kTileVectors];
-  alignas(64) uint32_t keys_t[kPairs][kKeysPerChunkBf16];  // [pair][key]: keys 0-15, then 16-31
-  alignas(64) __m512i values[kKeysPerChunkBf16 / 2][kAcc];  // per key pair: both rows, unpacked into pairs
 };
+
+// One KV head's chunk of 32 keys as the tiles read it; prepared once per call for every tile of the sequence
+// (a 256-token prompt has 16 tiles per KV head, which used to rebuild the chunks they share, ~4 each).
+template <int kHeadSize>
+struct ChunkBf16 {
+  alignas(64) uint32_t keys_t[kHeadSize / 2][kKeysPerChunkBf16];  // [pair][key]: keys 0-15, then 16-31
+  alignas(64) __m512i values[kKeysPerChunkBf16 / 2][kHeadSize / 16];  // per key pair: both rows, unpacked into pairs
+};
+
+// Keys t0..t0+keys-1 of a context into chunk c; past the end a valid key repeats (never weighted)
+template <int kHeadSize>
+void prepare_chunk_bf16(ChunkBf16<kHeadSize>& c, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                        int64_t block_stride, int64_t pos_stride, const int32_t* block_table, int64_t block_size,
+                        int64_t t0, int64_t keys) {
+  constexpr int kPairs = kHeadSize / 2, kVecs = kHeadSize / 32;
+  auto row_at = [&](const c10::BFloat16* cache, int64_t t) {
+    return cache + block_table[t / block_size] * block_stride + (t % block_size) * pos_stride;
+  };
+  for (int64_t j = 0; j < kKeysPerChunkBf16; ++j) {
+    uint32_t pairs[kPairs];
+    std::memcpy(pairs, row_at(k_cache, t0 + std::min(j, keys - 1)), sizeof(pairs));
+    for (int p = 0; p < kPairs; ++p) c.keys_t[p][j] = pairs[p];
+  }
+  for (int64_t j = 0; j < kKeysPerChunkBf16 / 2; ++j) {
+    const c10::BFloat16* first = row_at(v_cache, t0 + std::min(2 * j, keys - 1));
+    const c10::BFloat16* second = row_at(v_cache, t0 + std::min(2 * j + 1, keys - 1));
+    for (int i = 0; i < kVecs; ++i) {
+      const __m512i v0 = _mm512_loadu_si512(first + 32 * i), v1 = _mm512_loadu_si512(second + 32 * i);
+      c.values[j][2 * i] = _mm512_unpacklo_epi16(v0, v1);
+      c.values[j][2 * i + 1] = _mm512_unpackhi_epi16(v0, v1);
+    }
+  }
+}
 
 // Vectors v..v+kVectors-1 against the chunk, as chunk_step_avx512. P @ V runs kVectors vectors together: each
 // value pair is loaded once for all of them, and their kVectors * kAcc accumulator chains keep vdpbf16ps's
 // pipeline full (one vector's kAcc chains alone wait on its latency). A vector's sums keep their order.
 template <int kHeadSize, int kVectors>
-inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, int64_t v, const int64_t* visible, float scale) {
+inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, const ChunkBf16<kHeadSize>& chunk, int64_t v,
+                            const int64_t* visible, float scale) {
   constexpr int kPairs = TileStateBf16<kHeadSize>::kPairs, kAcc = TileStateBf16<kHeadSize>::kAcc;
   __m512 s0[kVectors], s1[kVectors];  // keys 0-15 and 16-31
   for (int q = 0; q < kVectors; ++q) s0[q] = s1[q] = _mm512_setzero_ps();
   for (int p = 0; p < kPairs; ++p) {
-    const __m512bh k0 = (__m512bh)_mm512_load_si512(st.keys_t[p]), k1 = (__m512bh)_mm512_load_si512(st.keys_t[p] + 16);
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(chunk.keys_t[p]);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(chunk.keys_t[p] + 16);
     for (int q = 0; q < kVectors; ++q) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(st.query[v + q][p]));
       s0[q] = _mm512_dpbf16_ps(s0[q], w, k0);
@@ -607,7 +642,7 @@ inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, int64_t v, const int64
     }
     for (int64_t j = 0; j < (most_seen + 1) / 2; ++j) {  // past a vector's `seen` its weights are zero
       for (int i = 0; i < kAcc; ++i) {
-        const __m512bh values = (__m512bh)st.values[j][i];
+        const __m512bh values = (__m512bh)chunk.values[j][i];
         for (int q = 0; q < kTogether; ++q)
           o[q][i] = _mm512_dpbf16_ps(o[q][i], (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[q0 + q][j])),
                                      values);
@@ -618,14 +653,13 @@ inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, int64_t v, const int64
   }
 }
 
-template <int kHeadSize>
-void prefill_tile_bf16(
-    const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, const c10::BFloat16* k_cache,
-    const c10::BFloat16* v_cache, int64_t block_stride, int64_t pos_stride, const int32_t* block_table,
-    int64_t block_size, int64_t first_pos, int64_t rows, int64_t group, int64_t /*head_size*/, float scale,
-    c10::BFloat16* out, int64_t out_row_stride, int64_t out_head_stride) {
+// A tile of rows x group query vectors against the chunks of its sequence's KV head: chunk_at(c) is chunk c
+template <int kHeadSize, typename ChunkAt>
+void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, ChunkAt&& chunk_at,
+                       int64_t first_pos, int64_t rows, int64_t group, float scale, c10::BFloat16* out,
+                       int64_t out_row_stride, int64_t out_head_stride) {
   using State = TileStateBf16<kHeadSize>;
-  constexpr int kPairs = State::kPairs, kVecs = kHeadSize / 32;
+  constexpr int kVecs = kHeadSize / 32;
   State st;
   const int64_t vectors = rows * group;
   for (int64_t r = 0; r < rows; ++r)
@@ -636,31 +670,15 @@ void prefill_tile_bf16(
       st.row_max[v] = -std::numeric_limits<float>::infinity();
       st.row_sum[v] = 0.f;
     }
-  auto row_at = [&](const c10::BFloat16* cache, int64_t t) {
-    return cache + block_table[t / block_size] * block_stride + (t % block_size) * pos_stride;
-  };
   const int64_t last_pos = first_pos + rows - 1;
   for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeysPerChunkBf16) {
+    const ChunkBf16<kHeadSize>& chunk = chunk_at(t0 / kKeysPerChunkBf16);
     const int64_t keys = std::min(kKeysPerChunkBf16, last_pos + 1 - t0);
-    for (int64_t j = 0; j < kKeysPerChunkBf16; ++j) {  // past the end: repeat a valid key (never weighted)
-      uint32_t pairs[kPairs];
-      std::memcpy(pairs, row_at(k_cache, t0 + std::min(j, keys - 1)), sizeof(pairs));
-      for (int p = 0; p < kPairs; ++p) st.keys_t[p][j] = pairs[p];
-    }
-    for (int64_t j = 0; j < kKeysPerChunkBf16 / 2; ++j) {
-      const c10::BFloat16* first = row_at(v_cache, t0 + std::min(2 * j, keys - 1));
-      const c10::BFloat16* second = row_at(v_cache, t0 + std::min(2 * j + 1, keys - 1));
-      for (int i = 0; i < kVecs; ++i) {
-        const __m512i v0 = _mm512_loadu_si512(first + 32 * i), v1 = _mm512_loadu_si512(second + 32 * i);
-        st.values[j][2 * i] = _mm512_unpacklo_epi16(v0, v1);
-        st.values[j][2 * i + 1] = _mm512_unpackhi_epi16(v0, v1);
-      }
-    }
     int64_t visible[kTileVectors];  // causal: vector v (row v / group) sees keys t <= its position
     for (int64_t v = 0; v < vectors; ++v) visible[v] = std::min(keys, first_pos + v / group - t0 + 1);
     int64_t v = 0;
-    for (; v + 4 <= vectors; v += 4) chunk_step_bf16<kHeadSize, 4>(st, v, visible + v, scale);
-    for (; v < vectors; ++v) chunk_step_bf16<kHeadSize, 1>(st, v, visible + v, scale);
+    for (; v + 4 <= vectors; v += 4) chunk_step_bf16<kHeadSize, 4>(st, chunk, v, visible + v, scale);
+    for (; v < vectors; ++v) chunk_step_bf16<kHeadSize, 1>(st, chunk, v, visible + v, scale);
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
@@ -680,6 +698,69 @@ void prefill_tile_bf16(
 struct PrefillItem {
   int64_t seq, kv_head, first_row, rows, g0, heads;  // rows relative to the sequence's first query row
 };
+
+#if defined(__AVX512BF16__)
+// prefill_all's items on a bfloat16 cache. A sequence with several row tiles has each chunk they share
+// prepared once, for all KV heads in parallel, before the items run (it takes as much memory as the context's
+// K and V); a sequence with one tile (a verification, a short chunk) prepares its chunks as it reads them, where
+// they stay in L1.
+template <int kHeadSize>
+void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_item, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const int32_t* starts, const int32_t* lens, float scale, at::Tensor& out) {
+  using Chunk = ChunkBf16<kHeadSize>;
+  const int64_t num_seqs = block_tables.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = query.size(1) / num_kv_heads;
+  // sequence i's chunk c for KV head h: chunks[first_chunk[i * num_kv_heads + h] + c]; -1: not prepared
+  std::vector<int64_t> first_chunk(num_seqs * num_kv_heads, -1);
+  std::vector<std::array<int64_t, 3>> to_prepare;  // (sequence, KV head, chunk)
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    if (starts[i + 1] - starts[i] <= rows_per_item) continue;  // no items, or one tile per KV head
+    const int64_t n = (lens[i] + kKeysPerChunkBf16 - 1) / kKeysPerChunkBf16;
+    for (int64_t h = 0; h < num_kv_heads; ++h, total += n) {
+      first_chunk[i * num_kv_heads + h] = total;
+      for (int64_t c = 0; c < n; ++c) to_prepare.push_back({i, h, c});
+    }
+  }
+  const std::unique_ptr<Chunk[]> owned(new Chunk[total]);  // aligned new; left uninitialised
+  Chunk* chunks = owned.get();
+  const auto* q = query.data_ptr<c10::BFloat16>();
+  const auto* k = key_cache.data_ptr<c10::BFloat16>();
+  const auto* v = value_cache.data_ptr<c10::BFloat16>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
+  auto prepare = [&](Chunk& chunk, int64_t i, int64_t h, int64_t c) {
+    const int64_t t0 = c * kKeysPerChunkBf16;
+    prepare_chunk_bf16<kHeadSize>(chunk, k + h * head_stride, v + h * head_stride, block_stride, pos_stride,
+                                  tables + i * block_tables.stride(0), block_size, t0,
+                                  std::min<int64_t>(kKeysPerChunkBf16, lens[i] - t0));
+  };
+  pagoda::parallel_tasks(static_cast<int64_t>(to_prepare.size()), [&](int64_t task) {
+    const auto [i, h, c] = to_prepare[task];
+    prepare(chunks[first_chunk[i * num_kv_heads + h] + c], i, h, c);
+  });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  pagoda::parallel_tasks(num_items, [&](int64_t task) {  // last items first, as prefill_all's
+    const PrefillItem& it = items[num_items - 1 - task];
+    const int64_t row = starts[it.seq] + it.first_row;
+    const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+    const int64_t first_head = it.kv_head * group + it.g0;
+    const int64_t base = first_chunk[it.seq * num_kv_heads + it.kv_head];
+    Chunk scratch;
+    auto chunk_at = [&](int64_t c) -> const Chunk& {
+      if (base >= 0) return chunks[base + c];
+      prepare(scratch, it.seq, it.kv_head, c);
+      return scratch;
+    };
+    prefill_tile_bf16<kHeadSize>(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0),
+                                 query.stride(1), chunk_at, lens[it.seq] - q_len + it.first_row, it.rows, it.heads,
+                                 scale, o + row * out.stride(0) + first_head * out.stride(1), out.stride(0),
+                                 out.stride(1));
+  });
+}
+#endif
 
 template <typename scalar_t>
 void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -703,6 +784,16 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
         for (int64_t g0 = 0; g0 < group; g0 += heads_per_item)
           items.push_back({i, h, r0, std::min(rows_per_item, q_len - r0), g0, std::min(heads_per_item, group - g0)});
   }
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (head_size == 64 || head_size == 128) {
+      (head_size == 64 ? prefill_items_bf16<64> : prefill_items_bf16<128>)(
+          items, rows_per_item, query, key_cache, value_cache, block_tables, starts, lens, static_cast<float>(scale),
+          out);
+      return;
+    }
+  }
+#endif
   const scalar_t* q = query.data_ptr<scalar_t>();
   const scalar_t* k = key_cache.data_ptr<scalar_t>();
   const scalar_t* v = value_cache.data_ptr<scalar_t>();
@@ -712,11 +803,6 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
   auto tile = head_size == 64    ? prefill_tile<scalar_t, 64>
               : head_size == 128 ? prefill_tile<scalar_t, 128>
                                  : prefill_tile<scalar_t, 0>;
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (head_size == 64 || head_size == 128) tile = head_size == 64 ? prefill_tile_bf16<64> : prefill_tile_bf16<128>;
-  }
-#endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   // last items first: a sequence's last tiles see the most keys (causal), and the cheap ones fill in at the end
   pagoda::parallel_tasks(num_items, [&](int64_t task) {
