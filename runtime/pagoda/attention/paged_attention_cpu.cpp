@@ -555,8 +555,7 @@ struct TileStateBf16 {
   float row_max[kTileVectors], row_sum[kTileVectors];
 };
 
-// One KV head's chunk of 32 keys as the tiles read it; prepared once per call for every tile of the sequence
-// (a 256-token prompt has 16 tiles per KV head, which used to rebuild the chunks they share, ~4 each).
+// One KV head's chunk of 32 keys as the tiles read it (prefill_items_bf16 says who prepares it, and when)
 template <int kHeadSize>
 struct ChunkBf16 {
   alignas(64) uint32_t keys_t[kHeadSize / 2][kKeysPerChunkBf16];  // [pair][key]: keys 0-15, then 16-31
