@@ -288,10 +288,12 @@ class ModelRunner:
         last: ~3 % of a prefill). None when every row is read, or may be: prompt logprobs, pooling."""
         if not self.is_last_stage or self.pooler.states:
             return None
+        rows = list(dict.fromkeys(sample_rows))  # sample_rows ascend; a row sampled n times appears n times
+        if len(rows) == num_rows:  # every decode step: decided before looking at each sequence
+            return None
         if any(self.seqs[s.seq_id].params.prompt_logprobs is not None for s in out.scheduled):
             return None
-        rows = sorted(set(sample_rows))
-        return rows if len(rows) < num_rows else None
+        return rows
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, tuple[int, list]]:
         """The logprobs of the prompt tokens this step's chunks predict, for sequences that asked. Hidden row
