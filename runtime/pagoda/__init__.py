@@ -13,9 +13,9 @@ _EXPORTS = {
     "AsyncEngineArgs": "pagoda.config",
     "LLMEngine": "pagoda.engine.llm_engine",
     "AsyncLLMEngine": "pagoda.engine.async_llm_engine",
-    "RequestOutput": "pagoda.outputs",
-    "CompletionOutput": "pagoda.outputs",
-    "EmbeddingRequestOutput": "pagoda.outputs",
+    "RequestOutput": "pagoda.engine.outputs",
+    "CompletionOutput": "pagoda.engine.outputs",
+    "EmbeddingRequestOutput": "pagoda.engine.outputs",
 }
 
 

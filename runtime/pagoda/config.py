@@ -5,14 +5,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from pagoda.default_model import DEFAULT_MODEL_NAME
-from pagoda.distributed.ray_cluster import RAY_INSTALL_HINT, ray_backend_wanted, ray_installed
 from pagoda.errors import InvalidParam
+from pagoda.executor.ray_cluster import RAY_INSTALL_HINT, ray_backend_wanted, ray_installed
 from pagoda.layers.quantization.config import (
     QuantizationConfig,
     check_quantization_args,
     resolve_quantization,
 )
+from pagoda.worker.loader.default_model import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class EngineConfig:
         import torch
 
         from pagoda.attention import resolve_backend_name
-        from pagoda.model_loader import load_hf_config, resolve_model_path
+        from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
 
         # every check that needs only the arguments comes first: nothing is converted or loaded for a bad value
         _check_positive(args, "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
@@ -343,7 +343,7 @@ class EngineConfig:
 def _draft_model_config(spec: SpeculativeConfig, target_hf_config, dtype: str, max_model_len: int,
                         args: EngineArgs) -> ModelConfig:
     """The draft checkpoint, checked against the target: it must share the tokenizer (the same vocabulary)."""
-    from pagoda.model_loader import load_hf_config, resolve_model_path
+    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
 
     try:
         path = resolve_model_path(spec.model, None)

@@ -17,7 +17,7 @@ from hosts import make_two_hosts, remove_two_hosts
 from ray_nodes import RayNode, wait_for_nodes
 
 from pagoda import LLM, EngineArgs, SamplingParams
-from pagoda.default_model import default_model_path
+from pagoda.worker.loader.default_model import default_model_path
 
 pytestmark = pytest.mark.distributed
 

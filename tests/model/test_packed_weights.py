@@ -89,7 +89,7 @@ def test_engine_packs_its_weights_and_gives_the_plain_logprobs(tiny_model_factor
     path = str(tiny_model_factory(arch))
     packed = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
     model = packed.engine.executor.runner.model
-    monkeypatch.setattr("pagoda.model_runner.packing_supported", lambda device, dtype: False)
+    monkeypatch.setattr("pagoda.worker.model_runner.packing_supported", lambda device, dtype: False)
     plain = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
 
     expected, actual = top_logprobs(plain), top_logprobs(packed)

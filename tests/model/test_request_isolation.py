@@ -7,7 +7,7 @@ import pytest
 
 from pagoda import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 from pagoda.errors import RequestFailed
-from pagoda.model_runner import ModelRunner
+from pagoda.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.model
 

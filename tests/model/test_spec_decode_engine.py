@@ -209,7 +209,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_model_factory, tmp_
 
 def two_token_bad_word(tokenizer, tokens: list[int]) -> tuple[int, str]:
     """(i, word): a word the output spells with tokens[i], tokens[i + 1], banned as those two tokens."""
-    from pagoda.logits_processors import tokenize_bad_words
+    from pagoda.sample.logits_processors import tokenize_bad_words
 
     for i in range(3, len(tokens) - 1):
         word = tokenizer.decode(tokens[i : i + 2])
@@ -259,7 +259,7 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
 
 def two_token_word(tokenizer) -> tuple[str, int, int]:
     """A word of two different letter tokens that bad_words bans as exactly those two: (word, first, second)."""
-    from pagoda.logits_processors import tokenize_bad_words
+    from pagoda.sample.logits_processors import tokenize_bad_words
 
     letters = [t for t in range(len(tokenizer)) if tokenizer.decode([t]).isalpha()]
     for a in letters:

@@ -1,8 +1,8 @@
 import pytest
 
-from pagoda.block_manager import BlockManager
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.unit,
 
 SCRIPT = """
 import resource, torch
-from pagoda.cpu_allocator import keep_freed_memory
+from pagoda.process.cpu_allocator import keep_freed_memory
 
 def faults_per_allocation():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail the test if anything is resolved or loaded: refusals must come first."""
-    import pagoda.model_loader as loader
+    import pagoda.worker.loader.model_loader as loader
 
     def boom(*args, **kwargs):
         raise AssertionError("the model was resolved or loaded before the arguments were checked")
@@ -160,8 +160,8 @@ def test_bad_serve_flags_name_the_flag(argv, flag):
 
 
 def test_stats_log_line_has_the_rates_since_the_previous_line(caplog):
+    from pagoda.engine.outputs import EngineStats
     from pagoda.engine.stats_logger import StatsLogger
-    from pagoda.outputs import EngineStats
 
     now = [100.0]
     logger = StatsLogger(5.0, clock=lambda: now[0])
@@ -184,8 +184,8 @@ def test_stats_log_line_has_the_rates_since_the_previous_line(caplog):
 
 
 def test_swap_metrics_are_published():
+    from pagoda.engine.outputs import EngineStats
     from pagoda.entrypoints.openai.metrics import ServerMetrics
-    from pagoda.outputs import EngineStats
 
     stats = EngineStats(num_swapped_out=3, num_swapped_in=2, num_recomputed=1, num_requests_swapped=1,
                         swap_space_usage=0.5, num_swap_blocks_used=8, num_swap_blocks_total=16)

@@ -4,11 +4,11 @@ n > 1 and finishing, over a scripted executor that plays the model runner's part
 import pytest
 
 from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
+from pagoda.core.sequence import Sequence
 from pagoda.engine.engine_core import EngineCore
 from pagoda.engine.stop_checker import Stop, check_stop, find_stop_string, hold_back_chars, visible_text
-from pagoda.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -90,9 +90,10 @@ def test_the_check_finds_a_cycle_hidden_in_a_function(tmp_path):
 
 
 def test_every_executor_implements_the_protocol():
-    from pagoda.distributed.executor import MultiprocExecutor, UniProcExecutor
-    from pagoda.distributed.executor_base import Executor
-    from pagoda.distributed.ray_executor import RayExecutor
+    from pagoda.executor.base import Executor
+    from pagoda.executor.mp import MultiprocExecutor
+    from pagoda.executor.ray_executor import RayExecutor
+    from pagoda.executor.uni import UniProcExecutor
 
     for cls in (UniProcExecutor, MultiprocExecutor, RayExecutor):
         assert isinstance(cls.__new__(cls), Executor), cls

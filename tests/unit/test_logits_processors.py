@@ -4,7 +4,7 @@ prefix cache for requests that score their prompt."""
 import pytest
 import torch
 
-from pagoda.logits_processors import apply_logits_processors, banned_next_tokens, tokenize_bad_words
+from pagoda.sample.logits_processors import apply_logits_processors, banned_next_tokens, tokenize_bad_words
 from pagoda.sampling_params import SamplingParams
 
 VOCAB = 10
@@ -73,10 +73,10 @@ def test_uses_logits_processors():
 
 
 def test_a_request_scoring_its_prompt_computes_it_whole_despite_the_prefix_cache():
-    from pagoda.block_manager import BlockManager
     from pagoda.config import SchedulerConfig
-    from pagoda.scheduler import Scheduler
-    from pagoda.sequence import Sequence
+    from pagoda.core.block_manager import BlockManager
+    from pagoda.core.scheduler import Scheduler
+    from pagoda.core.sequence import Sequence
 
     sched = Scheduler(SchedulerConfig(8, 32, True, 10_000), BlockManager(64, 4, True))
     first = Sequence("a", list(range(12)), SamplingParams(max_tokens=4))

@@ -4,8 +4,8 @@ the vllm: mirror that --metrics-vllm-names adds."""
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.entrypoints.openai.metrics import ServerMetrics, buckets_1_2_5
-from pagoda.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit

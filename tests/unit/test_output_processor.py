@@ -4,13 +4,13 @@ import pytest
 from checkpoints import write_tokenizer
 from transformers import AutoTokenizer
 
+from pagoda.core.runner_output import SampledToken
+from pagoda.core.sequence import Sequence
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.outputs import RequestMetrics
 from pagoda.engine.request_state import RequestState
 from pagoda.engine.stop_checker import Stop
-from pagoda.outputs import RequestMetrics
-from pagoda.runner_output import SampledToken
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from pagoda.pooler import Pooler
+from pagoda.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagoda.pooling_params import PoolingParams
-from pagoda.scheduler_output import ScheduledSeq, SchedulerOutput
+from pagoda.sample.pooler import Pooler
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from pagoda.distributed.ray_cluster import (
+from pagoda.executor.ray_cluster import (
     describe_cluster,
     node_capacities,
     plan_placement,

@@ -4,8 +4,8 @@ bunch up behind a slow consumer (the first one included)."""
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.entrypoints.openai.metrics import ServerMetrics
-from pagoda.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pagoda.sampler import Sampler, SamplingTensors, apply_top_k_top_p
+from pagoda.sample.sampler import Sampler, SamplingTensors, apply_top_k_top_p
 
 pytestmark = pytest.mark.unit
 

@@ -2,11 +2,11 @@ import random
 
 import pytest
 
-from pagoda.block_manager import BlockManager
 from pagoda.config import SchedulerConfig
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.scheduler import Scheduler
+from pagoda.core.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import Scheduler
-from pagoda.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -4,15 +4,15 @@ slots, and the rejection sampler's exactness."""
 import pytest
 import torch
 
-from pagoda.block_manager import BlockManager
 from pagoda.config import EngineArgs, SchedulerConfig, SpeculativeConfig
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
+from pagoda.core.scheduler import Scheduler
+from pagoda.core.sequence import Sequence
 from pagoda.errors import InvalidParam
-from pagoda.runner_output import ModelRunnerOutput, SampledToken
+from pagoda.sample.rejection_sampler import RejectionSampler
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler import Scheduler
-from pagoda.sequence import Sequence
 from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
-from pagoda.spec_decode.rejection_sampler import RejectionSampler
 
 pytestmark = pytest.mark.unit
 
@@ -248,8 +248,8 @@ def test_seeded_rows_reproduce():
 # --- metrics -------------------------------------------------------------------------------------
 
 def test_spec_decode_metrics_are_published_only_when_on():
+    from pagoda.engine.outputs import EngineStats
     from pagoda.entrypoints.openai.metrics import ServerMetrics
-    from pagoda.outputs import EngineStats
 
     stats = EngineStats(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
                         spec_decode_num_accepted_tokens=12, spec_decode_accepted_per_pos=[7, 4, 1])
@@ -264,8 +264,8 @@ def test_spec_decode_metrics_are_published_only_when_on():
 
 
 def test_stats_line_reports_acceptance_since_the_previous_line():
+    from pagoda.engine.outputs import EngineStats
     from pagoda.engine.stats_logger import StatsLogger
-    from pagoda.outputs import EngineStats
 
     now = [0.0]
     logger = StatsLogger(5.0, clock=lambda: now[0])

@@ -5,7 +5,7 @@ import gc
 
 import pytest
 
-from pagoda.startup_heap import frozen_when_loaded, pause_collections
+from pagoda.process.startup_heap import frozen_when_loaded, pause_collections
 
 pytestmark = pytest.mark.unit
 

@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from pagoda.config import EngineArgs
 from pagoda.engine import EngineDeadError
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.outputs import EngineStats, RequestOutput
 from pagoda.errors import RequestFailed
-from pagoda.outputs import EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

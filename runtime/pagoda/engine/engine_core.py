@@ -11,11 +11,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
-from pagoda.runner_output import SampledToken
-from pagoda.scheduler import Scheduler
-from pagoda.sequence import Sequence
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.runner_output import SampledToken
+from pagoda.core.scheduler import Scheduler
+from pagoda.core.sequence import Sequence
 
 
 @dataclass

@@ -5,8 +5,8 @@ can get wrong is caught here, as InvalidParam naming the field, so nothing it se
 from dataclasses import dataclass
 
 from pagoda.errors import InvalidParam
-from pagoda.logits_processors import tokenize_bad_words
 from pagoda.pooling_params import PoolingParams
+from pagoda.sample.logits_processors import tokenize_bad_words
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import get_grammar_backend
 

@@ -13,18 +13,18 @@ import logging
 import time
 
 from pagoda.config import EngineArgs, EngineConfig
-from pagoda.distributed.executor import create_executor
+from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine.engine_core import CoreStep, EngineCore
+from pagoda.engine.generation_config import eos_token_ids_for
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from pagoda.engine.request_state import RequestState, RequestTable
 from pagoda.engine.stats_logger import StatsLogger
 from pagoda.errors import InvalidParam
-from pagoda.generation_config import eos_token_ids_for
-from pagoda.outputs import EngineStats, RequestMetrics, RequestOutput
+from pagoda.executor.factory import create_executor
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence, SequenceStatus
 from pagoda.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)

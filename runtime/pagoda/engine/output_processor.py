@@ -2,12 +2,12 @@
 and the RequestOutput a caller sees. Owns the tokenizer's side of generation; knows nothing of blocks,
 schedulers or the model."""
 
-from pagoda.detokenizer import detokenize_incrementally, flush
+from pagoda.core.runner_output import SampledToken
+from pagoda.core.sequence import Sequence
+from pagoda.engine.detokenizer import detokenize_incrementally, flush
+from pagoda.engine.outputs import Logprob
 from pagoda.engine.request_state import RequestState
 from pagoda.engine.stop_checker import Stop, check_stop
-from pagoda.outputs import Logprob
-from pagoda.runner_output import SampledToken
-from pagoda.sequence import Sequence
 
 
 class OutputProcessor:

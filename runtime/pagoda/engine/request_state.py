@@ -3,11 +3,11 @@
 import time
 from dataclasses import dataclass, field
 
-from pagoda.detokenizer import DetokenizerState, new_state
+from pagoda.core.sequence import Sequence
+from pagoda.engine.detokenizer import DetokenizerState, new_state
+from pagoda.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.engine.stop_checker import hold_back_chars, visible_text
-from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence
 
 
 @dataclass

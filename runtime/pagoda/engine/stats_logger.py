@@ -3,7 +3,7 @@
 import logging
 import time
 
-from pagoda.outputs import EngineStats
+from pagoda.engine.outputs import EngineStats
 
 logger = logging.getLogger("pagoda.stats")
 

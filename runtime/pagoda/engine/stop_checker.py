@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass
 
+from pagoda.core.sequence import Sequence
 from pagoda.sampling_params import SamplingParams
-from pagoda.sequence import Sequence
 
 
 @dataclass(frozen=True)

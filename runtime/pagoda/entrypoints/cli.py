@@ -47,7 +47,7 @@ def configure_logging(level: str) -> None:
 
 
 def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from pagoda.startup_heap import pause_collections
+    from pagoda.process.startup_heap import pause_collections
 
     pause_collections()  # until the model is loaded (the server's or the worker rank's frozen_when_loaded)
     from pagoda.entrypoints.openai.cli_args import flagify, split_args
@@ -73,9 +73,9 @@ def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
 
 def download(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from pagoda import hub
     from pagoda.entrypoints.openai.cli_args import flagify
-    from pagoda.model_loader import load_hf_config
+    from pagoda.worker.loader import hub
+    from pagoda.worker.loader.model_loader import load_hf_config
 
     if not hub.is_repo_id(ns.model):
         parser.error(f"argument ORG/NAME: {ns.model!r} is not a Hub model id")
@@ -88,9 +88,9 @@ def download(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
 
 def _find_worker_rank_runner():
-    """The distributed executor plugs in `pagoda.distributed.worker.run_worker_rank(engine_args, ready)`."""
+    """The distributed executor plugs in `pagoda.executor.worker.run_worker_rank(engine_args, ready)`."""
     try:
-        module = importlib.import_module("pagoda.distributed.worker")
+        module = importlib.import_module("pagoda.executor.worker")
     except ImportError:
         return None
     return getattr(module, "run_worker_rank", None)

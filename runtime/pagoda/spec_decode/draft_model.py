@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.layers.attention import forward_context
-from pagoda.spec_decode.rejection_sampler import sample_rows, target_probs
+from pagoda.sample.rejection_sampler import sample_rows, target_probs
 
 
 class DraftModelProposer:

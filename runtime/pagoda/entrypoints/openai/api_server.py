@@ -46,7 +46,7 @@ from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from pagoda.startup_heap import frozen_when_loaded
+from pagoda.process.startup_heap import frozen_when_loaded
 
 logger = logging.getLogger("pagoda.server")
 

@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass
 
 from pagoda.config import DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineArgs
-from pagoda.default_model import DEFAULT_MODEL_NAME
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.layers.quantization.config import GROUP_SIZES, METHODS
+from pagoda.worker.loader.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "PAGODA_"
 _TRUE = {"1", "true", "yes", "on"}

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.outputs import ITERATION_TOKENS_BUCKETS, EngineStats, RequestOutput
+from pagoda.engine.outputs import ITERATION_TOKENS_BUCKETS, EngineStats, RequestOutput
 from pagoda.sampling_params import SamplingParams
 
 PREFIX = "pagoda:"

@@ -12,6 +12,7 @@ import jinja2
 import jinja2.meta
 from fastapi import Request
 
+from pagoda.engine.outputs import Logprob, RequestOutput
 from pagoda.entrypoints.openai.errors import APIError, invalid_request
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
@@ -43,7 +44,6 @@ from pagoda.entrypoints.openai.serving_base import (
 from pagoda.entrypoints.openai.serving_completion import finish_reason, prompt_logprobs_field
 from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
-from pagoda.outputs import Logprob, RequestOutput
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.entrypoints.openai.errors import invalid_request
 from pagoda.entrypoints.openai.fill_in_the_middle import fill_in_the_middle
 from pagoda.entrypoints.openai.protocol import (
@@ -28,7 +29,6 @@ from pagoda.entrypoints.openai.serving_base import (
     sse,
     usage_of,
 )
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def split_prompts(prompt) -> list:

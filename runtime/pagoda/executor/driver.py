@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from pagoda.config import EngineConfig
+from pagoda.core.runner_output import ModelRunnerOutput
+from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed import comm
 from pagoda.distributed.group import cpu_threads_per_rank, init_group, local_device, min_over_group
 from pagoda.distributed.parallel_state import get_parallel_state, reset_parallel_state
-from pagoda.distributed.worker import SHUTDOWN
-from pagoda.model_runner import ModelRunner
-from pagoda.runner_output import ModelRunnerOutput
-from pagoda.scheduler_output import SchedulerOutput
+from pagoda.executor.worker import SHUTDOWN
+from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.pooling_params import PoolingParams
-from pagoda.scheduler_output import SchedulerOutput
 
 
 @dataclass

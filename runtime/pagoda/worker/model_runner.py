@@ -11,23 +11,23 @@ import torch
 from pagoda import cpp_extensions
 from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
-from pagoda.cpu_allocator import keep_freed_memory
+from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
+from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
 from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
-from pagoda.logits_processors import apply_logits_processors
-from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class, llama_layers_cpu
-from pagoda.pooler import Pooler
-from pagoda.prompt_logprobs import score_prompt_tokens
-from pagoda.runner_output import ModelRunnerOutput, SampledToken
-from pagoda.sampler import Sampler, SamplingTensors
+from pagoda.process.cpu_allocator import keep_freed_memory
+from pagoda.sample.logits_processors import apply_logits_processors
+from pagoda.sample.pooler import Pooler
+from pagoda.sample.prompt_logprobs import score_prompt_tokens
+from pagoda.sample.rejection_sampler import RejectionSampler, target_probs
+from pagoda.sample.sampler import Sampler, SamplingTensors
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler_output import SchedulerOutput
 from pagoda.spec_decode.draft_model import DraftModelProposer
-from pagoda.spec_decode.rejection_sampler import RejectionSampler, target_probs
 from pagoda.structured_output import GrammarMatcher, apply_bitmask, get_grammar_backend
+from pagoda.worker.loader.model_loader import load_weights
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.core.runner_output import SampledToken
 from pagoda.layers import fused_cpu_ops
-from pagoda.runner_output import SampledToken
 
 
 @dataclass

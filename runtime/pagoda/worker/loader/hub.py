@@ -19,7 +19,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-# What `pagoda.model_loader` and transformers' tokenizer / generation-config loaders read.
+# What `pagoda.worker.loader.model_loader` and transformers' tokenizer / generation-config loaders read.
 METADATA_FILES = [
     "config.json", "generation_config.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -19,9 +19,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> str:
     """The local directory of a model argument: the default model, a directory, a .gguf file (converted
-    once), or a Hub id `ORG/NAME` (downloaded once into the Hub cache, see pagoda.hub)."""
-    from pagoda import hub
-    from pagoda.default_model import default_model_path, ensure_converted
+    once), or a Hub id `ORG/NAME` (downloaded once into the Hub cache, see pagoda.worker.loader.hub)."""
+    from pagoda.worker.loader import hub
+    from pagoda.worker.loader.default_model import default_model_path, ensure_converted
 
     if model is None:
         if revision is not None:

@@ -5,8 +5,8 @@ this."""
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from pagoda.runner_output import ModelRunnerOutput
-from pagoda.scheduler_output import SchedulerOutput
+from pagoda.core.runner_output import ModelRunnerOutput
+from pagoda.core.scheduler_output import SchedulerOutput
 
 
 @runtime_checkable

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagoda.runner_output import SampledToken
+from pagoda.core.runner_output import SampledToken
 
 ROWS_PER_PIECE = 512  # logits are [rows, vocab] float32: bound the memory a long prompt takes
 

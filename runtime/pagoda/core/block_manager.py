@@ -14,7 +14,7 @@
 
 from collections import OrderedDict
 
-from pagoda.sequence import Sequence
+from pagoda.core.sequence import Sequence
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:

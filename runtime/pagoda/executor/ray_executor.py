@@ -1,7 +1,7 @@
 """The `ray` executor: the driver (global rank 0) runs in the engine's process, as with `mp`; the other
 ranks are Ray actors in a placement group (see ray_cluster for the layout). They rendezvous with the
 driver through its TCPStore and form the torch.distributed group exactly as `mp` ranks do (gloo on CPU,
-NCCL on GPU), so everything after start-up is the driver's (pagoda.distributed.driver).
+NCCL on GPU), so everything after start-up is the driver's (pagoda.executor.driver).
 
 Failures: a rank's actor that dies (its process, or its node) fails the group as soon as Ray reports it;
 the group's heartbeat still fails it within seconds when Ray is slower to notice (a lost node). A cluster
@@ -17,16 +17,16 @@ from collections import Counter
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.driver import DriverExecutor
 from pagoda.distributed.group import cpu_threads_per_rank, free_port
-from pagoda.distributed.ray_cluster import (
+from pagoda.executor.driver import DriverExecutor
+from pagoda.executor.ray_cluster import (
     current_node,
     describe_cluster,
     device_resource,
     node_capacities,
     plan_placement,
 )
-from pagoda.distributed.worker import run_worker
+from pagoda.executor.worker import run_worker
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ only what changed since the runner last saw the sequence.
 
 from collections import deque
 
-from pagoda.block_manager import BlockManager
 from pagoda.config import SchedulerConfig, SpeculativeConfig
-from pagoda.runner_output import ModelRunnerOutput
-from pagoda.scheduler_output import ScheduledSeq, SchedulerOutput
-from pagoda.sequence import Sequence, SequenceStatus
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.runner_output import ModelRunnerOutput
+from pagoda.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagoda.spec_decode.stats import SpecDecodeStats
 
