@@ -55,7 +55,7 @@ def build_and_load(prefix: str, source: Path, cflags: list[str] = NATIVE_CFLAGS,
     ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. Raises on failure."""
     from torch.utils import cpp_extension
 
-    from pagoda.worker.loader.default_model import cache_dir
+    from pagoda.config.paths import cache_dir
 
     if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the wheel's may not be on it
         import ninja

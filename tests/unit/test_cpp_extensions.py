@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from pagoda import cpp_extensions
+from pagoda.config.paths import cache_dir
 from pagoda.layers import fused_cpu_ops
-from pagoda.worker.loader.default_model import cache_dir
 
 pytestmark = [
     pytest.mark.unit,

@@ -47,9 +47,9 @@ def test_swap_mode_without_swap_space_is_refused(no_loading):
 
 
 def test_ray_backend_without_ray_installed_names_the_extra(no_loading, monkeypatch):
-    from pagoda import config
+    from pagoda.executor import ray_cluster
 
-    monkeypatch.setattr(config, "ray_installed", lambda: False)
+    monkeypatch.setattr(ray_cluster, "ray_installed", lambda: False)
     with pytest.raises(InvalidParam, match=r"needs Ray, which is not installed: pip install 'pagoda\[ray\]'") as err:
         EngineArgs(model="/not/loaded", distributed_executor_backend="ray", tensor_parallel_size=2).create_config()
     assert err.value.param == "distributed_executor_backend"

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from pagoda.config import EngineArgs
+from pagoda.config.quantization import QuantizationConfig, resolve_quantization
 from pagoda.entrypoints.cli import main
-from pagoda.layers.quantization.config import QuantizationConfig, resolve_quantization
 
 pytestmark = pytest.mark.unit
 

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from quantized_checkpoints import awq_quantize, gptq_quantize, pack_like_autoawq, pack_like_autogptq
 
+from pagoda.config.quantization import QuantizationConfig
 from pagoda.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagoda.layers.quantization import int4, int8
 from pagoda.layers.quantization.awq import AWQMethod
-from pagoda.layers.quantization.config import QuantizationConfig
 from pagoda.layers.quantization.gptq import GPTQMethod
 from pagoda.layers.quantization.methods import make_method
 

@@ -39,7 +39,8 @@ def parse_args(argv):
 
 def splittable_default_model() -> str:
     """The default model with 8 attention heads over 2 KV heads (head size 72) and random weights."""
-    from pagoda.worker.loader.default_model import cache_dir, default_model_path, write_model_dir_once
+    from pagoda.config.paths import cache_dir
+    from pagoda.worker.loader.default_model import default_model_path, write_model_dir_once
 
     source = Path(default_model_path())
 

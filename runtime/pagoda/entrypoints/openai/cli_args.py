@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 
 from pagoda.config import DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineArgs
+from pagoda.config.quantization import GROUP_SIZES, METHODS
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from pagoda.layers.quantization.config import GROUP_SIZES, METHODS
 from pagoda.worker.loader.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "PAGODA_"

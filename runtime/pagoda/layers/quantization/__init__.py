@@ -2,6 +2,6 @@
 
 ``config`` (torch-free) decides the scheme at configuration time; ``methods`` attaches it to the layers."""
 
-from pagoda.layers.quantization.config import QuantizationConfig, resolve_quantization
+from pagoda.config.quantization import QuantizationConfig, resolve_quantization
 
 __all__ = ["QuantizationConfig", "resolve_quantization"]

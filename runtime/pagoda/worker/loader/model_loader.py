@@ -8,8 +8,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pagoda.config.quantization import QuantizationConfig, checkpoint_quantization
 from pagoda.layers.quantization import methods
-from pagoda.layers.quantization.config import QuantizationConfig, checkpoint_quantization
 from pagoda.models.registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)

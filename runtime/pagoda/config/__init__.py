@@ -1,0 +1,31 @@
+"""Configuration: the user's arguments (args), the validated configs (configs) and the resolution from one to
+the other (resolve). A leaf: nothing here imports torch or the engine's machinery when imported."""
+
+from pagoda.config.args import (
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    UNSUPPORTED_ARGS,
+    EngineArgs,
+)
+from pagoda.config.configs import (
+    DEFAULT_CPU_KV_CACHE_GIB,
+    DEFAULT_CPU_SWAP_SPACE_GIB,
+    DEFAULT_GPU_SWAP_SPACE_GIB,
+    DEFAULT_MODEL_NAME,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagoda.config.resolve import cpu_has_fast_bf16, resolve_device, resolve_dtype
+
+__all__ = ["DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GIB", "DEFAULT_GPU_SWAP_SPACE_GIB",
+           "DEFAULT_MODEL_NAME", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS",
+           "PREEMPTION_MODES", "UNSUPPORTED_ARGS", "CacheConfig", "EngineArgs",
+           "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
+           "cpu_has_fast_bf16", "resolve_device", "resolve_dtype"]

@@ -1,0 +1,164 @@
+"""The user's engine arguments (EngineArgs, vLLM's names) and the checks that need nothing but them."""
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagoda.config.quantization import check_quantization_args
+from pagoda.errors import InvalidParam
+
+if TYPE_CHECKING:
+    from pagoda.config.configs import EngineConfig
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREEMPTION_MODES = ("swap", "recompute")
+KV_CACHE_DTYPES = ("auto",)
+LOAD_FORMATS = ("auto", "safetensors")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+# vLLM engine arguments Pagoda does not implement yet: refused by name unless left at vLLM's default.
+UNSUPPORTED_ARGS = {
+    "enable_lora": False,
+    "max_loras": 1,
+    "max_lora_rank": 16,
+    "max_cpu_loras": None,
+    "cpu_offload_gb": 0.0,
+    "num_scheduler_steps": 1,
+    "data_parallel_size": 1,
+    "enable_sleep_mode": False,
+}
+
+
+
+
+def check_generation_config_arg(value) -> None:
+    if value in ("auto", "vllm"):
+        return
+    if not isinstance(value, str) or not os.path.isfile(os.path.join(value, "generation_config.json")):
+        raise InvalidParam("generation_config", f"generation_config must be auto, vllm or a directory holding a "
+                                                f"generation_config.json; got {value!r}")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None = the default model; a local path or a Hub id ORG/NAME
+    revision: str | None = None  # of a Hub id: branch, tag or commit (default: main)
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: float | None = None  # GiB; default on CPU: DEFAULT_CPU_KV_CACHE_GIB
+    attention_backend: str = "auto"
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None (automatic) | "uni" | "mp" | "ray"
+    pp_layer_partition: list[int] | None = None
+    pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    distributed_timeout: float = 300.0
+    max_queued_requests: int | None = None
+    trust_remote_code: bool = False  # passed to transformers where the config and tokenizer load
+    # default sampling parameters: "auto" = the model's generation_config.json, "vllm" = none (vLLM's own
+    # defaults), or a directory holding a generation_config.json; a request's own values always win
+    generation_config: str = "auto"
+    # periodic stats log line (tokens/s, requests, KV-cache use); the server logs them, LLM() does not
+    disable_log_stats: bool = False
+    stats_log_interval: float = 5.0  # seconds between stats log lines
+    enforce_eager: bool = False  # accepted for vLLM compatibility: Pagoda captures no CUDA graphs, always eager
+    kv_cache_dtype: str = "auto"  # only "auto" (the model's dtype) is supported
+    swap_space: float | None = None  # GiB of host memory per worker for swapped-out KV blocks (None: see docs)
+    preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
+    tokenizer_mode: str = "auto"
+    load_format: str = "auto"
+    # speculative decoding, as vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    # "prompt_lookup_min": m} or {"model": PATH, "num_speculative_tokens": k} (see docs/speculative-decoding.md)
+    speculative_config: dict | None = None
+    # refused unless at their defaults (UNSUPPORTED_ARGS), so vLLM snippets fail by name, before loading
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    cpu_offload_gb: float = 0.0
+    num_scheduler_steps: int = 1
+    data_parallel_size: int = 1
+    enable_sleep_mode: bool = False
+    quantization: str | None = None  # int8 | int4 | gptq / awq (found from the checkpoint) | None
+    quantization_group_size: int | None = None  # int4: 32 (default) | 64 | 128
+
+    def validate(self) -> None:
+        """The checks that need only the arguments, in the order a user meets them; InvalidParam names the field."""
+        check_positive(self, "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
+                       "nnodes")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise InvalidParam("block_size", f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise InvalidParam("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidParam("gpu_memory_utilization",
+                               f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise InvalidParam("kv_cache_memory", f"kv_cache_memory must be > 0 GiB; got {self.kv_cache_memory}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise InvalidParam("max_num_batched_tokens",
+                               f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        check_vllm_args(self)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidParam("node_rank", f"node_rank must be in [0, nnodes={self.nnodes}); got {self.node_rank}")
+        if self.nnodes > 1 and self.nnodes != self.pipeline_parallel_size:
+            raise InvalidParam("nnodes", f"nnodes ({self.nnodes}) must equal pipeline_parallel_size "
+                                         f"({self.pipeline_parallel_size}): each node is one pipeline stage")
+        check_quantization_args(self.quantization, self.quantization_group_size)
+        check_generation_config_arg(self.generation_config)
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise InvalidParam("distributed_executor_backend", "distributed_executor_backend must be one of "
+                                                               f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
+
+    def create_config(self) -> "EngineConfig":
+        from pagoda.config.resolve import create_engine_config
+
+        return create_engine_config(self)
+
+
+def check_vllm_args(args: EngineArgs) -> None:
+    """The vLLM arguments tutorials pass: accepted where Pagoda honours them, refused by name otherwise."""
+    for name, default in UNSUPPORTED_ARGS.items():
+        if getattr(args, name) != default:
+            raise InvalidParam(name, f"{name} is not supported by Pagoda yet (got {getattr(args, name)!r}); "
+                                     f"leave it at its default ({default!r})")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InvalidParam("kv_cache_dtype", f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported yet: the "
+                                             "KV cache uses the model's dtype; use 'auto'")
+    if args.tokenizer_mode != "auto":
+        raise InvalidParam("tokenizer_mode", f"tokenizer_mode {args.tokenizer_mode!r} is not supported yet; use 'auto'")
+    if args.load_format not in LOAD_FORMATS:
+        raise InvalidParam("load_format", f"load_format {args.load_format!r} is not supported yet; use one of "
+                                          f"{', '.join(LOAD_FORMATS)}")
+    if args.swap_space is not None and not args.swap_space >= 0:
+        raise InvalidParam("swap_space", f"swap_space must be >= 0 GiB; got {args.swap_space}")
+    if args.preemption_mode is not None and args.preemption_mode not in PREEMPTION_MODES:
+        raise InvalidParam("preemption_mode", f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
+                                              f"got {args.preemption_mode!r}")
+    if args.preemption_mode == "swap" and args.swap_space == 0:
+        raise InvalidParam("preemption_mode", "preemption_mode 'swap' needs swap_space > 0")
+    if not args.stats_log_interval > 0:
+        raise InvalidParam("stats_log_interval", f"stats_log_interval must be > 0 seconds; "
+                                                 f"got {args.stats_log_interval}")
+
+
+def check_positive(args: EngineArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise InvalidParam(name, f"{name} must be an integer >= 1; got {value!r}")

@@ -1,0 +1,144 @@
+"""The validated configs built once from EngineArgs (pagoda.config.resolve) and never changed after."""
+
+from dataclasses import dataclass
+
+from pagoda.config.quantization import QuantizationConfig
+from pagoda.errors import InvalidParam
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # LLM() and `pagoda serve` with no model
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+DEFAULT_GPU_SWAP_SPACE_GIB = 4.0  # as vLLM
+# on a CPU the "host" pool shares RAM with the KV cache itself: a quarter of the default cache's size
+DEFAULT_CPU_SWAP_SPACE_GIB = 0.5
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    tokenizer_path: str
+    served_model_name: str
+    hf_config: object  # transformers.PretrainedConfig
+    dtype: str  # resolved: float32 | float16 | bfloat16
+    max_model_len: int
+    quantization: QuantizationConfig | None = None
+    trust_remote_code: bool = False
+    generation_config: str = "auto"  # where default sampling parameters come from (EngineArgs)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    kv_cache_memory_gib: float | None
+    swap_space_gib: float = 0.0  # host memory per worker for swapped-out blocks
+    num_swap_blocks: int = 0  # host blocks in that space (counted for the largest pipeline stage)
+    preemption_mode: str = "recompute"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_model_len: int
+    preemption_mode: str = "recompute"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+    pp_layer_partition: list[int] | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    distributed_timeout: float = 300.0
+    pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+DEFAULT_PROMPT_LOOKUP_MIN = 1
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each step a sequence proposes up to num_speculative_tokens draft tokens that
+    the target model verifies in one forward pass."""
+
+    method: str  # "ngram" (prompt lookup) | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX  # ngram: longest suffix looked up
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN  # ngram: shortest suffix looked up
+    model: str | None = None  # draft_model: the draft checkpoint (a local path once resolved)
+
+    @classmethod
+    def from_dict(cls, raw) -> "SpeculativeConfig":
+        """vLLM's speculative_config dict -> the config; InvalidParam("speculative_config") naming the key."""
+        def bad(message: str) -> InvalidParam:
+            return InvalidParam("speculative_config", f"speculative_config: {message}")
+
+        if not isinstance(raw, dict):
+            raise bad(f"must be a JSON object / dict; got {raw!r}")
+        unknown = sorted(set(raw) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise bad(f"unknown key {unknown[0]!r}; the keys are {', '.join(_SPECULATIVE_KEYS)}")
+        model = raw.get("model")
+        method = raw.get("method") or ("draft_model" if model is not None else None)
+        if method is None:
+            raise bad('give "method": "ngram" or a draft "model"')
+        if method not in SPECULATIVE_METHODS:
+            raise bad(f"method {method!r} is not supported; use one of {', '.join(SPECULATIVE_METHODS)}")
+        if method == "draft_model" and not (isinstance(model, str) and model):
+            raise bad('method "draft_model" needs "model": the draft checkpoint\'s path or Hub id')
+        if method == "ngram" and model is not None:
+            raise bad('method "ngram" takes no "model"')
+        k = raw.get("num_speculative_tokens")
+        if not _is_int(k) or k < 1:
+            raise bad(f"num_speculative_tokens must be an integer >= 1; got {k!r}")
+        lookup = {}
+        for key in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = raw.get(key)
+            if value is None:
+                continue
+            if method != "ngram":
+                raise bad(f"{key} applies to method \"ngram\" only")
+            if not _is_int(value) or value < 1:
+                raise bad(f"{key} must be an integer >= 1; got {value!r}")
+            lookup[key] = value
+        hi = lookup.get("prompt_lookup_max", max(DEFAULT_PROMPT_LOOKUP_MAX, lookup.get("prompt_lookup_min", 0)))
+        lo = lookup.get("prompt_lookup_min", min(DEFAULT_PROMPT_LOOKUP_MIN, hi))
+        if lo > hi:
+            raise bad(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
+                   model=model)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Built once from EngineArgs, validated, never changed after (a part that needs another value, such as
+    a free port, makes a changed copy with dataclasses.replace)."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str
+    attention_backend: str
+    seed: int
+    log_stats: bool = False  # the periodic stats log line
+    stats_log_interval: float = 5.0
+    speculative: SpeculativeConfig | None = None
+    draft_model: ModelConfig | None = None  # speculative method draft_model: the draft checkpoint

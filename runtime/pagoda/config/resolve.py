@@ -1,0 +1,208 @@
+"""Resolution: EngineArgs -> EngineConfig. The one place configuration reaches outside the config package
+(the model's config.json, the attention backend's name, a Ray cluster), through imports made when called,
+so importing pagoda.config stays torch-free and cheap."""
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from pagoda.config.configs import (
+    DEFAULT_CPU_SWAP_SPACE_GIB,
+    DEFAULT_GPU_SWAP_SPACE_GIB,
+    DEFAULT_MODEL_NAME,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from pagoda.config.quantization import resolve_quantization
+from pagoda.errors import InvalidParam
+
+if TYPE_CHECKING:
+    from pagoda.config.args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+def create_engine_config(args: "EngineArgs") -> EngineConfig:
+    """EngineArgs -> EngineConfig: every argument checked, the model's config read, each "auto" resolved."""
+    import torch
+
+    from pagoda.attention import resolve_backend_name
+    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
+
+    args.validate()  # every check that needs only the arguments: nothing is converted or loaded for a bad value
+    speculative = None
+    if args.speculative_config is not None:
+        speculative = SpeculativeConfig.from_dict(args.speculative_config)
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    device = resolve_device(args.device)
+    backend = _resolve_executor_backend(args, world, device)
+    attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
+
+    path = resolve_model_path(args.model, args.revision)
+    hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
+    dtype = resolve_dtype(args.dtype, device, hf_config)
+    max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
+    quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,
+                                        args.tensor_parallel_size)
+
+    if args.max_num_batched_tokens is not None:
+        budget = args.max_num_batched_tokens
+        if not args.enable_chunked_prefill and budget < max_model_len:
+            raise InvalidParam(
+                "max_num_batched_tokens",
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}): "
+                "without chunked prefill a prompt must fit in one step; enable chunked prefill "
+                "or raise max_num_batched_tokens")
+    else:
+        budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
+    budget = max(budget, args.max_num_seqs) if not args.enable_chunked_prefill else budget
+
+    draft_model = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft_model = _draft_model_config(speculative, hf_config, dtype, max_model_len, args)
+        speculative = dataclasses.replace(speculative, model=draft_model.path)
+
+    served = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    swap_gib = args.swap_space
+    if swap_gib is None:
+        swap_gib = DEFAULT_GPU_SWAP_SPACE_GIB if device.startswith("cuda") else DEFAULT_CPU_SWAP_SPACE_GIB
+    block_bytes = _kv_block_bytes_per_stage(hf_config, dtype, args.block_size, args.tensor_parallel_size,
+                                            args.pipeline_parallel_size, args.pp_layer_partition)
+    num_swap_blocks = int(swap_gib * 2**30) // block_bytes
+    mode = args.preemption_mode or ("swap" if num_swap_blocks > 0 else "recompute")
+    return EngineConfig(
+        model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
+                          hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
+                          quantization=quantization, trust_remote_code=args.trust_remote_code,
+                          generation_config=args.generation_config),
+        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory_gib=args.kv_cache_memory, swap_space_gib=swap_gib,
+                          num_swap_blocks=num_swap_blocks if mode == "swap" else 0, preemption_mode=mode),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  max_model_len=max_model_len, preemption_mode=mode),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=backend, pp_layer_partition=args.pp_layer_partition,
+            nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+            master_port=args.master_port, distributed_timeout=args.distributed_timeout,
+            pipeline_fill=args.pipeline_fill),
+        device=device,
+        attention_backend=attention_backend,
+        seed=args.seed,
+        log_stats=not args.disable_log_stats,
+        stats_log_interval=args.stats_log_interval,
+        speculative=speculative,
+        draft_model=draft_model,
+    )
+
+
+def _draft_model_config(spec: SpeculativeConfig, target_hf_config, dtype: str, max_model_len: int,
+                        args: "EngineArgs") -> ModelConfig:
+    """The draft checkpoint, checked against the target: it must share the tokenizer (the same vocabulary)."""
+    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
+
+    try:
+        path = resolve_model_path(spec.model, None)
+        hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise InvalidParam("speculative_config", f"speculative_config: model {spec.model!r} cannot be loaded: {e}"
+                           ) from e
+    if hf_config.vocab_size != target_hf_config.vocab_size:
+        raise InvalidParam("speculative_config", f"speculative_config: the draft model {spec.model!r} has a "
+                           f"vocabulary of {hf_config.vocab_size} tokens, the target {target_hf_config.vocab_size}: "
+                           "a draft model must share the target's tokenizer")
+    limit = getattr(hf_config, "max_position_embeddings", None) or max_model_len
+    if limit < max_model_len:
+        raise InvalidParam("speculative_config", f"speculative_config: the draft model's context ({limit}) is "
+                           f"shorter than max_model_len ({max_model_len}); lower max_model_len")
+    return ModelConfig(path=path, tokenizer_path=path, served_model_name=spec.model, hf_config=hf_config,
+                       dtype=dtype, max_model_len=max_model_len, trust_remote_code=args.trust_remote_code)
+
+
+def _resolve_executor_backend(args: "EngineArgs", world: int, device: str) -> str:
+    """The explicit choice, else vLLM's: `ray` inside a Ray cluster whose local node cannot hold every rank,
+    `mp` for more than one rank, `uni` for one."""
+    from pagoda.executor.ray_cluster import RAY_INSTALL_HINT, ray_backend_wanted, ray_installed
+
+    backend = args.distributed_executor_backend
+    if backend is None:
+        if args.nnodes == 1 and ray_backend_wanted(world, device):
+            logger.info("inside a Ray cluster and this node cannot hold all %d ranks: using the ray executor", world)
+            return "ray"
+        return "uni" if world == 1 else "mp"
+    if backend == "uni" and world > 1:
+        raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'uni' runs one "
+                           f"process: tensor_parallel_size x pipeline_parallel_size must be 1, got {world}")
+    if backend == "ray":
+        if not ray_installed():
+            raise InvalidParam("distributed_executor_backend", "distributed_executor_backend 'ray' needs Ray, "
+                                                               f"which is not installed: {RAY_INSTALL_HINT}")
+        if args.nnodes > 1:
+            raise InvalidParam("nnodes", "nnodes is for the 'mp' backend; with 'ray', start a Ray cluster on the "
+                                         "nodes (ray start) and Ray places the ranks")
+    return backend
+
+
+def _kv_block_bytes_per_stage(hf_config, dtype: str, block_size: int, tp: int, pp: int,
+                              partition: list[int] | None) -> int:
+    """Bytes one KV block takes on a worker of the largest pipeline stage (so a host pool of swap_space
+    GiB never holds more blocks than any worker can store)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    layers = max(partition) if partition else -(-hf_config.num_hidden_layers // pp)
+    itemsize = 4 if dtype == "float32" else 2
+    return 2 * block_size * max(1, kv_heads // tp) * head_size * itemsize * max(layers, 1)
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InvalidParam("device", f"device must be auto, cpu or cuda; got {device!r}")
+    return device
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str, hf_config) -> str:
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
+        # Pagoda has no sliding-window attention: cap the context so full attention stays exact.
+        logger.warning("model uses a sliding window of %d tokens; capping max_model_len to it", window)
+        limit = window
+    if requested is None:
+        return limit
+    if requested < 1:
+        raise InvalidParam("max_model_len", f"max_model_len must be >= 1; got {requested}")
+    if requested > limit:
+        raise InvalidParam("max_model_len",
+                           f"max_model_len ({requested}) is larger than the model's maximum ({limit})")
+    return requested
