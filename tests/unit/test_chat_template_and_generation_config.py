@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagoda.config import ModelConfig
-from pagoda.engine.generation_config import default_sampling_params
+from pagoda.worker.loader.generation_config import default_sampling_params
 
 pytestmark = pytest.mark.unit
 

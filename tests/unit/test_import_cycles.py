@@ -114,3 +114,52 @@ def test_test_files_have_unique_basenames():
     """pytest imports test files by basename: two of the same name in different tiers break collection."""
     names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+# The runtime's packages from the bottom up (docs/architecture.md draws them): a module may import its own
+# layer and the layers below, never above. Top-level modules count as packages of their own.
+RUNTIME_LAYERS = [
+    {"__init__", "errors", "sampling_params", "pooling_params", "config"},  # contracts and configuration
+    {"process", "platform", "cpp_extensions", "ops"},  # this process, its CPU and its compiled kernels
+    {"core", "structured_output"},  # torch-free: scheduling, blocks, sequences, step contracts, grammars
+    {"distributed", "kernels", "attention", "layers", "models"},  # collectives and the nn code
+    {"sample", "spec_decode"},  # sampling, pooling, logprobs, rejection sampling, draft proposers
+    {"worker"},  # the model runner, KV cache, loading models
+    {"executor"},  # uni, mp, ray: where the runners run
+    {"engine"},  # input processing, the engine core, output processing
+    {"entrypoints", "router"},  # LLM, the OpenAI server, the CLI
+    {"bench"},
+]
+# Imports that cross upwards on purpose, each with its reason.
+UPWARD_IMPORTS = {
+    # the n-gram proposer is torch-free and proposes on the scheduler's side, from the tokens it holds
+    ("pagoda.core.scheduler", "pagoda.spec_decode.ngram_proposer"),
+    ("pagoda.core.scheduler", "pagoda.spec_decode.stats"),
+    # resolution reads the model's config.json, names the attention backend and asks about a Ray cluster,
+    # by imports made when called (pagoda.config itself stays a torch-free leaf)
+    ("pagoda.config.resolve", "pagoda.worker.loader.model_loader"),
+    ("pagoda.config.resolve", "pagoda.attention"),
+    ("pagoda.config.resolve", "pagoda.executor.ray_cluster"),
+}
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    for rank, packages in enumerate(RUNTIME_LAYERS):
+        if top in packages:
+            return rank
+    raise AssertionError(f"{module}: package {top!r} has no place in RUNTIME_LAYERS")
+
+
+def test_runtime_packages_import_downwards_only():
+    graph = import_graph(ROOT / "runtime" / "pagoda")
+    upward = sorted((a, b) for a, targets in graph.items() for b in targets
+                    if layer_of(b) > layer_of(a) and (a, b) not in UPWARD_IMPORTS)
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"pagoda.core.scheduler": {"pagoda.engine.llm_engine"}, "pagoda.engine.llm_engine": set()}
+    assert [(a, b) for a, bs in graph.items() for b in bs if layer_of(b) > layer_of(a)] == \
+        [("pagoda.core.scheduler", "pagoda.engine.llm_engine")]

@@ -15,7 +15,6 @@ import time
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine.engine_core import CoreStep, EngineCore
-from pagoda.engine.generation_config import eos_token_ids_for
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -26,6 +25,7 @@ from pagoda.executor.factory import create_executor
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.stats import SpecDecodeStats
+from pagoda.worker.loader.generation_config import eos_token_ids_for
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ import itertools
 from tqdm.auto import tqdm
 
 from pagoda.config import EngineArgs
-from pagoda.engine.generation_config import default_sampling_params
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagoda.errors import InvalidParam
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker.loader.generation_config import default_sampling_params
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
 

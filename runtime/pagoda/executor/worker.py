@@ -22,8 +22,8 @@ from pagoda.distributed.group import (
 )
 from pagoda.distributed.parallel_state import reset_parallel_state
 from pagoda.distributed.rendezvous import RendezvousError
-from pagoda.engine.generation_config import eos_token_ids_for
 from pagoda.process.startup_heap import frozen_when_loaded
+from pagoda.worker.loader.generation_config import eos_token_ids_for
 from pagoda.worker.model_runner import IntermediateTensors, ModelRunner
 
 logger = logging.getLogger(__name__)

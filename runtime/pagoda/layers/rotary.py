@@ -11,6 +11,18 @@ from pagoda.layers import custom_ops
 from pagoda.layers.module import Module
 
 
+def rope_parameters(config) -> dict:
+    """rope_theta and the scaling dict, from either the transformers 5 or the older layout."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
 def inverse_frequencies(head_size: int, params: dict) -> torch.Tensor:
     base = float(params.get("rope_theta", 10000.0))
     inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float64) / head_size))

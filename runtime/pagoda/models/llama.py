@@ -14,9 +14,8 @@ from pagoda.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagoda.layers.layernorm import RMSNorm
 from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagoda.layers.module import Module
-from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.layers.rotary import RotaryEmbedding, rope_parameters
 from pagoda.models import llama_layers_cpu
-from pagoda.worker.loader.model_loader import rope_parameters
 
 
 class LlamaAttention(Module):

@@ -12,7 +12,6 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from pagoda.engine import EngineDeadError
-from pagoda.engine.generation_config import default_sampling_params
 from pagoda.engine.outputs import RequestOutput
 from pagoda.entrypoints.openai.errors import APIError, invalid_request, sse_error
 from pagoda.entrypoints.openai.metrics import ServerMetrics
@@ -20,6 +19,7 @@ from pagoda.entrypoints.openai.middleware import request_id_of
 from pagoda.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagoda.errors import RequestFailed
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker.loader.generation_config import default_sampling_params
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

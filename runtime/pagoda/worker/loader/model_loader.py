@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from pagoda.config.quantization import QuantizationConfig, checkpoint_quantization
 from pagoda.layers.quantization import methods
+from pagoda.layers.rotary import rope_parameters
 from pagoda.models.registry import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -51,18 +52,6 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
         raise ValueError(f"cannot read {path}/config.json: {e}") from e
     check_supported(config)
     return config
-
-
-def rope_parameters(config) -> dict:
-    """rope_theta and the scaling dict, from either the transformers 5 or the older layout."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-    else:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
 
 
 def check_supported(config) -> None:
