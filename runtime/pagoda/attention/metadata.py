@@ -8,6 +8,7 @@ query_len == seq_len; a chunked prefill or a prefix-cache hit is anything in bet
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -22,6 +23,29 @@ class AttentionMetadata:
     # Host copies, so the torch path never syncs with the device to learn lengths.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], slot_mapping: torch.Tensor,
+              device: torch.device) -> "AttentionMetadata":
+        """From host lists: each sequence's query length, context length and block table; slot_mapping
+        [num_tokens] int64 (on any device)."""
+        max_blocks = max(1, max(len(t) for t in tables))
+        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        to = lambda a: torch.from_numpy(np.asarray(a)).to(device)  # noqa: E731
+        return cls(
+            query_start_loc=to(query_start_loc),
+            seq_lens=to(np.asarray(seq_lens, dtype=np.int32)),
+            block_tables=to(block_tables),
+            slot_mapping=slot_mapping.to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+        )
 
     @property
     def num_seqs(self) -> int:

@@ -16,6 +16,7 @@ from pagoda.config.configs import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    kv_block_bytes,
 )
 from pagoda.config.quantization import resolve_quantization
 from pagoda.errors import InvalidParam
@@ -159,7 +160,7 @@ def _kv_block_bytes_per_stage(hf_config, dtype: str, block_size: int, tp: int, p
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     layers = max(partition) if partition else -(-hf_config.num_hidden_layers // pp)
     itemsize = 4 if dtype == "float32" else 2
-    return 2 * block_size * max(1, kv_heads // tp) * head_size * itemsize * max(layers, 1)
+    return kv_block_bytes(block_size, max(1, kv_heads // tp), head_size, itemsize, max(layers, 1))
 
 
 def resolve_device(device: str) -> str:

@@ -6,6 +6,7 @@ the vocabulary; the only per-row loop fills random numbers for rows that carry t
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagoda.core.runner_output import SampledToken
@@ -31,6 +32,52 @@ class SamplingTensors:
     any_top_p: bool
     any_min_p: bool
     any_penalty: bool
+
+    @classmethod
+    def build(cls, seqs: list, generators: list, vocab_size: int, eos_token_ids: set[int], device
+              ) -> "SamplingTensors":
+        """One row per sequence (the runner's: token_ids, num_prompt_tokens, params, matcher)."""
+        params = [s.params for s in seqs]
+        vocab = vocab_size
+        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+        any_penalty = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
+        prompt_ids = output_ids = None
+        if any_penalty:
+            prompt_ids = _padded([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab, device)
+            output_ids = _padded([s.token_ids[s.num_prompt_tokens :] for s in seqs], vocab, device)
+        banned = []
+        for row, (s, p) in enumerate(zip(seqs, params)):
+            # a grammar decides when a constrained output ends: min_tokens yields to it
+            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens and s.matcher is None:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+                banned += [(row, t) for t in stops if t < vocab]
+        return cls(
+            temperature=f32([p.temperature for p in params]),
+            top_p=f32([p.top_p for p in params]),
+            top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device),
+            min_p=f32([p.min_p for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            banned_tokens=banned,
+            generators=generators,
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            any_penalty=any_penalty,
+        )
+
+
+def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = np.full((len(rows), width), pad, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return torch.from_numpy(out).to(device)
 
 
 class Sampler:

@@ -14,34 +14,20 @@ the next proposal keeps those the sequence's tokens still match.
 import numpy as np
 import torch
 
+from pagoda.attention import AttentionMetadata
 from pagoda.layers.attention import forward_context
 from pagoda.sample.rejection_sampler import sample_rows, target_probs
 
 
 class DraftModelProposer:
-    def __init__(self, runner, model, seed: int):
-        self.runner = runner  # the driver's model runner: its sequences, metadata and sampling tensors
+    def __init__(self, runner, model, kv_cache, seed: int):
+        self.runner = runner  # the driver's model runner: its sequences and sampling tensors (public API)
         self.model = model
-        self.attention_layers = model.attention_layers()
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache = kv_cache  # the runner's PagedKVCache over model's layers, allocated and copied by it
         # seq id -> (leading tokens of its own whose draft K/V is cached, the drafts fed to the model after them)
         self.cached: dict[int, tuple[int, list[int]]] = {}
         self.generator = torch.Generator(device=runner.device).manual_seed(seed + 1)
         self.seq_generators: dict[int, torch.Generator] = {}
-
-    def kv_cache_bytes_per_block(self) -> int:
-        layer = self.attention_layers[0]
-        itemsize = self.runner.dtype.itemsize
-        return 2 * self.runner.block_size * layer.num_kv_heads * layer.head_size * itemsize * len(self.attention_layers)
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = []
-        for layer in self.attention_layers:
-            # the target's layout: [2, num_blocks, block_size, num_kv_heads, head_size], head-major in memory
-            cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.runner.block_size, layer.head_size,
-                                dtype=self.runner.dtype, device=self.runner.device).transpose(2, 3)
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
 
     def forget(self, seq_id: int) -> None:
         self.cached.pop(seq_id, None)
@@ -82,7 +68,7 @@ class DraftModelProposer:
             # the request's logits processors, as the target's verification applies them: drafts that
             # break them would only be rejected
             logits = self.runner.apply_processors_after_drafts(logits, seq_ids, [drafts[i] for i in seq_ids])
-            t = self.runner._sampling_tensors(seq_ids, [None] * len(seq_ids))
+            t = self.runner.sampling_tensors(seq_ids, [None] * len(seq_ids))
             dist, is_greedy = target_probs(self.runner.sampler, logits, t)
             tokens = sample_rows(dist, is_greedy, [self._generator(i, seqs) for i in seq_ids])
             next_chunks = []
@@ -126,7 +112,8 @@ class DraftModelProposer:
             last_rows.append(row - 1)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device)
         position_ids = torch.from_numpy(np.concatenate(positions)).to(device)
-        metadata = self.runner._metadata(query_lens, seq_lens, tables, torch.from_numpy(np.concatenate(slots)))
+        metadata = AttentionMetadata.build(query_lens, seq_lens, tables, torch.from_numpy(np.concatenate(slots)),
+                                          self.runner.device)
         # one row per chunk read: the model skips its last layer's MLP for the others (none when all are read)
         keep_rows = None if row == len(last_rows) else torch.tensor(last_rows, dtype=torch.long, device=device)
         with forward_context(metadata, self.runner.attn_backend, self.runner.triton_ops):

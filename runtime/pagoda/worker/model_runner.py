@@ -5,7 +5,6 @@ pass and samples."""
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagoda import cpp_extensions
@@ -24,9 +23,10 @@ from pagoda.sample.pooler import Pooler
 from pagoda.sample.prompt_logprobs import score_prompt_tokens
 from pagoda.sample.rejection_sampler import RejectionSampler, target_probs
 from pagoda.sample.sampler import Sampler, SamplingTensors
-from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.draft_model import DraftModelProposer
-from pagoda.structured_output import GrammarMatcher, apply_bitmask, get_grammar_backend
+from pagoda.structured_output import apply_bitmask, get_grammar_backend
+from pagoda.worker.input_batch import InputBatch, RunnerSeq
+from pagoda.worker.kv_cache import PagedKVCache
 from pagoda.worker.loader.model_loader import load_weights
 
 logger = logging.getLogger(__name__)
@@ -40,15 +40,6 @@ class IntermediateTensors:
 
     hidden: torch.Tensor
     residual: torch.Tensor
-
-
-@dataclass
-class RunnerSeq:
-    token_ids: list[int]
-    block_table: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    matcher: GrammarMatcher | None = None  # structured outputs: made on first sample, follows token_ids
 
 
 class ModelRunner:
@@ -76,9 +67,9 @@ class ModelRunner:
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
                                       config.parallel.pp_layer_partition)
         self.attention_layers = self.model.attention_layers()
-        self.kv_caches: list[torch.Tensor] = []
-        self.swap_caches: list[torch.Tensor] = []  # host copies of swapped-out blocks, one per layer
-        self.seqs: dict[int, RunnerSeq] = {}
+        self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.dtype, self.device)
+        self.batch = InputBatch(self.block_size, self.device)
+        self.seqs: dict[int, RunnerSeq] = self.batch.seqs
         self.seq_generators: dict[int, torch.Generator] = {}
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.shared_generator)
@@ -91,7 +82,8 @@ class ModelRunner:
             draft = config.draft_model
             with single_process_state():
                 model = self._load_model(draft.hf_config, draft.path, None, None)
-            self.drafter = DraftModelProposer(self, model, config.seed)
+            draft_cache = PagedKVCache(model.attention_layers(), self.block_size, self.dtype, self.device)
+            self.drafter = DraftModelProposer(self, model, draft_cache, config.seed)
 
     def _load_model(self, hf_config, path: str, quantization, pp_layer_partition):
         previous = torch.get_default_dtype()
@@ -111,11 +103,13 @@ class ModelRunner:
     # --- KV cache -------------------------------------------------------------------------------
 
     def kv_cache_bytes_per_block(self) -> int:
-        layer = self.attention_layers[0]
-        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_size * self.dtype.itemsize
         # a draft model's cache has as many blocks, under the same block tables: the budget holds both
-        draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
-        return per_layer * len(self.attention_layers) + draft
+        draft = self.drafter.kv_cache.bytes_per_block() if self.drafter is not None else 0
+        return self.kv_cache.bytes_per_block() + draft
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.kv_cache.caches
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -135,7 +129,7 @@ class ModelRunner:
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        metadata = self._metadata(lens, lens, [[]] * len(lens), torch.full((num_tokens,), -1))
+        metadata = AttentionMetadata.build(lens, lens, [[]] * len(lens), torch.full((num_tokens,), -1), self.device)
         hidden_in = residual_in = None
         if not self.model.model.is_first:  # a later pipeline stage starts from hidden states
             hidden_in = torch.zeros(num_tokens, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
@@ -154,45 +148,10 @@ class ModelRunner:
         return max(budget, 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = []
-        for layer in self.attention_layers:
-            # head-major in memory, [2, num_blocks, num_kv_heads, block_size, head_size], so one head's block
-            # is contiguous (long copies when decode gathers it); the attention backends see it through
-            # the [2, num_blocks, block_size, num_kv_heads, head_size] view and honour its strides
-            cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_size,
-                                dtype=self.dtype, device=self.device).transpose(2, 3)
-            layer.kv_cache = cache
-            self.kv_caches.append(cache)
+        self.kv_cache.allocate(num_blocks)
         if self.drafter is not None:
-            self.drafter.allocate_kv_cache(num_blocks)
-        self.allocate_swap_space(self.config.cache.num_swap_blocks)
-
-    def allocate_swap_space(self, num_swap_blocks: int) -> None:
-        """The host pool, laid out as the device cache. Pinned on a GPU (asynchronous copies); on a CPU a
-        separate tensor pool. torch.empty: pages are committed only when a block is first swapped out."""
-        self.swap_caches = []
-        if num_swap_blocks == 0:
-            return
-        pin = self.device.type == "cuda"
-        for layer in self.attention_layers:
-            # [2, num_swap_blocks, block_size, num_kv_heads, head_size] (head-major in memory, as the cache)
-            host = torch.empty(2, num_swap_blocks, layer.num_kv_heads, self.block_size, layer.head_size,
-                               dtype=self.dtype, device="cpu", pin_memory=pin).transpose(2, 3)
-            self.swap_caches.append(host)
-        logger.info("swap space: %d blocks, %.2f GiB of host memory", num_swap_blocks,
-                    num_swap_blocks * self.kv_cache_bytes_per_block() / 2**30)
-
-    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        device_ids = torch.tensor([p[0] for p in pairs], device=self.device)
-        host_ids = torch.tensor([p[1] for p in pairs])
-        for cache, host in zip(self.kv_caches, self.swap_caches):
-            host[:, host_ids] = cache[:, device_ids].to("cpu")
-
-    def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        host_ids = torch.tensor([p[0] for p in pairs])
-        device_ids = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache, host in zip(self.kv_caches, self.swap_caches):
-            cache[:, device_ids] = host[:, host_ids].to(self.device, non_blocking=True)
+            self.drafter.kv_cache.allocate(num_blocks)
+        self.kv_cache.allocate_swap_space(self.config.cache.num_swap_blocks)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -209,14 +168,21 @@ class ModelRunner:
         """The first half of execute: bring the sequences and caches up to out (deltas, swaps, copies).
         With the draft model (the driver), also fill in out's drafts: the driver calls this before it
         passes out to the other ranks, then run_step."""
-        self._apply_deltas(out)
+        relearnt = self.batch.apply_deltas(out)
+        for seq_id in out.finished_seq_ids:
+            self.seq_generators.pop(seq_id, None)
+        if self.drafter is not None:  # finished, new to the runner, or its blocks changed: no draft KV kept
+            for seq_id in [*out.finished_seq_ids, *relearnt]:
+                self.drafter.forget(seq_id)
         self.pooler.update(out)
         if out.blocks_to_swap_out:
-            self._swap_out(out.blocks_to_swap_out)
+            self.kv_cache.swap_out(out.blocks_to_swap_out)
         if out.blocks_to_swap_in:
-            self._swap_in(out.blocks_to_swap_in)
+            self.kv_cache.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
-            self._copy_blocks(out.blocks_to_copy)
+            self.kv_cache.copy(out.blocks_to_copy)
+            if self.drafter is not None:
+                self.drafter.kv_cache.copy(out.blocks_to_copy)
         if self.drafter is not None:
             self.drafter.propose(out, self.seqs)
 
@@ -227,21 +193,23 @@ class ModelRunner:
         if out.is_empty:
             return ModelRunnerOutput() if self.is_last_stage else None
         drafts = {s.seq_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}
-        input_ids, positions, metadata, sample_rows, sample_seq_ids = self._prepare(out, drafts)
+        step = self.batch.prepare(out, drafts)
+        sample_rows = step.sample_rows
         hidden_in = residual_in = None
         if intermediate is not None:
             hidden_in, residual_in = intermediate.hidden, intermediate.residual
-        keep_rows = self._rows_read(out, sample_rows, len(input_ids))
+        keep_rows = self._rows_read(out, sample_rows, len(step.input_ids))
         if keep_rows is not None:  # hidden's rows become keep_rows'
             row_of = {row: i for i, row in enumerate(keep_rows)}
             sample_rows = [row_of[row] for row in sample_rows]
             keep_rows = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        with forward_context(metadata, self.attn_backend, self.triton_ops):
-            hidden = self.model(input_ids, positions, hidden_in, residual_in, keep_rows=keep_rows)
+        with forward_context(step.metadata, self.attn_backend, self.triton_ops):
+            hidden = self.model(step.input_ids, step.positions, hidden_in, residual_in, keep_rows=keep_rows)
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
         prompt_logprobs = self._prompt_logprobs(out, hidden)
         pooled = {}
+        sample_seq_ids = step.sample_seq_ids
         if self.pooler.states:  # embedding requests pool where they would sample (on every rank alike)
             pooled = self.pooler.pool(out, hidden) if self.samples else {}
             keep = [i for i, seq_id in enumerate(sample_seq_ids) if not self.pooler.is_pooling(seq_id)]
@@ -254,21 +222,19 @@ class ModelRunner:
         result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
         generators = self._generators(sample_seq_ids, result.failed)
         self._advance_matchers(sample_seq_ids, result.failed)
-        if result.failed:  # sample the others only
-            keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in result.failed]
-            logits, generators = logits[keep], [generators[i] for i in keep]
-            sample_seq_ids = [sample_seq_ids[i] for i in keep]
-            if not sample_seq_ids:
-                return result
-        if drafts:  # the rows of sequences with drafts are verified; the others sampled as usual
-            verify = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id in drafts]
+        # one pass over the rows: a failed sequence's are dropped, a drafting one's verified, the rest sampled
+        verify, plain = [], []
+        for i, seq_id in enumerate(sample_seq_ids):
+            if seq_id not in result.failed:
+                (verify if seq_id in drafts else plain).append(i)
+        if verify:
             self._verify(logits[verify], [sample_seq_ids[i] for i in verify], [generators[i] for i in verify],
                          out, result)
-            keep = [i for i, seq_id in enumerate(sample_seq_ids) if seq_id not in drafts]
-            logits, generators = logits[keep], [generators[i] for i in keep]
-            sample_seq_ids = [sample_seq_ids[i] for i in keep]
-            if not sample_seq_ids:
-                return result
+        if not plain:
+            return result
+        if len(plain) < len(sample_seq_ids):
+            logits, generators = logits[plain], [generators[i] for i in plain]
+            sample_seq_ids = [sample_seq_ids[i] for i in plain]
         masked = self._mask_grammars(logits, sample_seq_ids)
         seqs = [self.seqs[i] for i in sample_seq_ids]
         # the model's logits stay untouched only while some row still needs them for its logprobs
@@ -276,7 +242,7 @@ class ModelRunner:
         masked = apply_logits_processors(masked, [q.params for q in seqs],
                                          [q.token_ids[q.num_prompt_tokens:] for q in seqs], in_place=writable)
         # logprobs stay the model's own (raw): a masked-out token's is finite, never -inf
-        tokens = self.sampler(masked, self._sampling_tensors(sample_seq_ids, generators),
+        tokens = self.sampler(masked, self.sampling_tensors(sample_seq_ids, generators),
                               raw_logits=logits if masked is not logits else None)
         for seq_id, token in zip(sample_seq_ids, tokens):
             result.sampled.setdefault(seq_id, []).append(token)
@@ -328,7 +294,7 @@ class ModelRunner:
             first_row = {seq_ids[i]: i for i in firsts}
             before = [scheduled[seq_id].draft_token_ids[: i - first_row[seq_id]] for i, seq_id in enumerate(seq_ids)]
             logits = self.apply_processors_after_drafts(logits, seq_ids, before)  # a copy (logits[verify])
-        probs, row_greedy = target_probs(self.sampler, logits, self._sampling_tensors(seq_ids, generators))
+        probs, row_greedy = target_probs(self.sampler, logits, self.sampling_tensors(seq_ids, generators))
         draft_probs = [None if scheduled[seq_id].draft_probs is None
                        else torch.from_numpy(scheduled[seq_id].draft_probs).to(self.device) for seq_id in order]
         runs = self.rejection_sampler(probs, [scheduled[seq_id].draft_token_ids for seq_id in order], draft_probs,
@@ -405,123 +371,6 @@ class ModelRunner:
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _apply_deltas(self, out: SchedulerOutput) -> None:
-        for seq_id in out.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
-            self.seq_generators.pop(seq_id, None)
-            if self.drafter is not None:
-                self.drafter.forget(seq_id)
-        for s in out.scheduled:
-            if s.reset:
-                if self.drafter is not None:  # new to the runner, or its blocks changed: no draft KV kept
-                    self.drafter.forget(s.seq_id)
-                self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
-                                                s.params)
-                continue
-            seq = self.seqs[s.seq_id]
-            seq.token_ids.extend(s.new_token_ids)
-            del seq.block_table[s.block_ids_start :]
-            seq.block_table.extend(s.block_ids)
-
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else []):
-            cache[:, dst] = cache[:, src]
-
-    def _prepare(self, out: SchedulerOutput, drafts: dict[int, list[int]] | None = None):
-        bs = self.block_size
-        token_chunks, position_chunks, slot_chunks = [], [], []
-        query_lens, seq_lens, tables = [], [], []
-        sample_rows: list[int] = []
-        sample_seq_ids: list[int] = []
-        row = 0
-        for s in out.scheduled:
-            seq = self.seqs[s.seq_id]
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            positions = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(seq.block_table, dtype=np.int64)
-            num_drafts = s.num_draft_tokens if drafts and s.seq_id in drafts else 0
-            token_chunks.append(seq.token_ids[start : end - num_drafts] + (drafts[s.seq_id] if num_drafts else []))
-            position_chunks.append(positions)
-            slot_chunks.append(table[positions // bs] * bs + positions % bs)
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(seq.block_table)
-            row += s.num_new_tokens
-            if num_drafts:  # the target's distribution after the last token and after each draft
-                sample_rows += range(row - num_drafts - 1, row)
-                sample_seq_ids += [s.seq_id] * (num_drafts + 1)
-                continue
-            for _ in range(s.num_samples):
-                sample_rows.append(row - 1)
-                sample_seq_ids.append(s.seq_id)
-        input_ids = torch.tensor(np.concatenate([np.asarray(c, dtype=np.int64) for c in token_chunks]),
-                                 device=self.device)
-        positions = torch.from_numpy(np.concatenate(position_chunks)).to(self.device)
-        slots = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
-        metadata = self._metadata(query_lens, seq_lens, tables, slots)
-        return input_ids, positions, metadata, sample_rows, sample_seq_ids
-
-    def _metadata(self, query_lens, seq_lens, tables, slot_mapping) -> AttentionMetadata:
-        max_blocks = max(1, max(len(t) for t in tables))
-        block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        to = lambda a: torch.from_numpy(np.asarray(a)).to(self.device)  # noqa: E731
-        return AttentionMetadata(
-            query_start_loc=to(query_start_loc),
-            seq_lens=to(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=to(block_tables),
-            slot_mapping=slot_mapping.to(self.device),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-        )
-
-    def _sampling_tensors(self, seq_ids: list[int], generators: list) -> SamplingTensors:
-        seqs = [self.seqs[i] for i in seq_ids]
-        params = [s.params for s in seqs]
-        vocab = self.vocab_size
-        f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=self.device)  # noqa: E731
-        any_penalty = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params)
-        prompt_ids = output_ids = None
-        if any_penalty:
-            prompt_ids = _padded([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab, self.device)
-            output_ids = _padded([s.token_ids[s.num_prompt_tokens :] for s in seqs], vocab, self.device)
-        banned = []
-        for row, (s, p) in enumerate(zip(seqs, params)):
-            # a grammar decides when a constrained output ends: min_tokens yields to it
-            if len(s.token_ids) - s.num_prompt_tokens < p.min_tokens and s.matcher is None:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-                banned += [(row, t) for t in stops if t < vocab]
-        return SamplingTensors(
-            temperature=f32([p.temperature for p in params]),
-            top_p=f32([p.top_p for p in params]),
-            top_k=torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=self.device),
-            min_p=f32([p.min_p for p in params]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            prompt_token_ids=prompt_ids,
-            output_token_ids=output_ids,
-            banned_tokens=banned,
-            generators=generators,
-            num_logprobs=[p.logprobs for p in params],
-            all_greedy=all(p.greedy for p in params),
-            any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
-            any_penalty=any_penalty,
-        )
-
-
-def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
-    out = np.full((len(rows), width), pad, dtype=np.int64)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return torch.from_numpy(out).to(device)
+    def sampling_tensors(self, seq_ids: list[int], generators: list) -> SamplingTensors:
+        return SamplingTensors.build([self.seqs[i] for i in seq_ids], generators, self.vocab_size,
+                                     self.eos_token_ids, self.device)

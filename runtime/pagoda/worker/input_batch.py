@@ -1,0 +1,90 @@
+"""The runner's view of its sequences, kept from the scheduler's deltas (tokens and block tables), and the
+batch one step runs: input ids, positions, slots, attention metadata and the rows to sample."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.attention import AttentionMetadata
+from pagoda.core.scheduler_output import SchedulerOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output import GrammarMatcher
+
+
+@dataclass
+class RunnerSeq:
+    token_ids: list[int]
+    block_table: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    matcher: GrammarMatcher | None = None  # structured outputs: made on first sample, follows token_ids
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # rows of the hidden states to sample from, ascending
+    sample_seq_ids: list[int]  # the sequence of each of those rows
+
+
+class InputBatch:
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.seqs: dict[int, RunnerSeq] = {}
+
+    def apply_deltas(self, out: SchedulerOutput) -> list[int]:
+        """Bring the sequences up to out; returns those (re)learnt whole: new to the runner, resumed after a
+        preemption, forked, or whose blocks changed."""
+        for seq_id in out.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        relearnt = []
+        for s in out.scheduled:
+            if s.reset:
+                self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
+                                                s.params)
+                relearnt.append(s.seq_id)
+                continue
+            seq = self.seqs[s.seq_id]
+            seq.token_ids.extend(s.new_token_ids)
+            del seq.block_table[s.block_ids_start :]
+            seq.block_table.extend(s.block_ids)
+        return relearnt
+
+    def prepare(self, out: SchedulerOutput, drafts: dict[int, list[int]]) -> StepInputs:
+        """drafts: seq id -> its draft tokens this step, fed after its own; their rows are all sampled."""
+        bs = self.block_size
+        token_chunks, position_chunks, slot_chunks = [], [], []
+        query_lens, seq_lens, tables = [], [], []
+        sample_rows: list[int] = []
+        sample_seq_ids: list[int] = []
+        row = 0
+        for s in out.scheduled:
+            seq = self.seqs[s.seq_id]
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            positions = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            num_drafts = s.num_draft_tokens if s.seq_id in drafts else 0
+            token_chunks.append(seq.token_ids[start : end - num_drafts] + (drafts[s.seq_id] if num_drafts else []))
+            position_chunks.append(positions)
+            slot_chunks.append(table[positions // bs] * bs + positions % bs)
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(seq.block_table)
+            row += s.num_new_tokens
+            if num_drafts:  # the target's distribution after the last token and after each draft
+                sample_rows += range(row - num_drafts - 1, row)
+                sample_seq_ids += [s.seq_id] * (num_drafts + 1)
+                continue
+            for _ in range(s.num_samples):
+                sample_rows.append(row - 1)
+                sample_seq_ids.append(s.seq_id)
+        input_ids = torch.tensor(np.concatenate([np.asarray(c, dtype=np.int64) for c in token_chunks]),
+                                 device=self.device)
+        positions = torch.from_numpy(np.concatenate(position_chunks)).to(self.device)
+        slots = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
+        metadata = AttentionMetadata.build(query_lens, seq_lens, tables, slots, self.device)
+        return StepInputs(input_ids, positions, metadata, sample_rows, sample_seq_ids)

@@ -1,0 +1,69 @@
+"""The paged KV cache of one model's attention layers: its blocks, the host pool swapped-out blocks go to,
+and the block moves a step asks for (swap out, swap in, copy-on-write copies)."""
+
+import logging
+
+import torch
+
+from pagoda.config.configs import kv_block_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class PagedKVCache:
+    def __init__(self, attention_layers: list, block_size: int, dtype: torch.dtype, device: torch.device):
+        self.attention_layers = attention_layers
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.caches: list[torch.Tensor] = []  # one per layer
+        self.swap_caches: list[torch.Tensor] = []  # host copies of swapped-out blocks, one per layer
+
+    def bytes_per_block(self) -> int:
+        layer = self.attention_layers[0]
+        return kv_block_bytes(self.block_size, layer.num_kv_heads, layer.head_size, self.dtype.itemsize,
+                              len(self.attention_layers))
+
+    def _blocks(self, num_blocks: int, device, pin_memory: bool = False, zeroed: bool = True) -> list[torch.Tensor]:
+        # head-major in memory, [2, num_blocks, num_kv_heads, block_size, head_size], so one head's block is
+        # contiguous (long copies when decode gathers it); the attention backends see it through the
+        # [2, num_blocks, block_size, num_kv_heads, head_size] view and honour its strides
+        make = torch.zeros if zeroed else torch.empty
+        return [make(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_size, dtype=self.dtype,
+                     device=device, pin_memory=pin_memory).transpose(2, 3) for layer in self.attention_layers]
+
+    def allocate(self, num_blocks: int) -> None:
+        self.caches = self._blocks(num_blocks, self.device)
+        for layer, cache in zip(self.attention_layers, self.caches):
+            layer.kv_cache = cache
+
+    def allocate_swap_space(self, num_swap_blocks: int) -> None:
+        """The host pool, laid out as the device cache. Pinned on a GPU (asynchronous copies); on a CPU a
+        separate tensor pool. torch.empty: pages are committed only when a block is first swapped out."""
+        self.swap_caches = []
+        if num_swap_blocks == 0:
+            return
+        self.swap_caches = self._blocks(num_swap_blocks, "cpu", pin_memory=self.device.type == "cuda", zeroed=False)
+        logger.info("swap space: %d blocks, %.2f GiB of host memory", num_swap_blocks,
+                    num_swap_blocks * self.bytes_per_block() / 2**30)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host block) pairs."""
+        device_ids = torch.tensor([p[0] for p in pairs], device=self.device)
+        host_ids = torch.tensor([p[1] for p in pairs])
+        for cache, host in zip(self.caches, self.swap_caches):
+            host[:, host_ids] = cache[:, device_ids].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs."""
+        host_ids = torch.tensor([p[0] for p in pairs])
+        device_ids = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache, host in zip(self.caches, self.swap_caches):
+            cache[:, device_ids] = host[:, host_ids].to(self.device, non_blocking=True)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(source block, destination block) pairs."""
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache in self.caches:
+            cache[:, dst] = cache[:, src]
