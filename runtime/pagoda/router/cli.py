@@ -60,6 +60,13 @@ def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Rout
         parser.error("give the replicas: --backend URL (repeatable) or --k8s-service NAME")
     if ns.namespace and not ns.k8s_service:
         parser.error("--namespace goes with --k8s-service")
+    if ns.k8s_service:
+        from pagoda.router.kubernetes import load_config
+
+        try:
+            load_config(ns.namespace)  # no API to talk to is a usage error now, not a crash at start-up
+        except (ValueError, OSError, KeyError, StopIteration) as e:
+            parser.error(f"--k8s-service: cannot reach the Kubernetes API: {e}")
     backends = []
     for url in ns.backends or []:
         try:
