@@ -76,8 +76,14 @@ def master_addr(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster
             f".{spec.namespace}.svc.{cluster_domain}")
 
 
+def router_service_name(spec: DeploymentSpec) -> str:
+    return f"{spec.name}-router"
+
+
 def endpoint(spec: DeploymentSpec) -> str:
-    return f"http://{head_service_name(spec)}.{spec.namespace}.svc:{spec.service_port}/v1"
+    """The in-cluster OpenAI base URL: the router's Service when spec.router is on (router.py), else X."""
+    host = router_service_name(spec) if spec.router is not None else head_service_name(spec)
+    return f"http://{host}.{spec.namespace}.svc:{spec.service_port}/v1"
 
 
 def deployment_labels(spec: DeploymentSpec) -> dict[str, str]:

@@ -17,11 +17,12 @@ import kubernetes
 from .autoscaling import KEDA_API, SCALED_OBJECT
 from .builders import API_VERSION, GROUP_API, selector_string
 from .drift import covers
+from .router import INFERENCE_POOL, INFERENCE_POOL_API
 from .scheduling import VOLCANO_API
 
 FIELD_MANAGER = "pagoda-operator"
 # Children of other projects' APIs: kind -> (group, version, plural).
-CUSTOM_CHILDREN = {SCALED_OBJECT: KEDA_API, "PodGroup": VOLCANO_API}
+CUSTOM_CHILDREN = {SCALED_OBJECT: KEDA_API, "PodGroup": VOLCANO_API, INFERENCE_POOL: INFERENCE_POOL_API}
 PLURAL = "llmdeployments"
 VERSION = API_VERSION.split("/")[1]
 
@@ -68,6 +69,7 @@ class Cluster:
         self.policy = kubernetes.client.PolicyV1Api(api)
         self.batch = kubernetes.client.BatchV1Api(api)
         self.autoscaling = kubernetes.client.AutoscalingV2Api(api)
+        self.rbac = kubernetes.client.RbacAuthorizationV1Api(api)
         # kind -> (read, patch, create) for every kind the operator applies
         self.verbs = {
             "StatefulSet": (self.apps.read_namespaced_stateful_set, self.apps.patch_namespaced_stateful_set,
@@ -84,7 +86,24 @@ class Cluster:
             "HorizontalPodAutoscaler": (self.autoscaling.read_namespaced_horizontal_pod_autoscaler,
                                         self.autoscaling.patch_namespaced_horizontal_pod_autoscaler,
                                         self.autoscaling.create_namespaced_horizontal_pod_autoscaler),
+            # spec.router's children (router.py)
+            "Deployment": (self.apps.read_namespaced_deployment, self.apps.patch_namespaced_deployment,
+                           self.apps.create_namespaced_deployment),
+            "ServiceAccount": (self.core.read_namespaced_service_account, self.core.patch_namespaced_service_account,
+                               self.core.create_namespaced_service_account),
+            "Role": (self.rbac.read_namespaced_role, self.rbac.patch_namespaced_role, self.rbac.create_namespaced_role),
+            "RoleBinding": (self.rbac.read_namespaced_role_binding, self.rbac.patch_namespaced_role_binding,
+                            self.rbac.create_namespaced_role_binding),
             **{kind: self._custom_verbs(*api) for kind, api in CUSTOM_CHILDREN.items()},
+        }
+        # kind -> delete, for the children that come and go with a spec field
+        self.deletes = {
+            "HorizontalPodAutoscaler": self.autoscaling.delete_namespaced_horizontal_pod_autoscaler,
+            "Deployment": self.apps.delete_namespaced_deployment,
+            "Service": self.core.delete_namespaced_service,
+            "ServiceAccount": self.core.delete_namespaced_service_account,
+            "Role": self.rbac.delete_namespaced_role,
+            "RoleBinding": self.rbac.delete_namespaced_role_binding,
         }
 
     def _custom_verbs(self, group: str, version: str, plural: str) -> tuple[Any, Any, Any]:
@@ -198,10 +217,10 @@ class Cluster:
                 raise
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
-        """Delete a child of the kinds below (an autoscaler, a PodGroup); gone already is fine."""
+        """Delete a child of the kinds below (an autoscaler, a PodGroup, the router's); gone already is fine."""
         try:
-            if kind == "HorizontalPodAutoscaler":
-                self.autoscaling.delete_namespaced_horizontal_pod_autoscaler(name, namespace)
+            if kind in self.deletes:
+                self.deletes[kind](name, namespace)
             else:
                 group, version, plural = CUSTOM_CHILDREN[kind]
                 self.custom.delete_namespaced_custom_object(group, version, namespace, plural, name)

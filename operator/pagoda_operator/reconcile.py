@@ -29,6 +29,7 @@ from .autoscaling import KEDA_API, AutoscalerPlan, plan_autoscaler, with_autosca
 from .kube import Cluster
 from .metrics import OperatorMetrics
 from .records import GroupRecord, backoff_after
+from .router import INFERENCE_POOL_API, ROUTER_KINDS, build_inference_pool, build_router, router_name
 from .scheduling import VOLCANO_API
 from .settings import OperatorSettings
 from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
@@ -242,6 +243,7 @@ class Reconciler:
         status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
                               spec_error=spec_error, now=self.clock(), model_ready=model_ready)
         status = with_autoscaler_status(status, autoscaler)
+        status = {**status, **self._apply_router(spec, body, previous)}
         if plan.error:
             unrealised.append(("AutoscalingUnsupported", plan.error))
         status = with_spec_unrealised(status, unrealised, previous, to_iso(self.clock()))
@@ -502,6 +504,27 @@ class Reconciler:
             self._event(body, "Normal", "AutoscalerCreated", f"{plan.kind} {spec.name} scales the groups between "
                         f"{spec.autoscaling.min_replicas} and {spec.autoscaling.max_replicas}")
         return plan, plan.kind
+
+    def _apply_router(self, spec: DeploymentSpec, body: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
+        """spec.router's Deployment, Service and permission (router.py), removed when the field goes; and the
+        InferencePool whenever the cluster serves that API. Returns the status fields saying what exists."""
+        wanted = build_router(spec, body)
+        for manifest in wanted:
+            self.cluster.apply(manifest)
+        before = previous.get("router")
+        if wanted and before != router_name(spec):
+            self._event(body, "Normal", "RouterCreated", f"Deployment {router_name(spec)} ({spec.router.policy}) "
+                        f"routes over the groups; the endpoint is now Service {router_name(spec)}")
+        if not wanted and before:
+            for kind in reversed(ROUTER_KINDS):
+                self.cluster.delete(kind, spec.namespace, before)
+            self._event(body, "Normal", "RouterRemoved", f"spec.router is off: deleted {before}; the endpoint is "
+                        f"Service {spec.name} again")
+        pool = None
+        if self._serves(INFERENCE_POOL_API):
+            self.cluster.apply(build_inference_pool(spec, body))
+            pool = spec.name
+        return {"router": router_name(spec) if wanted else None, "inferencePool": pool}
 
     def _apply_pod_groups(self, spec: DeploymentSpec, body: dict[str, Any]) -> list[tuple[str, str]]:
         """Volcano PodGroups X-g<i> for groups 0..replicas-1 with gang volcano; delete any others (scaled

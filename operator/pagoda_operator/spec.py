@@ -85,6 +85,7 @@ class DeploymentSpec:
     # Optional parts (autoscaling.py and scheduling.py build what they ask for); None: not asked for.
     autoscaling: AutoscalingSpec | None = None
     scheduling: SchedulingSpec | None = None
+    router: RouterSpec | None = None  # spec.router with enabled: true (router.py builds its children)
     # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
     # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
     source: str = field(default="", compare=False)
@@ -261,6 +262,7 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         progress_deadline_seconds=deadline,
         autoscaling=parse_autoscaling(spec.get("autoscaling")),
         scheduling=parse_scheduling(spec.get("scheduling")),
+        router=parse_router(spec.get("router")),
         source=spec_source(spec),
     )
     check_scheduling(parsed)
@@ -456,3 +458,30 @@ def check_scheduling(spec: DeploymentSpec) -> None:
         raise InvalidSpec(f"scheduling.topologyKey {HOSTNAME_KEY} would put every pipeline stage of a group on one "
                           "node, but GPU stages must be on different nodes: use a wider domain (a rack, block or "
                           "zone label)")
+
+
+# ----- spec.router -----
+
+# `pagoda router --policy` (DESIGN.md); the operator passes the value through
+ROUTER_POLICIES = ("round-robin", "least-load", "prefix", "session")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    policy: str = "prefix"
+    replicas: int = 1
+    resources: dict[str, Any] | None = None
+
+
+def parse_router(raw: Any) -> RouterSpec | None:
+    """None unless spec.router.enabled is true (a disabled block keeps its settings for later)."""
+    if raw is None or not raw.get("enabled", False):
+        return None
+    policy = raw.get("policy", "prefix")
+    if policy not in ROUTER_POLICIES:
+        raise InvalidSpec(f"router.policy must be one of {', '.join(ROUTER_POLICIES)}, got {policy!r}")
+    replicas = _int(raw.get("replicas", 1), "router.replicas", 1)
+    resources = raw.get("resources") or None
+    if resources is not None and not isinstance(resources, dict):
+        raise InvalidSpec(f"router.resources must be a resources block (requests, limits), got {resources!r}")
+    return RouterSpec(policy=policy, replicas=replicas, resources=resources)

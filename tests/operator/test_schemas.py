@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pagoda_operator import builders as b
+from pagoda_operator.router import build_router
 from pagoda_operator.spec import parse_spec
 
 pytestmark = pytest.mark.operator
@@ -54,7 +55,7 @@ def test_crd_names_columns_and_subresources():
     assert crd["names"]["shortNames"] == ["llmd"] and crd["scope"] == "Namespaced"
     version = crd["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "TP", "PP", "Replicas", "Ready", "Phase", "Model", "ModelReady", "Endpoint", "Age"]
+        "TP", "PP", "Replicas", "Ready", "Phase", "Model", "ModelReady", "Router", "Endpoint", "Age"]
     assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
@@ -66,7 +67,7 @@ def test_samples_match_the_crd_schema_and_build_valid_manifests(sample):
     jsonschema.Draft4Validator(crd_schema()).validate(body)  # OpenAPI v3.0 schemas are draft-4 style
     body["metadata"].update(namespace="default", uid="00000000-0000-0000-0000-000000000000")
     spec = parse_spec(body, default_image="pagoda-runtime:0.1.0")
-    for manifest in b.build_all(spec, body):
+    for manifest in b.build_all(spec, body) + build_router(spec, body):
         validate(manifest, VERSIONS[0])
 
 
@@ -159,14 +160,20 @@ def test_rbac_is_least_privilege():
         ("pagoda.dev", "llmdeployments/status", v) for v in ("get", "patch")} | {
         ("pagoda.dev", "llmdeployments/finalizers", "update")} | {
         ("apps", "statefulsets", v) for v in ("get", "list", "watch", "create", "patch", "delete")} | {
-        ("", "services", v) for v in ("get", "create", "patch")} | {
+        ("", "services", v) for v in ("get", "create", "patch", "delete")} | {
         ("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch")} | {
         ("", "pods", v) for v in ("list", "watch", "delete")} | {("", "events", v) for v in ("create", "list")} | {
         ("", "persistentvolumeclaims", v) for v in ("get", "create", "patch")} | {
         ("batch", "jobs", v) for v in ("get", "list", "watch", "create", "delete")} | {
         ("keda.sh", "scaledobjects", v) for v in ("get", "create", "patch", "delete")} | {
         ("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "create", "patch", "delete")} | {
-        ("scheduling.volcano.sh", "podgroups", v) for v in ("get", "list", "create", "patch", "delete")}
+        ("scheduling.volcano.sh", "podgroups", v) for v in ("get", "list", "create", "patch", "delete")} | {
+        ("apps", "deployments", v) for v in ("get", "create", "patch", "delete")} | {
+        ("", "serviceaccounts", v) for v in ("get", "create", "patch", "delete")} | {
+        ("rbac.authorization.k8s.io", r, v) for r in ("roles", "rolebindings")
+        for v in ("get", "create", "patch", "delete")} | {
+        ("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")} | {
+        ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch")}
     assert granted == expected
     assert not any("*" in x for g in granted for x in g)
 

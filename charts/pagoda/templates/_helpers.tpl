@@ -44,9 +44,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch, delete]
+# delete: the router's Service X-router when spec.router is turned off
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
@@ -77,4 +78,23 @@ app.kubernetes.io/component: operator
 - apiGroups: [scheduling.volcano.sh]
   resources: [podgroups]
   verbs: [get, list, create, patch, delete]
+# spec.router: the router's Deployment, its ServiceAccount, and a Role + RoleBinding letting it read the
+# namespace's EndpointSlices. Kubernetes lets the operator grant only what it holds itself, hence the
+# endpointslices read below (the operator never reads them otherwise).
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+# The Gateway API Inference Extension's InferencePool X, when that API is served.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch]
 {{- end -}}

@@ -1,5 +1,5 @@
-"""The `pagoda` command: `pagoda serve [MODEL] ...`, `pagoda download ORG/NAME` and
-`pagoda bench {throughput,kernels,serve}`.
+"""The `pagoda` command: `pagoda serve [MODEL] ...`, `pagoda router ...`, `pagoda download ORG/NAME` and
+`pagoda bench {throughput,kernels,serve,...}`.
 
 Heavy imports (torch, the engine, uvicorn) happen only once a subcommand runs, so `--help` is instant.
 """
@@ -20,14 +20,20 @@ BENCHMARKS = {
 
 def build_parser() -> argparse.ArgumentParser:
     from pagoda.entrypoints.openai.cli_args import add_serve_arguments
+    from pagoda.router.cli import add_router_arguments
 
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda: paged-attention LLM serving.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    commands = parser.add_subparsers(dest="command", metavar="{serve,download,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{serve,router,download,bench}")
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server",
                                 description="Run the OpenAI-compatible server (vLLM's `vllm serve` flags). "
                                             "Every flag can also come from PAGODA_<FLAG>; flags win.")
     add_serve_arguments(serve)
+    router = commands.add_parser("router", help="one OpenAI endpoint in front of several `pagoda serve` replicas",
+                                 description="Route OpenAI requests over several `pagoda serve` replicas "
+                                             "(docs/router.md). Every flag can also come from "
+                                             "PAGODA_ROUTER_<FLAG>; flags win.")
+    add_router_arguments(router)
     download = commands.add_parser(
         "download", help="fetch a model from the Hugging Face Hub without serving it",
         description="Fetch the files the engine needs (config, tokenizer, safetensors) of a Hub model into "
@@ -118,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     subparsers = parser._subparsers._group_actions[0].choices
     if ns.command == "serve":
         return serve(subparsers["serve"], ns)
+    if ns.command == "router":
+        from pagoda.router.cli import run
+
+        configure_logging(ns.log_level)
+        return run(subparsers["router"], ns)
     if ns.command == "download":
         return download(subparsers["download"], ns)
     parser.print_help()

@@ -1,0 +1,17 @@
+"""What `pagoda router` runs with (parsed from its flags by pagoda.router.cli)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RouterArgs:
+    backends: list[str] = field(default_factory=list)
+    k8s_service: str | None = None
+    namespace: str | None = None
+    policy: str = "round-robin"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_in_flight_per_backend: int = 256
+    session_header: str = "x-session-id"
+    backend_api_key: str | None = None
+    log_level: str = "info"

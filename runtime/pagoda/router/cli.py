@@ -1,0 +1,88 @@
+"""`pagoda router` flags (DESIGN.md: --backend URL ... | --k8s-service NAME [--namespace NS], --policy,
+--host, --port) and the entry point. Each flag can also come from PAGODA_ROUTER_<FLAG>; flags win."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagoda.router.args import RouterArgs
+from pagoda.router.policies import POLICIES
+
+ENV_PREFIX = "PAGODA_ROUTER_"
+
+
+def _env(flag: str, default=None):
+    return os.environ.get(ENV_PREFIX + flag.replace("-", "_").upper(), default)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = RouterArgs()
+    env_backends = _env("backend")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--backend", action="append", dest="backends", metavar="URL",
+                        default=env_backends.split(",") if env_backends else None,
+                        help="a `pagoda serve` replica's root URL, e.g. http://10.0.0.5:8000 (repeatable; "
+                             "PAGODA_ROUTER_BACKEND takes a comma-separated list)")
+    source.add_argument("--k8s-service", metavar="NAME", default=_env("k8s-service"),
+                        help="discover the replicas from this Kubernetes Service's EndpointSlices (watched)")
+    parser.add_argument("--namespace", metavar="NS", default=_env("namespace"),
+                        help="the Service's namespace (default: the pod's own, else `default`)")
+    parser.add_argument("--policy", choices=POLICIES, default=_env("policy", defaults.policy),
+                        help="how a backend is chosen (default: %(default)s)")
+    parser.add_argument("--host", default=_env("host", defaults.host))
+    parser.add_argument("--port", type=int, default=int(_env("port", defaults.port)))
+    parser.add_argument("--max-in-flight-per-backend", type=_positive_int,
+                        default=int(_env("max-in-flight-per-backend", defaults.max_in_flight_per_backend)),
+                        help="requests the router keeps open to one backend; past this on every backend it "
+                             "answers 429 with Retry-After (default: %(default)s)")
+    parser.add_argument("--session-header", default=_env("session-header", defaults.session_header),
+                        help="the header the session policy sticks by; else the body's `user` "
+                             "(default: %(default)s)")
+    parser.add_argument("--backend-api-key", default=_env("backend-api-key", os.environ.get("PAGODA_API_KEY")),
+                        help="the replicas' API key, for reading their /v1/models (which models and adapters "
+                             "each serves); clients' own keys are passed through unchanged")
+    parser.add_argument("--log-level", default=_env("log-level", defaults.log_level),
+                        choices=("debug", "info", "warning", "error", "critical"))
+
+
+def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> RouterArgs:
+    from pagoda.router.backends import normalize_url
+
+    if not ns.backends and not ns.k8s_service:
+        parser.error("give the replicas: --backend URL (repeatable) or --k8s-service NAME")
+    if ns.namespace and not ns.k8s_service:
+        parser.error("--namespace goes with --k8s-service")
+    if ns.k8s_service:
+        from pagoda.router.kubernetes import load_config
+
+        try:
+            load_config(ns.namespace)  # no API to talk to is a usage error now, not a crash at start-up
+        except (ValueError, OSError, KeyError, StopIteration) as e:
+            parser.error(f"--k8s-service: cannot reach the Kubernetes API: {e}")
+    backends = []
+    for url in ns.backends or []:
+        try:
+            backends.append(normalize_url(url))
+        except ValueError as e:
+            parser.error(str(e))
+    if not 0 < ns.port < 65536:
+        parser.error(f"--port {ns.port} is not a TCP port")
+    return RouterArgs(backends=backends, k8s_service=ns.k8s_service, namespace=ns.namespace, policy=ns.policy,
+                      host=ns.host, port=ns.port, max_in_flight_per_backend=ns.max_in_flight_per_backend,
+                      session_header=ns.session_header.lower(), backend_api_key=ns.backend_api_key,
+                      log_level=ns.log_level)
+
+
+def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """After the caller configured logging (from --log-level)."""
+    from pagoda.router.app import run_router
+
+    return run_router(router_args(parser, ns))

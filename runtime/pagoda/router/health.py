@@ -1,0 +1,83 @@
+"""Health and load of each backend: GET /health (a probe) and /metrics (the queue and the KV cache), on a
+short period, so a dead replica leaves the rotation within PROBE_INTERVAL + PROBE_TIMEOUT (< 2 s) and
+comes back on its first passing probe."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda.router.backends import Backend, BackendPool
+
+logger = logging.getLogger(__name__)
+
+PROBE_INTERVAL = 0.5  # seconds between health probes of a backend
+PROBE_TIMEOUT = 1.0
+SCRAPE_EVERY = 2  # /metrics on every other probe (~1 s)
+LOAD_METRICS = {"pagoda:num_requests_waiting": "waiting", "pagoda:num_requests_running": "running",
+                "pagoda:kv_cache_usage_perc": "kv_usage"}
+
+
+def parse_load(text: str) -> dict[str, float]:
+    """The load gauges of a replica's /metrics, summed over their labels (one model per replica)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = LOAD_METRICS.get(sample.name)
+            if field is not None:
+                values[field] = values.get(field, 0.0) + sample.value
+    return values
+
+
+class HealthMonitor:
+    def __init__(self, pool: BackendPool, on_change: Callable[[Backend, bool], None] | None = None,
+                 interval: float = PROBE_INTERVAL, timeout: float = PROBE_TIMEOUT, api_key: str | None = None):
+        self.pool = pool
+        self.on_change = on_change or (lambda backend, healthy: None)
+        self.interval = interval
+        self.timeout = timeout
+        self.session: aiohttp.ClientSession | None = None
+        self.rounds = 0
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def probe(self, backend: Backend, scrape: bool) -> None:
+        was = backend.healthy
+        try:
+            async with self.session.get(backend.url + "/health") as r:
+                healthy, reason = r.status == 200, f"/health answered {r.status}"
+            if healthy and scrape:
+                async with self.session.get(backend.url + "/metrics") as r:
+                    if r.status == 200:
+                        for field, value in parse_load(await r.text()).items():
+                            setattr(backend, field, value)
+                async with self.session.get(backend.url + "/v1/models", headers=self.auth) as r:
+                    if r.status == 200:  # without the key (401) the router just doesn't route by model
+                        data = (await r.json()).get("data") or []
+                        backend.models = frozenset(m["id"] for m in data if isinstance(m, dict) and "id" in m)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            healthy, reason = False, f"{type(e).__name__}: {e}"
+        if healthy:
+            backend.mark_up()
+        else:
+            backend.mark_down(reason)
+        if healthy != was:
+            logger.warning("backend %s %s", backend.url, "joined" if healthy else f"left the rotation ({reason})")
+            self.on_change(backend, healthy)
+
+    async def probe_all(self) -> None:
+        scrape = self.rounds % SCRAPE_EVERY == 0
+        await asyncio.gather(*(self.probe(b, scrape) for b in self.pool.all()))
+        self.rounds += 1
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as self.session:
+            while True:
+                started = time.monotonic()
+                await self.probe_all()
+                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))

@@ -1,0 +1,121 @@
+"""The routing policies, the prefix index and the router's flags, without a server."""
+
+import pytest
+
+from pagoda.router.backends import Backend, BackendPool, normalize_url
+from pagoda.router.health import parse_load
+from pagoda.router.policies import LeastLoad, Prefix, RoundRobin, RoutingRequest, Session, make_policy
+from pagoda.router.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes
+from pagoda.router.proxy import prompt_text, routing_request
+
+pytestmark = pytest.mark.unit
+
+
+def backends(n: int = 3) -> list[Backend]:
+    return [Backend(f"http://10.0.0.{i}:8000", healthy=True) for i in range(n)]
+
+
+def test_round_robin_cycles():
+    policy, pool = RoundRobin(), backends()
+    chosen = [policy.choose(RoutingRequest(), pool).backend.url for _ in range(6)]
+    assert len(set(chosen[:3])) == 3 and chosen[:3] == chosen[3:]
+
+
+def test_least_load_counts_in_flight_queue_and_full_cache():
+    pool = backends()
+    pool[0].in_flight, pool[1].waiting, pool[2].kv_usage = 2, 1, 0.95
+    assert LeastLoad().choose(RoutingRequest(), pool).backend is pool[2]  # 0.5 < 1 < 2
+    pool[2].kv_usage = 1.0  # 1 full cache = 1 waiting request: ties spread
+    assert {LeastLoad().choose(RoutingRequest(), pool).backend.url for _ in range(2)} <= {pool[1].url, pool[2].url}
+
+
+def test_block_hashes_are_a_chain_over_full_blocks():
+    a = "x" * BLOCK_CHARS * 3 + "tail"
+    assert len(block_hashes(a)) == 3
+    b = "y" + a[1:]
+    assert not set(block_hashes(a)) & set(block_hashes(b))  # a changed first block changes every hash
+    assert block_hashes(a + "more")[:3] == block_hashes(a)
+
+
+def test_prefix_index_matches_leading_blocks_and_evicts_lru():
+    index = PrefixIndex(max_blocks_per_backend=4)
+    chain = block_hashes("a" * BLOCK_CHARS * 4)
+    index.insert("u", chain[:3])
+    assert index.match("u", chain) == 3 and index.match("v", chain) == 0
+    index.insert("u", block_hashes("b" * BLOCK_CHARS * 2))  # 5 blocks > 4: the oldest goes
+    assert index.match("u", chain) == 0
+
+
+def test_prefix_sticks_then_balances_past_the_bound():
+    policy, pool = Prefix(), backends()
+    conversation = "system: " + "be helpful. " * 40
+    first = policy.choose(RoutingRequest(conversation), pool)
+    assert first.reason == "no-prefix-match"
+    policy.routed(RoutingRequest(conversation), first)
+    again = policy.choose(RoutingRequest(conversation + " user: next turn"), pool)
+    assert again.backend is first.backend and again.reason == "prefix-match"
+    assert again.matched_chars >= len(conversation) - BLOCK_CHARS
+    first.backend.in_flight = 5  # far past 1.25 x the mean: the least-loaded takes it
+    over = policy.choose(RoutingRequest(conversation + " user: next turn"), pool)
+    assert over.backend is not first.backend and over.reason == "prefix-overloaded"
+    policy.forget(first.backend.url)
+    first.backend.in_flight = 0
+    assert policy.choose(RoutingRequest(conversation), pool).reason == "no-prefix-match"
+
+
+def test_session_is_sticky_and_moves_only_when_its_owner_leaves():
+    policy, pool = Session(), backends(4)
+    owners = {k: policy.choose(RoutingRequest(session_key=k), pool).backend.url for k in map(str, range(40))}
+    assert len(set(owners.values())) == 4
+    assert all(policy.choose(RoutingRequest(session_key=k), pool).backend.url == u for k, u in owners.items())
+    gone = pool.pop()
+    moved = {k for k, u in owners.items() if policy.choose(RoutingRequest(session_key=k), pool).backend.url != u}
+    assert moved == {k for k, u in owners.items() if u == gone.url}
+    assert policy.choose(RoutingRequest(), pool).reason == "no-session-key"
+
+
+def test_routing_request_reads_chat_completion_and_user():
+    req = routing_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "user": "bob"}',
+                          {}, "x-session-id")
+    assert req.session_key == "bob" and req.model == "m" and "hi" in req.prefix_text
+    assert routing_request(b'{"prompt": "p"}', {"x-session-id": "s"}, "x-session-id").session_key == "s"
+    assert routing_request(b"not json", {}, "x-session-id").prefix_text is None
+    # a conversation's text grows at the end: turn 2's text starts with turn 1's
+    turn1 = prompt_text({"model": "m", "messages": [{"role": "user", "content": "a"}]})
+    turn2 = prompt_text({"model": "m", "messages": [{"role": "user", "content": "a"},
+                                                    {"role": "assistant", "content": "b"}]})
+    assert turn2.startswith(turn1)
+    assert prompt_text({"model": "m", "prompt": [1, 2, 3]}).endswith("1,2,3")
+
+
+def test_backend_urls_and_pool_membership():
+    assert normalize_url("10.0.0.1:8000") == "http://10.0.0.1:8000"
+    assert normalize_url("http://h:1/") == "http://h:1"
+    for bad in ("ftp://h", "http://h:1/v1", "http://h:99999"):
+        with pytest.raises(ValueError, match="--backend"):
+            normalize_url(bad)
+    pool = BackendPool(["http://a:1", "http://b:1"])
+    pool.get("http://a:1").in_flight = 3
+    assert pool.set_urls(["http://a:1", "http://c:1"]) == (["http://c:1"], ["http://b:1"])
+    assert pool.get("http://a:1").in_flight == 3 and pool.generation == 2
+    assert pool.healthy() == []  # new backends wait for their first probe
+
+
+def test_parse_load_reads_the_servers_gauges():
+    text = ('# TYPE pagoda:num_requests_waiting gauge\npagoda:num_requests_waiting{model_name="m"} 3.0\n'
+            '# TYPE pagoda:kv_cache_usage_perc gauge\npagoda:kv_cache_usage_perc{model_name="m"} 0.5\n')
+    assert parse_load(text) == {"waiting": 3.0, "kv_usage": 0.5}
+
+
+def test_unknown_policy_and_missing_backends_are_usage_errors(capsys):
+    from pagoda.entrypoints.cli import main
+
+    with pytest.raises(ValueError, match="--policy"):
+        make_policy("random")
+    for argv, message in ((["router"], "--backend URL"), (["router", "--backend", "http://h:1/v1"], "no path"),
+                          (["router", "--policy", "fastest", "--backend", "h:1"], "--policy"),
+                          (["router", "--namespace", "x", "--backend", "h:1"], "--namespace goes with")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
