@@ -1,7 +1,9 @@
 """The `mp` executor: the other ranks of this node are local worker processes; those of other nodes
 (`--nnodes`) join over TCP."""
 
+import atexit
 import dataclasses
+import weakref
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.group import free_port
@@ -18,6 +20,11 @@ class MultiprocExecutor(DriverExecutor):
             config = dataclasses.replace(config, parallel=dataclasses.replace(p, master_port=free_port()))
         local_ranks = range(1, p.world_size) if p.nnodes == 1 else range(1, self.tp_size)
         ranks_on_node = p.world_size if p.nnodes == 1 else self.tp_size
+        # before multiprocessing's own exit hook (atexit runs the last registered first), which would kill
+        # the children while the group still holds them: a script that never calls shutdown() ends cleanly
+        shutdown = weakref.WeakMethod(self.shutdown)
+        self._shutdown_at_exit = lambda: (method := shutdown()) is not None and method()
+        atexit.register(self._shutdown_at_exit)
         self.children = spawn_local_workers(config, list(local_ranks), eos_token_ids, ranks_on_node)
         # any local rank that exits before shutdown (even with 0) has left the group
         self.watcher = ProcessWatcher(self.children, lambda child: self._fail(
@@ -29,6 +36,8 @@ class MultiprocExecutor(DriverExecutor):
             self.watcher.stop()
 
     def _stop_other_ranks(self) -> None:
+        if hasattr(self, "_shutdown_at_exit"):
+            atexit.unregister(self._shutdown_at_exit)
         for child in getattr(self, "children", []):
             child.join(timeout=10)
             if child.is_alive():

@@ -1,6 +1,7 @@
 """A worker rank: everything but the driver. It runs its pipeline stage / tensor shard for every
 schedule the driver sends, passing activations on to the next stage, until told to stop."""
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -22,6 +23,7 @@ from pagoda.distributed.group import (
 )
 from pagoda.distributed.parallel_state import reset_parallel_state
 from pagoda.distributed.rendezvous import RendezvousError
+from pagoda.executor.start_method import check_main_guarded, choose_start_method, release_openmp_threads
 from pagoda.process.startup_heap import frozen_when_loaded
 from pagoda.worker.loader.generation_config import eos_token_ids_for
 from pagoda.worker.model_runner import IntermediateTensors, ModelRunner
@@ -94,9 +96,10 @@ def _serve_schedules(runner, group: GroupHandles) -> None:
 
 def worker_process_main(config: EngineConfig, rank: int, eos_token_ids: set[int], num_threads: int,
                         log_level: int) -> None:
-    """Entry point of a spawned local worker process."""
+    """Entry point of a local worker process (forked or spawned)."""
+    # force: a forked child has the parent's handlers, without the rank in their format
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+                        datefmt="%H:%M:%S", force=True)
     torch.set_num_threads(num_threads)
     try:
         run_worker(config, rank, eos_token_ids)
@@ -110,7 +113,15 @@ def worker_process_main(config: EngineConfig, rank: int, eos_token_ids: set[int]
 
 def spawn_local_workers(config: EngineConfig, ranks: list[int], eos_token_ids: set[int],
                         ranks_on_node: int) -> list[multiprocessing.Process]:
-    ctx = multiprocessing.get_context("spawn")
+    if not ranks:
+        return []
+    start = choose_start_method()
+    if start.method == "fork" and not release_openmp_threads():
+        start = dataclasses.replace(start, method="spawn", reason="OpenMP threads could not be released")
+    if start.method == "spawn":
+        check_main_guarded(start.reason)
+    logger.info("starting local ranks %s by %s (%s)", ranks, start.method, start.reason)
+    ctx = multiprocessing.get_context(start.method)
     threads = cpu_threads_per_rank(ranks_on_node)
     processes = []
     for rank in ranks:
