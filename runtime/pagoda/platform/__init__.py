@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pagoda.platform.cpu_isa import ENV as ISA_ENV
-from pagoda.platform.cpu_isa import CpuIsa, UnsupportedIsa, detect
+from pagoda.platform.isa import ENV as ISA_ENV
+from pagoda.platform.isa import CpuIsa, UnsupportedIsa, detect
 
 __all__ = ["ISA_ENV", "KERNELS_ENV", "CpuIsa", "CpuKernelPlan", "UnsupportedIsa", "bf16_matmul_layout",
            "choose_dtype", "compile_flags", "cpu_isa", "cpu_kernel_plan", "cpu_kernels_enabled", "log_cpu_plan"]
@@ -141,3 +141,27 @@ def log_cpu_plan(dtype: str) -> CpuKernelPlan:
             _logged.add(dtype)
             logger.info("CPU kernels: %s", plan.describe())
     return plan
+
+
+# What torch's own CPU libraries may use at a forced level, so that a benchmark forced to a lesser level
+# shows what a CPU of that level gets from them too (ATen's vectorised kernels, MKL's sgemm, oneDNN)
+_TORCH_LIBRARY_CAPS = {
+    "generic": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                "ONEDNN_MAX_CPU_ISA": "SSE41", "DNNL_MAX_CPU_ISA": "SSE41"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "DNNL_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "DNNL_MAX_CPU_ISA": "AVX512_CORE"},
+}
+
+
+def force_level(level: str, cap_torch_libraries: bool = True) -> CpuIsa:
+    """Run this process (and the processes it starts) at ISA ``level``, as PAGODA_CPU_ISA does, checked
+    now; with ``cap_torch_libraries`` also torch's ATen, MKL and oneDNN (read when they first run, so call
+    this before any tensor work). For `pagoda bench ... --isa LEVEL`."""
+    isa = detect(level)  # raises UnsupportedIsa
+    os.environ[ISA_ENV] = level
+    if cap_torch_libraries and isa.forced:
+        os.environ.update(_TORCH_LIBRARY_CAPS.get(level, {}))
+    cpu_isa.cache_clear()
+    return isa
