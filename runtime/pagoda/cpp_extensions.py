@@ -1,7 +1,10 @@
 """C++ extensions compiled on first use with torch's extension builder and cached under $PAGODA_CACHE_DIR.
 
-Builds are tuned for the CPU they run on (``-march=native``), so the cache key holds the CPU's feature
-flags as well as the source, the flags and the torch version. Processes starting together build once,
+Builds target the ISA level ``pagoda.platform`` chose (``-march=native`` for native, the level's own flags
+such as ``-mavx2 -mfma`` when ``PAGODA_CPU_ISA`` forces one), so the cache key holds the level (and for a
+native build the CPU's feature flags) as well as the source, the flags and the torch version. A build that
+fails leaves a marker beside its directory: later starts and other ranks skip it (and use torch) instead of
+compiling again; delete ``<build dir>.failed`` to retry. Processes starting together build once,
 one after the other under an flock on ``<build dir>.lock``, which the OS releases when its holder dies.
 torch's builder also keeps a lock file of its own in the build directory, which it waits on with no
 deadline; one left behind by a process killed mid-build (OOM, a pod deleted, Ctrl-C) would hang every later
@@ -19,10 +22,22 @@ from pathlib import Path
 
 import torch
 
+from pagoda import platform as pagoda_platform
+
 logger = logging.getLogger(__name__)
 
 # -ffast-math lets GCC vectorise reductions (the kernels rely on no inf/NaN semantics)
-NATIVE_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+
+
+def kernel_cflags(fast_math: bool = True) -> list[str]:
+    """The flags of a kernel build at this process's ISA level."""
+    base = BASE_CFLAGS if fast_math else [f for f in BASE_CFLAGS if f != "-ffast-math"]
+    return base + pagoda_platform.compile_flags()
+
+
+class PreviousBuildFailed(RuntimeError):
+    """This build failed before (its marker is there): not retried."""
 
 
 def _cpu_flags() -> str:
@@ -36,7 +51,7 @@ def _cpu_flags() -> str:
 
 
 def compiler_available() -> bool:
-    return shutil.which(os.environ.get("CXX", "c++")) is not None
+    return pagoda_platform.compiler_available()
 
 
 # headers the kernels share (#include "parallel_tasks.h"): on the include path, and in every build's key
@@ -44,15 +59,25 @@ INCLUDE_DIR = Path(__file__).with_name("csrc")
 
 
 def build_name(prefix: str, source: Path, cflags: list[str]) -> str:
-    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h"))]
+    """``prefix`` + the ISA level + a hash of everything the binary depends on."""
+    isa = pagoda_platform.cpu_isa()
+    headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h*"))]
+    host = _cpu_flags() if any("native" in flag for flag in cflags) else ""  # -march=native: this CPU's flags
     key = "\n".join([source.read_text(), *headers, " ".join(cflags), torch.__version__, platform.machine(),
-                     _cpu_flags()])
-    return prefix + hashlib.sha256(key.encode()).hexdigest()[:16]
+                     isa.level, host])
+    level = "native" if isa.native else isa.level
+    return f"{prefix}{level}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def build_and_load(prefix: str, source: Path, cflags: list[str] = NATIVE_CFLAGS, is_python_module: bool = False):
-    """Compile ``source`` once per (source, flags, torch, CPU) and load it: the module when
-    ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. Raises on failure."""
+def failure_marker(build_dir: Path) -> Path:
+    return build_dir.with_name(build_dir.name + ".failed")
+
+
+def build_and_load(prefix: str, source: Path, cflags: list[str] | None = None, is_python_module: bool = False):
+    """Compile ``source`` once per (source, flags, torch, ISA level) and load it: the module when
+    ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. Raises on failure,
+    PreviousBuildFailed without compiling when this build failed before."""
+    cflags = kernel_cflags() if cflags is None else cflags
     from torch.utils import cpp_extension
 
     from pagoda.config.paths import cache_dir
@@ -63,14 +88,29 @@ def build_and_load(prefix: str, source: Path, cflags: list[str] = NATIVE_CFLAGS,
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     name = build_name(prefix, source, cflags)
     build_dir = cache_dir() / "cpu_kernels" / name
+    marker = failure_marker(build_dir)
+    if marker.exists():
+        raise PreviousBuildFailed(f"{source.name} failed to build before with these flags ({marker}; delete it "
+                                  f"to retry): {marker.read_text()[-500:]}")
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("Loading %s (compiled once into %s)", source.name, build_dir)
     with open(build_dir.with_name(name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():  # another process failed while this one waited for the lock
+            raise PreviousBuildFailed(f"{source.name} failed to build ({marker}): {marker.read_text()[-500:]}")
         (build_dir / "lock").unlink(missing_ok=True)  # torch's, stale: no other process is building here now
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
-                                  build_directory=str(build_dir), extra_include_paths=[str(INCLUDE_DIR)],
-                                  is_python_module=is_python_module, verbose=False)
+        try:
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                      build_directory=str(build_dir), extra_include_paths=[str(INCLUDE_DIR)],
+                                      is_python_module=is_python_module, verbose=False)
+        except Exception as e:
+            if _is_compile_error(e):  # a load error (a library already registered...) is not the build's fault
+                marker.write_text(f"{type(e).__name__}: {e}")
+            raise
+
+
+def _is_compile_error(e: Exception) -> bool:
+    return isinstance(e, RuntimeError) and "Error building extension" in str(e)
 
 
 class OptionalExtension:
@@ -89,10 +129,11 @@ class OptionalExtension:
         with self._lock:
             if self._loaded is None:
                 self._loaded = False
+                enabled, why_not = pagoda_platform.cpu_kernels_enabled()
                 if os.environ.get(self.env_switch, "1") == "0":
                     logger.info("%s=0: %s uses the torch path", self.env_switch, self.what)
-                elif not compiler_available():
-                    logger.warning("No C++ compiler found: %s uses the slower torch path", self.what)
+                elif not enabled:
+                    logger.warning("%s: %s uses the slower torch path", why_not, self.what)
                 else:
                     try:
                         build_and_load(self.prefix, self.source)

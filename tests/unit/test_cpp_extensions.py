@@ -22,7 +22,7 @@ pytestmark = [
 def test_a_stale_build_lock_from_a_killed_process_does_not_hang_the_next_load():
     assert fused_cpu_ops.available()
     extension = fused_cpu_ops._extension
-    name = cpp_extensions.build_name(extension.prefix, extension.source, cpp_extensions.NATIVE_CFLAGS)
+    name = cpp_extensions.build_name(extension.prefix, extension.source, cpp_extensions.kernel_cflags())
     stale = cache_dir() / "cpu_kernels" / name / "lock"
     stale.touch()  # what torch's builder leaves when its process is killed while it holds the lock
     load = textwrap.dedent(f"""

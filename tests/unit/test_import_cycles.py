@@ -119,8 +119,9 @@ def test_test_files_have_unique_basenames():
 # The runtime's packages from the bottom up (docs/architecture.md draws them): a module may import its own
 # layer and the layers below, never above. Top-level modules count as packages of their own.
 RUNTIME_LAYERS = [
-    {"__init__", "errors", "sampling_params", "pooling_params", "config"},  # contracts and configuration
-    {"process", "platform", "cpp_extensions", "ops"},  # this process, its CPU and its compiled kernels
+    {"__init__", "errors", "sampling_params", "pooling_params", "config", "platform"},  # contracts, configuration,
+    # and the device and CPU found once (platform chooses dtype and kernels; config resolves "auto" through it)
+    {"process", "cpp_extensions", "ops"},  # this process and its compiled kernels
     {"core", "structured_output"},  # torch-free: scheduling, blocks, sequences, step contracts, grammars
     {"distributed", "kernels", "attention", "layers", "models"},  # collectives and the nn code
     {"sample", "spec_decode"},  # sampling, pooling, logprobs, rejection sampling, draft proposers

@@ -83,10 +83,10 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, tiny_llama_
 
 
 def test_auto_dtype_resolution(tiny_llama_dir):
-    from pagoda.config import cpu_has_fast_bf16
+    from pagoda.platform import choose_dtype
 
     cfg = EngineArgs(model=str(tiny_llama_dir)).create_config()
-    assert cfg.model.dtype == ("bfloat16" if cpu_has_fast_bf16() else "float32")
+    assert cfg.model.dtype == choose_dtype("cpu")[0]
     assert cfg.attention_backend == "torch" and cfg.device == "cpu"
 
 

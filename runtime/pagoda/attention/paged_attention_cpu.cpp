@@ -8,8 +8,9 @@
 // Scores and the softmax are float32 whatever the cache dtype.
 
 #include <torch/library.h>
+#include "cpu_isa.h"
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_ISA_AVX512)
 #include <immintrin.h>
 #endif
 
@@ -129,7 +130,7 @@ void decode_one(
     for (int64_t d = 0; d < head_size; ++d) out[g * out_head_stride + d] = from_float<scalar_t>(acc[g][d]);
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_ISA_AVX512)
 // exp(x) of 16 lanes, as exp_nonpositive (2^i by scalef)
 inline __m512 exp_nonpositive16(__m512 x) {
   const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(-126.f));
@@ -146,7 +147,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
 
 #endif
 
-#if defined(__AVX512BF16__)
+#if defined(PAGODA_ISA_AVX512BF16)
 // Decode for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs straight
 // from the cache (no widening pass). Scores: one instruction per 32 head-dim elements and a horizontal sum
 // per (key, head). P @ V: two keys at a time, their value rows interleaved into pairs and the two
@@ -368,7 +369,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t table_stride = block_tables.stride(0);
   const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
 
-#if defined(__AVX512BF16__)
+#if defined(PAGODA_ISA_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (block_size % 2 == 0 && (head_size == 64 || head_size == 128)) {
       auto decode = head_size == 64 ? decode_bf16<64> : decode_bf16<128>;
@@ -446,7 +447,7 @@ inline void online_softmax_update(TileState<kWidth>& st, int64_t v, const float*
     for (int64_t d = 0; d < head_size; ++d) o[d] += p[j] * st.values[j][d];
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_ISA_AVX512)
 // Vectors v..v+kVectors-1 against the chunk: their scores share each key row load (kVectors independent
 // FMA chains), then each takes its softmax step and adds its 16 weighted value rows, kHeadSize/16 vectors wide.
 template <int kHeadSize, int kVectors>
@@ -513,7 +514,7 @@ void prefill_tile(
     int64_t visible[kTileVectors];  // causal: vector v (row v / group) sees keys t <= its position
     for (int64_t v = 0; v < vectors; ++v) visible[v] = std::min(keys, first_pos + v / group - t0 + 1);
     int64_t v = 0;
-#if defined(__AVX512F__)
+#if defined(PAGODA_ISA_AVX512)
     if constexpr (kHeadSize > 0 && kHeadSize % 16 == 0) {
       for (; v + 4 <= vectors; v += 4) chunk_step_avx512<kHeadSize, 4>(st, v, visible + v);
       for (; v < vectors; ++v) chunk_step_avx512<kHeadSize, 1>(st, v, visible + v);
@@ -536,7 +537,7 @@ void prefill_tile(
     }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(PAGODA_ISA_AVX512BF16)
 // prefill_tile for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs as they
 // are, where the generic tile widens every key and value to float32 and spends one FMA per element.
 // 32 keys a chunk (two score vectors: the softmax's reductions are paid once per 32 keys). Scores: the
@@ -698,7 +699,7 @@ struct PrefillItem {
   int64_t seq, kv_head, first_row, rows, g0, heads;  // rows relative to the sequence's first query row
 };
 
-#if defined(__AVX512BF16__)
+#if defined(PAGODA_ISA_AVX512BF16)
 // prefill_all's items on a bfloat16 cache. A sequence with several row tiles has each chunk they share
 // prepared once, for all KV heads in parallel, before the items run (it takes as much memory as the context's
 // K and V); a sequence with one tile (a verification, a short chunk) prepares its chunks as it reads them, where
@@ -783,7 +784,7 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
         for (int64_t g0 = 0; g0 < group; g0 += heads_per_item)
           items.push_back({i, h, r0, std::min(rows_per_item, q_len - r0), g0, std::min(heads_per_item, group - g0)});
   }
-#if defined(__AVX512BF16__)
+#if defined(PAGODA_ISA_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (head_size == 64 || head_size == 128) {
       (head_size == 64 ? prefill_items_bf16<64> : prefill_items_bf16<128>)(

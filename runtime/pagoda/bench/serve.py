@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagoda.platform.isa import ALL_LEVELS
+
 _WORDS = ("the of and to in is was for on are with as by at from his her they be this that have which "
           "one you had not but what all were when we there can an your their said if do will each about "
           "how up out them then she many some so these would other into has more two time like him see "
@@ -317,7 +319,12 @@ def parse_args(argv):
     p.add_argument("--vllm-model", default=None, metavar="DIR",
                    help="the model directory vLLM serves (default: the Pagoda server's, from /v1/models)")
     p.add_argument("--result-json", default=None, help="also write the summary to this file")
+    p.add_argument("--isa", default=None, choices=ALL_LEVELS, metavar="LEVEL",
+                   help="with --offline: run the engine's kernels (and torch's ATen, MKL, oneDNN) at this CPU ISA "
+                        f"level ({', '.join(ALL_LEVELS)}); a server takes PAGODA_CPU_ISA=LEVEL instead")
     args = p.parse_args(argv)
+    if args.isa and not args.offline:
+        p.error("--isa applies to the in-process engine (--offline); start the server with PAGODA_CPU_ISA=LEVEL")
     if args.vllm_python and args.offline:
         p.error("--vllm-python compares servers: it cannot be combined with --offline")
     if args.dataset == "jsonl" and not args.dataset_path:
@@ -340,7 +347,23 @@ def discover_model(base_url: str, api_key: str | None) -> tuple[str, str | None]
     return data["id"], data.get("root")
 
 
+def cpu_line(forced_here: bool) -> str:
+    """The CPU beside the figures: this host's, at the level the engine runs (a server's own when it runs here)."""
+    from pagoda import platform
+
+    isa = platform.cpu_isa()
+    where = "in-process engine" if forced_here else "this host (the server's, if it runs here)"
+    return f"CPU: {isa.model}; ISA level {isa.level} ({'forced' if isa.forced else 'native'}; {where})"
+
+
 async def main_async(args) -> dict:
+    if args.isa:
+        from pagoda import platform
+
+        try:
+            platform.force_level(args.isa)
+        except platform.UnsupportedIsa as e:
+            raise SystemExit(f"--isa: {e}") from None
     if args.offline:
         from pagoda import AsyncEngineArgs, AsyncLLMEngine
 
@@ -364,12 +387,17 @@ async def main_async(args) -> dict:
     finally:
         if args.offline:
             engine.shutdown()
+    print(cpu_line(bool(args.offline)))
     print(report(summary, title))
     if args.vllm_python:
         peer = await measure_vllm(args, model, args.vllm_model or root, warmup, requests)
         print(report(peer, "vLLM (same client, same requests) Benchmark Result"))
         print(compare(summary, peer))
         summary["vllm"] = peer
+    from pagoda import platform
+
+    isa = platform.cpu_isa()
+    summary.update(cpu=isa.model, isa_level=isa.level, isa_forced=isa.forced)
     return summary
 
 

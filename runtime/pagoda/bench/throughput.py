@@ -14,6 +14,7 @@ import torch
 from pagoda.bench.memory import PeakMemory
 from pagoda.bench.vllm_peer import check_vllm_python, run_offline
 from pagoda.bench.workload import synthetic_requests
+from pagoda.platform.isa import ALL_LEVELS
 
 
 def parse_args(argv):
@@ -36,6 +37,10 @@ def parse_args(argv):
                    help="also run the workload through vLLM from this installation's Python (or venv directory), "
                         "after Pagoda, so that the ratio is measured in one run")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
+    p.add_argument("--isa", default=None, choices=ALL_LEVELS, metavar="LEVEL",
+                   help="run Pagoda's kernels (and torch's ATen, MKL and oneDNN) at this CPU ISA level, to show on "
+                        f"one machine what a lesser CPU gets: {', '.join(ALL_LEVELS)} (default: PAGODA_CPU_ISA, "
+                        "else native)")
     return p.parse_args(argv)
 
 
@@ -154,6 +159,13 @@ def summarize(name, requests, elapsed, peak_bytes):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pagoda import platform
+
+    if args.isa:
+        try:
+            platform.force_level(args.isa)
+        except platform.UnsupportedIsa as e:
+            raise SystemExit(f"--isa: {e}") from None
     from transformers import AutoTokenizer
 
     from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
@@ -170,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_hf:
         results.append(run_hf(args, requests[: args.hf_sequential_requests], 1))
         results.append(run_hf(args, requests, args.hf_batch_size))
+    isa = platform.cpu_isa()
+    print(f"CPU: {isa.model}; ISA level {isa.level}" + (" (forced)" if isa.forced else " (native)")
+          + f"; {torch.get_num_threads()} threads")
     print_table(results)
     pagoda = results[0]
     peak = matmul_flops(torch.float32 if pagoda["dtype"] == "float32" else getattr(torch, pagoda["dtype"]),
@@ -182,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
               "output tokens/s")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"results": results, "matmul_flops_per_s": peak, "decode_mfu": mfu}, f, indent=2)
+            json.dump({"results": results, "matmul_flops_per_s": peak, "decode_mfu": mfu, "cpu": isa.model,
+                       "isa_level": isa.level, "isa_forced": isa.forced}, f, indent=2)
     return 0
 
 

@@ -173,23 +173,13 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(dtype: str, device: str, hf_config) -> str:
+    """``auto`` becomes what pagoda.platform finds fastest on the device (choose_dtype gives the reason)."""
     if dtype != "auto":
         return dtype
-    if device.startswith("cuda"):
-        import torch
+    from pagoda.platform import choose_dtype
 
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    return choose_dtype(device)[0]
 
 
 def _resolve_max_model_len(requested: int | None, hf_config) -> int:

@@ -30,8 +30,6 @@ from pagoda import cpp_extensions
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("shm_allreduce.cpp")
-# no -ffast-math: the sums must be plain IEEE additions in rank order, the same bits on every rank
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 ENABLE_ENV = "PAGODA_CPU_SHM_ALLREDUCE"
 TIMEOUT_ENV = "PAGODA_CPU_SHM_ALLREDUCE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 30.0
@@ -49,7 +47,9 @@ def load_module():
         if _module is None:
             if not cpp_extensions.compiler_available():
                 raise RuntimeError("no C++ compiler found")
-            _module = cpp_extensions.build_and_load("pagoda_shm_", SOURCE, CFLAGS, is_python_module=True)
+            _module = cpp_extensions.build_and_load(
+                # no -ffast-math: the sums must be plain IEEE additions in rank order, the same bits on every rank
+                "pagoda_shm_", SOURCE, cpp_extensions.kernel_cflags(fast_math=False), is_python_module=True)
     return _module
 
 

@@ -1,9 +1,11 @@
-"""bfloat16 matmuls on CPUs with AVX512_BF16, through ``bf16_matmul_cpu.cpp`` (built on first use and cached,
-``pagoda.cpp_extensions``), on weights packed once by ``pack``.
+"""bfloat16-weight matmuls on the CPU, through ``bf16_matmul_cpu.cpp`` (built on first use and cached for the
+ISA level ``pagoda.platform`` chose, ``pagoda.cpp_extensions``), on weights packed once by ``pack``.
 
-At decode's few rows they stream the weights twice as fast as oneDNN's packed matmul (a batch-1 step is
-bound by that read); at large batches they are on par. Elsewhere (no AVX512_BF16, no compiler,
-``PAGODA_CPU_KERNELS=0``) ``available()`` is False and ``packed_weights`` uses oneDNN's layout instead.
+With AVX512_BF16 they stream the weights twice as fast as oneDNN's packed matmul at decode's few rows (a
+batch-1 step is bound by that read) and are on par at large batches. On AVX2 the weights stay bfloat16 in
+memory and are widened to float32 in registers: decode reads half the bytes of a float32 model, prefill
+runs float32 FMAs. ``pagoda.platform.bf16_matmul_layout`` decides where this kernel is used; without a
+compiler or with ``PAGODA_CPU_KERNELS=0`` ``available()`` is False.
 """
 
 from pathlib import Path
@@ -21,7 +23,12 @@ _extension = cpp_extensions.OptionalExtension(
 
 
 def available() -> bool:
-    return _extension.available() and torch.ops.pagoda_bf16_matmul.supported()
+    return _extension.available()
+
+
+def isa_level() -> str:
+    """The ISA level the loaded kernel was compiled for (its micro-kernel's)."""
+    return torch.ops.pagoda_bf16_matmul.isa_level()
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -14,7 +14,9 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#include "cpu_isa.h"
+
+#if defined(PAGODA_ISA_AVX512) || defined(PAGODA_ISA_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -246,7 +248,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0;
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_index = 0;
-#if defined(__AVX512F__)
+#if defined(PAGODA_ISA_AVX512)
   if (n >= 16) {
     // per lane: the largest value seen and its first index; the lane maxima then meet, lowest index first
     __m512 lane_best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -263,6 +265,31 @@ int64_t argmax_row(const float* x, int64_t n) {
     best = _mm512_reduce_max_ps(lane_best);
     const __mmask16 at_best = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
     best_index = _mm512_mask_reduce_min_epi32(at_best, lane_index);
+  }
+#elif defined(PAGODA_ISA_AVX2)
+  if (n >= 8) {  // as above, 8 lanes; the lanes meet in scalar code
+    __m256 lane_best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256i lane_index = _mm256_setzero_si256();
+    __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 greater = _mm256_cmp_ps(v, lane_best, _CMP_GT_OQ);
+      lane_best = _mm256_blendv_ps(lane_best, v, greater);
+      lane_index = _mm256_blendv_epi8(lane_index, index, _mm256_castps_si256(greater));
+      index = _mm256_add_epi32(index, step);
+    }
+    float lane_values[8];
+    int32_t lane_indices[8];
+    _mm256_storeu_ps(lane_values, lane_best);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lane_indices), lane_index);
+    best = lane_values[0];
+    best_index = lane_indices[0];
+    for (int j = 1; j < 8; ++j)
+      if (lane_values[j] > best || (lane_values[j] == best && lane_indices[j] < best_index)) {
+        best = lane_values[j];
+        best_index = lane_indices[j];
+      }
   }
 #endif
   for (; i < n; ++i)

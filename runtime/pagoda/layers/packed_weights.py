@@ -5,8 +5,10 @@ decode's few rows that costs as much as the product itself. Packing after loadin
 freezing pass does, removes that; the plain copy is freed, so weights take no more memory (a tied LM head
 keeps the embedding's plain copy for lookups, as before).
 
-Two layouts: ``bf16_matmul_cpu``'s where the CPU has AVX512_BF16 (it streams the weights at memory speed,
-twice oneDNN's rate at decode's few rows), else oneDNN's blocked layout.
+Two layouts, chosen by ``pagoda.platform.bf16_matmul_layout``: ``bf16_matmul_cpu``'s where its kernel runs at
+the CPU's ISA level (AVX512_BF16's dot products, or AVX2/AVX-512 FMAs on weights widened in registers; it
+streams the weights at memory speed, twice oneDNN's rate at decode's few rows), else oneDNN's blocked layout
+where oneDNN has bfloat16 matmuls; elsewhere the weights stay as loaded.
 """
 
 from dataclasses import dataclass
@@ -15,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import platform
 from pagoda.layers import bf16_matmul_cpu
 
-ONEDNN, VNNI = "onednn", "vnni"  # oneDNN's blocked layout; bf16_matmul_cpu's [N/32, K/2, 32, 2]
+ONEDNN, VNNI = platform.ONEDNN, platform.VNNI  # oneDNN's blocked layout; bf16_matmul_cpu's [N/32, K/2, 32, 2]
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,11 @@ class PackedWeight:
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return device.type == "cpu" and dtype == torch.bfloat16 and platform.bf16_matmul_layout() != platform.PLAIN
+
+
+def _onednn_supported() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None,
@@ -47,11 +53,16 @@ def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None,
     return y.float() if float32_out else y
 
 
-def pack(weight: torch.Tensor) -> PackedWeight:
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """The weight in the platform's layout; oneDNN's where the kernel cannot take it (or did not build), None
+    where oneDNN has no bfloat16 matmul either (the weight stays plain)."""
     weight = weight.detach()
-    if bf16_matmul_cpu.can_pack(weight) and bf16_matmul_cpu.available():
+    if (platform.bf16_matmul_layout() == VNNI and bf16_matmul_cpu.can_pack(weight)
+            and bf16_matmul_cpu.available()):
         return PackedWeight(bf16_matmul_cpu.pack(weight), VNNI, weight.shape[0])
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), ONEDNN, weight.shape[0])
+    if _onednn_supported():
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), ONEDNN, weight.shape[0])
+    return None
 
 
 def pack_weights(model: nn.Module) -> None:
@@ -61,5 +72,5 @@ def pack_weights(model: nn.Module) -> None:
         if not hasattr(type(layer), "packed_weight") or layer.weight is None:
             continue
         layer.packed_weight = pack(layer.weight)
-        if not getattr(layer, "shares_weight", False):
+        if layer.packed_weight is not None and not getattr(layer, "shares_weight", False):
             layer.weight = None  # forward uses packed_weight from now on

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda import cpp_extensions
+from pagoda import platform as pagoda_platform
 from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
@@ -58,10 +59,10 @@ class ModelRunner:
         self.triton_ops = config.attention_backend == "triton"
         if self.device.type == "cpu":
             keep_freed_memory()
-            if config.attention_backend == "torch":  # build the C++ kernels now, not inside the first request
+            plan = pagoda_platform.log_cpu_plan(config.model.dtype)  # what runs on this CPU, and why
+            if config.attention_backend == "torch" and plan.cpp_kernels:  # built now, not in the first request
                 # bfloat16 matmuls, and the Llama layer loop that calls them
-                matmul = [bf16_matmul_cpu.available, llama_layers_cpu.build] \
-                    if packing_supported(self.device, self.dtype) else []
+                matmul = [bf16_matmul_cpu.available, llama_layers_cpu.build] if plan.layer_loop else []
                 cpp_extensions.build_concurrently(cpu_kernels.available, fused_cpu_ops.available, *matmul)
         torch.manual_seed(config.seed)
         self.model = self._load_model(hf, config.model.path, config.model.quantization,

@@ -1,0 +1,36 @@
+// What every ISA's bfloat16 matmul micro-kernel shares (bf16_matmul_{avx512bf16,avx2,generic}.h): the packed
+// weight layout and the epilogue. Packed layout: [ceil(N/32), K/2, 32, 2]; block b holds output columns
+// [32b, 32b+32), and for each pair of input columns the 32 outputs' two weights side by side (rows past N: 0).
+// As int32 lanes, lane j of pair k is (w[j][2k] in the low half, w[j][2k+1] in the high half): AVX512_BF16
+// multiplies such pairs directly; elsewhere `lane << 16` and `lane & 0xFFFF0000` are the two weights in float32.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#include "bf16_scalar.h"
+
+namespace pagoda::bf16_matmul {
+
+using bf16 = c10::BFloat16;
+constexpr int64_t kBlockN = 32;  // output columns per packed block
+
+// One task: rows of x against one packed block.
+struct BlockTask {
+  const bf16* x;         // [rows, K] bfloat16, rows ldx apart
+  const float* x_float;  // the same rows widened to float32 (rows ldx_float apart), or null
+  int64_t ldx, ldx_float, rows;
+  const bf16* block;  // [K/2, 32, 2]
+  int64_t k_pairs;
+  int64_t ldy, ncols;  // y's row stride; the block's columns that exist (<= 32)
+  const bf16* bias;    // [ncols] or null
+};
+
+// y[0:ncols] = sums[0:ncols] (+ bias), rounded once to y's type
+template <typename OutT>
+inline void store_row(OutT* y, const float* sums, int64_t ncols, const bf16* bias) {
+  for (int64_t j = 0; j < ncols; ++j) store_float(y + j, sums[j] + (bias ? bf16_to_float(bias[j]) : 0.f));
+}
+
+}  // namespace pagoda::bf16_matmul

@@ -1,0 +1,159 @@
+"""The CPU's instruction-set level, detected once from the OS (no torch): what the C++ kernels are built for.
+
+Levels, lowest first, per architecture:
+
+- x86_64: ``generic`` (no -march), ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL), ``avx512bf16`` (+ BF16;
+  AMX is reported as a feature, its kernels are the avx512bf16 ones);
+- aarch64: ``generic``, ``neon`` (SVE and BF16 are reported as features).
+
+``PAGODA_CPU_ISA=native|<level>`` forces a level (native: the best this CPU executes, built with -march=native /
+-mcpu=native); a level the host cannot execute is refused with an error naming the levels it can.
+"""
+
+import os
+import platform as _platform
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV = "PAGODA_CPU_ISA"
+LEVELS = {"x86_64": ("generic", "avx2", "avx512", "avx512bf16"), "aarch64": ("generic", "neon")}
+ALL_LEVELS = ("native", "generic", "avx2", "avx512", "avx512bf16", "neon")
+
+# the compiler flags that target a level (besides -O3 -ffast-math -fopenmp); native: the host's own
+LEVEL_FLAGS = {
+    "generic": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                   "-mavx512bf16"],
+    "neon": [],  # NEON (ASIMD) is aarch64's baseline
+}
+
+
+class UnsupportedIsa(ValueError):
+    """PAGODA_CPU_ISA names a level this host cannot execute, or no level at all."""
+
+
+@dataclass(frozen=True)
+class CpuIsa:
+    arch: str  # x86_64, aarch64 or what platform.machine() says
+    model: str  # the CPU's marketing name, "unknown" where the OS does not say
+    features: frozenset[str] = field(default_factory=frozenset)  # normalised: avx2, fma, avx512bf16, sve, bf16...
+    best: str = "generic"  # the highest level the host executes
+    level: str = "generic"  # the level the kernels are built for (best unless forced)
+    forced: bool = False  # PAGODA_CPU_ISA named a level
+
+    @property
+    def native(self) -> bool:
+        """Built for the host itself (-march=native), not a lesser level."""
+        return self.level == self.best and not self.forced
+
+    @property
+    def executable_levels(self) -> tuple[str, ...]:
+        levels = LEVELS.get(self.arch, ("generic",))
+        return levels[:levels.index(self.best) + 1]
+
+    def has_native_bf16(self) -> bool:
+        """bfloat16 dot products in hardware at this level (AVX512_BF16/AMX; ARM BF16 with native builds)."""
+        return self.level == "avx512bf16" or (self.level == "neon" and self.native and "bf16" in self.features)
+
+    def compile_flags(self) -> list[str]:
+        if self.native:
+            return ["-mcpu=native"] if self.arch == "aarch64" else ["-march=native"]
+        return list(LEVEL_FLAGS[self.level])
+
+    def describe(self) -> str:
+        how = "forced by " + ENV if self.forced else "detected"
+        extra = sorted(self.features & {"amx", "sve", "bf16", "avx512bf16"})
+        return (f"{self.model} ({self.arch}), ISA level {self.level} ({how}; best on this CPU: {self.best}"
+                + (f"; features {', '.join(extra)}" if extra else "") + ")")
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _sysctl(name: str) -> str:
+    try:
+        return subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpuinfo_field(cpuinfo: str, *names: str) -> str:
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in names:
+            return value.strip()
+    return ""
+
+
+def features_from_cpuinfo(arch: str, cpuinfo: str) -> frozenset[str]:
+    """Normalised features from /proc/cpuinfo's "flags" (x86) or "Features" (ARM) line."""
+    words = set(_cpuinfo_field(cpuinfo, "flags", "Features").split())
+    if arch == "x86_64":
+        names = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
+                 "avx512vl": "avx512vl", "avx512dq": "avx512dq", "avx512_bf16": "avx512bf16", "amx_bf16": "amx"}
+    else:
+        names = {"asimd": "neon", "sve": "sve", "bf16": "bf16", "i8mm": "i8mm", "asimddp": "dotprod"}
+    return frozenset(ours for theirs, ours in names.items() if theirs in words)
+
+
+def best_level(arch: str, features: frozenset[str]) -> str:
+    if arch == "x86_64":
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= features:
+            return "avx512bf16" if "avx512bf16" in features else "avx512"
+        return "avx2" if {"avx2", "fma", "f16c"} <= features else "generic"
+    if arch == "aarch64":
+        return "neon" if "neon" in features else "generic"
+    return "generic"
+
+
+def _normalised_arch() -> str:
+    machine = _platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def _host() -> tuple[str, str, frozenset[str]]:
+    arch = _normalised_arch()
+    if _platform.system() == "Darwin":  # no /proc: sysctl
+        model = _sysctl("machdep.cpu.brand_string") or "unknown"
+        if arch == "aarch64":
+            features = {"neon"}
+            if _sysctl("hw.optional.arm.FEAT_BF16") == "1":
+                features.add("bf16")
+            return arch, model, frozenset(features)
+        words = (_sysctl("machdep.cpu.features") + " " + _sysctl("machdep.cpu.leaf7_features")).lower().split()
+        return arch, model, features_from_cpuinfo(arch, "flags: " + " ".join(words).replace(".", "_"))
+    cpuinfo = _read("/proc/cpuinfo")
+    model = _cpuinfo_field(cpuinfo, "model name", "Model name", "cpu model", "Hardware") or "unknown"
+    if model == "unknown" and arch == "aarch64":
+        part = _cpuinfo_field(cpuinfo, "CPU part")
+        model = f"ARM CPU part {part}" if part else model
+    return arch, model, features_from_cpuinfo(arch, cpuinfo)
+
+
+def resolve(arch: str, model: str, features: frozenset[str], requested: str | None) -> CpuIsa:
+    """The level to build for: ``requested`` (PAGODA_CPU_ISA's value; None or "native": the best)."""
+    best = best_level(arch, features)
+    requested = (requested or "native").strip().lower()
+    if requested == "native":
+        return CpuIsa(arch, model, features, best, best, False)
+    if requested not in ALL_LEVELS:
+        raise UnsupportedIsa(f"{ENV}={requested!r} is not a CPU ISA level; use one of {', '.join(ALL_LEVELS)}")
+    levels = LEVELS.get(arch, ("generic",))
+    executable = levels[:levels.index(best) + 1]
+    if requested not in executable:
+        raise UnsupportedIsa(f"{ENV}={requested}: this CPU ({model}, {arch}) cannot execute {requested} code; "
+                             f"it can run {', '.join(('native',) + executable)}")
+    return CpuIsa(arch, model, features, best, requested, True)
+
+
+def detect(requested: str | None = None) -> CpuIsa:
+    """The host's ISA, at the level PAGODA_CPU_ISA asks for (or ``requested``)."""
+    arch, model, features = _host()
+    return resolve(arch, model, features, requested if requested is not None else os.environ.get(ENV))

@@ -1,0 +1,65 @@
+"""bf16_matmul_cpu's kernel at the ISA level this process builds for (tests/kernels/test_cpu_isa_levels.py runs
+this file at every level the host can execute): float32 sums of bfloat16 weights and inputs against torch's
+float32 product, for decode's few rows and prefill's many, part-filled blocks, bias, strided rows."""
+
+import shutil
+
+import pytest
+import torch
+
+from pagoda import platform
+from pagoda.layers import bf16_matmul_cpu
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: the kernel cannot be built here"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if not platform.cpu_kernels_enabled()[0]:
+        pytest.skip(platform.cpu_kernels_enabled()[1])
+    assert bf16_matmul_cpu.available(), "the bfloat16 matmul kernel failed to build (see the log)"
+
+
+def test_the_kernel_is_built_for_this_processes_level():
+    isa = platform.cpu_isa()
+    assert bf16_matmul_cpu.isa_level() == isa.level
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 64, 65, 200])
+@pytest.mark.parametrize("out_features, in_features", [(64, 96), (100, 64), (33, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_sums_match_torch(rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    exact = x.float() @ weight.float().t() + (b.float() if bias else 0)
+    packed = bf16_matmul_cpu.pack(weight)
+
+    wide = bf16_matmul_cpu.linear(x, packed, out_features, b, float32_out=True)
+    narrow = bf16_matmul_cpu.linear(x, packed, out_features, b)
+
+    assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+    torch.testing.assert_close(wide, exact, atol=2e-4 * in_features ** 0.5, rtol=1e-5)
+    assert torch.equal(narrow, wide.bfloat16())  # rounded once, to nearest even
+
+
+def test_strided_and_batched_rows():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 128, generator=gen).bfloat16()
+    packed = bf16_matmul_cpu.pack(weight)
+    x = torch.randn(2, 5, 256, generator=gen).bfloat16()[..., :128]  # rows 256 apart
+    got = bf16_matmul_cpu.linear(x, packed, 96, None, float32_out=True)
+    assert got.shape == (2, 5, 96)
+    torch.testing.assert_close(got, x.float() @ weight.float().t(), atol=3e-3, rtol=1e-5)
+
+
+def test_a_mismatched_input_is_refused():
+    packed = bf16_matmul_cpu.pack(torch.randn(64, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        bf16_matmul_cpu.linear(torch.randn(1, 32).bfloat16(), packed, 64, None)
+    with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
+        bf16_matmul_cpu.linear(torch.randn(1, 64), packed, 64, None)
