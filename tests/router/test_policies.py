@@ -119,3 +119,44 @@ def test_unknown_policy_and_missing_backends_are_usage_errors(capsys):
             main(argv)
         assert e.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_router_prefers_backends_serving_the_model_and_rejects_when_full():
+    from pagoda.entrypoints.openai.errors import APIError
+    from pagoda.router.proxy import Router, RouterConfig
+
+    pool = BackendPool(["http://a:1", "http://b:1"])
+    router = Router(pool, LeastLoad(), RouterConfig(max_in_flight_per_backend=2))
+    with pytest.raises(APIError) as e:
+        router.choose(RoutingRequest(), set())
+    assert e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
+    a, b = pool.get("http://a:1"), pool.get("http://b:1")
+    a.mark_up(), b.mark_up()
+    a.models, b.models = frozenset({"base", "sql-lora"}), frozenset({"base"})
+    b.in_flight = 0
+    a.in_flight = 1  # busier, but the only one with the adapter resident
+    assert router.choose(RoutingRequest(model="sql-lora"), set()).backend is a
+    assert router.choose(RoutingRequest(model="base"), set()).backend is b
+    assert router.choose(RoutingRequest(model="unknown"), set()).backend is b  # nobody lists it: any
+    assert router.choose(RoutingRequest(), {b.url}).backend is a  # a retry skips the failed backend
+    a.in_flight = b.in_flight = 2
+    with pytest.raises(APIError) as e:
+        router.choose(RoutingRequest(), set())
+    assert e.value.status == 429 and e.value.code == "saturated"
+
+
+def test_flags_beat_the_environment(monkeypatch):
+    from pagoda.entrypoints.cli import build_parser
+    from pagoda.router.cli import router_args
+
+    monkeypatch.setenv("PAGODA_ROUTER_BACKEND", "http://env-a:1,http://env-b:1")
+    monkeypatch.setenv("PAGODA_ROUTER_POLICY", "session")
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices["router"]
+    args = router_args(sub, parser.parse_args(["router"]))
+    assert args.backends == ["http://env-a:1", "http://env-b:1"] and args.policy == "session"
+    args = router_args(sub, parser.parse_args(["router", "--backend", "flag:2", "--policy", "prefix"]))
+    assert args.backends == ["http://flag:2"] and args.policy == "prefix"
+    monkeypatch.setenv("PAGODA_ROUTER_PORT", "eighty")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router"])

@@ -223,12 +223,17 @@ def test_a_killed_replica_leaves_and_rejoins(router_factory, replicas, tiny_llam
     client = router.client(timeout=30, asynchronous=True)
     victim = replicas[2]
 
+    streaming = asyncio.Semaphore(0)  # released once per stream that got its first chunk
+
     async def one(i: int) -> str:
         try:
             stream = await client.completions.create(model=MODEL, prompt=f"story {i}", stream=True,
                                                      max_tokens=150, extra_body={"ignore_eos": True})
+            first = True
             async for _ in stream:
-                pass
+                if first:
+                    streaming.release()
+                    first = False
             return "ok"
         except openai.APIError as e:  # the mid-stream error event of a request on the killed replica
             assert "failed mid-stream" in e.message, e
@@ -242,7 +247,8 @@ def test_a_killed_replica_leaves_and_rejoins(router_factory, replicas, tiny_llam
 
     async def run() -> tuple[list[str], float]:
         tasks = [asyncio.create_task(one(i)) for i in range(6)]
-        await asyncio.sleep(0.6)  # every stream under way
+        for _ in tasks:  # every stream under way (150 steps of 10 ms: none is done yet)
+            await asyncio.wait_for(streaming.acquire(), timeout=60)
         victim.process.send_signal(signal.SIGKILL)
         left = asyncio.create_task(left_after(time.monotonic()))
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)  # none hangs

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "serve": "pagoda.bench.serve",
     "parallel": "pagoda.bench.parallel",
     "spec-decode": "pagoda.bench.spec_decode",
+    "router": "pagoda.bench.router",
 }
 
 

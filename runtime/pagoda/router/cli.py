@@ -25,22 +25,21 @@ def _positive_int(text: str) -> int:
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RouterArgs()
-    env_backends = _env("backend")
-    source = parser.add_mutually_exclusive_group()
+    source = parser.add_mutually_exclusive_group()  # PAGODA_ROUTER_BACKEND / _K8S_SERVICE: see router_args
     source.add_argument("--backend", action="append", dest="backends", metavar="URL",
-                        default=env_backends.split(",") if env_backends else None,
                         help="a `pagoda serve` replica's root URL, e.g. http://10.0.0.5:8000 (repeatable; "
                              "PAGODA_ROUTER_BACKEND takes a comma-separated list)")
-    source.add_argument("--k8s-service", metavar="NAME", default=_env("k8s-service"),
+    source.add_argument("--k8s-service", metavar="NAME",
                         help="discover the replicas from this Kubernetes Service's EndpointSlices (watched)")
     parser.add_argument("--namespace", metavar="NS", default=_env("namespace"),
                         help="the Service's namespace (default: the pod's own, else `default`)")
     parser.add_argument("--policy", choices=POLICIES, default=_env("policy", defaults.policy),
                         help="how a backend is chosen (default: %(default)s)")
     parser.add_argument("--host", default=_env("host", defaults.host))
-    parser.add_argument("--port", type=int, default=int(_env("port", defaults.port)))
+    # string defaults: argparse converts them with `type`, so a bad variable is an error naming the flag
+    parser.add_argument("--port", type=int, default=_env("port", str(defaults.port)))
     parser.add_argument("--max-in-flight-per-backend", type=_positive_int,
-                        default=int(_env("max-in-flight-per-backend", defaults.max_in_flight_per_backend)),
+                        default=_env("max-in-flight-per-backend", str(defaults.max_in_flight_per_backend)),
                         help="requests the router keeps open to one backend; past this on every backend it "
                              "answers 429 with Retry-After (default: %(default)s)")
     parser.add_argument("--session-header", default=_env("session-header", defaults.session_header),
@@ -56,6 +55,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
 def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> RouterArgs:
     from pagoda.router.backends import normalize_url
 
+    if not ns.backends and not ns.k8s_service:  # neither flag: the environment's (a flag replaces both)
+        env_backends = _env("backend")
+        ns.backends = [u for u in env_backends.split(",") if u.strip()] if env_backends else None
+        ns.k8s_service = None if ns.backends else _env("k8s-service")
     if not ns.backends and not ns.k8s_service:
         parser.error("give the replicas: --backend URL (repeatable) or --k8s-service NAME")
     if ns.namespace and not ns.k8s_service:
