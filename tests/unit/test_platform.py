@@ -2,6 +2,7 @@
 (refused with a clear error where the host cannot run it), the compile flags per level, the dtype "auto"
 becomes with its reason, the kernel plan, and kernel builds remembering a failure instead of retrying it."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -66,10 +67,11 @@ def test_a_level_the_host_cannot_run_is_refused(requested, message):
 
 
 def test_the_env_var_is_checked_at_startup_with_a_clear_error():
-    code = "from pagoda.config import resolve_dtype; resolve_dtype('auto', 'cpu', None)"
-    env = {**__import__("os").environ, "PAGODA_CPU_ISA": "nonsense"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode != 0 and "PAGODA_CPU_ISA='nonsense' is not a CPU ISA level" in proc.stderr
+    for dtype in ("auto", "bfloat16"):
+        code = f"from pagoda.config import resolve_dtype; resolve_dtype({dtype!r}, 'cpu', None)"
+        env = {**os.environ, "PAGODA_CPU_ISA": "nonsense"}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode != 0 and "PAGODA_CPU_ISA='nonsense' is not a CPU ISA level" in proc.stderr
 
 
 @pytest.fixture
@@ -122,7 +124,7 @@ def test_a_failed_build_is_remembered_not_retried(tmp_path):
             except Exception as e:
                 print("failed", type(e).__name__)
     """)
-    env = {**__import__("os").environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     lines = proc.stdout.split("\n")
     assert lines[0] == "failed RuntimeError", proc.stdout + proc.stderr[-2000:]
