@@ -109,8 +109,15 @@ def build_and_load(prefix: str, source: Path, cflags: list[str] | None = None, i
             raise
 
 
+# a build stopped from outside (Ctrl-C, SIGTERM to the process group, the OOM killer) says nothing about
+# the sources: the next start builds again
+_INTERRUPTED = ("interrupted by user", "Killed signal terminated program", "fatal error: Killed")
+
+
 def _is_compile_error(e: Exception) -> bool:
-    return isinstance(e, RuntimeError) and "Error building extension" in str(e)
+    message = str(e)
+    return (isinstance(e, RuntimeError) and "Error building extension" in message
+            and not any(sign in message for sign in _INTERRUPTED))
 
 
 class OptionalExtension:

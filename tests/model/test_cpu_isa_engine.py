@@ -25,22 +25,24 @@ SETTINGS = {
 }
 
 
-def run_engine(path, env_overrides: dict, dtype: str = "float32") -> tuple[list[list[int]], str]:
+def run_engine(path, env_overrides: dict, dtype: str = "float32") -> tuple[list[list[int]], str, list[dict]]:
     script = textwrap.dedent(f"""
         import json, logging
         logging.basicConfig(level=logging.INFO)
         from pagoda import LLM, SamplingParams
         llm = LLM({str(path)!r}, dtype={dtype!r}, kv_cache_memory=0.02)
-        outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0.0, max_tokens={MAX_TOKENS}, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0.0, max_tokens={MAX_TOKENS}, ignore_eos=True,
+                                                        logprobs=5), use_tqdm=False)
         print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]))
+        print("LOGPROBS", json.dumps([{{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}}
+                                      for o in outs]))
     """)
     env = {name: value for name, value in os.environ.items() if name != "PAGODA_CPU_ISA"}
     env.update({"PAGODA_CPU_KERNELS": "1", **env_overrides})
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("TOKENS "))
-    return json.loads(line[len("TOKENS "):]), proc.stderr
+    lines = dict(x.split(" ", 1) for x in proc.stdout.splitlines() if x.startswith(("TOKENS ", "LOGPROBS ")))
+    return json.loads(lines["TOKENS"]), proc.stderr, json.loads(lines["LOGPROBS"])
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -49,7 +51,7 @@ def test_greedy_tokens_equal_transformers(tiny_model_factory, setting):
     if level and level not in cpu_isa.detect("native").executable_levels:
         pytest.skip(f"this host cannot execute {level}")
     path = tiny_model_factory("llama")
-    tokens, log = run_engine(path, SETTINGS[setting])
+    tokens, log, _ = run_engine(path, SETTINGS[setting])
     assert tokens == hf_greedy(path, PROMPTS, MAX_TOKENS)
     plan = next(line for line in log.splitlines() if "CPU kernels:" in line)
     if setting == "kernels-off":
@@ -62,9 +64,14 @@ def test_bfloat16_weights_on_avx2_run_the_widening_kernel_and_the_layer_loop(tin
     if "avx2" not in cpu_isa.detect("native").executable_levels:
         pytest.skip("this host cannot execute avx2")
     path = tiny_model_factory("llama")
-    tokens, log = run_engine(path, {"PAGODA_CPU_ISA": "avx2"}, dtype="bfloat16")
+    _, log, got = run_engine(path, {"PAGODA_CPU_ISA": "avx2"}, dtype="bfloat16")
     plan = next(line for line in log.splitlines() if "CPU kernels:" in line)
     assert "dtype bfloat16" in plan and "matmul vnni" in plan and "C++ layer loop" in plan
-    reference, _ = run_engine(path, {"PAGODA_CPU_KERNELS": "0"}, dtype="bfloat16")  # torch's bfloat16 path
-    # bfloat16 rounds differently in oneDNN's matmuls: the first tokens agree, later ones may drift
-    assert [t[:4] for t in tokens] == [t[:4] for t in reference]
+    _, _, expected = run_engine(path, {"PAGODA_CPU_KERNELS": "0"}, dtype="bfloat16")  # torch's bfloat16 path
+    # float32 sums of bfloat16 weights against torch's bfloat16 matmuls: the first token's top logprobs agree
+    # (a tiny random model's near-ties make later greedy tokens drift apart at bfloat16, as they do in torch)
+    for want, have in zip(expected, got):
+        shared = want.keys() & have.keys()
+        assert len(shared) >= 4, (want, have)
+        for token in shared:
+            assert have[token] == pytest.approx(want[token], abs=0.05)

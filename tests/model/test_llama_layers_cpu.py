@@ -163,7 +163,7 @@ def test_a_layer_tensor_missing_from_the_list_is_a_clear_error(tiny_model_factor
     llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
     stack = llm.engine.executor.runner.model.model.cpu_layer_stack
     tensors = list(stack.tensors)
-    tensors[llama_layers_cpu.LAYER_SLOTS.index("qkv")] = None
+    tensors[llama_layers_cpu.layer_slots().index("qkv")] = None
     one = torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="layer 0 has no tensor in slot 1"):
         torch.ops.pagoda_llama_cpu.layers(

@@ -2,6 +2,7 @@
 (refused with a clear error where the host cannot run it), the compile flags per level, the dtype "auto"
 becomes with its reason, the kernel plan, and kernel builds remembering a failure instead of retrying it."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -66,10 +67,11 @@ def test_a_level_the_host_cannot_run_is_refused(requested, message):
 
 
 def test_the_env_var_is_checked_at_startup_with_a_clear_error():
-    code = "from pagoda.config import resolve_dtype; resolve_dtype('auto', 'cpu', None)"
-    env = {**__import__("os").environ, "PAGODA_CPU_ISA": "nonsense"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode != 0 and "PAGODA_CPU_ISA='nonsense' is not a CPU ISA level" in proc.stderr
+    for dtype in ("auto", "bfloat16"):
+        code = f"from pagoda.config import resolve_dtype; resolve_dtype({dtype!r}, 'cpu', None)"
+        env = {**os.environ, "PAGODA_CPU_ISA": "nonsense"}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode != 0 and "PAGODA_CPU_ISA='nonsense' is not a CPU ISA level" in proc.stderr
 
 
 @pytest.fixture
@@ -122,7 +124,7 @@ def test_a_failed_build_is_remembered_not_retried(tmp_path):
             except Exception as e:
                 print("failed", type(e).__name__)
     """)
-    env = {**__import__("os").environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     lines = proc.stdout.split("\n")
     assert lines[0] == "failed RuntimeError", proc.stdout + proc.stderr[-2000:]
@@ -130,3 +132,16 @@ def test_a_failed_build_is_remembered_not_retried(tmp_path):
     assert verdict == "remembered" and float(seconds) < 1 and names_the_error == "True"
     markers = list((tmp_path / "cache" / "cpu_kernels").glob("*.failed"))
     assert len(markers) == 1 and markers[0].name.startswith("pagoda_broken_")
+
+
+def test_a_build_stopped_from_outside_is_not_remembered_as_failed():
+    """Ctrl-C or SIGTERM while ninja runs (a killed test run, a pod deleted mid-build) or the OOM killer says
+    nothing about the sources: no marker, so the next start builds again."""
+    from pagoda import cpp_extensions
+
+    compile_error = RuntimeError("Error building extension 'x': broken.cpp:2:1: error: 'this' does not name a type")
+    assert cpp_extensions._is_compile_error(compile_error)
+    for stopped in ("ninja: build stopped: interrupted by user.",
+                    "c++: fatal error: Killed signal terminated program cc1plus"):
+        assert not cpp_extensions._is_compile_error(RuntimeError(f"Error building extension 'x': {stopped}"))
+    assert not cpp_extensions._is_compile_error(OSError("Error building extension: no space"))

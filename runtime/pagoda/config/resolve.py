@@ -175,10 +175,12 @@ def resolve_device(device: str) -> str:
 
 def resolve_dtype(dtype: str, device: str, hf_config) -> str:
     """``auto`` becomes what pagoda.platform finds fastest on the device (choose_dtype gives the reason)."""
+    from pagoda.platform import choose_dtype, cpu_isa
+
+    if device == "cpu":
+        cpu_isa()  # PAGODA_CPU_ISA checked here, at start-up, whatever the dtype
     if dtype != "auto":
         return dtype
-    from pagoda.platform import choose_dtype
-
     return choose_dtype(device)[0]
 
 

@@ -34,9 +34,6 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and platform.bf16_matmul_layout() != platform.PLAIN
 
 
-def _onednn_supported() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
 
 def linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None = None,
            float32_out: bool = False) -> torch.Tensor:
@@ -60,7 +57,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     if (platform.bf16_matmul_layout() == VNNI and bf16_matmul_cpu.can_pack(weight)
             and bf16_matmul_cpu.available()):
         return PackedWeight(bf16_matmul_cpu.pack(weight), VNNI, weight.shape[0])
-    if _onednn_supported():
+    if platform.onednn_bf16_supported():
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight), ONEDNN, weight.shape[0])
     return None
 

@@ -13,7 +13,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <iterator>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -65,14 +68,21 @@ const Kernels& kernels() {
   return k;
 }
 
-// A layer's tensors in layer_tensors, kSlots per layer (llama_layers_cpu.py's LAYER_SLOTS, same order).
+// A layer's tensors in layer_tensors, kSlots per layer, in this order; Python reads the names (op layer_slots)
+// and fills the list by name, so the order is written down here only.
 enum Slot {
   kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kSlots
 };
+constexpr const char* kSlotNames[] = {"input_norm", "qkv",       "qkv_bias", "q_norm", "k_norm",  "out",
+                                      "out_bias",   "post_norm", "gate_up",  "down",   "kv_cache"};
+static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kSlots, "one name per Slot");
+
+std::vector<std::string> layer_slots() { return {std::begin(kSlotNames), std::end(kSlotNames)}; }
 
 at::Tensor required(const c10::List<OptionalTensor>& tensors, int64_t layer, Slot slot) {
   OptionalTensor t = tensors.get(layer * kSlots + slot);
-  TORCH_CHECK(t.has_value(), "llama_layers: layer ", layer, " has no tensor in slot ", int(slot));
+  TORCH_CHECK(t.has_value(), "llama_layers: layer ", layer, " has no tensor in slot ", int(slot), " (",
+              kSlotNames[slot], ")");
   return *std::move(t);
 }
 
@@ -181,6 +191,7 @@ TORCH_LIBRARY(pagoda_llama_cpu, m) {
         "Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, Tensor? keep_rows, "
         "int num_heads, int num_kv_heads, int head_size, int intermediate_size, float eps, float scale) "
         "-> (Tensor, Tensor)");
+  m.def("layer_slots() -> str[]", &layer_slots);  // no tensor to dispatch on
 }
 
 TORCH_LIBRARY_IMPL(pagoda_llama_cpu, CPU, m) { m.impl("layers", &llama_layers); }

@@ -7,6 +7,7 @@ everything else: other devices, float32 and float16, quantized or oneDNN-packed 
 the memory-profiling pass (no KV cache yet), and machines where a kernel library is not built.
 """
 
+import functools
 from pathlib import Path
 
 import torch
@@ -20,9 +21,13 @@ _extension = cpp_extensions.OptionalExtension(
     "pagoda_llama_cpu_", Path(__file__).with_name("llama_layers_cpu.cpp"), "PAGODA_CPU_KERNELS",
     "the Llama layer loop")
 
-# a layer's tensors in the C++ loop's list, in its order (enum Slot)
-LAYER_SLOTS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "out", "out_bias", "post_norm", "gate_up",
-               "down", "kv_cache")
+
+
+@functools.cache
+def layer_slots() -> tuple[str, ...]:
+    """The names of a layer's tensors in the C++ loop's list, in its order (its enum Slot; the library must be
+    loaded)."""
+    return tuple(torch.ops.pagoda_llama_cpu.layer_slots())
 
 
 def build() -> bool:
@@ -59,7 +64,7 @@ def _vnni_weight(linear) -> torch.Tensor | None:
 
 
 def _layer_tensors(layer) -> list[torch.Tensor | None] | None:
-    """The layer's LAYER_SLOTS, or None when the loop cannot run it."""
+    """The layer's tensors in layer_slots() order, or None when the loop cannot run it."""
     attn, mlp = layer.self_attn, layer.mlp
     weights = [_vnni_weight(x) for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     kv_cache = attn.attn.kv_cache
@@ -72,7 +77,7 @@ def _layer_tensors(layer) -> list[torch.Tensor | None] | None:
     slots = dict(input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=attn.qkv_proj.bias,
                  q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm), out=out, out_bias=attn.o_proj.bias,
                  post_norm=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down, kv_cache=kv_cache)
-    return [slots[name] for name in LAYER_SLOTS]
+    return [slots[name] for name in layer_slots()]
 
 
 def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,

@@ -25,7 +25,7 @@ from pagoda.platform.isa import ENV as ISA_ENV
 from pagoda.platform.isa import CpuIsa, UnsupportedIsa, detect
 
 __all__ = ["ISA_ENV", "KERNELS_ENV", "CpuIsa", "CpuKernelPlan", "UnsupportedIsa", "bf16_matmul_layout",
-           "choose_dtype", "compile_flags", "cpu_isa", "cpu_kernel_plan", "cpu_kernels_enabled", "log_cpu_plan"]
+           "choose_dtype", "compile_flags", "onednn_bf16_supported", "cpu_isa", "cpu_kernel_plan", "cpu_kernels_enabled", "log_cpu_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def compile_flags() -> list[str]:
     return cpu_isa().compile_flags()
 
 
-def _onednn_bf16() -> bool:
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN (through torch) has bfloat16 matmuls on this CPU."""
     import torch
 
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -73,7 +74,7 @@ def bf16_matmul_layout() -> str:
     enabled, _ = cpu_kernels_enabled()
     if enabled and cpu_isa().level in PACKED_BF16_LEVELS:
         return VNNI
-    return ONEDNN if _onednn_bf16() else PLAIN
+    return ONEDNN if onednn_bf16_supported() else PLAIN
 
 
 def choose_dtype(device: str = "cpu") -> tuple[str, str]:
