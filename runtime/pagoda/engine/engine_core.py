@@ -22,16 +22,29 @@ from pagoda.core.sequence import Sequence
 class CoreStep:
     """What one finished batch changed."""
 
-    # every sequence's new token (appended already), the first tokens of this step's forks included
+    # every token appended this step, in order (sampled, the first tokens of this step's forks, verified runs)
     new_tokens: list[tuple[Sequence, SampledToken]] = field(default_factory=list)
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child), end of an n > 1 prompt
     failed: dict[int, str] = field(default_factory=dict)  # seq id -> why its step failed (it alone)
     # seq id -> (first position, logprobs) of the prompt tokens its chunk scored (prompt_logprobs)
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)  # embedding requests done
-    # speculative decoding: each sequence's verified run (accepted drafts, then the target's token), NOT
-    # appended yet: the caller appends them one by one, so a stop inside the run drops the rest
-    verified: list[tuple[Sequence, list[SampledToken]]] = field(default_factory=list)
+
+
+class StepObserver:
+    """Who follows the core's after-step update (the engine: its request table, text and stop decisions).
+    Told of each change in order; on_token may finish the sequence (a stop), and a verified run's tokens
+    after that are dropped. The default hears nothing."""
+
+    def on_fork(self, parent: Sequence, child: Sequence) -> None: ...
+
+    def on_failed(self, seq_id: int, message: str) -> None: ...
+
+    def on_prompt_logprobs(self, seq_id: int, start: int, scored: list[SampledToken]) -> None: ...
+
+    def on_pooled(self, seq: Sequence, vector: list[float]) -> None: ...
+
+    def on_token(self, seq: Sequence, token: SampledToken) -> None: ...
 
 
 class EngineCore:
@@ -59,9 +72,9 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.in_flight) or any(sc.num_unfinished for sc in self.schedulers)
 
-    def step(self, on_scheduled=None) -> CoreStep | None:
+    def step(self, on_scheduled=None, observer: StepObserver | None = None) -> CoreStep | None:
         """Start batches until the pipeline is full, then finish the oldest one. `on_scheduled(out)` is
-        told each batch as it starts. None when there was nothing to run."""
+        told each batch as it starts; `observer` follows its update. None when there was nothing to run."""
         busy = {id(entry[0]) for entry in self.in_flight}
         for scheduler in self.schedulers:
             if id(scheduler) in busy:
@@ -79,15 +92,17 @@ class EngineCore:
         scheduler, sched_out, handle = self.in_flight.popleft()
         result = self.executor.wait(handle)
         scheduler.step_done(sched_out, result)
-        return self._update(scheduler, result)
+        return self._update(scheduler, result, observer)
 
     @staticmethod
-    def _update(scheduler: Scheduler, result) -> CoreStep:
+    def _update(scheduler: Scheduler, result, observer: StepObserver | None = None) -> CoreStep:
+        """The one after-step update: forks made, every token appended (sampled ones and verified runs
+        alike, one at a time), the observer told of each change in order: forks, failures, prompt logprobs,
+        pooled outputs, then each token as it is appended. A sequence finished meanwhile (aborted, failed,
+        stopped) gets no more tokens."""
+        observer = observer or StepObserver()
         step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs))
-        for seq_id, tokens in result.verified.items():
-            seq = scheduler.get(seq_id)
-            if seq is not None and seq_id not in step.failed:
-                step.verified.append((seq, tokens))
+        runs: list[tuple[Sequence, list[SampledToken]]] = []  # each sequence's tokens to append, in order
         for seq_id, tokens in result.sampled.items():
             seq = scheduler.get(seq_id)
             if seq is None or seq_id in step.failed:  # finished (aborted, failed) while its step ran
@@ -99,11 +114,28 @@ class EngineCore:
                     child = scheduler.fork(seq, index)
                     step.forks.append((seq, child))
                     targets.append(child)
-            for target, token in zip(targets, tokens):
-                target.append_token(token.token_id)
-                step.new_tokens.append((target, token))
+            runs += [(target, [token]) for target, token in zip(targets, tokens)]
+        for seq_id, tokens in result.verified.items():  # speculative decoding: accepted drafts, then one more
+            seq = scheduler.get(seq_id)
+            if seq is not None and seq_id not in step.failed:
+                runs.append((seq, tokens))
         for seq_id, vector in result.pooled.items():
             seq = scheduler.get(seq_id)
             if seq is not None and seq_id not in step.failed:
                 step.pooled.append((seq, vector))
+        for parent, child in step.forks:
+            observer.on_fork(parent, child)
+        for seq_id, message in step.failed.items():
+            observer.on_failed(seq_id, message)
+        for seq_id, (start, scored) in step.prompt_logprobs.items():
+            observer.on_prompt_logprobs(seq_id, start, scored)
+        for seq, vector in step.pooled:
+            observer.on_pooled(seq, vector)
+        for seq, tokens in runs:
+            for token in tokens:
+                if seq.is_finished:  # stopped by an earlier token of its run, or its request failed
+                    break
+                seq.append_token(token.token_id)
+                step.new_tokens.append((seq, token))
+                observer.on_token(seq, token)
         return step

@@ -2,19 +2,21 @@
 (prompt → validated token ids), the engine core (schedule → execute → update: blocks, sequences, forks)
 and the output processor (text, logprobs, stops → RequestOutput). One step:
 
-    core_step = core.step()             # one batch through the model
-    register forks, record failures     # the request table follows the core's sequences
-    stops = output_processor(tokens)    # text, logprobs, stop decisions (pure functions)
-    core.finish(stopped)                # their blocks freed at once
+    core.step(observer)                 # one batch through the model; the core's one after-step update
+                                        # appends every token and tells the observer of each change:
+    observer.on_fork / on_failed / ...  # the request table follows the core's sequences
+    observer.on_token                   # text, logprobs, stop decision (output processor); a stopped
+                                        # sequence is finished at once (core.finish frees its blocks)
 """
 
 import functools
 import logging
 import time
+from functools import cached_property
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.sequence import Sequence, SequenceStatus
-from pagoda.engine.engine_core import CoreStep, EngineCore
+from pagoda.engine.engine_core import EngineCore, StepObserver
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -137,11 +139,17 @@ class LLMEngine:
     # --- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        core_step = self.core.step(self._mark_scheduled)
+        observer = _EngineStepObserver(self)
+        core_step = self.core.step(self._mark_scheduled, observer)
         self.log_stats_if_due()
         if core_step is None:
             return []
-        return self._process(core_step)
+        outputs = []
+        for state in observer.changed.values():
+            outputs.append(state.to_output())
+            if state.finished:
+                self.requests.remove(state.request_id)
+        return outputs
 
     def log_stats_if_due(self) -> None:
         """The periodic stats line: each step calls it, and an idle engine loop too, so that the last
@@ -159,64 +167,6 @@ class LLMEngine:
             state = self.requests.of_seq(s.seq_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
-
-    def _process(self, core_step: CoreStep) -> list[RequestOutput]:
-        now = time.time()
-        changed: dict[str, RequestState] = {}
-        for parent, child in core_step.forks:
-            state = self.requests.of_seq(parent.seq_id)
-            self.requests.add_seq(state, child, copy_from=parent)
-        for seq_id, message in core_step.failed.items():
-            state = self.requests.of_seq(seq_id)
-            if state is not None and not state.finished:
-                self._fail_request(state, message)
-                changed[state.request_id] = state
-        for seq_id, (start, scored) in core_step.prompt_logprobs.items():
-            state = self.requests.of_seq(seq_id)
-            if state is not None and not state.finished:
-                self.output_processor.process_prompt_logprobs(state, start, scored)
-        for seq, vector in core_step.pooled:  # embedding requests: done once their prompt has run
-            state = self.requests.of_seq(seq.seq_id)
-            if state is None or state.finished:
-                continue
-            state.embedding = vector
-            self.core.finish(seq, "stop")
-            self._count_finish("stop")
-            state.metrics.first_token_time = state.metrics.last_token_time = now
-            changed[state.request_id] = state
-        for seq, token in core_step.new_tokens:
-            self._process_token(seq, token, now, changed)
-        for seq, tokens in core_step.verified:
-            for token in tokens:  # a speculative run: tokens after a stop are dropped
-                if seq.is_finished:
-                    break
-                seq.append_token(token.token_id)
-                self._process_token(seq, token, now, changed)
-        outputs = []
-        for state in changed.values():
-            outputs.append(state.to_output())
-            if state.finished:
-                self.requests.remove(state.request_id)
-        return outputs
-
-    def _process_token(self, seq: Sequence, token, now: float, changed: dict[str, RequestState]) -> None:
-        """`token` was appended to `seq`: its text and stop check; a stopped sequence is finished at once."""
-        state = self.requests.of_seq(seq.seq_id)
-        if state is None or state.finished:
-            return
-        self.stats.generation_tokens += 1
-        try:
-            stop = self.output_processor.process_token(state, seq, token)
-        except Exception as e:  # noqa: BLE001 - one request's failure must not take the engine down
-            self._fail_request(state, f"processing its output failed: {e!r}")
-        else:
-            if stop is not None:
-                self.core.finish(seq, stop.reason, stop.stop_reason)
-                self._count_finish(stop.reason)
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-        changed[state.request_id] = state
 
     def _fail_request(self, state: RequestState, message: str) -> None:
         """Finish one request with an error; its sequences free their blocks, the engine goes on."""
@@ -262,3 +212,66 @@ class LLMEngine:
         executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.shutdown()
+
+
+class _EngineStepObserver(StepObserver):
+    """The engine's side of one after-step update: the request table, outputs and metrics follow the core's
+    changes; `changed` collects the requests whose output moved."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.requests = engine.requests
+        self.changed: dict[str, RequestState] = {}
+
+    @cached_property
+    def now(self) -> float:  # first asked once the batch has run
+        return time.time()
+
+    def _live(self, seq_id: int) -> RequestState | None:
+        state = self.requests.of_seq(seq_id)
+        return None if state is None or state.finished else state
+
+    def on_fork(self, parent: Sequence, child: Sequence) -> None:
+        self.requests.add_seq(self.requests.of_seq(parent.seq_id), child, copy_from=parent)
+
+    def on_failed(self, seq_id: int, message: str) -> None:
+        state = self._live(seq_id)
+        if state is not None:
+            self.engine._fail_request(state, message)
+            self.changed[state.request_id] = state
+
+    def on_prompt_logprobs(self, seq_id: int, start: int, scored: list) -> None:
+        state = self._live(seq_id)
+        if state is not None:
+            self.engine.output_processor.process_prompt_logprobs(state, start, scored)
+
+    def on_pooled(self, seq: Sequence, vector: list[float]) -> None:
+        """An embedding request: done once its prompt has run."""
+        state = self._live(seq.seq_id)
+        if state is None:
+            return
+        state.embedding = vector
+        self.engine.core.finish(seq, "stop")
+        self.engine._count_finish("stop")
+        state.metrics.first_token_time = state.metrics.last_token_time = self.now
+        self.changed[state.request_id] = state
+
+    def on_token(self, seq: Sequence, token) -> None:
+        """`token` was appended to `seq`: its text and stop check; a stopped sequence is finished at once."""
+        state = self._live(seq.seq_id)
+        if state is None:
+            return
+        engine = self.engine
+        engine.stats.generation_tokens += 1
+        try:
+            stop = engine.output_processor.process_token(state, seq, token)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not take the engine down
+            engine._fail_request(state, f"processing its output failed: {e!r}")
+        else:
+            if stop is not None:
+                engine.core.finish(seq, stop.reason, stop.stop_reason)
+                engine._count_finish(stop.reason)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = self.now
+            state.metrics.last_token_time = self.now
+        self.changed[state.request_id] = state
