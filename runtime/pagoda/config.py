@@ -13,6 +13,7 @@ from pagoda.layers.quantization.config import (
     check_quantization_args,
     resolve_quantization,
 )
+from pagoda.layers.quantization.kv_cache import check_kv_cache_dtype, kv_cache_itemsize
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,6 @@ DEFAULT_GPU_SWAP_SPACE_GIB = 4.0  # as vLLM
 # on a CPU the "host" pool shares RAM with the KV cache itself: a quarter of the default cache's size
 DEFAULT_CPU_SWAP_SPACE_GIB = 0.5
 PREEMPTION_MODES = ("swap", "recompute")
-KV_CACHE_DTYPES = ("auto",)
 LOAD_FORMATS = ("auto", "safetensors")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
@@ -84,7 +84,8 @@ class EngineArgs:
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0  # seconds between stats log lines
     enforce_eager: bool = False  # accepted for vLLM compatibility: Pagoda captures no CUDA graphs, always eager
-    kv_cache_dtype: str = "auto"  # only "auto" (the model's dtype) is supported
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2"
+    calculate_kv_scales: bool = False  # fp8 cache: scales calibrated on the first batch (else checkpoint or 1.0)
     swap_space: float | None = None  # GiB of host memory per worker for swapped-out KV blocks (None: see docs)
     preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
     tokenizer_mode: str = "auto"
@@ -130,6 +131,8 @@ class CacheConfig:
     swap_space_gib: float = 0.0  # host memory per worker for swapped-out blocks
     num_swap_blocks: int = 0  # host blocks in that space (counted for the largest pipeline stage)
     preemption_mode: str = "recompute"
+    cache_dtype: str = "auto"  # kv_cache_dtype: auto | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False
 
 
 @dataclass(frozen=True)
@@ -306,7 +309,8 @@ class EngineConfig:
         swap_gib = args.swap_space
         if swap_gib is None:
             swap_gib = DEFAULT_GPU_SWAP_SPACE_GIB if device.startswith("cuda") else DEFAULT_CPU_SWAP_SPACE_GIB
-        block_bytes = _kv_block_bytes_per_stage(hf_config, dtype, args.block_size, args.tensor_parallel_size,
+        block_bytes = _kv_block_bytes_per_stage(hf_config, kv_cache_itemsize(args.kv_cache_dtype, dtype),
+                                                args.block_size, args.tensor_parallel_size,
                                                 args.pipeline_parallel_size, args.pp_layer_partition)
         num_swap_blocks = int(swap_gib * 2**30) // block_bytes
         mode = args.preemption_mode or ("swap" if num_swap_blocks > 0 else "recompute")
@@ -318,7 +322,8 @@ class EngineConfig:
             cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gib=args.kv_cache_memory, swap_space_gib=swap_gib,
-                              num_swap_blocks=num_swap_blocks if mode == "swap" else 0, preemption_mode=mode),
+                              num_swap_blocks=num_swap_blocks if mode == "swap" else 0, preemption_mode=mode,
+                              cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                       enable_chunked_prefill=args.enable_chunked_prefill,
                                       max_model_len=max_model_len, preemption_mode=mode),
@@ -394,9 +399,7 @@ def _check_vllm_args(args: EngineArgs) -> None:
         if getattr(args, name) != default:
             raise InvalidParam(name, f"{name} is not supported by Pagoda yet (got {getattr(args, name)!r}); "
                                      f"leave it at its default ({default!r})")
-    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise InvalidParam("kv_cache_dtype", f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported yet: the "
-                                             "KV cache uses the model's dtype; use 'auto'")
+    check_kv_cache_dtype(args.kv_cache_dtype, args.calculate_kv_scales)
     if args.tokenizer_mode != "auto":
         raise InvalidParam("tokenizer_mode", f"tokenizer_mode {args.tokenizer_mode!r} is not supported yet; use 'auto'")
     if args.load_format not in LOAD_FORMATS:
@@ -414,7 +417,7 @@ def _check_vllm_args(args: EngineArgs) -> None:
                                                  f"got {args.stats_log_interval}")
 
 
-def _kv_block_bytes_per_stage(hf_config, dtype: str, block_size: int, tp: int, pp: int,
+def _kv_block_bytes_per_stage(hf_config, itemsize: int, block_size: int, tp: int, pp: int,
                               partition: list[int] | None) -> int:
     """Bytes one KV block takes on a worker of the largest pipeline stage (so a host pool of swap_space
     GiB never holds more blocks than any worker can store)."""
@@ -422,7 +425,6 @@ def _kv_block_bytes_per_stage(hf_config, dtype: str, block_size: int, tp: int, p
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     layers = max(partition) if partition else -(-hf_config.num_hidden_layers // pp)
-    itemsize = 4 if dtype == "float32" else 2
     return 2 * block_size * max(1, kv_heads // tp) * head_size * itemsize * max(layers, 1)
 
 

@@ -16,6 +16,7 @@ from pagoda.distributed.parallel_state import get_parallel_state, single_process
 from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
+from pagoda.layers.quantization.kv_cache import storage_dtype_name
 from pagoda.logits_processors import apply_logits_processors
 from pagoda.model_loader import load_weights
 from pagoda.models import get_model_class, llama_layers_cpu
@@ -59,6 +60,8 @@ class ModelRunner:
         self.is_last_stage = state.is_last_stage
         self.samples = state.is_last_stage and state.tp_rank == 0  # the one rank that samples
         self.dtype = TORCH_DTYPES[config.model.dtype]
+        # the KV cache's element type: the model's dtype, or fp8 with kv_cache_dtype="fp8" / "fp8_e5m2"
+        self.kv_dtype = getattr(torch, storage_dtype_name(config.cache.cache_dtype, config.model.dtype))
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
         hf = config.model.hf_config
@@ -112,7 +115,7 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         layer = self.attention_layers[0]
-        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_size * self.dtype.itemsize
+        per_layer = 2 * self.block_size * layer.num_kv_heads * layer.head_size * self.kv_dtype.itemsize
         # a draft model's cache has as many blocks, under the same block tables: the budget holds both
         draft = self.drafter.kv_cache_bytes_per_block() if self.drafter is not None else 0
         return per_layer * len(self.attention_layers) + draft
@@ -160,8 +163,9 @@ class ModelRunner:
             # is contiguous (long copies when decode gathers it); the attention backends see it through
             # the [2, num_blocks, block_size, num_kv_heads, head_size] view and honour its strides
             cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_size,
-                                dtype=self.dtype, device=self.device).transpose(2, 3)
+                                dtype=self.kv_dtype, device=self.device).transpose(2, 3)
             layer.kv_cache = cache
+            layer.calculate_kv_scales = self.config.cache.calculate_kv_scales
             self.kv_caches.append(cache)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
@@ -177,7 +181,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             # [2, num_swap_blocks, block_size, num_kv_heads, head_size] (head-major in memory, as the cache)
             host = torch.empty(2, num_swap_blocks, layer.num_kv_heads, self.block_size, layer.head_size,
-                               dtype=self.dtype, device="cpu", pin_memory=pin).transpose(2, 3)
+                               dtype=self.kv_dtype, device="cpu", pin_memory=pin).transpose(2, 3)
             self.swap_caches.append(host)
         logger.info("swap space: %d blocks, %.2f GiB of host memory", num_swap_blocks,
                     num_swap_blocks * self.kv_cache_bytes_per_block() / 2**30)

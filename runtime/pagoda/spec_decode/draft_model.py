@@ -31,7 +31,7 @@ class DraftModelProposer:
 
     def kv_cache_bytes_per_block(self) -> int:
         layer = self.attention_layers[0]
-        itemsize = self.runner.dtype.itemsize
+        itemsize = self.runner.kv_dtype.itemsize  # the target's kv_cache_dtype applies to the draft's cache too
         return 2 * self.runner.block_size * layer.num_kv_heads * layer.head_size * itemsize * len(self.attention_layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -39,8 +39,9 @@ class DraftModelProposer:
         for layer in self.attention_layers:
             # the target's layout: [2, num_blocks, block_size, num_kv_heads, head_size], head-major in memory
             cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.runner.block_size, layer.head_size,
-                                dtype=self.runner.dtype, device=self.runner.device).transpose(2, 3)
+                                dtype=self.runner.kv_dtype, device=self.runner.device).transpose(2, 3)
             layer.kv_cache = cache
+            layer.calculate_kv_scales = self.runner.config.cache.calculate_kv_scales
             self.kv_caches.append(cache)
 
     def forget(self, seq_id: int) -> None:
