@@ -150,6 +150,17 @@ def test_serve_flags_reach_the_engine_args():
     assert engine.swap_space is None and engine.preemption_mode is None and not engine.disable_log_stats
 
 
+def test_fp8_serve_flags_reach_the_engine_args(monkeypatch):
+    from pagoda.entrypoints.openai.cli_args import split_args
+
+    engine, _ = split_args(_serve_parser().parse_args(["m", "--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales",
+                                                       "--quantization", "fp8"]))
+    assert (engine.kv_cache_dtype, engine.calculate_kv_scales, engine.quantization) == ("fp8_e5m2", True, "fp8")
+    monkeypatch.setenv("PAGODA_KV_CACHE_DTYPE", "fp8")
+    engine, _ = split_args(_serve_parser().parse_args(["m"]))
+    assert engine.kv_cache_dtype == "fp8" and engine.calculate_kv_scales is False
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["--kv-cache-dtype", "int8"], "--kv-cache-dtype"), (["--preemption-mode", "evict"], "--preemption-mode"),
     (["--swap-space", "-1"], "--swap-space"), (["--stats-log-interval", "0"], "--stats-log-interval"),

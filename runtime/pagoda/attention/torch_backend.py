@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pagoda.attention import cpu_kernels
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.layers import fused_cpu_ops
+from pagoda.layers.quantization.fp8_cast import upcast
 from pagoda.layers.quantization.kv_scales import is_fp8, quantize
 
 
@@ -103,7 +104,7 @@ def paged_attention_in_torch(
         k = _gather_context(key_cache, metadata.block_tables[i], s_len).transpose(0, 1)
         v = _gather_context(value_cache, metadata.block_tables[i], s_len).transpose(0, 1)
         if fp8:  # k_scale folds into the softmax scale, v_scale into the output
-            k, v = k.to(query.dtype), v.to(query.dtype)
+            k, v = upcast(k, query.dtype), upcast(v, query.dtype)
         # query j sits at absolute position s_len - q_len + j: it sees keys 0..that position (a whole
         # prompt is plain causal attention, which SDPA does faster than with a mask)
         mask = None if q_len == s_len else \
@@ -205,7 +206,7 @@ def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_l
         torch.index_select(value_cache[:, :, h], 0, tables, out=v)
         k, v = k.view(batch, padded_len, head_size), v.view(batch, padded_len, head_size)
         if fp8:
-            k, v = k.to(query.dtype), v.to(query.dtype)
+            k, v = upcast(k, query.dtype), upcast(v, query.dtype)
         scores = torch.bmm(q[:, h], k.transpose(1, 2)).float().mul_(scale * k_scale)  # [B, G, L]
         scores.masked_fill_(masked_out, float("-inf"))
         o[:, h] = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)

@@ -25,6 +25,7 @@ from pagoda.layers.linear import (
     copy_checked,
 )
 from pagoda.layers.quantization.config import QuantizationConfig
+from pagoda.layers.quantization.fp8_cast import upcast
 from pagoda.layers.quantization.int8 import row_absmax
 
 FP8 = torch.float8_e4m3fn
@@ -43,7 +44,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, block_k: int | None 
     """[N, K] fp8, [N, G] with a scale per block_k input columns (the last block may be partial) -> [N, K]
     float32. block_k None: K / G."""
     block_k = block_k or qweight.shape[1] // scales.shape[1]
-    return qweight.float() * scales.repeat_interleave(block_k, dim=1)[:, : qweight.shape[1]]
+    return upcast(qweight, torch.float32) * scales.repeat_interleave(block_k, dim=1)[:, : qweight.shape[1]]
 
 
 def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -57,7 +58,7 @@ def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     for start in range(0, n, rows):
         q, s = qweight[start : start + rows], scales[start : start + rows]
         if per_channel:  # scale the (smaller) output instead of the weight
-            chunks.append(F.linear(x2, q.to(x.dtype)) * s[:, 0].to(x.dtype))
+            chunks.append(F.linear(x2, upcast(q, x.dtype)) * s[:, 0].to(x.dtype))
         else:
             chunks.append(F.linear(x2, dequantize(q, s, block_k).to(x.dtype)))
     y = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)

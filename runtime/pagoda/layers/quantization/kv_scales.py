@@ -12,6 +12,8 @@ import re
 
 import torch
 
+from pagoda.layers.quantization.fp8_cast import upcast
+
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -39,7 +41,7 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    out = stored.to(dtype)
+    out = upcast(stored, dtype)
     return out if scale == 1.0 else out.mul_(scale)
 
 
