@@ -98,3 +98,30 @@ def test_same_greedy_tokens_with_split_k_decodes(tiny_path, torch_tokens, batche
                         lambda *a, **kw: split_k_calls.append(kw) or real(*a, **kw))
     assert generate(tiny_path, "triton", device) == torch_tokens
     assert split_k_calls
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_same_greedy_tokens_as_torch_with_an_fp8_cache(tiny_path, tmp_path, device, monkeypatch, kv_cache_dtype):
+    """fp8 KV cache with the checkpoint's (non power-of-two) k/v scales: the Triton write, mixed-batch and
+    split-K kernels against the torch path, token for token."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "kv-scales"
+    shutil.copytree(tiny_path, path)
+    tensors = load_file(path / "model.safetensors")
+    for layer, (k_scale, v_scale) in enumerate([(0.3, 0.07), (0.6, 0.011)]):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    expected = generate(path, "torch", "cuda" if torch.cuda.is_available() else "cpu", kv_cache_dtype=kv_cache_dtype)
+    monkeypatch.setattr(triton_backend, "SPLIT_K_PARTITION_SIZE", 64)
+    monkeypatch.setattr(triton_backend, "SPLIT_K_PROGRAMS_PER_SM", 10**6)
+    split_k_calls = []
+    real = triton_backend._flash_decode.flash_decode
+    monkeypatch.setattr(triton_backend._flash_decode, "flash_decode",
+                        lambda *a, **kw: split_k_calls.append(kw) or real(*a, **kw))
+    assert generate(path, "triton", device, kv_cache_dtype=kv_cache_dtype) == expected
+    assert split_k_calls and split_k_calls[0]["k_scale"] != 1.0

@@ -31,7 +31,8 @@ def no_loading(monkeypatch):
     ("max_loras", 4), ("max_lora_rank", 64), ("max_cpu_loras", 8), ("cpu_offload_gb", 4.0),
     ("num_scheduler_steps", 8), ("data_parallel_size", 2), ("enable_sleep_mode", True),
     ("tokenizer_mode", "mistral"), ("tokenizer_mode", "slow"), ("load_format", "pt"), ("load_format", "gguf"),
-    ("kv_cache_dtype", "fp8"), ("kv_cache_dtype", "fp8_e5m2"), ("distributed_executor_backend", "dask"),
+    ("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8_e4m3fn"), ("calculate_kv_scales", True),
+    ("distributed_executor_backend", "dask"),
     ("swap_space", -1), ("preemption_mode", "evict"), ("stats_log_interval", 0),
 ])
 def test_unsupported_or_bad_values_are_refused_by_name_before_loading(no_loading, name, value):
@@ -149,8 +150,19 @@ def test_serve_flags_reach_the_engine_args():
     assert engine.swap_space is None and engine.preemption_mode is None and not engine.disable_log_stats
 
 
+def test_fp8_serve_flags_reach_the_engine_args(monkeypatch):
+    from pagoda.entrypoints.openai.cli_args import split_args
+
+    engine, _ = split_args(_serve_parser().parse_args(["m", "--kv-cache-dtype", "fp8_e5m2", "--calculate-kv-scales",
+                                                       "--quantization", "fp8"]))
+    assert (engine.kv_cache_dtype, engine.calculate_kv_scales, engine.quantization) == ("fp8_e5m2", True, "fp8")
+    monkeypatch.setenv("PAGODA_KV_CACHE_DTYPE", "fp8")
+    engine, _ = split_args(_serve_parser().parse_args(["m"]))
+    assert engine.kv_cache_dtype == "fp8" and engine.calculate_kv_scales is False
+
+
 @pytest.mark.parametrize("argv,flag", [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"), (["--preemption-mode", "evict"], "--preemption-mode"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype"), (["--preemption-mode", "evict"], "--preemption-mode"),
     (["--swap-space", "-1"], "--swap-space"), (["--stats-log-interval", "0"], "--stats-log-interval"),
 ])
 def test_bad_serve_flags_name_the_flag(argv, flag):

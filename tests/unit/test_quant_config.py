@@ -21,6 +21,34 @@ def hf_config(hidden=576, heads=9, intermediate=1536, **quantization_config):
 
 GPTQ = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, sym=True)
 AWQ = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
+VLLM_FP8 = dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3")
+
+
+def ct_fp8(**weights):
+    """compressed-tensors' FP8_DYNAMIC scheme (llm-compressor), weights overridden."""
+    w = {**dict(num_bits=8, type="float", symmetric=True, dynamic=False, strategy="channel"), **weights}
+    return dict(quant_method="compressed-tensors", format="float-quantized", ignore=["lm_head"],
+                config_groups={"group_0": {"targets": ["Linear"], "weights": w, "input_activations": dict(
+                    num_bits=8, type="float", symmetric=True, dynamic=True, strategy="token")}})
+
+
+def test_fp8_online_and_from_checkpoints():
+    assert resolve_quantization("fp8", None, hf_config()) == \
+        QuantizationConfig("fp8", fp8_format="online", fp8_strategy="channel")
+    assert resolve_quantization(None, None, hf_config(**VLLM_FP8)) == \
+        QuantizationConfig("fp8", fp8_format="fp8", fp8_strategy="tensor")
+    deepseek = dict(VLLM_FP8, weight_block_size=[128, 128])
+    assert resolve_quantization("fp8", None, hf_config(hidden=4096, heads=32, intermediate=11008, **deepseek),
+                                tp_size=2) == QuantizationConfig("fp8", fp8_format="fp8", fp8_strategy="block",
+                                                                 fp8_block=(128, 128), fp8_scale_name="weight_scale_inv")
+    with pytest.raises(ValueError, match=r"fp8 weight block \(128 input columns\) does not divide .* 576"):
+        resolve_quantization(None, None, hf_config(**deepseek), tp_size=2)
+    assert resolve_quantization(None, None, hf_config(**deepseek), tp_size=1).fp8_block == (128, 128)
+    for strategy in ("tensor", "channel"):
+        assert resolve_quantization(None, None, hf_config(**ct_fp8(strategy=strategy))) == \
+            QuantizationConfig("fp8", fp8_format="compressed-tensors", fp8_strategy=strategy)
+    block = resolve_quantization(None, None, hf_config(**ct_fp8(strategy="block", block_structure=[128, 128])))
+    assert (block.fp8_strategy, block.fp8_block, block.fp8_scale_name) == ("block", (128, 128), "weight_scale")
 
 
 def test_int4_group_is_32_unless_asked():
@@ -47,7 +75,7 @@ def test_gptq_is_found_from_the_checkpoint():
 
 
 @pytest.mark.parametrize("quantization,group_size,config,match", [
-    ("int3", None, hf_config(), r"quantization must be one of int8, int4, gptq, awq .*'int3'"),
+    ("int3", None, hf_config(), r"quantization must be one of int8, int4, fp8, gptq, awq .*'int3'"),
     ("int4", 48, hf_config(), "quantization_group_size must be one of 32, 64, 128"),
     ("int8", 64, hf_config(), "quantization_group_size applies to quantization='int4' only"),
     (None, 64, hf_config(), "quantization_group_size is set but quantization is not"),
@@ -56,7 +84,17 @@ def test_gptq_is_found_from_the_checkpoint():
     ("int4", 64, hf_config(hidden=64, heads=4, intermediate=128), None),
     ("gptq", None, hf_config(), "needs a checkpoint quantized with gptq"),
     ("int8", None, hf_config(**GPTQ), "already quantized with gptq"),
-    (None, None, hf_config(quant_method="fp8"), "quant_method='fp8' are not supported: Pagoda loads GPTQ and AWQ"),
+    (None, None, hf_config(quant_method="bitsandbytes"), "quant_method='bitsandbytes' are not supported: Pagoda "
+                                                           "loads GPTQ and AWQ int4 checkpoints and FP8"),
+    ("int8", None, hf_config(**VLLM_FP8), "already quantized with fp8"),
+    (None, None, hf_config(**dict(VLLM_FP8, fmt="e5m2")), "fmt='e5m2'"),
+    (None, None, hf_config(**dict(VLLM_FP8, ignored_layers=["lm_head", "model.layers.0.mlp.down_proj"])),
+     r"ignored_layers=\['model.layers.0.mlp.down_proj'\]"),
+    (None, None, hf_config(**dict(VLLM_FP8, weight_block_size=[128])), "weight_block_size=\\[128\\]"),
+    (None, None, hf_config(**ct_fp8(num_bits=4, type="int")), "weights type='int' num_bits=4"),
+    (None, None, hf_config(**ct_fp8(strategy="group")), "strategy='group'"),
+    (None, None, hf_config(**ct_fp8(strategy="block")), "strategy=block without block_structure"),
+    (None, None, hf_config(**dict(ct_fp8(), format="pack-quantized")), "format='pack-quantized'"),
     ("int4", None, hf_config(**AWQ), "already quantized with awq"),
     ("awq", None, hf_config(**GPTQ), "already quantized with gptq"),
     (None, None, hf_config(**dict(AWQ, version="gemv")), "version='gemv'"),
@@ -81,7 +119,7 @@ def test_refusals_name_what_is_wrong(quantization, group_size, config, match):
 def test_bad_value_is_refused_before_the_model_is_read(tmp_path):
     # the model path does not exist: the quantization value is checked first
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineArgs(model=str(tmp_path / "absent"), quantization="fp8").create_config()
+        EngineArgs(model=str(tmp_path / "absent"), quantization="fp4").create_config()
 
 
 def test_engine_args_resolve_the_scheme(tiny_llama_dir):

@@ -4,6 +4,11 @@ KV cache of one layer: ``kv_cache[0]`` keys, ``kv_cache[1]`` values, each
 [num_blocks, block_size, num_kv_heads, head_size], with any strides. The model runner stores it
 head-major ([num_blocks, num_kv_heads, block_size, head_size] in memory), so that one head's block is
 one contiguous run: decode gathers a head's context in long copies and multiplies it in place.
+
+An fp8 cache (``kv_cache_dtype="fp8"``) holds fp8(k / k_scale) and fp8(v / v_scale): written quantized, read
+back block by block (the gathered context, or one head's blocks at decode) in the query's dtype, with
+k_scale folded into the softmax scale and v_scale applied to the output. The C++ kernels read only
+float caches (``cpp_kernels_read``); fp8 caches take the torch path here.
 """
 
 import torch
@@ -12,6 +17,8 @@ import torch.nn.functional as F
 from pagoda.attention import cpu_kernels
 from pagoda.attention.metadata import AttentionMetadata
 from pagoda.layers import fused_cpu_ops
+from pagoda.layers.quantization.fp8_cast import upcast
+from pagoda.layers.quantization.kv_scales import is_fp8, quantize
 
 
 def write_kv_cache(
@@ -19,6 +26,8 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    k_scale: float = 1.0,  # fp8 caches: stored = fp8(key / k_scale)
+    v_scale: float = 1.0,
 ) -> None:
     if key.dtype == kv_cache.dtype and fused_cpu_ops.usable(key):
         fused_cpu_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
@@ -28,6 +37,8 @@ def write_kv_cache(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     block_size = kv_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if is_fp8(kv_cache):
+        key, value = quantize(key, k_scale, kv_cache.dtype), quantize(value, v_scale, kv_cache.dtype)
     kv_cache[0].index_put_((blocks, offsets), key.to(kv_cache.dtype))
     kv_cache[1].index_put_((blocks, offsets), value.to(kv_cache.dtype))
 
@@ -48,12 +59,21 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,  # fp8 caches: the stored keys times k_scale are the keys
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Each query row attends causally to its sequence's context through the block table: the C++ kernels
-    where they are built, else ``paged_attention_in_torch``."""
-    if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.available():
+    where they are built and read this cache, else ``paged_attention_in_torch``."""
+    if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpp_kernels_read(kv_cache) \
+            and cpu_kernels.available():
         return _paged_attention_cpu(query, kv_cache, metadata, scale)
-    return paged_attention_in_torch(query, kv_cache, metadata, scale)
+    return paged_attention_in_torch(query, kv_cache, metadata, scale, k_scale, v_scale)
+
+
+def cpp_kernels_read(kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ CPU attention kernels read a cache of this dtype: float ones only, not fp8 (until
+    they upcast fp8 in registers, fp8 caches take the torch path)."""
+    return not is_fp8(kv_cache)
 
 
 def paged_attention_in_torch(
@@ -61,9 +81,13 @@ def paged_attention_in_torch(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """torch ops only (SDPA per prefill, batched matmuls for decodes): the reference the kernels are tested
-    against, and the path on other devices."""
+    against, and the path on other devices. An fp8 cache is read in the query's dtype, a sequence's context
+    (prefill) or one head's blocks (decode) at a time, never as a dequantized copy of the whole cache."""
+    fp8 = is_fp8(kv_cache)
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -79,18 +103,25 @@ def paged_attention_in_torch(
         q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
         k = _gather_context(key_cache, metadata.block_tables[i], s_len).transpose(0, 1)
         v = _gather_context(value_cache, metadata.block_tables[i], s_len).transpose(0, 1)
+        if fp8:  # k_scale folds into the softmax scale, v_scale into the output
+            k, v = upcast(k, query.dtype), upcast(v, query.dtype)
         # query j sits at absolute position s_len - q_len + j: it sees keys 0..that position (a whole
         # prompt is plain causal attention, which SDPA does faster than with a mask)
         mask = None if q_len == s_len else \
             torch.ones(q_len, s_len, dtype=torch.bool, device=query.device).tril(s_len - q_len)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=group > 1,
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=scale * k_scale if fp8 else scale, enable_gqa=group > 1,
         )
-        out[start : start + q_len] = o[0].transpose(0, 1)
+        o = o[0].transpose(0, 1)
+        out[start : start + q_len] = o * v_scale if fp8 else o
         start += q_len
     if decode_rows:
-        _decode_rows(query, key_cache, value_cache, metadata, decode_rows, scale, out, _batched_decode)
+        decode = _batched_decode
+        if fp8:
+            def decode(*args):
+                _batched_decode(*args, k_scale=k_scale, v_scale=v_scale)
+        _decode_rows(query, key_cache, value_cache, metadata, decode_rows, scale, out, decode)
     return out
 
 
@@ -152,10 +183,13 @@ def _workspace(slot: int, num_blocks: int, cache_of_one_head: torch.Tensor) -> t
     return buf[:num_blocks]
 
 
-def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):
+def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out,
+                    k_scale: float = 1.0, v_scale: float = 1.0):
     """One KV head at a time: gather the head's blocks of every context (padded to the longest, whole
     blocks, contiguous) and attend with two batched matmuls, softmax in float32. Faster on CPU than SDPA,
-    whose kernel is tuned for long queries, in every dtype."""
+    whose kernel is tuned for long queries, in every dtype. An fp8 cache's head is gathered in fp8 and
+    upcast to the query's dtype (one head's context at a time)."""
+    fp8 = is_fp8(key_cache)
     device = query.device
     block_size, num_kv_heads, head_size = key_cache.shape[1:]
     num_blocks = (max_len + block_size - 1) // block_size
@@ -171,7 +205,11 @@ def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_l
         torch.index_select(key_cache[:, :, h], 0, tables, out=k)  # [B * nb, block_size, D]
         torch.index_select(value_cache[:, :, h], 0, tables, out=v)
         k, v = k.view(batch, padded_len, head_size), v.view(batch, padded_len, head_size)
-        scores = torch.bmm(q[:, h], k.transpose(1, 2)).float().mul_(scale)  # [B, G, L]
+        if fp8:
+            k, v = upcast(k, query.dtype), upcast(v, query.dtype)
+        scores = torch.bmm(q[:, h], k.transpose(1, 2)).float().mul_(scale * k_scale)  # [B, G, L]
         scores.masked_fill_(masked_out, float("-inf"))
         o[:, h] = torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)
+        if v_scale != 1.0:
+            o[:, h] *= v_scale
     out.copy_(o.view(batch, -1, head_size))

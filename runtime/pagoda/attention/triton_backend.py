@@ -30,9 +30,11 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    k_scale: float = 1.0,  # fp8 caches: per-tensor scales (see torch_backend)
+    v_scale: float = 1.0,
 ) -> None:
     _check_kv_cache("write_kv_cache", kv_cache)
-    _kv_cache.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+    _kv_cache.write_kv_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -40,16 +42,19 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     _check_kv_cache("paged_attention", kv_cache)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if use_split_k(metadata, kv_cache.shape[3], query.device):
         partition_size = split_k_partition_size(metadata, kv_cache.shape[3], query.device)
         return _flash_decode.flash_decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                          metadata.max_seq_len, scale, partition_size=partition_size)
+                                          metadata.max_seq_len, scale, partition_size=partition_size,
+                                          k_scale=k_scale, v_scale=v_scale)
     return _paged_attention.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                             metadata.query_start_loc, metadata.seq_lens, metadata.max_query_len,
-                                            scale)
+                                            scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def use_split_k(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> bool:

@@ -1,15 +1,18 @@
-"""Quantization figures on one model (default: the default model): bf16 against int8 and int4.
+"""Quantization figures on one model (default: the default model): bf16 against int8, int4 and FP8.
 
-Per scheme: weight memory, greedy agreement with the unquantized engine over fixed prompts, perplexity on a
-fixed text, the chat answer to "What is the capital of France?", TPOT at one sequence and output throughput
-at 32. Perplexity runs transformers on the weights quantized and dequantized by Pagoda's own functions (the
-engine's quantized layers equal those weights up to float rounding: tests/model/test_quantization.py).
+Per scheme: weight memory, KV-cache blocks in the default kv_cache_memory, greedy agreement with the
+unquantized engine over fixed prompts, perplexity on a fixed text, the chat answer to "What is the capital
+of France?", TPOT at one sequence and output throughput at 32. Perplexity runs transformers on the weights
+quantized and dequantized by Pagoda's own functions (the engine's quantized layers equal those weights up to
+float rounding: tests/model/test_quantization.py); "engine perplexity" is the engine's own, from its prompt
+log-probs over the same text, the only one that sees an fp8 KV cache.
 
-    python -m pagoda.bench.quantization [--model PATH] [--schemes none int8 int4 int4-g32 float32]
+    python -m pagoda.bench.quantization [--model PATH] [--schemes none int8 int4 int4-g32 float32 fp8 fp8kv]
 
-A scheme is none (the model dtype, "auto"), int8, int4 (the default group), int4-g<N>, or float32
-(unquantized in float32, to compare with the noise bfloat16 rounding alone causes). Agreement is measured
-against the first scheme.
+A scheme is none (the model dtype, "auto"), int8, int4 (the default group), int4-g<N>, fp8 (online FP8
+weights), or float32 (unquantized in float32, to compare with the noise bfloat16 rounding alone causes);
+"+fp8kv" adds an fp8 (e4m3) KV cache, and "fp8kv" alone is the model dtype's weights with one
+(e.g. fp8+fp8kv). Agreement is measured against the first scheme.
 """
 
 import argparse
@@ -20,7 +23,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.layers.linear import LinearBase
-from pagoda.layers.quantization import int4, int8
+from pagoda.layers.quantization import fp8, int4, int8
 from pagoda.layers.quantization.methods import weight_bytes
 
 PROMPTS = [
@@ -46,6 +49,7 @@ def parse_args(argv):
     p.add_argument("--schemes", nargs="+", default=["none", "int8", "int4"])
     p.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per prompt for agreement")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per sequence for TPOT/throughput")
+    p.add_argument("--batch", type=int, default=32, help="sequences for the throughput figure (0: skip it)")
     p.add_argument("--timing-only", action="store_true", help="skip agreement, perplexity and chat")
     p.add_argument("--json", dest="json_out", default=None)
     return p.parse_args(argv)
@@ -58,9 +62,12 @@ def perplexity(model_path: str, scheme: str, group_size: int | None, dtype: str)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     with torch.no_grad():
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in LINEAR_NAMES and scheme.startswith("int"):
+            if name.rsplit(".", 1)[-1] in LINEAR_NAMES and scheme in ("int8", "int4", "fp8"):
                 w = module.weight.data
-                if scheme == "int8":
+                if scheme == "fp8":
+                    q, s = fp8.quantize_rows(w, w.float().abs().amax(dim=1))
+                    module.weight.data = fp8.dequantize(q, s).to(w.dtype)
+                elif scheme == "int8":
                     q, s = int8.quantize_rows(w, w.float().abs().amax(dim=1))
                     module.weight.data = (q.float() * s.float()[:, None]).to(w.dtype)
                 else:
@@ -80,16 +87,35 @@ def timed(llm: LLM, prompts, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def engine_perplexity(llm: LLM) -> float:
+    """exp of the mean negative log-prob the engine gives each next token of the fixed text (1024 tokens)."""
+    ids = llm.get_tokenizer()(fixed_text()).input_ids[:1024]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    logprobs = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    return float(torch.tensor(logprobs).neg().mean().exp())
+
+
+def split_scheme(scheme: str) -> tuple[str, str]:
+    """(weights: none | float32 | int8 | int4[-gN] | fp8, kv_cache_dtype)."""
+    parts = scheme.split("+")
+    kv = "fp8" if "fp8kv" in parts else "auto"
+    weights = [p for p in parts if p != "fp8kv"]
+    return (weights[0] if weights else "none"), kv
+
+
 def run_scheme(args, scheme: str) -> tuple[dict, list[list[int]]]:
-    quantization = scheme.split("-")[0] if scheme.startswith("int") else None
-    group_size = int(scheme.split("-g")[1]) if "-g" in scheme else None
+    weights, kv_cache_dtype = split_scheme(scheme)
+    quantization = weights.split("-")[0] if weights.startswith(("int", "fp8")) else None
+    group_size = int(weights.split("-g")[1]) if "-g" in weights else None
     llm = LLM(args.model, quantization=quantization, quantization_group_size=group_size,
-              dtype="float32" if scheme == "float32" else "auto")
+              dtype="float32" if weights == "float32" else "auto", kv_cache_dtype=kv_cache_dtype)
     try:
         model = llm.engine.executor.runner.model
         linear = [m for m in model.modules() if isinstance(m, LinearBase)]
         config = llm.engine.config.model
-        result = {"scheme": scheme, "dtype": config.dtype,
+        result = {"scheme": scheme, "dtype": config.dtype, "kv_cache_dtype": kv_cache_dtype,
+                  "kv_cache_blocks": llm.engine.num_blocks,
                   "group_size": config.quantization.group_size if config.quantization else None,
                   "model_weights_mib": weight_bytes(model) / 2**20,
                   "linear_weights_mib": sum(map(weight_bytes, linear)) / 2**20}
@@ -100,13 +126,15 @@ def run_scheme(args, scheme: str) -> tuple[dict, list[list[int]]]:
             question = [{"role": "user", "content": "What is the capital of France?"}]
             result["chat"] = llm.chat(question, SamplingParams(temperature=0, max_tokens=24),
                                       use_tqdm=False)[0].outputs[0].text
+            result["engine_perplexity"] = engine_perplexity(llm)
         n = args.decode_tokens
         timed(llm, PROMPTS[:1], 4)  # warm-up
         # best of three: on a shared machine the minimum is the least disturbed figure
         tpot = min(timed(llm, PROMPTS[:1], n + 1) - timed(llm, PROMPTS[:1], 1) for _ in range(3)) / n
-        batch = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(32)]
         result["tpot_ms_batch1"] = tpot * 1000
-        result["output_tok_s_batch32"] = 32 * n / timed(llm, batch, n)
+        if args.batch:
+            batch = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(args.batch)]
+            result[f"output_tok_s_batch{args.batch}"] = args.batch * n / timed(llm, batch, n)
         return result, greedy
     finally:
         llm.engine.shutdown()
@@ -132,7 +160,8 @@ def main(argv=None) -> int:
     for scheme in args.schemes:
         result, tokens[scheme] = run_scheme(args, scheme)
         if not args.timing_only:
-            result["perplexity"] = perplexity(path, scheme, result["group_size"], result["dtype"])
+            result["perplexity"] = perplexity(path, split_scheme(scheme)[0].split("-")[0], result["group_size"],
+                                              result["dtype"])
             first = tokens[args.schemes[0]]
             result["token_agreement"], result["prefix_agreement"] = agreement(first, tokens[scheme])
         results.append(result)

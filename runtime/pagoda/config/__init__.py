@@ -4,7 +4,6 @@ the other (resolve). A leaf: nothing here imports torch or the engine's machiner
 from pagoda.config.args import (
     DTYPES,
     EXECUTOR_BACKENDS,
-    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
     UNSUPPORTED_ARGS,
@@ -22,6 +21,7 @@ from pagoda.config.configs import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagoda.config.kv_cache import KV_CACHE_DTYPES
 from pagoda.config.resolve import resolve_device, resolve_dtype
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GIB", "DEFAULT_GPU_SWAP_SPACE_GIB",

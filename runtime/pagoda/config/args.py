@@ -4,6 +4,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagoda.config.kv_cache import check_kv_cache_dtype
 from pagoda.config.quantization import check_quantization_args
 from pagoda.errors import InvalidParam
 
@@ -12,7 +13,6 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("swap", "recompute")
-KV_CACHE_DTYPES = ("auto",)
 LOAD_FORMATS = ("auto", "safetensors")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
@@ -76,7 +76,8 @@ class EngineArgs:
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0  # seconds between stats log lines
     enforce_eager: bool = False  # accepted for vLLM compatibility: Pagoda captures no CUDA graphs, always eager
-    kv_cache_dtype: str = "auto"  # only "auto" (the model's dtype) is supported
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2"
+    calculate_kv_scales: bool = False  # fp8 cache: scales calibrated on the first batch (else checkpoint or 1.0)
     swap_space: float | None = None  # GiB of host memory per worker for swapped-out KV blocks (None: see docs)
     preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
     tokenizer_mode: str = "auto"
@@ -137,9 +138,7 @@ def check_vllm_args(args: EngineArgs) -> None:
         if getattr(args, name) != default:
             raise InvalidParam(name, f"{name} is not supported by Pagoda yet (got {getattr(args, name)!r}); "
                                      f"leave it at its default ({default!r})")
-    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise InvalidParam("kv_cache_dtype", f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported yet: the "
-                                             "KV cache uses the model's dtype; use 'auto'")
+    check_kv_cache_dtype(args.kv_cache_dtype, args.calculate_kv_scales)
     if args.tokenizer_mode != "auto":
         raise InvalidParam("tokenizer_mode", f"tokenizer_mode {args.tokenizer_mode!r} is not supported yet; use 'auto'")
     if args.load_format not in LOAD_FORMATS:

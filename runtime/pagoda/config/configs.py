@@ -39,6 +39,8 @@ class CacheConfig:
     swap_space_gib: float = 0.0  # host memory per worker for swapped-out blocks
     num_swap_blocks: int = 0  # host blocks in that space (counted for the largest pipeline stage)
     preemption_mode: str = "recompute"
+    cache_dtype: str = "auto"  # kv_cache_dtype: auto | fp8 | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
 """Which weight quantization a model runs with, validated once at configuration time (torch-free).
 
-``quantization`` names the scheme as vLLM does: ``int8`` and ``int4`` quantize a float checkpoint's linear
-layers while it loads; ``gptq`` and ``awq`` are checkpoints already quantized, found from the
-``quantization_config`` of their config.json (so they need no argument)."""
+``quantization`` names the scheme as vLLM does: ``int8``, ``int4`` and ``fp8`` quantize a float checkpoint's
+linear layers while it loads; ``gptq``, ``awq`` and fp8 checkpoints (vLLM's ``fp8`` format, and
+``compressed-tensors`` FP8) are already quantized, found from the ``quantization_config`` of their config.json
+(so they need no argument)."""
 
 from dataclasses import dataclass
 
 from pagoda.errors import InvalidParam
 
-ONLINE_METHODS = ("int8", "int4")
-CHECKPOINT_METHODS = ("gptq", "awq")
+ONLINE_METHODS = ("int8", "int4", "fp8")
+CHECKPOINT_METHODS = ("gptq", "awq")  # fp8 is both: online, or found from an fp8 checkpoint
 METHODS = ONLINE_METHODS + CHECKPOINT_METHODS
 GROUP_SIZES = (32, 64, 128)  # int4 group sizes (input columns per scale and zero)
 # Round-to-nearest without calibration loses least with small groups: 32, as GGUF's Q4 formats use.
@@ -19,9 +20,16 @@ DEFAULT_GROUP_SIZE = 32
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str  # int8 | int4 | gptq | awq
+    method: str  # int8 | int4 | gptq | awq | fp8
     group_size: int | None = None  # input columns per scale, for int4, gptq and awq (int8 scales whole rows)
     zero_offset: int = 0  # gptq: added to the stored zero points (1 for the original "gptq" format)
+    # fp8: where the weights come from ("online": quantized while loading, per output channel; "fp8": vLLM's
+    # checkpoint format; "compressed-tensors"), the checkpoint's weight-scale granularity ("tensor" |
+    # "channel" | "block"), its [output, input] block for "block", and the scale tensor's name
+    fp8_format: str | None = None
+    fp8_strategy: str | None = None
+    fp8_block: tuple[int, int] | None = None
+    fp8_scale_name: str = "weight_scale"
 
 
 def check_quantization_args(quantization: str | None, group_size: int | None) -> None:
@@ -50,9 +58,83 @@ def checkpoint_quantization(hf_config) -> QuantizationConfig | None:
         return _gptq(qc)
     if method == "awq":
         return _awq(qc)
+    if method == "fp8":
+        return _vllm_fp8(qc)
+    if method == "compressed-tensors":
+        return _compressed_tensors_fp8(qc)
     raise ValueError(f"quantized checkpoints with quant_method={method or 'unknown'!r} are not supported: "
-                     "Pagoda loads GPTQ and AWQ int4 checkpoints, or quantizes float16/bfloat16/float32 "
-                     "weights itself with quantization='int8' or 'int4'")
+                     "Pagoda loads GPTQ and AWQ int4 checkpoints and FP8 checkpoints (quant_method fp8 or "
+                     "compressed-tensors), or quantizes float16/bfloat16/float32 weights itself with "
+                     "quantization='int8', 'int4' or 'fp8'")
+
+
+def _only_lm_head_ignored(names, key: str, fmt: str) -> list[str]:
+    """Pagoda quantizes every linear layer of the decoder (the LM head never): a checkpoint that leaves
+    others in float cannot load."""
+    others = [n for n in names or [] if not str(n).removeprefix("re:").lstrip(".*").endswith("lm_head")]
+    return [f"{key}={others} (Pagoda runs {fmt} checkpoints whose every decoder linear layer is FP8)"] if others \
+        else []
+
+
+def _block(size, problems: list[str], key: str) -> tuple[int, int] | None:
+    if size is None:
+        return None
+    if not (isinstance(size, (list, tuple)) and len(size) == 2 and all(isinstance(v, int) and v > 0 for v in size)):
+        problems.append(f"{key}={size!r} (two positive integers: [output, input])")
+        return None
+    return int(size[0]), int(size[1])
+
+
+def _vllm_fp8(qc: dict) -> QuantizationConfig:
+    """vLLM's fp8 format: ``weight`` float8_e4m3fn with ``weight_scale`` (one per tensor), or with
+    ``weight_block_size`` [bn, bk] a ``weight_scale_inv`` per block; ``input_scale`` for static activations."""
+    problems = _only_lm_head_ignored(qc.get("ignored_layers"), "ignored_layers", "fp8")
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        problems.append(f"fmt={fmt!r} (Pagoda reads e4m3 weights)")
+    block = _block(qc.get("weight_block_size"), problems, "weight_block_size")
+    if problems:
+        raise ValueError("unsupported fp8 checkpoint: " + "; ".join(problems))
+    if block is not None:
+        return QuantizationConfig("fp8", fp8_format="fp8", fp8_strategy="block", fp8_block=block,
+                                  fp8_scale_name="weight_scale_inv")
+    return QuantizationConfig("fp8", fp8_format="fp8", fp8_strategy="tensor")
+
+
+def _compressed_tensors_fp8(qc: dict) -> QuantizationConfig:
+    """compressed-tensors (llm-compressor's exports) with FP8 weights: ``weight`` float8_e4m3fn and
+    ``weight_scale`` [1] (tensor), [N, 1] (channel) or [N / bn, K / bk] (block)."""
+    problems = _only_lm_head_ignored(qc.get("ignore"), "ignore", "compressed-tensors")
+    fmt = qc.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        problems.append(f"format={fmt!r} (Pagoda reads float-quantized FP8)")
+    groups = list((qc.get("config_groups") or {}).values())
+    schemes = {str(g.get("weights")) for g in groups}
+    if len(schemes) != 1:
+        problems.append(f"{len(groups)} config_groups with {len(schemes)} weight schemes (Pagoda reads one)")
+        raise ValueError("unsupported compressed-tensors checkpoint: " + "; ".join(problems))
+    weights = groups[0].get("weights") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        problems.append(f"weights type={weights.get('type')!r} num_bits={weights.get('num_bits')!r} (Pagoda reads "
+                        "float 8-bit weights)")
+    if weights.get("symmetric") is False:
+        problems.append("asymmetric weights (FP8 weights are symmetric)")
+    if weights.get("dynamic"):
+        problems.append("dynamic weight scales")
+    strategy = weights.get("strategy", "tensor")
+    block = None
+    if strategy == "block":
+        block = _block(weights.get("block_structure"), problems, "block_structure")
+        if block is None and "block_structure" not in weights:
+            problems.append("strategy=block without block_structure")
+    elif strategy not in ("tensor", "channel"):
+        problems.append(f"weights strategy={strategy!r} (Pagoda reads tensor, channel and block)")
+    activations = groups[0].get("input_activations")
+    if activations and (activations.get("type") != "float" or activations.get("num_bits") != 8):
+        problems.append(f"input_activations {activations} (Pagoda reads FP8 or unquantized activations)")
+    if problems:
+        raise ValueError("unsupported compressed-tensors checkpoint: " + "; ".join(problems))
+    return QuantizationConfig("fp8", fp8_format="compressed-tensors", fp8_strategy=strategy, fp8_block=block)
 
 
 def _gptq(qc: dict) -> QuantizationConfig:
@@ -104,6 +186,18 @@ def linear_input_sizes(hf_config, tp_size: int) -> dict[str, int]:
             "down_proj (intermediate_size / tensor_parallel_size)": hf_config.intermediate_size // tp_size}
 
 
+def _check_fp8_blocks(config: QuantizationConfig, hf_config, tp_size: int) -> None:
+    """Block-wise scales split with the weights: each rank's input columns must be whole blocks (output rows
+    need not be: scales are spread to rows before the layers shard them)."""
+    if config.fp8_strategy != "block" or tp_size == 1:
+        return
+    block_k = config.fp8_block[1]
+    for what, n in linear_input_sizes(hf_config, tp_size).items():
+        if n % block_k:
+            raise ValueError(f"the checkpoint's fp8 weight block ({block_k} input columns) does not divide the "
+                             f"input size of {what}: {n} with tensor_parallel_size={tp_size}")
+
+
 def resolve_quantization(quantization: str | None, group_size: int | None, hf_config,
                          tp_size: int = 1) -> QuantizationConfig | None:
     """The scheme to run: the checkpoint's own if it has one, else the requested online one."""
@@ -114,6 +208,9 @@ def resolve_quantization(quantization: str | None, group_size: int | None, hf_co
             raise InvalidParam("quantization", f"quantization={quantization!r} cannot apply: the checkpoint is already quantized "
                              f"with {saved.method} (leave quantization unset or pass {saved.method!r})")
         config = saved
+        if config.method == "fp8":
+            _check_fp8_blocks(config, hf_config, tp_size)
+            return config
     elif quantization in CHECKPOINT_METHODS:
         raise InvalidParam("quantization", f"quantization={quantization!r} needs a checkpoint quantized with {quantization}, but "
                          "config.json has no quantization_config; to quantize float weights use 'int8' or 'int4'")
@@ -123,6 +220,8 @@ def resolve_quantization(quantization: str | None, group_size: int | None, hf_co
         return None
     elif quantization == "int8":
         return QuantizationConfig("int8")
+    elif quantization == "fp8":
+        return QuantizationConfig("fp8", fp8_format="online", fp8_strategy="channel")
     else:
         config = QuantizationConfig("int4", group_size or DEFAULT_GROUP_SIZE)
     for what, n in linear_input_sizes(hf_config, tp_size).items():

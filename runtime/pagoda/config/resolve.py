@@ -18,6 +18,7 @@ from pagoda.config.configs import (
     SpeculativeConfig,
     kv_block_bytes,
 )
+from pagoda.config.kv_cache import kv_cache_itemsize
 from pagoda.config.quantization import resolve_quantization
 from pagoda.errors import InvalidParam
 
@@ -71,7 +72,8 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
     swap_gib = args.swap_space
     if swap_gib is None:
         swap_gib = DEFAULT_GPU_SWAP_SPACE_GIB if device.startswith("cuda") else DEFAULT_CPU_SWAP_SPACE_GIB
-    block_bytes = _kv_block_bytes_per_stage(hf_config, dtype, args.block_size, args.tensor_parallel_size,
+    block_bytes = _kv_block_bytes_per_stage(hf_config, kv_cache_itemsize(args.kv_cache_dtype, dtype),
+                                            args.block_size, args.tensor_parallel_size,
                                             args.pipeline_parallel_size, args.pp_layer_partition)
     num_swap_blocks = int(swap_gib * 2**30) // block_bytes
     mode = args.preemption_mode or ("swap" if num_swap_blocks > 0 else "recompute")
@@ -83,7 +85,8 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_gib=args.kv_cache_memory, swap_space_gib=swap_gib,
-                          num_swap_blocks=num_swap_blocks if mode == "swap" else 0, preemption_mode=mode),
+                          num_swap_blocks=num_swap_blocks if mode == "swap" else 0, preemption_mode=mode,
+                          cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   max_model_len=max_model_len, preemption_mode=mode),
@@ -151,7 +154,7 @@ def _resolve_executor_backend(args: "EngineArgs", world: int, device: str) -> st
     return backend
 
 
-def _kv_block_bytes_per_stage(hf_config, dtype: str, block_size: int, tp: int, pp: int,
+def _kv_block_bytes_per_stage(hf_config, itemsize: int, block_size: int, tp: int, pp: int,
                               partition: list[int] | None) -> int:
     """Bytes one KV block takes on a worker of the largest pipeline stage (so a host pool of swap_space
     GiB never holds more blocks than any worker can store)."""
@@ -159,7 +162,6 @@ def _kv_block_bytes_per_stage(hf_config, dtype: str, block_size: int, tp: int, p
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     layers = max(partition) if partition else -(-hf_config.num_hidden_layers // pp)
-    itemsize = 4 if dtype == "float32" else 2
     return kv_block_bytes(block_size, max(1, kv_heads // tp), head_size, itemsize, max(layers, 1))
 
 

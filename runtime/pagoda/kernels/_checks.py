@@ -8,6 +8,7 @@ import torch
 import triton
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # KV-cache storage (kv_cache_dtype="fp8")
 
 
 def describe(tensor: torch.Tensor) -> str:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels._checks import check_device, check_tensor, require
+from pagoda.kernels._checks import FP8_DTYPES, check_device, check_tensor, require
 from pagoda.kernels.paged_kv import attend_context_range, check_paged_inputs, dot_config, head_pad
 
 PARTITION_SIZE = 512  # context positions per partition
@@ -48,6 +48,7 @@ def _partition_kernel(
     TILE_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,7 +78,7 @@ def _partition_kernel(
         k_cache_ptr + kv_head.to(tl.int64) * stride_k_head, v_cache_ptr + kv_head.to(tl.int64) * stride_v_head,
         block_tables_ptr + seq64 * stride_table,
         stride_k_block, stride_k_slot, stride_k_d, stride_v_block, stride_v_slot, stride_v_d,
-        scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION)
+        scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION, KV_FP8)
 
     stat_off = seq64 * stride_pm_seq + head * stride_pm_head + part
     tl.store(partial_max_ptr + stat_off, m_i, mask=row_mask)
@@ -93,6 +94,7 @@ def _reduce_kernel(
     partial_sum_ptr,  # [num_seqs, num_heads, num_partitions] f32
     partial_out_ptr,  # [num_seqs, num_heads, num_partitions, HEAD_PAD] f32
     seq_lens_ptr,  # [num_seqs] int32
+    v_scale,  # fp8 cache: stored values times v_scale are the values (1.0 otherwise)
     stride_o_t, stride_o_h, stride_o_d,
     stride_pm_seq, stride_pm_head,
     stride_po_seq, stride_po_head, stride_po_part,
@@ -121,7 +123,7 @@ def _reduce_kernel(
     for part in range(0, num_parts):  # one partition at a time: a [PARTITIONS_PAD, HEAD_PAD] tile can be large
         weight = tl.exp2(tl.load(partial_max_ptr + stat_off + part) - global_max)
         acc += weight * tl.load(out_base + part * stride_po_part + d)
-    out = acc / denominator
+    out = acc / denominator * v_scale
     tl.store(out_ptr + seq * stride_o_t + head * stride_o_h + d * stride_o_d,
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
 
@@ -136,6 +138,8 @@ def flash_decode(
     scale: float,
     partition_size: int = PARTITION_SIZE,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_size]
+    k_scale: float = 1.0,  # fp8 caches: the per-tensor scales of the stored keys and values
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode attention with each context split into partitions that run in parallel, then merged."""
     op = "flash_decode"
@@ -153,6 +157,8 @@ def flash_decode(
                           block_tables=block_tables, seq_lens=seq_lens, out=out)
     if shapes.num_seqs == 0:
         return out
+    if key_cache.dtype not in FP8_DTYPES:  # the scales describe fp8 storage only
+        k_scale = v_scale = 1.0
     num_parts = triton.cdiv(max_seq_len, partition_size)
     pad = head_pad(shapes.head_size)
     stats = torch.empty(2, shapes.num_seqs, shapes.num_heads, num_parts, dtype=torch.float32, device=device)
@@ -162,14 +168,15 @@ def flash_decode(
     upcast, precision = dot_config(_partition_kernel, query.dtype)
     _partition_kernel[(shapes.num_seqs, shapes.num_kv_heads, num_parts)](
         partial_max, partial_sum, partial_out, query, key_cache, value_cache, block_tables, seq_lens,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         partial_max.stride(0), partial_max.stride(1), *partial_out.stride()[:3],
         GROUP=shapes.group, BLOCK_M=max(16, triton.next_power_of_2(shapes.group)),
         HEAD_SIZE=shapes.head_size, HEAD_PAD=pad, BLOCK_SIZE=shapes.block_size, PARTITION_SIZE=partition_size,
-        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, num_warps=4)
+        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES,
+        num_warps=4)
     _reduce_kernel[(shapes.num_seqs, shapes.num_heads)](
-        out, partial_max, partial_sum, partial_out, seq_lens,
+        out, partial_max, partial_sum, partial_out, seq_lens, v_scale,
         *out.stride(), partial_max.stride(0), partial_max.stride(1), *partial_out.stride()[:3],
         HEAD_SIZE=shapes.head_size, HEAD_PAD=pad, PARTITION_SIZE=partition_size,
         NUM_PARTITIONS=num_parts, PARTITIONS_PAD=triton.next_power_of_2(num_parts), num_warps=1 if pad <= 64 else 2)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels._checks import check_device, check_tensor, require
+from pagoda.kernels._checks import FP8_DTYPES, check_device, check_tensor, require
 from pagoda.kernels.paged_kv import attend_context_range, check_paged_inputs, dot_config, head_pad
 
 TILE_N = 64  # context positions per K/V tile
@@ -57,7 +57,8 @@ def _mixed_batch_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     num_seqs,
-    scale_log2,
+    scale_log2,  # softmax scale * log2(e), times k_scale for an fp8 cache
+    v_scale,  # fp8 cache: stored values times v_scale are the values (1.0 otherwise)
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_d,
@@ -73,6 +74,7 @@ def _mixed_batch_kernel(
     TILE_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,9 +111,11 @@ def _mixed_batch_kernel(
         k_cache_ptr + kv_head.to(tl.int64) * stride_k_head, v_cache_ptr + kv_head.to(tl.int64) * stride_v_head,
         block_tables_ptr + seq.to(tl.int64) * stride_table,
         stride_k_block, stride_k_slot, stride_k_d, stride_v_block, stride_v_slot, stride_v_d,
-        scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION)
+        scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION, KV_FP8)
     l_i = tl.where(row_mask, l_i, 1.0)  # padded rows: avoid 0/0 warnings; they are not stored
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(out_ptr + token_row[:, None] * stride_o_t + head[:, None] * stride_o_h + d[None, :] * stride_o_d,
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -146,6 +150,8 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
+    k_scale: float = 1.0,  # fp8 caches: the per-tensor scales of the stored keys and values
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of every query chunk over its sequence's paged context, in one launch."""
     op = "paged_attention"
@@ -159,15 +165,18 @@ def paged_attention(
                  block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens, out=out)
     if shapes.num_tokens == 0 or shapes.num_seqs == 0:
         return out
+    if key_cache.dtype not in FP8_DTYPES:  # the scales describe fp8 storage only
+        k_scale = v_scale = 1.0
     group_pad, block_q, block_m = tile_shape(shapes.group, max_query_len)
     upcast, precision = dot_config(_mixed_batch_kernel, query.dtype)
     num_tiles = shapes.num_tokens if block_q == 1 else shapes.num_tokens // block_q + shapes.num_seqs
     _mixed_batch_kernel[(num_tiles, shapes.num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        shapes.num_seqs, scale * math.log2(math.e),
+        shapes.num_seqs, scale * k_scale * math.log2(math.e), v_scale,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         GROUP=shapes.group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_SIZE=shapes.head_size, HEAD_PAD=head_pad(shapes.head_size), BLOCK_SIZE=shapes.block_size,
-        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, num_warps=num_warps(block_m, shapes.head_size),
+        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES,
+        num_warps=num_warps(block_m, shapes.head_size),
         **launch_stages(query.dtype))
     return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels._checks import FLOAT_DTYPES, check_tensor, is_interpreted, require
+from pagoda.kernels._checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor, is_interpreted, require
 
 
 @triton.jit
@@ -62,6 +62,7 @@ def attend_context_range(
     HEAD_PAD: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Online softmax over TILE_N context positions at a time; every K/V tile is loaded once for all
     BLOCK_M query rows (the query heads of one kv head, times a few tokens)."""
@@ -73,7 +74,9 @@ def attend_context_range(
         k_off = context_offsets(block_table_ptr, pos, pos_mask, BLOCK_SIZE, stride_k_block, stride_k_slot)
         k = tl.load(k_ptr + k_off[None, :] + d[:, None] * stride_k_d,
                     mask=d_mask[:, None] & pos_mask[None, :], other=0.0)  # [HEAD_PAD, TILE_N]
-        if UPCAST_DOT:
+        if KV_FP8:
+            k = k.to(q.dtype)
+        elif UPCAST_DOT:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N] f32
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
@@ -87,6 +90,8 @@ def attend_context_range(
         v_off = context_offsets(block_table_ptr, pos, pos_mask, BLOCK_SIZE, stride_v_block, stride_v_slot)
         v = tl.load(v_ptr + v_off[:, None] + d[None, :] * stride_v_d,
                     mask=pos_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
+        if KV_FP8:
+            v = v.to(q.dtype)
         p = p.to(v.dtype)  # the tensor-core operand type; accumulation stays f32
         if UPCAST_DOT:
             p = p.to(tl.float32)
@@ -115,9 +120,9 @@ def check_paged_inputs(op: str, query, key_cache, value_cache, block_tables, seq
     check_tensor(op, "query", query, "[num_tokens, num_heads, head_size]", (None, None, None), FLOAT_DTYPES)
     num_tokens, num_heads, head_size = query.shape
     cache_dims = "[num_blocks, block_size, num_kv_heads, head_size]"
-    check_tensor(op, "key_cache", key_cache, cache_dims, (None, None, None, head_size), query.dtype)
+    check_tensor(op, "key_cache", key_cache, cache_dims, (None, None, None, head_size), (query.dtype, *FP8_DTYPES))
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-    check_tensor(op, "value_cache", value_cache, cache_dims, tuple(key_cache.shape), query.dtype)
+    check_tensor(op, "value_cache", value_cache, cache_dims, tuple(key_cache.shape), key_cache.dtype)
     require(num_kv_heads > 0 and num_heads % num_kv_heads == 0, op, "query",
             f"[num_tokens, num_heads, head_size] with num_heads a multiple of num_kv_heads ({num_kv_heads})",
             query)

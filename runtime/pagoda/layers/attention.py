@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pagoda.attention import AttentionMetadata
 from pagoda.layers.module import Module
+from pagoda.layers.quantization import kv_scales
 
 UNDECIDED = object()
 
@@ -49,6 +50,10 @@ class Attention(Module):
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
         # [2, num_blocks, block_size, num_kv_heads, head_size]; assigned by the runner once allocated
         self.kv_cache: torch.Tensor | None = None
+        # an fp8 cache stores k / k_scale and v / v_scale (layers.quantization.kv_scales): from the checkpoint,
+        # else 1.0, or calibrated on the first batch written (calculate_kv_scales)
+        self.k_scale, self.v_scale = 1.0, 1.0
+        self.calculate_kv_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
@@ -58,8 +63,14 @@ class Attention(Module):
         v = v.view(-1, self.num_kv_heads, self.head_size)
         if self.kv_cache is None:  # memory-profiling pass before the cache exists
             return self._attend_without_cache(q, k, v, ctx.metadata).flatten(1)
-        ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping)
-        return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale).flatten(1)
+        if not kv_scales.is_fp8(self.kv_cache):
+            ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping)
+            return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale).flatten(1)
+        if self.calculate_kv_scales:
+            kv_scales.calibrate(self, k, v)
+        ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping, self.k_scale, self.v_scale)
+        return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, self.k_scale,
+                                           self.v_scale).flatten(1)
 
     def _attend_without_cache(self, q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)

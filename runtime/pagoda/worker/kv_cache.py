@@ -11,8 +11,10 @@ logger = logging.getLogger(__name__)
 
 
 class PagedKVCache:
-    def __init__(self, attention_layers: list, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, attention_layers: list, block_size: int, dtype: torch.dtype, device: torch.device,
+                 calculate_kv_scales: bool = False):
         self.attention_layers = attention_layers
+        self.calculate_kv_scales = calculate_kv_scales  # an fp8 cache's scales calibrated on the first batch
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -36,6 +38,7 @@ class PagedKVCache:
         self.caches = self._blocks(num_blocks, self.device)
         for layer, cache in zip(self.attention_layers, self.caches):
             layer.kv_cache = cache
+            layer.calculate_kv_scales = self.calculate_kv_scales
 
     def allocate_swap_space(self, num_swap_blocks: int) -> None:
         """The host pool, laid out as the device cache. Pinned on a GPU (asynchronous copies); on a CPU a

@@ -11,6 +11,7 @@ from pagoda import cpp_extensions
 from pagoda import platform as pagoda_platform
 from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
+from pagoda.config.kv_cache import storage_dtype_name
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
@@ -51,6 +52,8 @@ class ModelRunner:
         self.is_last_stage = state.is_last_stage
         self.samples = state.is_last_stage and state.tp_rank == 0  # the one rank that samples
         self.dtype = TORCH_DTYPES[config.model.dtype]
+        # the KV cache's element type: the model's dtype, or fp8 with kv_cache_dtype="fp8" / "fp8_e5m2"
+        self.kv_dtype = getattr(torch, storage_dtype_name(config.cache.cache_dtype, config.model.dtype))
         self.block_size = config.cache.block_size
         self.eos_token_ids = eos_token_ids
         hf = config.model.hf_config
@@ -68,7 +71,8 @@ class ModelRunner:
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
                                       config.parallel.pp_layer_partition)
         self.attention_layers = self.model.attention_layers()
-        self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.dtype, self.device)
+        self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.kv_dtype, self.device,
+                                     config.cache.calculate_kv_scales)
         self.batch = InputBatch(self.block_size, self.device)
         self.seqs: dict[int, RunnerSeq] = self.batch.seqs
         self.seq_generators: dict[int, torch.Generator] = {}
@@ -83,7 +87,9 @@ class ModelRunner:
             draft = config.draft_model
             with single_process_state():
                 model = self._load_model(draft.hf_config, draft.path, None, None)
-            draft_cache = PagedKVCache(model.attention_layers(), self.block_size, self.dtype, self.device)
+            # the target's kv_cache_dtype applies to the draft's cache too
+            draft_cache = PagedKVCache(model.attention_layers(), self.block_size, self.kv_dtype, self.device,
+                                       config.cache.calculate_kv_scales)
             self.drafter = DraftModelProposer(self, model, draft_cache, config.seed)
 
     def _load_model(self, hf_config, path: str, quantization, pp_layer_partition):

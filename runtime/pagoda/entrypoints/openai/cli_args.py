@@ -201,8 +201,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--kv-cache-memory", type=positive_float, help="GiB of KV cache (overrides the GPU fraction)")
     p.add("--attention-backend", default=d["attention_backend"])
     p.add("--quantization", choices=METHODS,
-          help="weight-only quantization: int8 / int4 quantize float weights while loading; gptq / awq "
-               "are found from a GPTQ / AWQ checkpoint's config.json without this flag")
+          help="int8 / int4 / fp8 quantize float weights while loading (weight-only, except fp8 on GPUs with "
+               "FP8 tensor cores); gptq / awq / fp8 checkpoints (quant_method fp8 or compressed-tensors) are "
+               "found from config.json without this flag")
     p.add("--quantization-group-size", type=int, choices=GROUP_SIZES,
           help="input columns per int4 scale and zero: 32, 64 or 128 (less memory, more error); unset: 32")
     p.add("--swap-space", type=non_negative_float,
@@ -220,7 +221,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                'drafts are rejected, and KV slots for the drafts; requests with logprobs, penalties or structured '
                'outputs do not speculate. See docs/speculative-decoding.md')
     p.add("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
-          help="only auto (the model's dtype) for now")
+          help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: keys and values in 8 bits with per-layer "
+               "scales, twice the blocks in the same memory")
+    p.add("--calculate-kv-scales", default=d["calculate_kv_scales"], boolean=True,
+          help="fp8 KV cache: calibrate the key/value scales on the first batch (else the checkpoint's, or 1.0)")
     p.add("--enforce-eager", default=d["enforce_eager"], boolean=True,
           help="accepted for vLLM compatibility: Pagoda always runs eagerly (no CUDA graphs yet)")
     p.add("--trust-remote-code", default=d["trust_remote_code"], boolean=True,

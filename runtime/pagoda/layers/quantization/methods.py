@@ -12,6 +12,7 @@ from torch import nn
 from pagoda.config.quantization import QuantizationConfig
 from pagoda.layers.linear import LinearBase
 from pagoda.layers.quantization.awq import AWQMethod
+from pagoda.layers.quantization.fp8 import Fp8CheckpointMethod, Fp8OnlineMethod
 from pagoda.layers.quantization.gptq import GPTQMethod
 from pagoda.layers.quantization.int4 import Int4Method
 from pagoda.layers.quantization.int8 import Int8Method
@@ -26,6 +27,8 @@ def make_method(config: QuantizationConfig):
         return Int4Method(config.group_size)
     if config.method == "awq":
         return AWQMethod(config.group_size)
+    if config.method == "fp8":
+        return Fp8OnlineMethod() if config.fp8_format == "online" else Fp8CheckpointMethod(config)
     return GPTQMethod(config.group_size, config.zero_offset)
 
 
@@ -56,8 +59,11 @@ def process_after_loading(model: nn.Module) -> None:
 def unquantized_bytes(layer: LinearBase) -> int:
     """What the layer's weight takes in the model dtype: loaded as such (online schemes), or the size of the
     checkpoint's unpacked codes times that of its scales (GPTQ, AWQ)."""
-    if layer.weight is not None:
-        return layer.weight.numel() * layer.weight.element_size()
+    weight = layer.weight
+    if weight is not None and weight.element_size() > 1:
+        return weight.numel() * weight.element_size()
+    if weight is not None:  # an fp8 checkpoint's weight: counted at 16 bits, as the model it was made from
+        return weight.numel() * 2
     return layer.qweight.numel() * layer.scales.element_size()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from pagoda.config.quantization import QuantizationConfig, checkpoint_quantization
-from pagoda.layers.quantization import methods
+from pagoda.layers.quantization import kv_scales, methods
 from pagoda.layers.rotary import rope_parameters
 from pagoda.models.registry import SUPPORTED_ARCHITECTURES
 
@@ -123,7 +123,12 @@ def load_weights(model, path: str, quantization: QuantizationConfig | None = Non
     shards_expected = {name: 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 1
                        for name in params}
     shards_loaded: dict[str, int] = dict.fromkeys(params, 0)
+    found_kv_scales: dict[str, dict[str, float]] = {}  # attention module -> {"k" | "v" | "kv": scale}
     for ckpt_name, tensor in iterate_weights(path):
+        kv_scale = kv_scales.checkpoint_kv_scale(ckpt_name)
+        if kv_scale is not None:  # an fp8 KV cache's scales (used only when kv_cache_dtype is fp8)
+            found_kv_scales.setdefault(kv_scale[0], {})[kv_scale[1]] = kv_scales.scale_value(tensor)
+            continue
         mapped = model.checkpoint_to_param(ckpt_name)
         if mapped is None:
             continue
@@ -149,5 +154,8 @@ def load_weights(model, path: str, quantization: QuantizationConfig | None = Non
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint in {path} is missing weights for {len(missing)} parameters: {shown}")
+    if found_kv_scales:
+        logger.info("KV-cache scales from the checkpoint for %d attention layers",
+                    kv_scales.assign_checkpoint_scales(model, found_kv_scales))
     if method is not None:
         methods.process_after_loading(model)
