@@ -40,16 +40,20 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     _check_kv_cache("paged_attention", kv_cache)
+    variant = {} if sliding_window is None and logit_softcap is None else \
+        dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if use_split_k(metadata, kv_cache.shape[3], query.device):
         partition_size = split_k_partition_size(metadata, kv_cache.shape[3], query.device)
         return _flash_decode.flash_decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                          metadata.max_seq_len, scale, partition_size=partition_size)
+                                          metadata.max_seq_len, scale, partition_size=partition_size, **variant)
     return _paged_attention.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                             metadata.query_start_loc, metadata.seq_lens, metadata.max_query_len,
-                                            scale)
+                                            scale, **variant)
 
 
 def use_split_k(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> bool:

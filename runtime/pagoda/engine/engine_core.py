@@ -32,6 +32,7 @@ class CoreStep:
     # speculative decoding: each sequence's verified run (accepted drafts, then the target's token), NOT
     # appended yet: the caller appends them one by one, so a stop inside the run drops the rest
     verified: list[tuple[Sequence, list[SampledToken]]] = field(default_factory=list)
+    expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE: rows per expert, by layer
 
 
 class EngineCore:
@@ -83,7 +84,8 @@ class EngineCore:
 
     @staticmethod
     def _update(scheduler: Scheduler, result) -> CoreStep:
-        step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs))
+        step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs),
+                        expert_tokens=result.expert_tokens)
         for seq_id, tokens in result.verified.items():
             seq = scheduler.get(seq_id)
             if seq is not None and seq_id not in step.failed:
