@@ -1,9 +1,10 @@
-"""The Llama family: Llama (1-3.x), Mistral, Qwen2, Qwen3, Gemma 2/3 and Phi-3 share this one implementation.
+"""The Llama family: Llama (1-3.x), Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3 and the mixtures of experts Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE share this one implementation.
 
 Differences are options (``models.family.FamilyOptions``, read from config.json): attention bias (Qwen2),
 per-head q/k RMSNorm (Qwen3, Gemma 3), tied embeddings, GQA, explicit head_dim, rope scaling (the rotary
 layer), sliding windows and rope bases per layer, Gemma's (1 + w) norms, extra norms, GeGLU, soft-capping
-and scaled embeddings, Phi-3's fused checkpoint tensors.
+and scaled embeddings, Phi-3's fused checkpoint tensors, experts in place of the MLP (``layers.moe``).
 """
 
 import dataclasses
@@ -68,7 +69,6 @@ class LlamaAttention(Module):
         if keep_rows is not None:
             attended = attended.index_select(0, keep_rows)
         return self.o_proj(attended)
-
 
     def _norm_all_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         tp_size = self.qkv_proj.tp_size
