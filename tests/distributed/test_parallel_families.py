@@ -48,5 +48,7 @@ CASES = [*[(arch, split) for arch in ("gemma2", "gemma3", "phi3", "mistral-windo
 def test_parallel_greedy_equals_transformers(tiny_model_factory, reference, arch, split):
     got, stats = parallel_greedy(tiny_model_factory(arch), **SPLITS[split])
     assert got == reference(arch)
-    if "moe" in arch or arch in ("mixtral", "olmoe"):  # every rank routes alike: the sampling rank's counts
+    # the expert load counted is the last stage's layers' (every rank routes alike); qwen2-moe's last stage
+    # at PP=2 holds only its dense layer
+    if arch in ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe") and (arch, split) != ("qwen2-moe", "pp2"):
         assert sum(sum(c) for c in stats.expert_tokens.values()) > 0
