@@ -1,5 +1,6 @@
 """Tiny random Hugging Face checkpoints for tests: a byte-level BPE tokenizer with a chat template,
-and Llama / Mistral / Qwen2 / Qwen3 models of a few hundred thousand parameters."""
+and Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3 models of a few hundred thousand parameters.
+Windowed variants have a 16-token window, so every test prompt with its output runs past it."""
 
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def write_tokenizer(out: Path, fim: bool = False) -> int:
     return len(fast)
 
 
+WINDOW = 16  # the windowed checkpoints' sliding window
+
 ARCH_CONFIGS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -51,6 +54,39 @@ ARCH_CONFIGS = {
                     tie_word_embeddings=False),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", tie_word_embeddings=True, head_dim=16),
+    # Mistral v0.1's window on every layer; Qwen2's from max_window_layers on
+    "mistral-window": dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=WINDOW,
+                           tie_word_embeddings=False),
+    "qwen2-window": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
+                         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    # local (windowed) and global layers alternating, soft-capped scores and logits, GeGLU, (1 + w) norms
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+                   hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    # a rope base per layer type, linear scaling on the global layer, q/k norms
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16,
+                   query_pre_attn_scalar=16, sliding_window=WINDOW // 2, tie_word_embeddings=True,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1000000.0}}),
+    # fused qkv_proj / gate_up_proj tensors, LongRoPE (prompts stay below original_max_position_embeddings)
+    "phi3": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False,
+                 original_max_position_embeddings=256,
+                 rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                               "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+    # mixtures of experts: 4 experts, top-2 (Mixtral renormalises the two weights; OLMoE and Qwen2-MoE here
+    # do not, Qwen3-MoE does); Qwen2-MoE with its gated shared expert and a dense layer (mlp_only_layers)
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
+    "qwen2-moe": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False),
+    "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16,
+                      tie_word_embeddings=False),
+    "olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=4, num_experts_per_tok=2,
+                  norm_topk_prob=False, clip_qkv=8.0, tie_word_embeddings=False),
 }
 
 
@@ -97,6 +133,8 @@ def load_hf_reference(path):
     # process-wide functions while it runs, and an earlier test's two loads at once once left tie_weights a
     # no-op (lm_head MISSING, initialised afresh). Pagoda's conversions no longer overlap; copy every tensor
     # in and tie lm_head all the same.
+    # (experts: transformers 5 stacks and renames them, converting the per-expert tensors as it loads)
+    tensors = {k: v for k, v in tensors.items() if ".experts." not in k and ".block_sparse_moe." not in k}
     unknown = model.load_state_dict(tensors, strict=False).unexpected_keys
     assert not unknown, f"{path}: tensors transformers' model does not have: {unknown}"
     if "lm_head.weight" not in tensors:  # a tied checkpoint holds only the embedding

@@ -13,21 +13,23 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagoda.kernels import flash_decode, kv_cache, paged_attention, rmsnorm, rotary
+from pagoda.kernels import flash_decode, fused_moe, kv_cache, paged_attention, rmsnorm, rotary
 from pagoda.kernels.paged_kv import head_pad
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 INT_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32",
                 "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
-FLOAT32_POINTERS = {"partial_max_ptr", "partial_sum_ptr", "partial_out_ptr", "cos_sin_ptr"}
+FLOAT32_POINTERS = {"partial_max_ptr", "partial_sum_ptr", "partial_out_ptr", "cos_sin_ptr", "routing_weights_ptr"}
 FLOAT_ARGS = {"scale_log2", "eps"}
+UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn"}  # fused_moe's contiguous rows
 SHARED_MEMORY = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}  # per block, opt-in maximum
 
 
 def source(kernel, dtype, constexprs: dict) -> ASTSource:
     signature, attrs, constexprs = {}, {}, dict(constexprs)
     for i, name in enumerate(kernel.arg_names):
-        if name.startswith("stride_") and name.endswith("_d"):
+        if name.startswith("stride_") and (name.endswith("_d") or name in UNIT_STRIDES):
             constexprs[name] = 1  # a unit stride: Triton specialises it into a constant
         if name in constexprs:
             signature[name] = "constexpr"
@@ -39,31 +41,37 @@ def source(kernel, dtype, constexprs: dict) -> ASTSource:
     return ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
 
 
-def attention_constexprs(dtype, group: int, head_size: int, max_query_len: int, block_size: int
-                         ) -> tuple[dict, dict]:
+def attention_constexprs(dtype, group: int, head_size: int, max_query_len: int, block_size: int,
+                         softcap: float = 0.0) -> tuple[dict, dict]:
     """The constexprs and launch options the launcher picks for such a batch."""
     group_pad, block_q, block_m = paged_attention.tile_shape(group, max_query_len)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     return dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_SIZE=head_size,
                 HEAD_PAD=head_pad(head_size), BLOCK_SIZE=block_size, TILE_N=paged_attention.TILE_N,
-                UPCAST_DOT=False, DOT_PRECISION=precision), dict(num_warps=paged_attention.num_warps(block_m, head_size),
+                UPCAST_DOT=False, DOT_PRECISION=precision, SOFTCAP=softcap), dict(num_warps=paged_attention.num_warps(block_m, head_size),
                                                                  **paged_attention.launch_stages(dtype))
 
 
 def cases():
-    for dtype, group, head_size, max_query_len, block_size in [
-        (torch.float16, 4, 128, 512, 16),  # Llama-3-8B prefill tiles
-        (torch.bfloat16, 8, 128, 1, 32),  # Llama-3-70B at TP=8, decode
-        (torch.float32, 1, 80, 7, 16),  # padded head size, the test dtype
+    for dtype, group, head_size, max_query_len, block_size, softcap in [
+        (torch.float16, 4, 128, 512, 16, 0.0),  # Llama-3-8B prefill tiles
+        (torch.bfloat16, 8, 128, 1, 32, 0.0),  # Llama-3-70B at TP=8, decode
+        (torch.float32, 1, 80, 7, 16, 0.0),  # padded head size, the test dtype
+        (torch.bfloat16, 2, 256, 512, 16, 50.0),  # Gemma-2-9B prefill: soft-capped scores, head size 256
     ]:
-        constexprs, options = attention_constexprs(dtype, group, head_size, max_query_len, block_size)
+        constexprs, options = attention_constexprs(dtype, group, head_size, max_query_len, block_size, softcap)
         yield paged_attention._mixed_batch_kernel, dtype, constexprs, options
-    split = dict(GROUP=4, BLOCK_M=16, HEAD_SIZE=96, HEAD_PAD=128, BLOCK_SIZE=16, PARTITION_SIZE=512,
-                 TILE_N=flash_decode.TILE_N, UPCAST_DOT=False, DOT_PRECISION="tf32")
     four_warps = dict(num_warps=4)
-    yield flash_decode._partition_kernel, torch.bfloat16, split, four_warps
+    for softcap in (0.0, 50.0):
+        split = dict(GROUP=4, BLOCK_M=16, HEAD_SIZE=96, HEAD_PAD=128, BLOCK_SIZE=16, PARTITION_SIZE=512,
+                     TILE_N=flash_decode.TILE_N, UPCAST_DOT=False, DOT_PRECISION="tf32", SOFTCAP=softcap)
+        yield flash_decode._partition_kernel, torch.bfloat16, split, four_warps
     yield flash_decode._reduce_kernel, torch.bfloat16, dict(HEAD_SIZE=96, HEAD_PAD=128, PARTITION_SIZE=512,
                                                             NUM_PARTITIONS=64, PARTITIONS_PAD=64), dict(num_warps=2)
+    for mul_weight in (False, True):  # the gate|up GEMM over tokens, the weighted down GEMM over pairs
+        yield fused_moe._grouped_gemm_kernel, torch.bfloat16, dict(
+            TOP_K=1 if mul_weight else 2, MUL_ROUTING_WEIGHT=mul_weight, BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=64,
+            BLOCK_K=64, UPCAST_DOT=False, DOT_PRECISION="tf32"), four_warps
     yield kv_cache._write_kv_kernel, torch.float16, dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_SIZE=128, HEAD_PAD=128,
                                                         BLOCK_SIZE=16, BLOCK_T=2), four_warps
     for residual in (True, False):

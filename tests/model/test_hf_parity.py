@@ -39,10 +39,27 @@ def reference(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+NEW_FAMILIES = ["mistral-window", "qwen2-window", "gemma2", "gemma3", "phi3", "mixtral", "qwen2-moe", "qwen3-moe",
+                "olmoe"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", *NEW_FAMILIES])
 def test_matches_transformers_per_architecture(tiny_model_factory, reference, arch):
     _, got = pagoda_greedy(tiny_model_factory(arch))
     assert got == reference(arch)
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_new_families_with_chunked_prefill_and_prefix_hits(tiny_model_factory, reference, arch):
+    """Every prompt chunked (7 tokens a step, decodes in between), then all again from the prefix cache; the
+    windowed models' sequences run past their 16-token window, chunks straddle it."""
+    path = tiny_model_factory(arch)
+    llm, got = pagoda_greedy(path, max_num_batched_tokens=7)
+    assert got == reference(arch)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    again = llm.generate(PROMPTS[::-1], params, use_tqdm=False)[::-1]
+    assert llm.engine.get_stats().prefix_cache_hits > 0
+    assert [o.outputs[0].token_ids for o in again] == reference(arch)
 
 
 @pytest.mark.parametrize("engine_kwargs", [

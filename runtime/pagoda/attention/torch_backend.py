@@ -61,9 +61,15 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,  # fp8 caches: the stored keys times k_scale are the keys
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Each query row attends causally to its sequence's context through the block table: the C++ kernels
-    where they are built and read this cache, else ``paged_attention_in_torch``."""
+    where they are built and read this cache, else ``paged_attention_in_torch``. sliding_window: a query at
+    position p sees positions p - sliding_window + 1 .. p; logit_softcap: scores = cap * tanh(scores / cap).
+    The C++ kernels have neither: such layers take ``windowed_attention``."""
+    if sliding_window is not None or logit_softcap is not None:
+        return windowed_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap, k_scale, v_scale)
     if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpp_kernels_read(kv_cache) \
             and cpu_kernels.available():
         return _paged_attention_cpu(query, kv_cache, metadata, scale)
@@ -74,6 +80,46 @@ def cpp_kernels_read(kv_cache: torch.Tensor) -> bool:
     """Whether the C++ CPU attention kernels read a cache of this dtype: float ones only, not fp8 (until
     they upcast fp8 in registers, fp8 caches take the torch path)."""
     return not is_fp8(kv_cache)
+
+
+def windowed_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, sliding_window: int | None,
+                       logit_softcap: float | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Attention with a sliding window and/or soft-capped scores, a sequence at a time: only the window's
+    positions are gathered (a decode reads at most sliding_window of them, whatever the context length)."""
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
+        first_q = s_len - q_len  # the chunk's first position
+        lo = 0 if sliding_window is None else max(0, first_q - sliding_window + 1)
+        k = _gather_range(kv_cache[0], metadata.block_tables[i], lo, s_len)  # [L, H_kv, D]
+        v = _gather_range(kv_cache[1], metadata.block_tables[i], lo, s_len)
+        q_pos = torch.arange(first_q, s_len, device=query.device)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(lo, s_len, device=query.device)[None, :]  # [1, L]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        q = query[start : start + q_len].reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+        scores = torch.matmul(q.float(), k.float().permute(1, 2, 0)[:, None]) * (scale * k_scale)  # [H_kv, G, q_len, L]
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
+        scores = scores.masked_fill(~visible, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v.float().permute(1, 0, 2)[:, None])  # [H_kv, G, q, D]
+        if v_scale != 1.0:  # an fp8 cache's values
+            o = o * v_scale
+        out[start : start + q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)
+        start += q_len
+    return out
+
+
+def _gather_range(cache: torch.Tensor, block_table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Context positions [lo, hi) of one sequence: [hi - lo, H_kv, D]."""
+    block_size = cache.shape[1]
+    first, last = lo // block_size, (hi + block_size - 1) // block_size
+    blocks = cache.index_select(0, block_table[first:last].long())
+    return blocks.flatten(0, 1)[lo - first * block_size : hi - first * block_size]
 
 
 def paged_attention_in_torch(

@@ -44,17 +44,21 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     _check_kv_cache("paged_attention", kv_cache)
+    variant = {} if sliding_window is None and logit_softcap is None else \
+        dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if use_split_k(metadata, kv_cache.shape[3], query.device):
         partition_size = split_k_partition_size(metadata, kv_cache.shape[3], query.device)
         return _flash_decode.flash_decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                                           metadata.max_seq_len, scale, partition_size=partition_size,
-                                          k_scale=k_scale, v_scale=v_scale)
+                                          k_scale=k_scale, v_scale=v_scale, **variant)
     return _paged_attention.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                             metadata.query_start_loc, metadata.seq_lens, metadata.max_query_len,
-                                            scale, k_scale=k_scale, v_scale=v_scale)
+                                            scale, k_scale=k_scale, v_scale=v_scale, **variant)
 
 
 def use_split_k(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> bool:

@@ -62,6 +62,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # None (automatic) | "uni" | "mp" | "ray"
     pp_layer_partition: list[int] | None = None
     pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
+    enable_expert_parallel: bool = False  # MoE: whole experts split over the TP group (docs/distributed.md)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

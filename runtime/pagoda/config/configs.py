@@ -64,6 +64,7 @@ class ParallelConfig:
     master_port: int = 29500
     distributed_timeout: float = 300.0
     pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -96,7 +96,7 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
             distributed_executor_backend=backend, pp_layer_partition=args.pp_layer_partition,
             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, distributed_timeout=args.distributed_timeout,
-            pipeline_fill=args.pipeline_fill),
+            pipeline_fill=args.pipeline_fill, enable_expert_parallel=args.enable_expert_parallel),
         device=device,
         attention_backend=attention_backend,
         seed=args.seed,
@@ -188,11 +188,6 @@ def resolve_dtype(dtype: str, device: str, hf_config) -> str:
 
 def _resolve_max_model_len(requested: int | None, hf_config) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
-        # Pagoda has no sliding-window attention: cap the context so full attention stays exact.
-        logger.warning("model uses a sliding window of %d tokens; capping max_model_len to it", window)
-        limit = window
     if requested is None:
         return limit
     if requested < 1:

@@ -25,3 +25,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     # seq id -> its embedding (an embedding request whose prompt ended this step: it samples nothing)
     pooled: dict[int, list[float]] = field(default_factory=dict)
+    # MoE layer index -> rows routed to each of its experts this step (the sampling rank's layers)
+    expert_tokens: dict[int, list[int]] = field(default_factory=dict)

@@ -51,6 +51,7 @@ def group_settings(config: EngineConfig) -> dict:
         "block_size": config.cache.block_size,
         "max_model_len": config.model.max_model_len,
         "pp_layer_partition": p.pp_layer_partition,
+        "enable_expert_parallel": p.enable_expert_parallel,
     }
 
 

@@ -29,6 +29,7 @@ class CoreStep:
     # seq id -> (first position, logprobs) of the prompt tokens its chunk scored (prompt_logprobs)
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
     pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)  # embedding requests done
+    expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE: rows per expert, by layer
 
 
 class StepObserver:
@@ -101,7 +102,8 @@ class EngineCore:
         pooled outputs, then each token as it is appended. A sequence finished meanwhile (aborted, failed,
         stopped) gets no more tokens."""
         observer = observer or StepObserver()
-        step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs))
+        step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs),
+                        expert_tokens=result.expert_tokens)
         runs: list[tuple[Sequence, list[SampledToken]]] = []  # each sequence's tokens to append, in order
         for seq_id, tokens in result.sampled.items():
             seq = scheduler.get(seq_id)

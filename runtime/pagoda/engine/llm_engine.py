@@ -141,6 +141,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         observer = _EngineStepObserver(self)
         core_step = self.core.step(self._mark_scheduled, observer)
+        if core_step is not None and core_step.expert_tokens:
+            self.stats.add_expert_tokens(core_step.expert_tokens)
         self.log_stats_if_due()
         if core_step is None:
             return []
@@ -205,7 +207,8 @@ class LLMEngine:
         s.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
         s.spec_decode_accepted_per_pos = list(spec.accepted_per_pos)
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
-                              "iteration_tokens_counts": list(s.iteration_tokens_counts)})
+                              "iteration_tokens_counts": list(s.iteration_tokens_counts),
+                              "expert_tokens": {layer: list(c) for layer, c in s.expert_tokens.items()}})
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""

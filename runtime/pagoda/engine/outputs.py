@@ -104,3 +104,12 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = field(default_factory=list)
+    # mixtures of experts (counters): MoE layer index -> rows routed to each expert (a row per token and
+    # choice); the layers of the stage that samples (every layer without pipeline parallelism)
+    expert_tokens: dict[int, list[int]] = field(default_factory=dict)
+
+    def add_expert_tokens(self, step: dict[int, list[int]]) -> None:
+        for layer, counts in step.items():
+            total = self.expert_tokens.setdefault(layer, [0] * len(counts))
+            for i, n in enumerate(counts):
+                total[i] += n

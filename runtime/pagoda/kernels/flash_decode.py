@@ -16,7 +16,14 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import FP8_DTYPES, check_device, check_tensor, require
-from pagoda.kernels.paged_kv import attend_context_range, check_paged_inputs, dot_config, head_pad
+from pagoda.kernels.paged_kv import (
+    attend_context_range,
+    check_paged_inputs,
+    dot_config,
+    head_pad,
+    softcap_arg,
+    window_arg,
+)
 
 PARTITION_SIZE = 512  # context positions per partition
 TILE_N = 64
@@ -33,6 +40,7 @@ def _partition_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     scale_log2,
+    window,  # sliding window (NO_WINDOW: none)
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_d,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_d,
@@ -49,6 +57,7 @@ def _partition_kernel(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,12 +82,13 @@ def _partition_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    # a partition wholly before the window visits nothing: max -inf, sum 0, the reduction weighs it 0
     m_i, l_i, acc = attend_context_range(
-        q, q_pos, m_i, l_i, acc, kv_start, tl.minimum(seq_len, kv_start + PARTITION_SIZE),
+        q, q_pos, m_i, l_i, acc, tl.maximum(kv_start, seq_len - window), tl.minimum(seq_len, kv_start + PARTITION_SIZE),
         k_cache_ptr + kv_head.to(tl.int64) * stride_k_head, v_cache_ptr + kv_head.to(tl.int64) * stride_v_head,
         block_tables_ptr + seq64 * stride_table,
         stride_k_block, stride_k_slot, stride_k_d, stride_v_block, stride_v_slot, stride_v_d,
-        scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION, KV_FP8)
+        scale_log2, window, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION, KV_FP8, SOFTCAP)
 
     stat_off = seq64 * stride_pm_seq + head * stride_pm_head + part
     tl.store(partial_max_ptr + stat_off, m_i, mask=row_mask)
@@ -113,7 +123,7 @@ def _reduce_kernel(
     stat_off = seq * stride_pm_seq + head * stride_pm_head
     part_max = tl.load(partial_max_ptr + stat_off + parts, mask=part_mask, other=float("-inf"))
     part_sum = tl.load(partial_sum_ptr + stat_off + parts, mask=part_mask, other=0.0)
-    global_max = tl.max(part_max, 0)  # finite: partition 0 always holds position 0
+    global_max = tl.max(part_max, 0)  # finite: the last partition holds the query's own position
     weights = tl.exp2(part_max - global_max)  # 0 for the masked partitions
     denominator = tl.sum(weights * part_sum, 0)
 
@@ -140,6 +150,8 @@ def flash_decode(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_size]
     k_scale: float = 1.0,  # fp8 caches: the per-tensor scales of the stored keys and values
     v_scale: float = 1.0,
+    sliding_window: int | None = None,  # the query at position p sees p - sliding_window + 1 .. p
+    logit_softcap: float | None = None,  # scores = cap * tanh(scores / cap)
 ) -> torch.Tensor:
     """Decode attention with each context split into partitions that run in parallel, then merged."""
     op = "flash_decode"
@@ -159,6 +171,7 @@ def flash_decode(
         return out
     if key_cache.dtype not in FP8_DTYPES:  # the scales describe fp8 storage only
         k_scale = v_scale = 1.0
+    window, softcap = window_arg(sliding_window), softcap_arg(logit_softcap)
     num_parts = triton.cdiv(max_seq_len, partition_size)
     pad = head_pad(shapes.head_size)
     stats = torch.empty(2, shapes.num_seqs, shapes.num_heads, num_parts, dtype=torch.float32, device=device)
@@ -168,12 +181,12 @@ def flash_decode(
     upcast, precision = dot_config(_partition_kernel, query.dtype)
     _partition_kernel[(shapes.num_seqs, shapes.num_kv_heads, num_parts)](
         partial_max, partial_sum, partial_out, query, key_cache, value_cache, block_tables, seq_lens,
-        scale * k_scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e), window,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         partial_max.stride(0), partial_max.stride(1), *partial_out.stride()[:3],
         GROUP=shapes.group, BLOCK_M=max(16, triton.next_power_of_2(shapes.group)),
         HEAD_SIZE=shapes.head_size, HEAD_PAD=pad, BLOCK_SIZE=shapes.block_size, PARTITION_SIZE=partition_size,
-        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES,
+        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES, SOFTCAP=softcap,
         num_warps=4)
     _reduce_kernel[(shapes.num_seqs, shapes.num_heads)](
         out, partial_max, partial_sum, partial_out, seq_lens, v_scale,

@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels._checks import FP8_DTYPES, check_device, check_tensor, require
-from pagoda.kernels.paged_kv import attend_context_range, check_paged_inputs, dot_config, head_pad
+from pagoda.kernels.paged_kv import (
+    attend_context_range,
+    check_paged_inputs,
+    dot_config,
+    head_pad,
+    softcap_arg,
+    window_arg,
+)
 
 TILE_N = 64  # context positions per K/V tile
 DECODE_ROWS = 16  # rows per program when every query has one token: tl.dot needs M >= 16
@@ -59,6 +66,7 @@ def _mixed_batch_kernel(
     num_seqs,
     scale_log2,  # softmax scale * log2(e), times k_scale for an fp8 cache
     v_scale,  # fp8 cache: stored values times v_scale are the values (1.0 otherwise)
+    window,  # sliding window (NO_WINDOW: none)
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_d,
@@ -75,6 +83,7 @@ def _mixed_batch_kernel(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -106,12 +115,14 @@ def _mixed_batch_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    # the window: the tile's first token sees nothing before first_pos - window + 1, nor do the later ones
+    kv_start = tl.maximum(context_before_chunk + tile_in_seq * BLOCK_Q - window + 1, 0)
     m_i, l_i, acc = attend_context_range(
-        q, q_pos, m_i, l_i, acc, 0, kv_end,
+        q, q_pos, m_i, l_i, acc, kv_start, kv_end,
         k_cache_ptr + kv_head.to(tl.int64) * stride_k_head, v_cache_ptr + kv_head.to(tl.int64) * stride_v_head,
         block_tables_ptr + seq.to(tl.int64) * stride_table,
         stride_k_block, stride_k_slot, stride_k_d, stride_v_block, stride_v_slot, stride_v_d,
-        scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION, KV_FP8)
+        scale_log2, window, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION, KV_FP8, SOFTCAP)
     l_i = tl.where(row_mask, l_i, 1.0)  # padded rows: avoid 0/0 warnings; they are not stored
     out = acc / l_i[:, None]
     if KV_FP8:
@@ -152,6 +163,8 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_size]
     k_scale: float = 1.0,  # fp8 caches: the per-tensor scales of the stored keys and values
     v_scale: float = 1.0,
+    sliding_window: int | None = None,  # a query at position p sees p - sliding_window + 1 .. p
+    logit_softcap: float | None = None,  # scores = cap * tanh(scores / cap)
 ) -> torch.Tensor:
     """Causal attention of every query chunk over its sequence's paged context, in one launch."""
     op = "paged_attention"
@@ -167,16 +180,17 @@ def paged_attention(
         return out
     if key_cache.dtype not in FP8_DTYPES:  # the scales describe fp8 storage only
         k_scale = v_scale = 1.0
+    window, softcap = window_arg(sliding_window), softcap_arg(logit_softcap)
     group_pad, block_q, block_m = tile_shape(shapes.group, max_query_len)
     upcast, precision = dot_config(_mixed_batch_kernel, query.dtype)
     num_tiles = shapes.num_tokens if block_q == 1 else shapes.num_tokens // block_q + shapes.num_seqs
     _mixed_batch_kernel[(num_tiles, shapes.num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        shapes.num_seqs, scale * k_scale * math.log2(math.e), v_scale,
+        shapes.num_seqs, scale * k_scale * math.log2(math.e), v_scale, window,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         GROUP=shapes.group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_SIZE=shapes.head_size, HEAD_PAD=head_pad(shapes.head_size), BLOCK_SIZE=shapes.block_size,
-        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES,
+        TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES, SOFTCAP=softcap,
         num_warps=num_warps(block_m, shapes.head_size),
         **launch_stages(query.dtype))
     return out

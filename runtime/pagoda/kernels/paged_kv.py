@@ -13,6 +13,26 @@ import triton.language as tl
 
 from pagoda.kernels._checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor, is_interpreted, require
 
+NO_WINDOW = 1 << 30  # the window argument of a layer without one: longer than any context
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+def window_arg(sliding_window: int | None) -> int:
+    if sliding_window is None:
+        return NO_WINDOW
+    if not (isinstance(sliding_window, int) and 1 <= sliding_window < NO_WINDOW):
+        raise ValueError(f"sliding_window must be an int in [1, {NO_WINDOW}) or None; got {sliding_window!r}")
+    return sliding_window
+
+
+def softcap_arg(logit_softcap: float | None) -> float:
+    if logit_softcap is None:
+        return 0.0
+    if not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None; got {logit_softcap!r}")
+    return float(logit_softcap)
+
 
 @triton.jit
 def context_offsets(
@@ -56,6 +76,7 @@ def attend_context_range(
     stride_k_block, stride_k_slot, stride_k_d,
     stride_v_block, stride_v_slot, stride_v_d,
     scale_log2,  # softmax scale * log2(e): exp2 is the cheap exponential on GPUs
+    window,  # a row sees positions > q_pos - window (NO_WINDOW: all of them)
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -63,6 +84,7 @@ def attend_context_range(
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,  # > 0: scores = SOFTCAP * tanh(scores / SOFTCAP) before the softmax
 ):
     """Online softmax over TILE_N context positions at a time; every K/V tile is loaded once for all
     BLOCK_M query rows (the query heads of one kv head, times a few tokens)."""
@@ -79,7 +101,10 @@ def attend_context_range(
         elif UPCAST_DOT:
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N] f32
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        if SOFTCAP > 0:  # in natural units: tanh(x) = 1 - 2 / (exp(2x) + 1), finite at both ends
+            x = scores * (LN2 / SOFTCAP)
+            scores = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * LOG2E)
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) & pos_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # a row that has seen no position yet keeps max -inf; exp2(-inf - -inf) would be nan

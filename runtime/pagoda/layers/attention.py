@@ -45,9 +45,16 @@ def forward_context(metadata: AttentionMetadata, backend, triton_ops: bool = Fal
 
 
 class Attention(Module):
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float):
+    """sliding_window: each query sees only the last ``sliding_window`` positions, itself included (Mistral,
+    Gemma's local layers); logit_softcap: scores become cap * tanh(scores / cap) before the softmax (Gemma 2)."""
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
         super().__init__()
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        self.sliding_window, self.logit_softcap = sliding_window, logit_softcap
+        self._variant = {} if sliding_window is None and logit_softcap is None else \
+            dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
         # [2, num_blocks, block_size, num_kv_heads, head_size]; assigned by the runner once allocated
         self.kv_cache: torch.Tensor | None = None
         # an fp8 cache stores k / k_scale and v / v_scale (layers.quantization.kv_scales): from the checkpoint,
@@ -61,16 +68,16 @@ class Attention(Module):
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
-        if self.kv_cache is None:  # memory-profiling pass before the cache exists
+        if self.kv_cache is None:  # memory-profiling pass before the cache exists (its output is not read)
             return self._attend_without_cache(q, k, v, ctx.metadata).flatten(1)
         if not kv_scales.is_fp8(self.kv_cache):
             ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping)
-            return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale).flatten(1)
+            return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, **self._variant).flatten(1)
         if self.calculate_kv_scales:
             kv_scales.calibrate(self, k, v)
         ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping, self.k_scale, self.v_scale)
         return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, self.k_scale,
-                                           self.v_scale).flatten(1)
+                                           self.v_scale, **self._variant).flatten(1)
 
     def _attend_without_cache(self, q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -11,6 +11,8 @@ from pagoda.layers.packed_weights import PackedWeight, linear
 
 
 class VocabParallelEmbedding(Module):
+    scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the weight's dtype
+
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         state = get_parallel_state()
@@ -33,11 +35,14 @@ class VocabParallelEmbedding(Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.tp_size == 1:
-            return F.embedding(token_ids, self.weight)
-        in_shard = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
-        local = torch.where(in_shard, token_ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
-        return tp_all_reduce(out)
+            out = F.embedding(token_ids, self.weight)
+        else:
+            in_shard = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
+            local = torch.where(in_shard, token_ids - self.vocab_start, 0)
+            out = tp_all_reduce(F.embedding(local, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype))
+        if self.scale is not None:  # as transformers: the scale rounded to the weight's dtype first
+            out = out * torch.tensor(self.scale, dtype=self.weight.dtype)
+        return out
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -9,11 +9,20 @@ from pagoda.layers.module import Module
 
 
 class RMSNorm(Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    """weight_offset: added to the checkpoint's weight once, at load (Gemma's norms multiply by 1 + w), so the
+    kernels see a plain weight."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param, loaded[:])
+        self.weight.weight_loader = self._load_weight
+        self.weight_offset = weight_offset
+
+    def _load_weight(self, param, loaded, shard_id=None):
+        copy_checked(param, loaded[:])
+        if self.weight_offset:
+            param.data += self.weight_offset
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -1,12 +1,24 @@
 """Megatron-style linear layers. Each parameter carries a ``weight_loader`` that copies its own shard
 out of a lazily sliced checkpoint tensor, so a rank never reads rows or columns it does not own."""
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from pagoda.distributed.parallel_state import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 from pagoda.layers.module import Module
 from pagoda.layers.packed_weights import PackedWeight, linear
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which share of a layer this rank holds; by default the TP group's (get_parallel_state())."""
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+UNSPLIT = Split()  # the whole layer on this rank (an expert under expert parallelism)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -23,6 +35,36 @@ def full_shape(loaded) -> tuple[int, ...]:
 def check_full_shape(loaded, expected: tuple[int, ...]) -> None:
     if full_shape(loaded) != tuple(expected):
         raise ValueError(f"checkpoint tensor has shape {full_shape(loaded)}, the model config expects {tuple(expected)}")
+
+
+class RowRange:
+    """Rows [start, start + rows) of a lazily sliced checkpoint tensor, itself sliceable by rows: one shard of
+    a tensor that stores several (Phi-3's qkv_proj), read without reading the others."""
+
+    def __init__(self, loaded, start: int, rows: int):
+        self.loaded, self.start, self.rows = loaded, start, rows
+
+    def get_shape(self) -> tuple[int, ...]:
+        return (self.rows, *full_shape(self.loaded)[1:])
+
+    def __getitem__(self, index):
+        if index == slice(None):
+            index = slice(0, self.rows)
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"RowRange takes a row slice, not {index!r}")
+        begin, end, _ = index.indices(self.rows)
+        return self.loaded[self.start + begin : self.start + end]
+
+
+def load_fused_shards(loader, param, loaded, shard_ids: tuple, sizes: list[int]) -> None:
+    """Load a checkpoint tensor holding the shards ``shard_ids`` stacked by rows (``sizes`` rows each)."""
+    if full_shape(loaded)[0] != sum(sizes):
+        raise ValueError(f"fused checkpoint tensor has {full_shape(loaded)[0]} rows, the model config expects "
+                         f"{sum(sizes)} ({' + '.join(map(str, sizes))})")
+    start = 0
+    for shard_id, rows in zip(shard_ids, sizes):
+        loader(param, RowRange(loaded, start, rows), shard_id)
+        start += rows
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
@@ -69,8 +111,9 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Y = X A with A split by output columns: rank r holds rows [r*n, (r+1)*n) of the weight."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False):
-        state = get_parallel_state()
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
+                 split: Split | None = None):
+        state = split or get_parallel_state()
         self.output_size_per_rank = divide(output_size, state.tp_size, "output size")
         super().__init__(input_size, self.output_size_per_rank, bias)
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
@@ -89,11 +132,14 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stored as one (e.g. gate and up projections)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, split: Split | None = None):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, split=split)
 
-    def weight_loader(self, param, loaded, shard_id: int):
+    def weight_loader(self, param, loaded, shard_id: int | tuple):
+        if isinstance(shard_id, tuple):
+            return load_fused_shards(self.weight_loader, param, loaded, shard_id,
+                                     [self.output_sizes[i] for i in shard_id])
         size = divide(self.output_sizes[shard_id], self.tp_size, "output size")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         check_full_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
@@ -122,7 +168,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param, loaded, shard_id: str):
+    def weight_loader(self, param, loaded, shard_id: str | tuple):
+        if isinstance(shard_id, tuple):
+            total = {"q": self.num_heads * self.tp_size, "k": self.total_num_kv_heads, "v": self.total_num_kv_heads}
+            return load_fused_shards(self.weight_loader, param, loaded, shard_id,
+                                     [total[s] * self.head_size for s in shard_id])
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         if shard_id == "q":
@@ -139,8 +189,8 @@ class RowParallelLinear(LinearBase):
     """Y = X A with A split by input rows; partial sums are all-reduced, then the bias is added once."""
     input_is_sharded = True
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        state = get_parallel_state()
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, split: Split | None = None):
+        state = split or get_parallel_state()
         self.input_size_per_rank = divide(input_size, state.tp_size, "input size")
         super().__init__(self.input_size_per_rank, output_size, bias, bias_loader=self.bias_loader)
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size

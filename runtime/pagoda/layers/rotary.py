@@ -1,6 +1,7 @@
-"""Rotary position embedding (neox style: rotate the two halves), with linear and Llama-3 scaling.
+"""Rotary position embedding (neox style: rotate the two halves), with linear, Llama-3 and LongRoPE scaling.
 
-Scaling only changes the inverse frequencies, so it lives entirely in the cos/sin cache.
+Scaling only changes the inverse frequencies (and LongRoPE's magnitude), so it lives entirely in the cos/sin
+cache.
 """
 
 import math
@@ -9,18 +10,6 @@ import torch
 
 from pagoda.layers import custom_ops
 from pagoda.layers.module import Module
-
-
-def rope_parameters(config) -> dict:
-    """rope_theta and the scaling dict, from either the transformers 5 or the older layout."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-    else:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
 
 
 def inverse_frequencies(head_size: int, params: dict) -> torch.Tensor:
@@ -42,14 +31,42 @@ def inverse_frequencies(head_size: int, params: dict) -> torch.Tensor:
     return inv_freq.float()
 
 
+def longrope_inverse_frequencies(head_size: int, params: dict, factors: str) -> torch.Tensor:
+    base = float(params.get("rope_theta", 10000.0))
+    ext = torch.tensor(params[factors], dtype=torch.float32)
+    return 1.0 / (ext * base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+
+
+def longrope_magnitude(params: dict) -> float:
+    """LongRoPE's attention factor on cos and sin (transformers' default from the context extension)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = float(params["original_max_position_embeddings"])
+    factor = params.get("factor") or float(params["max_position_embeddings"]) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def cos_sin_cache(head_size: int, max_position: int, params: dict) -> torch.Tensor:
+    """[max_position, head_size]: cos in the first half, sin in the second. LongRoPE: positions below
+    original_max_position_embeddings use the short factors, later ones the long factors (as vLLM; transformers
+    switches a whole sequence once it grows past that length)."""
+    positions = torch.arange(max_position, dtype=torch.float32)
+    if params.get("rope_type") == "longrope":
+        original = int(params["original_max_position_embeddings"])
+        short = torch.outer(positions[:original], longrope_inverse_frequencies(head_size, params, "short_factor"))
+        long = torch.outer(positions[original:], longrope_inverse_frequencies(head_size, params, "long_factor"))
+        freqs = torch.cat([short, long])
+        magnitude = longrope_magnitude(params)
+        return torch.cat([freqs.cos() * magnitude, freqs.sin() * magnitude], dim=-1)
+    freqs = torch.outer(positions, inverse_frequencies(head_size, params))  # [max_pos, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
 class RotaryEmbedding(Module):
     def __init__(self, head_size: int, max_position: int, params: dict):
         super().__init__()
         self.head_size = head_size
-        inv_freq = inverse_frequencies(head_size, params)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_pos, D/2]
-        # [max_pos, D]: cos in the first half, sin in the second
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", cos_sin_cache(head_size, max_position, params), persistent=False)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         """positions [T]; query [T, Hq*D]; key [T, Hkv*D] -> rotated (query, key)."""

@@ -8,12 +8,25 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "Gemma2ForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "Phi3ForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "OlmoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+SUPPORT_TABLE = "docs/models.md#supported-architectures"
+
+
+def unsupported_architecture_message(architectures) -> str:
+    return (f"unsupported architecture {architectures}: Pagoda runs {', '.join(MODEL_REGISTRY)} "
+            f"(what each supports: {SUPPORT_TABLE})")
 
 
 def get_model_class(architecture: str):
     if architecture not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {architecture!r}: Pagoda runs {', '.join(MODEL_REGISTRY)}")
+        raise ValueError(unsupported_architecture_message(architecture))
     module, _, name = MODEL_REGISTRY[architecture].partition(":")
     return getattr(import_module(module), name)

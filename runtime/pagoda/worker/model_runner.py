@@ -17,6 +17,7 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
 from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
+from pagoda.layers.moe import take_expert_tokens
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.models import get_model_class, llama_layers_cpu
 from pagoda.process.cpu_allocator import keep_freed_memory
@@ -69,7 +70,7 @@ class ModelRunner:
                 cpp_extensions.build_concurrently(cpu_kernels.available, fused_cpu_ops.available, *matmul)
         torch.manual_seed(config.seed)
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
-                                      config.parallel.pp_layer_partition)
+                                      config.parallel.pp_layer_partition, config.parallel.enable_expert_parallel)
         self.attention_layers = self.model.attention_layers()
         self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.kv_dtype, self.device,
                                      config.cache.calculate_kv_scales)
@@ -92,13 +93,13 @@ class ModelRunner:
                                        config.cache.calculate_kv_scales)
             self.drafter = DraftModelProposer(self, model, draft_cache, config.seed)
 
-    def _load_model(self, hf_config, path: str, quantization, pp_layer_partition):
+    def _load_model(self, hf_config, path: str, quantization, pp_layer_partition, expert_parallel=False):
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
                 model_class = get_model_class(hf_config.architectures[0])
-                model = model_class(hf_config, pp_layer_partition)
+                model = model_class(hf_config, pp_layer_partition, expert_parallel=expert_parallel)
         finally:
             torch.set_default_dtype(previous)
         load_weights(model, path, quantization)
@@ -145,6 +146,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, hidden_in, residual_in)
             if self.is_last_stage:
                 self.model.compute_logits(hidden[-sched.max_num_seqs :])
+        take_expert_tokens(self.model)  # not a request's routing
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -197,6 +199,13 @@ class ModelRunner:
     def run_step(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
                  ) -> ModelRunnerOutput | IntermediateTensors | None:
         """The second half of execute: the forward pass, then sampling and verification."""
+        result = self._run_step(out, intermediate)
+        if self.samples and isinstance(result, ModelRunnerOutput):
+            result.expert_tokens = take_expert_tokens(self.model)  # MoE load balance, for the stats
+        return result
+
+    def _run_step(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
+                  ) -> ModelRunnerOutput | IntermediateTensors | None:
         if out.is_empty:
             return ModelRunnerOutput() if self.is_last_stage else None
         drafts = {s.seq_id: s.draft_token_ids for s in out.scheduled if s.draft_token_ids}

@@ -181,6 +181,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--tensor-parallel-size", default=d["tensor_parallel_size"], type=positive_int)
     p.add("--pipeline-parallel-size", default=d["pipeline_parallel_size"], type=positive_int)
     p.add("--pp-layer-partition", type=int_list, help="layers per pipeline stage, e.g. 12,12,8")
+    p.add("--enable-expert-parallel", default=d["enable_expert_parallel"], boolean=True,
+          help="mixture-of-experts models: split whole experts over the tensor-parallel ranks instead of "
+               "splitting every expert's matrices")
     p.add("--nnodes", default=d["nnodes"], type=positive_int)
     p.add("--node-rank", default=d["node_rank"], type=non_negative_int)
     p.add("--master-addr", default=d["master_addr"])

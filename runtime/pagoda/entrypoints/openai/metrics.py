@@ -109,6 +109,13 @@ class EngineStatsCollector(Collector):
             success.add_metric([self.model_name, reason], stats.finished_reasons.get(reason, 0))
         yield success
         yield self._iteration_tokens(stats)
+        if stats.expert_tokens:  # a mixture-of-experts model: load balance per expert
+            experts = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Rows routed to each expert (a row per "
+                                          "token and choice), by MoE layer.", labels=["model_name", "layer", "expert"])
+            for layer, counts in sorted(stats.expert_tokens.items()):
+                for expert, n in enumerate(counts):
+                    experts.add_metric([self.model_name, str(layer), str(expert)], n)
+            yield experts
         info = GaugeMetricFamily(PREFIX + "cache_config_info", "The KV cache's configuration (value 1).",
                                  labels=["model_name", *self.cache_info])
         info.add_metric([self.model_name, *self.cache_info.values()], 1.0)

@@ -12,7 +12,7 @@ def row_absmax(layer, weight: torch.Tensor) -> torch.Tensor:  # weight [N, K] ->
     so the ranks agree on the maximum and quantize exactly as one process would."""
     absmax = weight.float().abs().amax(dim=1)
     state = get_parallel_state()
-    if getattr(layer, "input_is_sharded", False) and state.tp_size > 1:
+    if getattr(layer, "input_is_sharded", False) and getattr(layer, "tp_size", state.tp_size) > 1:  # EP expert: 1
         dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=state.tp_group)
     return absmax
 

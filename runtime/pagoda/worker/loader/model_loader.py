@@ -10,12 +10,12 @@ from tqdm.auto import tqdm
 
 from pagoda.config.quantization import QuantizationConfig, checkpoint_quantization
 from pagoda.layers.quantization import kv_scales, methods
-from pagoda.layers.rotary import rope_parameters
-from pagoda.models.registry import SUPPORTED_ARCHITECTURES
+from pagoda.models.family import ACTIVATIONS, rope_parameters
+from pagoda.models.registry import SUPPORTED_ARCHITECTURES, unsupported_architecture_message
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> str:
@@ -57,13 +57,14 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
 def check_supported(config) -> None:
     archs = getattr(config, "architectures", None) or []
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {archs}: Pagoda runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-    rope_type = rope_parameters(config)["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling {rope_type!r}: Pagoda supports {', '.join(SUPPORTED_ROPE_TYPES)}")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r}: Pagoda supports 'silu'")
+        raise ValueError(unsupported_architecture_message(archs))
+    for layer_type in sorted(set(getattr(config, "layer_types", None) or [None])):
+        rope_type = rope_parameters(config, layer_type)["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling {rope_type!r}: Pagoda supports {', '.join(SUPPORTED_ROPE_TYPES)}")
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}: Pagoda supports {', '.join(ACTIVATIONS)}")
     if getattr(config, "mlp_bias", False):
         raise ValueError("unsupported option mlp_bias=true")
     checkpoint_quantization(config)  # raises for a quantized format Pagoda cannot run
@@ -149,7 +150,7 @@ def load_weights(model, path: str, quantization: QuantizationConfig | None = Non
             param.weight_loader(param, tensor, shard)
         except ValueError as e:
             raise ValueError(f"{ckpt_name}: {e}") from None
-        shards_loaded[name] += 1
+        shards_loaded[name] += len(shard) if isinstance(shard, tuple) else 1  # a fused tensor holds several
     missing = [n for n, want in shards_expected.items() if shards_loaded[n] < want]
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
