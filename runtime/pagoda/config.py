@@ -119,6 +119,7 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     trust_remote_code: bool = False
     generation_config: str = "auto"  # where default sampling parameters come from (EngineArgs)
+    dtype_reason: str = ""  # why this dtype (choose_dtype)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ class EngineConfig:
 
         path = resolve_model_path(args.model, args.revision)
         hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
-        dtype = resolve_dtype(args.dtype, device, hf_config)
+        dtype, dtype_reason = choose_dtype(args.dtype, device)
         max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
         quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,
                                             args.tensor_parallel_size)
@@ -314,7 +315,7 @@ class EngineConfig:
             model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
                               hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                               quantization=quantization, trust_remote_code=args.trust_remote_code,
-                              generation_config=args.generation_config),
+                              generation_config=args.generation_config, dtype_reason=dtype_reason),
             cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                               gpu_memory_utilization=args.gpu_memory_utilization,
                               kv_cache_memory_gib=args.kv_cache_memory, swap_space_gib=swap_gib,
@@ -443,23 +444,40 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def cpu_has_fast_bf16() -> bool:
+def cpu_bf16_flags() -> list[str]:
+    """This CPU's native bfloat16 instructions, as /proc/cpuinfo names them."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            flags = set(f.read().split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return []
+    return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
 
 
-def resolve_dtype(dtype: str, device: str, hf_config) -> str:
+def cpu_has_fast_bf16() -> bool:
+    return bool(cpu_bf16_flags())
+
+
+def choose_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """The dtype `dtype` resolves to on `device`, and why (for the start-up log and --help)."""
     if dtype != "auto":
-        return dtype
+        return dtype, f"dtype {dtype}: as asked"
     if device.startswith("cuda"):
         import torch
 
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "dtype auto -> bfloat16: this GPU supports bfloat16"
+        return "float16", "dtype auto -> float16: this GPU has no bfloat16"
+    flags = cpu_bf16_flags()
+    if flags:
+        return "bfloat16", f"dtype auto -> bfloat16: this CPU has native bfloat16 ({'/'.join(flags)})"
+    return "float32", ("dtype auto -> float32: this CPU has no native bfloat16 (no avx512_bf16/amx_bf16); "
+                       "--dtype bfloat16 halves the weights' and KV cache's memory but its matmuls are "
+                       "converted in software, slower")
+
+
+def resolve_dtype(dtype: str, device: str, hf_config=None) -> str:
+    return choose_dtype(dtype, device)[0]
 
 
 def _resolve_max_model_len(requested: int | None, hf_config) -> int:

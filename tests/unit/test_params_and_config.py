@@ -103,3 +103,27 @@ def test_configuration_errors_come_before_any_loading():
     with pytest.raises(InvalidParam) as err:
         EngineArgs(model="/does/not/exist", distributed_executor_backend="dask").create_config()
     assert err.value.param == "distributed_executor_backend"
+
+
+def test_auto_dtype_says_why(monkeypatch):
+    """What the start-up log and `--help` say: a CPU without native bfloat16 (a Zen 3) gets float32."""
+    import pagoda.config as config
+
+    monkeypatch.setattr(config, "cpu_bf16_flags", lambda: [])
+    assert config.choose_dtype("auto", "cpu") == (
+        "float32", "dtype auto -> float32: this CPU has no native bfloat16 (no avx512_bf16/amx_bf16); --dtype "
+                   "bfloat16 halves the weights' and KV cache's memory but its matmuls are converted in software, "
+                   "slower")
+    monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    assert config.choose_dtype("auto", "cpu") == (
+        "bfloat16", "dtype auto -> bfloat16: this CPU has native bfloat16 (avx512_bf16)")
+    assert config.choose_dtype("float32", "cpu") == ("float32", "dtype float32: as asked")
+
+
+def test_the_start_up_log_says_why_the_dtype_was_chosen(tiny_llama_dir, caplog):
+    from pagoda import LLM
+    from pagoda.config import choose_dtype
+
+    with caplog.at_level("INFO", logger="pagoda.engine.llm_engine"), LLM(str(tiny_llama_dir), kv_cache_memory=0.01):
+        pass
+    assert choose_dtype("auto", "cpu")[1] in caplog.text
