@@ -216,7 +216,7 @@ def test_a_drained_server_that_converted_the_default_model_ends_with_the_drain(t
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1",
-                                    "--port", str(port), "--kv-cache-memory", "0.05"],
+                                    "--port", str(port), "--kv-cache-memory", "0.05", "--max-model-len", "512"],
                                    stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PAGODA_CACHE_DIR": str(cache), "TOKENIZERS_PARALLELISM": "false"})
     try:
