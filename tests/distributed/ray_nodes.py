@@ -60,9 +60,9 @@ class RayNode:
         self.kill_all()
 
 
-def wait_for_nodes(address: str, nodes: list[RayNode], timeout: float = 120) -> None:
+def wait_for_nodes(address: str, nodes: list[RayNode], timeout: float = 120, env: dict | None = None) -> None:
     """Until the cluster at `address` has all `nodes` live (checked from a child process, so this one
-    never joins the cluster)."""
+    never joins the cluster; env: added to the child's environment)."""
     probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='error'); "
              "print(sum(n['Alive'] for n in ray.nodes()))")
     deadline = time.monotonic() + timeout
@@ -72,7 +72,8 @@ def wait_for_nodes(address: str, nodes: list[RayNode], timeout: float = 120) -> 
         for node in nodes:
             if node.process.poll() is not None:
                 raise RuntimeError(f"a Ray node exited with {node.process.returncode}:\n{node.log()}")
-        result = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True,
+                                env={**os.environ, **(env or {})})
         alive = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
         if alive == str(count):
             return

@@ -198,6 +198,10 @@ def test_streamed_logprobs_and_offsets_equal_non_streamed(client, extra):
         text = client.completions.create(**kwargs, extra_body=body).choices[0].text
         kwargs["stop"] = [text[len(text) // 2 : len(text) // 2 + 3]]
     kwargs.update(extra)
+    # Logprobs are not promised invariant to the cache state (nor by vLLM, by default): a prefix-cache hit
+    # sums attention in another order, which moves float32 logprobs by rounding (4e-6 seen on a Zen 3).
+    # Streaming must not change a bit, so both requests compared run on the same cache hit.
+    client.completions.create(**kwargs, extra_body=body)
     whole = client.completions.create(**kwargs, extra_body=body)
     streamed = _stream_completion(client, **kwargs, extra_body=body)
     assert sorted(streamed) == sorted(c.index for c in whole.choices)
@@ -205,7 +209,7 @@ def test_streamed_logprobs_and_offsets_equal_non_streamed(client, extra):
         s = streamed[c.index]
         assert s["text"] == c.text and s["finish_reason"] == c.finish_reason
         assert s["tokens"] == c.logprobs.tokens
-        assert s["token_logprobs"] == pytest.approx(c.logprobs.token_logprobs)
+        assert s["token_logprobs"] == c.logprobs.token_logprobs
         assert s["text_offset"] == c.logprobs.text_offset
         assert len(s["top_logprobs"]) == len(c.logprobs.top_logprobs)
 

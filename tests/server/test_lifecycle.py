@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from live_server import PATCHED_LAUNCHER
+from live_server import PATCHED_LAUNCHER, free_port
 
 from pagoda.entrypoints.openai.worker_server import build_worker_app
 
@@ -199,3 +199,46 @@ def test_worker_mode_serves_health_and_metrics():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert exits == [0] and c.get("/health").status_code == 503
+
+
+def test_a_drained_server_that_converted_the_default_model_ends_with_the_drain(tmp_path):
+    """The first `make serve` on a machine: an empty $PAGODA_CACHE_DIR, so the default model is converted
+    from GGUF first. After SIGTERM the output ends with the drain: no "nanobind: leaked ..." report (the
+    conversion used to import triton into the server), no traceback."""
+    from pagoda.worker.loader.default_model import cache_dir
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    kernels = cache_dir() / "cpu_kernels"
+    if kernels.is_dir():  # the C++ kernels already built here: only the model is converted anew
+        (cache / "cpu_kernels").symlink_to(kernels)
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "pagoda.entrypoints.cli", "serve", "--host", "127.0.0.1",
+                                    "--port", str(port), "--kv-cache-memory", "0.05", "--max-model-len", "512"],
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PAGODA_CACHE_DIR": str(cache), "TOKENIZERS_PARALLELISM": "false"})
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        assert list((cache / "models").iterdir()), "the default model was not converted into the empty cache"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    output = log_path.read_text(errors="replace")
+    tail = output[output.index("SIGTERM: draining"):]
+    assert "nanobind" not in output and "leaked" not in output and "Traceback" not in output, tail
+    assert re.fullmatch(r".*SIGTERM: draining.*\n.*Shutting down\n.*Waiting for application shutdown\.\n"
+                        r".*Application shutdown complete\.\n.*Finished server process \[\d+\]\n", tail, re.S), tail

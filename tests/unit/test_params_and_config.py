@@ -103,3 +103,29 @@ def test_configuration_errors_come_before_any_loading():
     with pytest.raises(InvalidParam) as err:
         EngineArgs(model="/does/not/exist", distributed_executor_backend="dask").create_config()
     assert err.value.param == "distributed_executor_backend"
+
+
+def test_auto_dtype_says_why(monkeypatch):
+    """What the start-up log and `--help` say: a CPU without bfloat16 kernels (forced here to the generic
+    level) gets float32, and says so; an asked-for dtype says it was asked."""
+    from pagoda import platform
+    from pagoda.config import choose_dtype
+
+    monkeypatch.setenv("PAGODA_CPU_ISA", "generic")
+    platform.cpu_isa.cache_clear()
+    try:
+        dtype, reason = choose_dtype("auto", "cpu")
+        assert dtype == "float32" and reason.startswith("dtype auto -> float32: ISA level generic")
+        assert choose_dtype("float32", "cpu") == ("float32", "dtype float32: as asked")
+    finally:
+        monkeypatch.delenv("PAGODA_CPU_ISA")
+        platform.cpu_isa.cache_clear()
+
+
+def test_the_start_up_log_says_why_the_dtype_was_chosen(tiny_llama_dir, caplog):
+    from pagoda import LLM
+    from pagoda.config import choose_dtype
+
+    with caplog.at_level("INFO", logger="pagoda.engine.llm_engine"), LLM(str(tiny_llama_dir), kv_cache_memory=0.01):
+        pass
+    assert choose_dtype("auto", "cpu")[1] in caplog.text

@@ -22,10 +22,10 @@ from pagoda.config.configs import (
     SpeculativeConfig,
 )
 from pagoda.config.kv_cache import KV_CACHE_DTYPES
-from pagoda.config.resolve import resolve_device, resolve_dtype
+from pagoda.config.resolve import choose_dtype, resolve_device, resolve_dtype
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GIB", "DEFAULT_GPU_SWAP_SPACE_GIB",
            "DEFAULT_MODEL_NAME", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS",
            "PREEMPTION_MODES", "UNSUPPORTED_ARGS", "CacheConfig", "EngineArgs",
            "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
-           "resolve_device", "resolve_dtype"]
+           "choose_dtype", "resolve_device", "resolve_dtype"]

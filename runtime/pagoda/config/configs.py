@@ -28,6 +28,7 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     trust_remote_code: bool = False
     generation_config: str = "auto"  # where default sampling parameters come from (EngineArgs)
+    dtype_reason: str = ""  # why this dtype (resolve.choose_dtype)
 
 
 @dataclass(frozen=True)

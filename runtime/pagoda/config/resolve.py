@@ -46,7 +46,7 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
 
     path = resolve_model_path(args.model, args.revision)
     hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
-    dtype = resolve_dtype(args.dtype, device, hf_config)
+    dtype, dtype_reason = choose_dtype(args.dtype, device)
     max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
     quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,
                                         args.tensor_parallel_size)
@@ -81,7 +81,7 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
         model=ModelConfig(path=path, tokenizer_path=args.tokenizer or path, served_model_name=served,
                           hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
                           quantization=quantization, trust_remote_code=args.trust_remote_code,
-                          generation_config=args.generation_config),
+                          generation_config=args.generation_config, dtype_reason=dtype_reason),
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory_gib=args.kv_cache_memory, swap_space_gib=swap_gib,
@@ -175,15 +175,22 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def resolve_dtype(dtype: str, device: str, hf_config) -> str:
-    """``auto`` becomes what pagoda.platform finds fastest on the device (choose_dtype gives the reason)."""
-    from pagoda.platform import choose_dtype, cpu_isa
+def choose_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """The dtype `dtype` resolves to on `device`, and why (the start-up log and --help say it): "auto" is
+    what pagoda.platform finds fastest there. PAGODA_CPU_ISA is checked here, at start-up, whatever the dtype."""
+    from pagoda.platform import choose_dtype as fastest_dtype
+    from pagoda.platform import cpu_isa
 
     if device == "cpu":
-        cpu_isa()  # PAGODA_CPU_ISA checked here, at start-up, whatever the dtype
+        cpu_isa()
     if dtype != "auto":
-        return dtype
-    return choose_dtype(device)[0]
+        return dtype, f"dtype {dtype}: as asked"
+    chosen, why = fastest_dtype(device)
+    return chosen, f"dtype auto -> {chosen}: {why}"
+
+
+def resolve_dtype(dtype: str, device: str, hf_config=None) -> str:
+    return choose_dtype(dtype, device)[0]
 
 
 def _resolve_max_model_len(requested: int | None, hf_config) -> int:

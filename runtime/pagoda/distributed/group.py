@@ -13,6 +13,7 @@ import torch.distributed as dist
 from pagoda.config import EngineConfig
 from pagoda.distributed.parallel_state import ParallelState, set_parallel_state
 from pagoda.distributed.rendezvous import Heartbeat, RankInfo, connect_store, join
+from pagoda.process.start_method import note_group_joined
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def init_group(config: EngineConfig, rank: int, on_failure, failure: Callable[[]
     at once when failure() gives a reason while the rendezvous waits."""
     p = config.parallel
     info = rank_info(config, rank)
+    note_group_joined()
     timeout = p.distributed_timeout
     store = connect_store(p.master_addr, p.master_port, is_master=rank == 0, timeout=timeout)
     join(store, info, group_settings(config), timeout, failure)

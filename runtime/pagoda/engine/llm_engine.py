@@ -68,6 +68,8 @@ class LLMEngine:
                     model.served_model_name, hf.architectures[0], hf.num_hidden_layers, model.dtype,
                     config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, config.device,
                     config.attention_backend, time.time() - started)
+        if model.dtype_reason:
+            logger.info("%s", model.dtype_reason)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; max_model_len=%d, max_num_seqs=%d, "
                     "max_num_batched_tokens=%d", num_blocks, block_size, num_blocks * block_size,
                     model.max_model_len, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)

@@ -10,10 +10,18 @@ as tightly as the cluster allows (TP collectives then cross the network, as in v
 """
 
 import importlib.util
+import logging
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 RAY_INSTALL_HINT = "pip install 'pagoda[ray]'"
+RAY_TOKEN_HINT = ("if `ray start` logged 'Token authentication is enabled', set RAY_AUTH_MODE=token here and make "
+                  "the cluster's token readable: copy the head's ~/.ray/auth_token to this machine's home (or set "
+                  "RAY_AUTH_TOKEN to its contents)")
+
+logger = logging.getLogger(__name__)
 
 
 def ray_installed() -> bool:
@@ -31,6 +39,39 @@ def inside_ray_cluster() -> bool:
     group lookups among them, would otherwise start a local cluster just by being called."""
     ray = sys.modules.get("ray")  # a process that never imported Ray has not joined a cluster
     return ray is not None and ray.is_initialized()
+
+
+def ray_token_available() -> bool:
+    """A Ray authentication token where Ray looks for one: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return Path(path).is_file()
+
+
+def connect_to_ray(logging_level: int = logging.WARNING) -> None:
+    """ray.init() for the executor: the cluster at RAY_ADDRESS or the one started on this machine, else a
+    new local one. A cluster started by `ray start` where a token exists (an earlier local ray.init() writes
+    ~/.ray/auth_token) requires token authentication; Ray turns it on by itself only for
+    ray.init(address="auto") without RAY_ADDRESS. Here it is turned on whenever a token is available and
+    RAY_AUTH_MODE is unset (a token also connects to a cluster without authentication)."""
+    import ray
+
+    if "RAY_AUTH_MODE" not in os.environ and ray_token_available():
+        logger.info("Ray: a token is available (%s), using token authentication (RAY_AUTH_MODE=token)",
+                    "RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else "~/.ray/auth_token")
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray reads its settings once, at import: make it read them again (what Ray itself does)
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except (ImportError, AttributeError):
+            pass
+    try:
+        ray.init(logging_level=logging_level)
+    except (ConnectionError, RuntimeError) as e:
+        address = os.environ.get("RAY_ADDRESS", "the local cluster")
+        raise ConnectionError(f"could not connect to the Ray cluster at {address}: {e}; {RAY_TOKEN_HINT}") from e
 
 
 def current_node() -> dict:

@@ -20,6 +20,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.group import cpu_threads_per_rank, free_port
 from pagoda.executor.driver import DriverExecutor
 from pagoda.executor.ray_cluster import (
+    connect_to_ray,
     current_node,
     describe_cluster,
     device_resource,
@@ -82,7 +83,7 @@ class RayExecutor(DriverExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():  # RAY_ADDRESS or a cluster started on this machine; else a local one
-            ray.init(logging_level=logging.WARNING)
+            connect_to_ray(logging.WARNING)
         p = config.parallel
         resource = device_resource(config.device)
         driver_node = current_node()

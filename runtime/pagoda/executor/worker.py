@@ -23,7 +23,7 @@ from pagoda.distributed.group import (
 )
 from pagoda.distributed.parallel_state import reset_parallel_state
 from pagoda.distributed.rendezvous import RendezvousError
-from pagoda.executor.start_method import check_main_guarded, choose_start_method, release_openmp_threads
+from pagoda.process.start_method import check_main_guarded, choose_start_method, release_openmp_threads
 from pagoda.process.startup_heap import frozen_when_loaded
 from pagoda.worker.loader.generation_config import eos_token_ids_for
 from pagoda.worker.model_runner import IntermediateTensors, ModelRunner

@@ -12,7 +12,14 @@ import os
 import re
 from dataclasses import dataclass
 
-from pagoda.config import DTYPES, EXECUTOR_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineArgs
+from pagoda.config import (
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    EngineArgs,
+    choose_dtype,
+)
 from pagoda.config.quantization import GROUP_SIZES, METHODS
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.worker.loader.default_model import DEFAULT_MODEL_NAME
@@ -193,7 +200,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
           help="uni: one process; mp: local processes (and --nnodes); ray: Ray actors over a Ray cluster "
                "(default: ray inside a Ray cluster whose local node cannot hold every rank, else mp or uni)")
-    p.add("--dtype", default=d["dtype"], choices=DTYPES)
+    p.add("--dtype", default=d["dtype"], choices=DTYPES,
+          help="auto: bfloat16 on a GPU that supports it, else float16; on CPU bfloat16 where the CPU has native "
+               "bfloat16 (avx512_bf16/amx_bf16), else float32. Here on CPU: " + choose_dtype("auto", "cpu")[1])
     p.add("--max-model-len", type=positive_int)
     p.add("--block-size", default=d["block_size"], type=positive_int)
     p.add("--max-num-seqs", default=d["max_num_seqs"], type=positive_int)

@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -54,7 +56,7 @@ def ensure_converted(gguf_path: Path, name: str) -> Path:
     target = cache_dir() / "models" / f"{name}-v{_CONVERSION_VERSION}-{stat.st_size}"
     if not (target / "config.json").exists():
         logger.info("converting %s to a Hugging Face directory in %s (once)", gguf_path.name, target)
-    return write_model_dir_once(target, lambda out: convert_gguf(gguf_path, out))
+    return write_model_dir_once(target, lambda out: convert_gguf_in_child(gguf_path, out))
 
 
 def write_model_dir_once(target: Path, write: Callable[[Path], None]) -> Path:
@@ -74,6 +76,21 @@ def write_model_dir_once(target: Path, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def convert_gguf_in_child(gguf_path: Path, out_dir: Path) -> None:
+    """convert_gguf in a process of its own: transformers' GGUF loader imports torch._dynamo and with it
+    triton, whose nanobind extension reports its objects as leaked when the interpreter exits (a wall of
+    "nanobind: leaked N instances" after a clean drain); nor does the float32 copy stay in this heap."""
+    import pagoda
+
+    code = "import sys; from pathlib import Path; from pagoda.worker.loader.default_model import convert_gguf; " \
+           "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
+    root = str(Path(pagoda.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir)], env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"converting {gguf_path.name} failed (exit code {done.returncode}): see the error above")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -6,8 +6,10 @@ for ever in the child. Fork is unsafe when:
 - CUDA is initialised here: a forked child cannot use it;
 - this process is a Ray worker (vLLM's rule: its task threads and Ray's own run concurrently);
 - another Python thread may be running code the child needs (torch, the TCPStore, pagoda): any thread
-  but this one, the main thread (it waits for the engine or runs the server's event loop) and Ray's own
-  driver threads (they wait on Ray's RPCs, which the child never uses).
+  but this one, the main thread (it waits for the engine or runs the server's event loop), Ray's own
+  driver threads (they wait on Ray's RPCs, which the child never uses) and tqdm's monitor.
+- a torch.distributed group ran here before (a second engine in one process): what it leaves behind
+  (gloo's and the store's native threads) is not fork-safe: a forked rank was seen to hang.
 The OpenMP pool torch starts on its first parallel op is the other hazard: the child would wait for pool
 threads it does not have (libgomp hangs). It is released just before forking (omp_pause_resource_all), and
 torch makes a new one on its next op; where it cannot be released, spawn is used.
@@ -28,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 ENV = "PAGODA_WORKER_MULTIPROC_METHOD"
 METHODS = ("fork", "spawn")
+# threads that only wait on what a child never uses: Ray's driver threads (its RPCs), tqdm's monitor (a timer)
+IDLE_THREAD_OWNERS = ("ray", "tqdm")
 _OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_hard frees the threads and their state
 
 
@@ -57,8 +61,19 @@ def choose_start_method() -> StartMethod:
     return StartMethod("fork", "no CUDA, no other running threads")
 
 
+_group_joined_before = False
+
+
+def note_group_joined() -> None:
+    """This process joined a torch.distributed group (init_group)."""
+    global _group_joined_before
+    _group_joined_before = True
+
+
 def fork_unsafe_reasons() -> list[str]:
     reasons = []
+    if _group_joined_before:  # a second TP/PP engine in one process: a forked rank hung in its first recv
+        reasons.append("an earlier torch.distributed group ran in this process (its native threads may remain)")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         reasons.append("CUDA is initialised in this process")
@@ -84,7 +99,7 @@ def _may_hold_what_a_child_needs(thread: threading.Thread) -> bool:
         return False
     target = getattr(thread, "_target", None)  # what a plain Thread runs; subclasses override run()
     owner = type(thread).__module__ if target is None else getattr(target, "__module__", "") or ""
-    return not (owner == "ray" or owner.startswith("ray."))
+    return not any(owner == known or owner.startswith(known + ".") for known in IDLE_THREAD_OWNERS)
 
 
 def release_openmp_threads() -> bool:
