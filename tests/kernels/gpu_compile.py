@@ -21,7 +21,7 @@ INT_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start
                 "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32",
                 "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
 FLOAT32_POINTERS = {"partial_max_ptr", "partial_sum_ptr", "partial_out_ptr", "cos_sin_ptr", "routing_weights_ptr"}
-FLOAT_ARGS = {"scale_log2", "eps"}
+FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale"}
 UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn"}  # fused_moe's contiguous rows
 SHARED_MEMORY = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}  # per block, opt-in maximum
 
@@ -48,7 +48,7 @@ def attention_constexprs(dtype, group: int, head_size: int, max_query_len: int, 
     precision = "ieee" if dtype == torch.float32 else "tf32"
     return dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_SIZE=head_size,
                 HEAD_PAD=head_pad(head_size), BLOCK_SIZE=block_size, TILE_N=paged_attention.TILE_N,
-                UPCAST_DOT=False, DOT_PRECISION=precision, SOFTCAP=softcap), dict(num_warps=paged_attention.num_warps(block_m, head_size),
+                UPCAST_DOT=False, DOT_PRECISION=precision, KV_FP8=False, SOFTCAP=softcap), dict(num_warps=paged_attention.num_warps(block_m, head_size),
                                                                  **paged_attention.launch_stages(dtype))
 
 
@@ -64,7 +64,8 @@ def cases():
     four_warps = dict(num_warps=4)
     for softcap in (0.0, 50.0):
         split = dict(GROUP=4, BLOCK_M=16, HEAD_SIZE=96, HEAD_PAD=128, BLOCK_SIZE=16, PARTITION_SIZE=512,
-                     TILE_N=flash_decode.TILE_N, UPCAST_DOT=False, DOT_PRECISION="tf32", SOFTCAP=softcap)
+                     TILE_N=flash_decode.TILE_N, UPCAST_DOT=False, DOT_PRECISION="tf32", KV_FP8=False,
+                     SOFTCAP=softcap)
         yield flash_decode._partition_kernel, torch.bfloat16, split, four_warps
     yield flash_decode._reduce_kernel, torch.bfloat16, dict(HEAD_SIZE=96, HEAD_PAD=128, PARTITION_SIZE=512,
                                                             NUM_PARTITIONS=64, PARTITIONS_PAD=64), dict(num_warps=2)
@@ -73,7 +74,8 @@ def cases():
             TOP_K=1 if mul_weight else 2, MUL_ROUTING_WEIGHT=mul_weight, BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=64,
             BLOCK_K=64, UPCAST_DOT=False, DOT_PRECISION="tf32"), four_warps
     yield kv_cache._write_kv_kernel, torch.float16, dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_SIZE=128, HEAD_PAD=128,
-                                                        BLOCK_SIZE=16, BLOCK_T=2), four_warps
+                                                        BLOCK_SIZE=16, BLOCK_T=2, KV_FP8=False, FP8_MAX=0.0,
+                                                        MANTISSA=0, MIN_NORMAL=0.0, SUBNORMAL_STEP=0.0), four_warps
     for residual in (True, False):
         yield (rmsnorm._rms_norm_kernel, torch.bfloat16, dict(HAS_RESIDUAL=residual, ROWS=1, HIDDEN_PAD=4096),
                four_warps)

@@ -32,7 +32,7 @@ def attention_args(device, **overrides):
     (dict(query=torch.zeros(3, 128)), r"query must be of shape \[num_tokens, num_heads, head_size\] = \[\*, \*, \*\]; "
                                       r"got float32 \[3, 128\]"),
     (dict(key_cache=torch.zeros(5, 16, 2, 64)), r"key_cache must be of shape .* = \[\*, \*, \*, 32\]; got float32 \[5, 16, 2, 64\]"),
-    (dict(key_cache=torch.zeros(5, 16, 2, 32, dtype=torch.float16)), r"key_cache must be float32; got float16"),
+    (dict(key_cache=torch.zeros(5, 16, 2, 32, dtype=torch.float16)), r"key_cache must be float32 or float8_e4m3fn or float8_e5m2; got float16"),
     (dict(value_cache=torch.zeros(5, 32, 2, 32)), r"value_cache must be of shape .* = \[5, 16, 2, 32\]"),
     (dict(query=torch.zeros(3, 3, 32)), r"query must be .*num_heads a multiple of num_kv_heads \(2\); got float32 \[3, 3, 32\]"),
     (dict(block_tables=torch.zeros(2, 4, dtype=torch.int64)), r"block_tables must be int32; got int64 \[2, 4\]"),
