@@ -42,14 +42,16 @@ def dense_reference(batch, window, softcap):
 @pytest.mark.parametrize("window,softcap", [(64, None), (None, 5.0), (17, 2.0), (1, None)])
 def test_torch_backend_against_dense_reference(window, softcap):
     batch = make_batch(PAIRS, 4, 2, 32, 16, seed=3)
-    got = torch_backend.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale, window, softcap)
+    got = torch_backend.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
+                                        sliding_window=window, logit_softcap=softcap)
     torch.testing.assert_close(got.double(), dense_reference(batch, window, softcap), atol=1e-5, rtol=1e-5)
 
 
 def test_window_longer_than_every_context_is_full_attention():
     batch = make_batch(PAIRS, 4, 2, 32, 16, seed=4)
     full = torch_backend.paged_attention_in_torch(batch.query, batch.kv_cache, batch.metadata, batch.scale)
-    windowed = torch_backend.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale, 4096)
+    windowed = torch_backend.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
+                                             sliding_window=4096)
     torch.testing.assert_close(windowed, full, atol=2e-5, rtol=1e-5)
 
 

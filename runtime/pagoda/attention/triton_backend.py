@@ -44,6 +44,7 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
