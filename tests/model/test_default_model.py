@@ -65,5 +65,7 @@ def test_conversion_is_cached_and_atomic(default_llm, tmp_path, monkeypatch):
         paths = list(pool.map(lambda _: ensure_converted(gguf, "race"), range(2)))
     assert paths[0] == paths[1] and (paths[0] / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [paths[0].name]
-    assert most_at_once[0] == 1
+    # the conversion runs in a child process (pagoda serve then never loads triton): this process never
+    # loads through transformers at all, so its process-wide functions cannot be left swapped
+    assert most_at_once[0] == 0
     assert (PreTrainedModel.init_weights, PreTrainedModel.tie_weights) == unpatched
