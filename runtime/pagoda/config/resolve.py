@@ -12,6 +12,7 @@ from pagoda.config.configs import (
     DEFAULT_MODEL_NAME,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -86,7 +87,8 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
                           num_swap_blocks=num_swap_blocks if mode == "swap" else 0, preemption_mode=mode),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
-                                  max_model_len=max_model_len, preemption_mode=mode),
+                                  max_model_len=max_model_len, preemption_mode=mode,
+                                  max_loras=args.max_loras if args.enable_lora else None),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
@@ -101,6 +103,8 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
         stats_log_interval=args.stats_log_interval,
         speculative=speculative,
         draft_model=draft_model,
+        lora=LoRAConfig(args.max_loras, args.max_lora_rank, max(args.max_cpu_loras or 0, args.max_loras))
+        if args.enable_lora else None,
     )
 
 

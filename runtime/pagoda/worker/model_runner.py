@@ -17,6 +17,7 @@ from pagoda.distributed.parallel_state import get_parallel_state, single_process
 from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.packed_weights import pack_weights, packing_supported
+from pagoda.lora.manager import LoRAManager
 from pagoda.models import get_model_class, llama_layers_cpu
 from pagoda.process.cpu_allocator import keep_freed_memory
 from pagoda.sample.logits_processors import apply_logits_processors
@@ -68,6 +69,8 @@ class ModelRunner:
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
                                       config.parallel.pp_layer_partition)
         self.attention_layers = self.model.attention_layers()
+        # LoRA: the adapters' device slots and host copies; each step tells it which rows use which adapter
+        self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
         self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.dtype, self.device)
         self.batch = InputBatch(self.block_size, self.device)
         self.seqs: dict[int, RunnerSeq] = self.batch.seqs
@@ -204,6 +207,9 @@ class ModelRunner:
             row_of = {row: i for i, row in enumerate(keep_rows)}
             sample_rows = [row_of[row] for row in sample_rows]
             keep_rows = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        if self.lora is not None:
+            self.lora.prepare([self.seqs[s.seq_id].lora_request for s in out.scheduled],
+                              [s.num_new_tokens for s in out.scheduled], keep_rows)
         with forward_context(step.metadata, self.attn_backend, self.triton_ops):
             hidden = self.model(step.input_ids, step.positions, hidden_in, residual_in, keep_rows=keep_rows)
         if not self.is_last_stage:

@@ -1,0 +1,134 @@
+"""LoRA adapters: greedy tokens equal PeftModel's (float32, the same adapter files peft wrote) for batches
+that mix two adapters and the base model, after an adapter is evicted and reloaded, and the prefix cache
+never hands one adapter's KV blocks to another."""
+
+import json
+
+import pytest
+from checkpoints import peft_greedy, write_lora_adapter
+
+from pagoda import LLM, LoRARequest, SamplingParams
+from pagoda.errors import InvalidParam
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks",
+    "Paris is the capital of",
+]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_factory, tmp_path_factory):
+    """Per architecture: the base model, two adapters (rank 8 on every target; rank 4 on q, v and down) and
+    PeftModel's greedy tokens for each prompt under None / a / b."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            base = tiny_model_factory(arch)
+            root = tmp_path_factory.mktemp(f"lora-{arch}")
+            a = write_lora_adapter(base, root / "a", rank=8, seed=1)
+            b = write_lora_adapter(base, root / "b", rank=4, seed=2, targets=("q_proj", "v_proj", "down_proj"))
+            reference = {name: peft_greedy(base, path, PROMPTS, MAX_TOKENS)
+                         for name, path in (("base", None), ("a", a), ("b", b))}
+            assert reference["a"] != reference["base"] and reference["b"] != reference["base"]
+            made[arch] = (base, LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b)), reference)
+        return made[arch]
+
+    return get
+
+
+def lora_llm(base, **kwargs):
+    kwargs.setdefault("kv_cache_memory", 0.02)
+    return LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_matches_peft(adapters, arch):
+    base, a, b, reference = adapters(arch)
+    # every prompt under each adapter and the base model, interleaved, in one generate call
+    prompts, loras, expected = [], [], []
+    for i, prompt in enumerate(PROMPTS):
+        for name, lora in (("a", a), ("base", None), ("b", b)):
+            prompts.append(prompt)
+            loras.append(lora)
+            expected.append(reference[name][i])
+    with lora_llm(base, max_loras=2) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        llm.engine.block_manager.check_no_leaks()
+        # one adapter for every prompt, chunked prefill mixing prompt chunks and decodes
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=b)
+        assert [o.outputs[0].token_ids for o in outs] == reference["b"]
+
+
+def test_evicted_adapter_reloads_and_still_matches(adapters):
+    base, a, b, reference = adapters("llama")
+    with lora_llm(base, max_loras=1, max_cpu_loras=1) as llm:
+        # one slot: the scheduler runs one adapter's sequences at a time, evicting the other between them
+        loras = [a, b, None, a, b]
+        outs = llm.generate([PROMPTS[0]] * 5, GREEDY, use_tqdm=False, lora_request=loras)
+        names = {None: "base", a: "a", b: "b"}
+        assert [o.outputs[0].token_ids for o in outs] == [reference[names[x]][0] for x in loras]
+        for lora in (a, b, a):  # each call evicts the other adapter from the slot and the host cache
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=lora)
+            assert [o.outputs[0].token_ids for o in outs] == reference[names[lora]]
+        manager = llm.engine.executor.runner.lora
+        assert manager.num_loads >= 4  # read from disk again after each eviction
+        assert len(manager.host) == 1 and len(manager.slot_of) == 1
+
+
+def test_prefix_cache_is_keyed_by_adapter(adapters):
+    base, a, b, reference = adapters("llama")
+    prompt = PROMPTS[1]  # several blocks of 16 tokens
+    with lora_llm(base, max_loras=2, block_size=8) as llm:
+        def hits():
+            return llm.engine.get_stats().prefix_cache_hits
+
+        assert llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0].token_ids == \
+            reference["a"][1]
+        before = hits()
+        # the same tokens under another adapter and the base model: no block is shared
+        assert llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=b)[0].outputs[0].token_ids == \
+            reference["b"][1]
+        assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == reference["base"][1]
+        assert hits() == before
+        # the same adapter again: its blocks are reused
+        assert llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=b)[0].outputs[0].token_ids == \
+            reference["b"][1]
+        assert hits() > before
+
+
+def test_bad_adapters_are_refused_by_name(adapters, tmp_path):
+    base, a, b, _ = adapters("llama")
+    big = write_lora_adapter(base, tmp_path / "r16", rank=16, seed=3, targets=("q_proj",))
+    saved = write_lora_adapter(base, tmp_path / "saved", rank=4, seed=3, targets=("q_proj",),
+                               modules_to_save=["lm_head"])
+    embed = write_lora_adapter(base, tmp_path / "embed", rank=4, seed=3, targets=("q_proj", "embed_tokens"))
+    with lora_llm(base) as llm:
+        assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0].token_ids
+
+        def refused(lora) -> str:
+            with pytest.raises(InvalidParam) as info:
+                llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=lora)
+            assert info.value.param == "lora_request"
+            return str(info.value)
+
+        assert "rank 16, above max_lora_rank=8" in refused(LoRARequest("big", 3, str(big)))
+        assert "modules_to_save" in refused(LoRARequest("saved", 4, str(saved)))
+        assert "embed_tokens" in refused(LoRARequest("embed", 5, str(embed)))
+        assert "neither a directory nor a Hub id" in refused(LoRARequest("gone", 6, str(tmp_path / "x" / "y" / "z")))
+        assert "already names adapter 'a'" in refused(LoRARequest("other", 1, str(b.lora_path)))
+        config = json.loads((big / "adapter_config.json").read_text())
+        (tmp_path / "dora").mkdir()
+        (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+        assert "DoRA" in refused(LoRARequest("dora", 7, str(tmp_path / "dora")))
+        # the engine goes on
+        assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=b)[0].outputs[0].token_ids
+    with LLM(str(base), dtype="float32", kv_cache_memory=0.02) as plain:
+        with pytest.raises(InvalidParam, match="enable_lora=True"):
+            plain.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=a)
