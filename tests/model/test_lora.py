@@ -132,3 +132,32 @@ def test_bad_adapters_are_refused_by_name(adapters, tmp_path):
     with LLM(str(base), dtype="float32", kv_cache_memory=0.02) as plain:
         with pytest.raises(InvalidParam, match="enable_lora=True"):
             plain.generate(PROMPTS[0], GREEDY, use_tqdm=False, lora_request=a)
+
+
+def test_async_engine_generates_with_adapters(adapters):
+    import asyncio
+
+    from pagoda import AsyncEngineArgs, AsyncLLMEngine
+
+    base, a, b, reference = adapters("llama")
+
+    async def run():
+        args = AsyncEngineArgs(model=str(base), dtype="float32", kv_cache_memory=0.02, enable_lora=True,
+                               max_loras=2, max_lora_rank=8)
+        async with AsyncLLMEngine.from_engine_args(args) as engine:
+            async def collect(request_id, prompt, lora):
+                last = None
+                async for out in engine.generate(prompt, GREEDY, request_id, lora_request=lora):
+                    last = out
+                return last.outputs[0].token_ids
+
+            got = await asyncio.gather(*(collect(f"{name}-{i}", prompt, lora)
+                                         for i, prompt in enumerate(PROMPTS)
+                                         for name, lora in (("a", a), ("base", None), ("b", b))))
+            expected = [reference[name][i] for i in range(len(PROMPTS)) for name in ("a", "base", "b")]
+            assert got == expected
+            with pytest.raises(InvalidParam, match="neither a directory nor a Hub id"):
+                await collect("bad", PROMPTS[0], LoRARequest("bad", 9, "/no/such/adapter"))
+            assert engine.is_running
+
+    asyncio.run(asyncio.wait_for(run(), timeout=300))
