@@ -78,6 +78,11 @@ class LoRALayer:
         groups = self.rows.for_rows(x.shape[0])
         if not groups.groups:
             return y
+        if groups.seg_starts is not None:  # on a GPU: punica-style SGMV kernels over row segments
+            from pagoda.kernels.lora_sgmv import lora_expand, lora_shrink
+
+            shrunk = lora_shrink(x.contiguous(), self.a, groups.seg_starts, groups.seg_slots)
+            return lora_expand(y, shrunk, self.b, groups.seg_starts, groups.seg_slots, self.rank, self.sub_outputs)
         return add_lora_torch(x, y, self.a, self.b, self.rank, self.sub_outputs, groups)
 
 
