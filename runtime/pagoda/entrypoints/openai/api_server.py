@@ -46,6 +46,7 @@ from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.lora.request import LoRARequest
 from pagoda.process.startup_heap import frozen_when_loaded
 
 logger = logging.getLogger("pagoda.server")
@@ -89,6 +90,20 @@ def default_engine_factory(args: EngineArgs):
     return AsyncLLMEngine.from_engine_args(args)
 
 
+def lora_requests(modules: list, engine) -> dict[str, LoRARequest]:
+    """--lora-modules as the engine's LoRARequests (ids 1, 2, ... in flag order), each checked now: a bad
+    adapter stops the server at start-up, naming it."""
+    requests = {}
+    for i, module in enumerate(modules, start=1):
+        request = LoRARequest(module.name, i, module.path, module.base_model_name)
+        try:
+            engine.engine.loras.resolve(request)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module.name}: {e}") from None
+        requests[module.name] = request
+    return requests
+
+
 def _attach_engine(state: ServerState, engine) -> None:
     config = engine.config
     name = config.model.served_model_name
@@ -111,6 +126,9 @@ def _attach_engine(state: ServerState, engine) -> None:
                                                      if state.server_args.enable_auto_tool_choice else None),
                                    chat_template=state.server_args.chat_template)
     state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
+    adapters = lora_requests(state.server_args.lora_modules or [], engine)
+    for serving in (state.completion, state.chat, state.embedding):
+        serving.lora_modules = adapters
     state.engine = engine
     if hasattr(engine, "add_group_failure_callback"):
         # a dead rank cannot be replaced in place: report 503 for a moment, then exit non-zero so the
@@ -204,19 +222,21 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         return await state.embedding.create(body, raw)
 
-    def model_card() -> ModelCard:
+    def model_card(adapter: LoRARequest | None = None) -> ModelCard:
         config = state.engine.config
+        if adapter is not None:
+            return ModelCard(id=adapter.lora_name, root=adapter.lora_path, parent=config.model.served_model_name,
+                             created=int(state.started), max_model_len=config.model.max_model_len)
         return ModelCard(id=config.model.served_model_name, root=config.model.path, created=int(state.started),
                          max_model_len=config.model.max_model_len)
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(), *map(model_card, state.completion.lora_modules.values())])
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        state.completion.check_model(model_id)
-        return model_card()
+        return model_card(state.completion.check_model(model_id))
 
     app.include_router(v1)
 

@@ -1,0 +1,72 @@
+"""`pagoda serve --enable-lora --lora-modules`: a request's `model` chooses the adapter (the official client
+gets the offline engine's answer with that adapter), /v1/models lists the adapters with their parent, an
+unknown model is a 404, and bad flags stop the server naming them."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from checkpoints import write_lora_adapter
+from live_server import API_KEY
+
+pytestmark = pytest.mark.server
+
+PROMPT = "Hello, my name is"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-lora")
+    return (write_lora_adapter(tiny_llama_dir, root / "sql", rank=8, seed=21),
+            write_lora_adapter(tiny_llama_dir, root / "chat", rank=4, seed=22, targets=("q_proj", "down_proj")))
+
+
+@pytest.fixture(scope="module")
+def offline_answers(tiny_llama_dir, adapters):
+    from pagoda import LLM, LoRARequest, SamplingParams
+
+    with LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=2,
+             max_lora_rank=8) as llm:
+        loras = [None, LoRARequest("sql", 1, str(adapters[0])), LoRARequest("chat", 2, str(adapters[1]))]
+        outs = llm.generate([PROMPT] * 3, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False, lora_request=loras)
+    return [o.outputs[0].text for o in outs]
+
+
+def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
+    sql, chat = adapters
+    server = server_factory("--api-key", API_KEY, "--dtype", "float32", "--enable-lora", "--max-loras", "2",
+                            "--max-lora-rank", "8", "--lora-modules", f"sql={sql}",
+                            f'{{"name": "chat", "path": "{chat}", "base_model_name": "tiny"}}')
+    client = server.client(API_KEY, timeout=120)
+    models = client.models.list().data
+    base = models[0].id
+    assert [(m.id, getattr(m, "parent", None)) for m in models] == [(base, None), ("sql", base), ("chat", base)]
+    assert client.models.retrieve("sql").parent == base
+
+    def complete(model):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    assert [complete(m) for m in (base, "sql", "chat")] == offline_answers
+    chat_answer = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=0)
+    assert chat_answer.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError) as err:
+        complete("nope")
+    assert "`sql`" in str(err.value) and "`chat`" in str(err.value)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--lora-modules", "sql=/x"], "--enable-lora"),
+    (["--enable-lora", "--lora-modules", "sql"], "--lora-modules"),
+    (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),
+])
+def test_bad_lora_flags_are_named(tiny_llama_dir, flags, named):
+    pagoda = str(Path(sys.executable).parent / "pagoda")
+    done = subprocess.run([pagoda, "serve", str(tiny_llama_dir), *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and named in done.stderr
