@@ -66,6 +66,32 @@ def test_mixed_batch_matches_peft(adapters, arch):
         assert [o.outputs[0].token_ids for o in outs] == reference["b"]
 
 
+BLOCK_BYTES = 8192  # the tiny llama's KV block of 16 tokens, float32
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(max_num_batched_tokens=7, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    dict(max_model_len=160, kv_cache_memory=10 * BLOCK_BYTES / 2**30, preemption_mode="swap",
+         swap_space=64 * BLOCK_BYTES / 2**30),
+    dict(max_model_len=160, kv_cache_memory=10 * BLOCK_BYTES / 2**30, preemption_mode="recompute"),
+], ids=["chunked-ngram-n2", "preempt-swap", "preempt-recompute"])
+def test_mixed_batch_matches_peft_under_engine_features(adapters, engine_kwargs):
+    """Chunked prefill with n-gram speculation and n = 2 (forks keep their adapter), and preemption in both
+    modes (a resumed sequence brings its adapter back to the runner)."""
+    base, a, b, reference = adapters("llama")
+    loras = [a, None, b] * len(PROMPTS)
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    expected = [reference[name][i] for i in range(len(PROMPTS)) for name in ("a", "base", "b")]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    with lora_llm(base, max_loras=2, **engine_kwargs) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[e, e] for e in expected]
+        stats = llm.engine.get_stats()
+        if "preemption_mode" in engine_kwargs:
+            assert stats.num_preemptions > 0
+        llm.engine.block_manager.check_no_leaks()
+
+
 def test_evicted_adapter_reloads_and_still_matches(adapters):
     base, a, b, reference = adapters("llama")
     with lora_llm(base, max_loras=1, max_cpu_loras=1) as llm:

@@ -59,6 +59,16 @@ def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
         complete("nope")
     assert "`sql`" in str(err.value) and "`chat`" in str(err.value)
     assert httpx.get(server.url + "/health").status_code == 200
+    # lora_requests_info (vLLM's labels): the slots, and the adapter of a request still streaming
+    assert 'pagoda:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in \
+        httpx.get(server.url + "/metrics").text
+    stream = client.completions.create(model="chat", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    seen = []
+    for i, _ in enumerate(stream):
+        if i == 3:
+            seen.append(httpx.get(server.url + "/metrics").text)
+    assert 'running_lora_adapters="chat"' in seen[0]
 
 
 @pytest.mark.parametrize("flags,named", [

@@ -261,8 +261,18 @@ class LLMEngine:
         s.spec_decode_num_draft_tokens = spec.num_draft_tokens
         s.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
         s.spec_decode_accepted_per_pos = list(spec.accepted_per_pos)
+        s.max_lora = self.config.lora.max_loras if self.config.lora is not None else 0
+        running, waiting = set(), set()
+        for state in self.requests.values():
+            lora = next((q.lora_request for q in state.seqs if q.lora_request is not None), None)
+            if lora is not None:
+                is_running = any(q.status == SequenceStatus.RUNNING for q in state.seqs)
+                (running if is_running else waiting).add(lora.lora_name)
+        s.running_lora_adapters, s.waiting_lora_adapters = sorted(running), sorted(waiting)
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
-                              "iteration_tokens_counts": list(s.iteration_tokens_counts)})
+                              "iteration_tokens_counts": list(s.iteration_tokens_counts),
+                              "running_lora_adapters": list(s.running_lora_adapters),
+                              "waiting_lora_adapters": list(s.waiting_lora_adapters)})
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""

@@ -104,3 +104,7 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = field(default_factory=list)
+    # LoRA (vLLM's lora_requests_info): device slots, and the adapters of running and of waiting requests
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
