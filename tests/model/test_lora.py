@@ -187,3 +187,49 @@ def test_async_engine_generates_with_adapters(adapters):
             assert engine.is_running
 
     asyncio.run(asyncio.wait_for(run(), timeout=300))
+
+
+def test_packed_bf16_cpu_path_equals_the_torch_path():
+    """bfloat16 on a CPU with bf16_matmul_cpu: each adapter group is two packed-kernel calls (A, and B as one
+    block-diagonal matrix); its deltas equal the float32 torch path's within bfloat16 rounding."""
+    import torch
+
+    from pagoda.distributed.parallel_state import single_process_state
+    from pagoda.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from pagoda.lora.layers import attach
+    from pagoda.lora.ops import RowGroups, add_lora_torch
+
+    class Tiny(torch.nn.Module):
+        packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+            layer = self.model.layers[0]
+            layer.qkv_proj = QKVParallelLinear(64, 16, 4, 2)
+            layer.o_proj = RowParallelLinear(64, 64)
+            layer.gate_up_proj = MergedColumnParallelLinear(64, [96, 96])
+            layer.down_proj = RowParallelLinear(96, 64)
+
+    torch.manual_seed(0)
+    with single_process_state():
+        rows, layers = attach(Tiny(), 3, 8, torch.bfloat16, torch.device("cpu"))
+    if any(layer.packed is None for layer in layers.values()):
+        pytest.skip("bf16_matmul_cpu's kernel does not run on this CPU")
+    row_slots = [0, -1, 2, 2, 1, -1, 0, 0, 0]
+    rows.all = RowGroups.from_row_slots(row_slots, torch.device("cpu"), with_segments=False)
+    for layer in layers.values():
+        for slot in range(3):
+            weights = {sub.target: (torch.randn(8 - 2 * slot, layer.a.shape[2]) * 0.3,
+                                    torch.randn(sub.size, 8 - 2 * slot) * 0.3) for sub in layer.subs}
+            layer.set_slot(slot, weights)
+        x = torch.randn(len(row_slots), layer.a.shape[2]).bfloat16()
+        y = torch.randn(len(row_slots), layer.b.shape[1]).bfloat16()
+        expected = add_lora_torch(x.float(), y.float(), layer.a.float(), layer.b.float(), layer.rank,
+                                  layer.sub_outputs, rows.all)
+        got = layer.add_delta(x, y.clone())
+        torch.testing.assert_close(got.float(), expected, atol=0.15, rtol=0.05)
+        base_rows = [i for i, s in enumerate(row_slots) if s < 0]
+        assert torch.equal(got[base_rows], y[base_rows])

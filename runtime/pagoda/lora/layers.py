@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda import platform
+from pagoda.layers import bf16_matmul_cpu
 from pagoda.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -15,8 +17,9 @@ from pagoda.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from pagoda.layers.packed_weights import packing_supported
 from pagoda.lora.adapter import SUPPORTED_TARGETS
-from pagoda.lora.ops import RowGroups, add_lora_torch
+from pagoda.lora.ops import RowGroups, add_lora_packed_cpu, add_lora_torch
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,12 @@ class LoRALayer:
         self.a = torch.zeros(max_loras, len(subs) * max_rank, in_size, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_size, max_rank, dtype=dtype, device=device)
         self.sub_outputs = [(s.offset, s.size) for s in subs]
+        # bfloat16 on a CPU with bf16_matmul_cpu's kernel: each slot's A and block-diagonal B packed for it (two
+        # kernel calls per adapter group; torch's small bfloat16 matmuls cost ~20 us a call)
+        self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        if (packing_supported(device, dtype) and platform.bf16_matmul_layout() == platform.VNNI
+                and bf16_matmul_cpu.available()):
+            self.packed = [None] * max_loras
 
     @property
     def active(self) -> bool:
@@ -72,6 +81,16 @@ class LoRALayer:
                 a = a[:, self.input_range[0] : self.input_range[1]]
             self.a[slot, i * self.rank : i * self.rank + r].copy_(a)
             self.b[slot, sub.offset : sub.offset + sub.size, :r].copy_(b[sub.full_start : sub.full_start + sub.size])
+        if self.packed is not None:
+            self.pack_slot(slot)
+
+    def pack_slot(self, slot: int) -> None:
+        """The slot's A, and B as one block-diagonal matrix (sub-output i reads shrink columns i*R..), packed."""
+        block_diagonal = torch.zeros(self.b.shape[1], self.a.shape[1], dtype=self.b.dtype)
+        for i, sub in enumerate(self.subs):
+            rows = slice(sub.offset, sub.offset + sub.size)
+            block_diagonal[rows, i * self.rank : (i + 1) * self.rank] = self.b[slot, rows]
+        self.packed[slot] = (bf16_matmul_cpu.pack(self.a[slot]), bf16_matmul_cpu.pack(block_diagonal))
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The hook LinearBase.matmul calls: y (this rank's output, before any all-reduce) plus the deltas."""
@@ -83,6 +102,8 @@ class LoRALayer:
 
             shrunk = lora_shrink(x.contiguous(), self.a, groups.seg_starts, groups.seg_slots)
             return lora_expand(y, shrunk, self.b, groups.seg_starts, groups.seg_slots, self.rank, self.sub_outputs)
+        if self.packed is not None and x.dtype == torch.bfloat16:
+            return add_lora_packed_cpu(x, y, self.packed, self.a.shape[1], groups)
         return add_lora_torch(x, y, self.a, self.b, self.rank, self.sub_outputs, groups)
 
 

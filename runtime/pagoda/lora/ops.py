@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.layers import bf16_matmul_cpu
+
 
 @dataclass
 class RowGroups:
@@ -53,4 +55,20 @@ def add_lora_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.T
                 y[rows, offset : offset + size] += delta
             else:
                 y[:, offset : offset + size].index_add_(0, rows, delta)
+    return y
+
+
+def add_lora_packed_cpu(x: torch.Tensor, y: torch.Tensor, packed: list, shrink_size: int,
+                        groups: RowGroups) -> torch.Tensor:
+    """add_lora_torch through bf16_matmul_cpu: packed[slot] = (A [n_sub * R, in], B block-diagonal
+    [out, n_sub * R]), so each group is one shrink and one expand call for every sub-output at once."""
+    out_size = y.shape[1]
+    for slot, rows in groups.groups:
+        packed_a, packed_b = packed[slot]
+        shrunk = bf16_matmul_cpu.linear(x[rows].contiguous(), packed_a, shrink_size, None)
+        delta = bf16_matmul_cpu.linear(shrunk, packed_b, out_size, None)
+        if isinstance(rows, slice):
+            y[rows] += delta
+        else:
+            y.index_add_(0, rows, delta)
     return y
