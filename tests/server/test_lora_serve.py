@@ -80,3 +80,38 @@ def test_bad_lora_flags_are_named(tiny_llama_dir, flags, named):
     pagoda = str(Path(sys.executable).parent / "pagoda")
     done = subprocess.run([pagoda, "serve", str(tiny_llama_dir), *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and named in done.stderr
+
+
+def test_adapters_load_and_unload_at_runtime(server_factory, adapters, offline_answers):
+    sql, chat = adapters
+    server = server_factory("--api-key", API_KEY, "--dtype", "float32", "--enable-lora", "--max-lora-rank", "8",
+                            "--allow-runtime-lora-updating")
+    client = server.client(API_KEY, timeout=120)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path, body):
+        return httpx.post(f"{server.url}/v1/{path}", json=body, headers=headers, timeout=60)
+
+    assert post("load_lora_adapter", {"lora_name": "sql", "lora_path": str(sql)}).status_code == 200
+    assert [m.id for m in client.models.list().data][1:] == ["sql"]
+    answer = client.completions.create(model="sql", prompt=PROMPT, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert answer == offline_answers[1]
+    bad = post("load_lora_adapter", {"lora_name": "bad", "lora_path": str(sql.parent / "missing")})
+    assert bad.status_code == 400 and "missing" in bad.json()["error"]["message"]
+    assert post("load_lora_adapter", {"lora_name": "sql", "lora_path": str(chat)}).status_code == 400
+    assert post("unload_lora_adapter", {"lora_name": "sql"}).status_code == 200
+    assert post("unload_lora_adapter", {"lora_name": "sql"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql", prompt=PROMPT, max_tokens=2)
+    # the same name again, another adapter: a fresh id, so it never meets the old one's slot or KV blocks
+    assert post("load_lora_adapter", {"lora_name": "sql", "lora_path": str(chat)}).status_code == 200
+    assert client.completions.create(model="sql", prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text == offline_answers[2]
+
+
+def test_runtime_updating_is_off_by_default(server_factory, adapters):
+    server = server_factory("--api-key", API_KEY, "--enable-lora")
+    done = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters[0])},
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert done.status_code == 404

@@ -45,6 +45,7 @@ class ServerArgs:
     allow_credentials: bool = False
     metrics_vllm_names: bool = False  # also publish every metric under vLLM's `vllm:` names
     lora_modules: list["LoRAModulePath"] | None = None  # adapters served by name (--enable-lora)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -249,6 +250,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adapters clients choose by `model`: NAME=PATH (a PEFT directory or Hub id) or "
                              '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora) '
                              f"[env {env_name('--lora-modules')}, space-separated]")
+    p.add("--allow-runtime-lora-updating", default=ServerArgs.allow_runtime_lora_updating, boolean=True,
+          help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({\"lora_name\", \"lora_path\"}); "
+               "off by default: it lets a client make the server read a path")
     p.add("--speculative-config", type=json_object,
           help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts by prompt lookup (over the prompt and '
