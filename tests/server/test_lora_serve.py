@@ -69,6 +69,10 @@ def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
         if i == 3:
             seen.append(httpx.get(server.url + "/metrics").text)
     assert 'running_lora_adapters="chat"' in seen[0]
+    metrics = httpx.get(server.url + "/metrics").text
+    counts = sorted(line for line in metrics.splitlines() if line.startswith("pagoda:lora_requests_total"))
+    assert counts == [f'pagoda:lora_requests_total{{lora_name="{name}",model_name="{base}"}} 2.0'
+                      for name in ("chat", "sql")]  # sql: a completion and a chat; chat: two completions
 
 
 @pytest.mark.parametrize("flags,named", [

@@ -122,6 +122,9 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
         seq.pooling = pooling
         seq.lora_request = lora_request
+        if lora_request is not None:
+            counts = self.stats.lora_requests
+            counts[lora_request.lora_name] = counts.get(lora_request.lora_name, 0) + 1
         state.add_seq(seq)
         self.requests.add(state)
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -272,7 +275,8 @@ class LLMEngine:
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
                               "iteration_tokens_counts": list(s.iteration_tokens_counts),
                               "running_lora_adapters": list(s.running_lora_adapters),
-                              "waiting_lora_adapters": list(s.waiting_lora_adapters)})
+                              "waiting_lora_adapters": list(s.waiting_lora_adapters),
+                              "lora_requests": dict(s.lora_requests)})
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""

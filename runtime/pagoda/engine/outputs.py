@@ -108,3 +108,4 @@ class EngineStats:
     max_lora: int = 0
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    lora_requests: dict[str, int] = field(default_factory=dict)  # requests added, by adapter name

@@ -119,6 +119,11 @@ class EngineStatsCollector(Collector):
         lora.add_metric([str(stats.max_lora), ",".join(stats.running_lora_adapters),
                          ",".join(stats.waiting_lora_adapters)], time.time())  # vLLM's value: when last seen
         yield lora
+        per_adapter = CounterMetricFamily(PREFIX + "lora_requests", "Requests received, by LoRA adapter.",
+                                          labels=["model_name", "lora_name"])
+        for name, count in sorted(stats.lora_requests.items()):
+            per_adapter.add_metric([self.model_name, name], count)
+        yield per_adapter
 
     def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
         counts = stats.iteration_tokens_counts
