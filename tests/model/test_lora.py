@@ -233,3 +233,25 @@ def test_packed_bf16_cpu_path_equals_the_torch_path():
         torch.testing.assert_close(got.float(), expected, atol=0.15, rtol=0.05)
         base_rows = [i for i, s in enumerate(row_slots) if s < 0]
         assert torch.equal(got[base_rows], y[base_rows])
+
+
+def test_an_adapter_that_fails_to_load_fails_its_request_alone(adapters, tmp_path):
+    import shutil
+
+    base, a, b, reference = adapters("llama")
+    gone = shutil.copytree(a.lora_path, tmp_path / "gone")
+    with lora_llm(base, max_loras=2) as llm:
+        engine = llm.engine
+        engine.add_request("doomed", PROMPTS[0], GREEDY, lora_request=LoRARequest("gone", 7, str(gone)))
+        engine.add_request("fine", PROMPTS[0], GREEDY, lora_request=b)
+        engine.add_request("base", PROMPTS[0], GREEDY)
+        (gone / "adapter_model.safetensors").unlink()  # after the engine's check, before any worker reads it
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert "could not be loaded" in finished["doomed"].error
+        assert finished["fine"].outputs[0].token_ids == reference["b"][0]
+        assert finished["base"].outputs[0].token_ids == reference["base"][0]
+        engine.block_manager.check_no_leaks()

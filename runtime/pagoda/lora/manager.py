@@ -31,22 +31,30 @@ class LoRAManager:
         self.num_loads = 0  # from disk
 
     def prepare(self, adapters: list[LoRARequest | None], num_rows: list[int],
-                keep_rows: torch.Tensor | None = None) -> None:
-        """adapters[i] runs num_rows[i] consecutive rows of this step (the scheduled order)."""
+                keep_rows: torch.Tensor | None = None) -> dict[int, str]:
+        """adapters[i] runs num_rows[i] consecutive rows of this step (the scheduled order). Returns the
+        adapters that could not be loaded (id -> why): their rows run without them, their requests fail."""
         wanted = {a.lora_int_id: a for a in adapters if a is not None}
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(f"a step holds {len(wanted)} adapters, more than max_loras={self.config.max_loras}")
+        failed = {}
         for adapter in wanted.values():
-            self._ensure_slot(adapter, wanted)
+            try:  # checked by the engine, but its files may have changed since
+                self._ensure_slot(adapter, wanted)
+            except Exception as e:  # noqa: BLE001 - this adapter's requests fail, the step goes on
+                failed[adapter.lora_int_id] = f"LoRA adapter {adapter.lora_name!r} could not be loaded: {e}"
+                logger.error("%s", failed[adapter.lora_int_id])
         row_slots: list[int] = []
         for adapter, n in zip(adapters, num_rows, strict=True):
-            row_slots += [self.slot_of[adapter.lora_int_id] if adapter is not None else -1] * n
+            ok = adapter is not None and adapter.lora_int_id not in failed
+            row_slots += [self.slot_of[adapter.lora_int_id] if ok else -1] * n
         self.rows.all = RowGroups.from_row_slots(row_slots, self.device, self.segments)
         if keep_rows is not None and self.rows.all.groups:
             kept = [row_slots[i] for i in keep_rows.tolist()]
             self.rows.kept = RowGroups.from_row_slots(kept, self.device, self.segments)
         else:
             self.rows.kept = RowGroups(0, [])
+        return failed
 
     def _ensure_slot(self, adapter: LoRARequest, wanted: dict) -> None:
         adapter_id = adapter.lora_int_id
