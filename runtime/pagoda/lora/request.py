@@ -20,7 +20,3 @@ class LoRARequest:
             raise InvalidParam("lora_request", f"lora_int_id must be an integer >= 1; got {self.lora_int_id!r}")
         if not self.lora_path:
             raise InvalidParam("lora_request", f"adapter {self.lora_name!r}: lora_path is empty")
-
-    @property
-    def adapter_id(self) -> int:
-        return self.lora_int_id
