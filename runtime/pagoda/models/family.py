@@ -34,7 +34,8 @@ class MoEConfig:
 
 
 def moe_config(config) -> MoEConfig | None:
-    arch = config.architectures[0]
+    """None for a dense model (and for a config naming no architecture, as a bare shape does)."""
+    arch = (getattr(config, "architectures", None) or [None])[0]
     if arch not in MOE_ARCHITECTURES:
         return None
     n = config.num_hidden_layers

@@ -22,7 +22,7 @@ from pagoda.layers.module import Module
 from pagoda.layers.moe import MoEOptions, SparseMoE
 from pagoda.layers.rotary import RotaryEmbedding
 from pagoda.models import llama_layers_cpu
-from pagoda.models.family import FamilyOptions, family_options
+from pagoda.models.family import FamilyOptions, family_options, moe_config
 
 
 class LlamaAttention(Module):
@@ -151,7 +151,7 @@ def lm_head_cost_in_layers(config) -> float:
     share of a step's rows it multiplies."""
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     head_size = getattr(config, "head_dim", None) or hidden // heads
-    moe = family_options(config).moe
+    moe = moe_config(config)
     mlp = config.intermediate_size if moe is None else \
         moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size  # the experts a row runs
     layer = hidden * head_size * (2 * heads + 2 * kv_heads) + 3 * hidden * mlp
