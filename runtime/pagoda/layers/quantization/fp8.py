@@ -89,7 +89,21 @@ def matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, block_k
     return weight_only_matmul(x, qweight, scales, block_k)
 
 
-class Fp8OnlineMethod:
+class Fp8Weights:
+    """What every FP8 layer runs once loaded: qweight [N, K] fp8 and weight_scale [N, G], one scale per
+    block_k input columns (None: per row)."""
+
+    block_k: int | None = None
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = matmul(x, layer.qweight, layer.weight_scale, self.block_k)
+        return y + bias if bias is not None else y
+
+    def dequantized_weight(self, layer) -> torch.Tensor:
+        return dequantize(layer.qweight, layer.weight_scale, self.block_k)
+
+
+class Fp8OnlineMethod(Fp8Weights):
     """quantization="fp8": the float weight loads as usual, then is quantized per output channel (the ranks of
     a row-parallel layer agree on each row's maximum, as for int8)."""
     block_k = None  # one scale per row
@@ -104,12 +118,6 @@ class Fp8OnlineMethod:
         layer.register_buffer("qweight", qweight, persistent=False)
         layer.register_buffer("weight_scale", scales, persistent=False)
 
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = matmul(x, layer.qweight, layer.weight_scale, self.block_k)
-        return y + bias if bias is not None else y
-
-    def dequantized_weight(self, layer) -> torch.Tensor:
-        return dequantize(layer.qweight, layer.weight_scale, self.block_k)
 
 
 def _full_rows(layer, shard_id) -> int:
@@ -124,7 +132,7 @@ def _full_rows(layer, shard_id) -> int:
     return layer.weight.shape[0]
 
 
-class Fp8CheckpointMethod:
+class Fp8CheckpointMethod(Fp8Weights):
     """A checkpoint's FP8 weights (``config.fp8_format`` "fp8" or "compressed-tensors")."""
 
     def __init__(self, config: QuantizationConfig):
@@ -176,9 +184,3 @@ class Fp8CheckpointMethod:
         layer.register_buffer("qweight", qweight, persistent=False)
         layer.register_buffer("weight_scale", scales, persistent=False)
 
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = matmul(x, layer.qweight, layer.weight_scale, self.block_k)
-        return y + bias if bias is not None else y
-
-    def dequantized_weight(self, layer) -> torch.Tensor:
-        return dequantize(layer.qweight, layer.weight_scale, self.block_k)
