@@ -160,3 +160,19 @@ def test_flags_beat_the_environment(monkeypatch):
     monkeypatch.setenv("PAGODA_ROUTER_PORT", "eighty")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router"])
+
+
+def test_prefix_balances_a_new_conversation_that_matches_only_a_shared_system_prompt():
+    policy, pool = Prefix(), backends(3)
+    system = "system: " + "be helpful. " * 20  # ~4 blocks shared by every conversation
+    opener = policy.choose(RoutingRequest(system + "user: " + "first document. " * 40), pool)
+    policy.routed(RoutingRequest(system + "user: " + "first document. " * 40), opener)
+    opener.backend.in_flight = 1
+    # a second conversation behind the same system prompt: its match is under half its prompt, so it goes
+    # by load, not onto the replica that saw the system prompt
+    second = policy.choose(RoutingRequest(system + "user: " + "second document. " * 40), pool)
+    assert second.reason == "prefix-short-match" and second.backend is not opener.backend
+    # among equally loaded replicas the one holding the system prompt wins
+    opener.backend.in_flight = 0
+    again = policy.choose(RoutingRequest(system + "user: " + "third document. " * 40), pool)
+    assert again.reason == "prefix-short-match" and again.backend is opener.backend

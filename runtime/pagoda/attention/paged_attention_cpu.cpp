@@ -10,7 +10,7 @@
 #include <torch/library.h>
 #include "cpu_isa.h"
 
-#if defined(PAGODA_ISA_AVX512)
+#if defined(PAGODA_ISA_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -480,6 +480,84 @@ inline void chunk_step_avx512(TileState<kHeadSize>& st, int64_t v, const int64_t
     for (int i = 0; i < kLanes; ++i) _mm512_store_ps(st.acc[v + q] + 16 * i, o[i]);
   }
 }
+#elif defined(PAGODA_ISA_AVX2)
+// exp(x) of 8 lanes, as exp_nonpositive (2^i written into the exponent field)
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _mm256_set1_ps(-126.f));
+  const __m256 i = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, i);
+  __m256 p = _mm256_set1_ps(1.87537657e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.98725919e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.58359654e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40146495e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93154738e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.99999834e-1f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float max_of8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float sum_of8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// all-ones in lanes first..first+7 that lie below `visible`
+inline __m256 lanes_below(int64_t visible, int first) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t n = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(visible - first, 0), 8));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), index));
+}
+
+// chunk_step_avx512 with 8-lane vectors: the chunk's 16 scores are two vectors per query vector, and P @ V
+// runs the head dimension 64 floats (8 accumulators, within AVX2's 16 registers) at a time
+template <int kHeadSize, int kVectors>
+inline void chunk_step_avx2(TileState<kHeadSize>& st, int64_t v, const int64_t* visible) {
+  static_assert(kKeysPerChunk == 16 && kHeadSize % 64 == 0);
+  __m256 s[kVectors][2];
+  for (int q = 0; q < kVectors; ++q) s[q][0] = s[q][1] = _mm256_setzero_ps();
+  for (int d = 0; d < kHeadSize; ++d) {
+    const __m256 k0 = _mm256_load_ps(st.keys_t[d]), k1 = _mm256_load_ps(st.keys_t[d] + 8);
+    for (int q = 0; q < kVectors; ++q) {
+      const __m256 b = _mm256_broadcast_ss(&st.query[v + q][d]);
+      s[q][0] = _mm256_fmadd_ps(b, k0, s[q][0]);
+      s[q][1] = _mm256_fmadd_ps(b, k1, s[q][1]);
+    }
+  }
+  const __m256 lowest = _mm256_set1_ps(std::numeric_limits<float>::lowest());
+  for (int q = 0; q < kVectors; ++q) {
+    if (visible[q] <= 0) continue;
+    const __m256 m0 = lanes_below(visible[q], 0), m1 = lanes_below(visible[q], 8);
+    const float chunk_max = max_of8(_mm256_max_ps(_mm256_blendv_ps(lowest, s[q][0], m0),
+                                                  _mm256_blendv_ps(lowest, s[q][1], m1)));
+    const float new_max = std::max(st.row_max[v + q], chunk_max);
+    const float rescale = exp_nonpositive(st.row_max[v + q] - new_max);  // -inf - x: clamped to ~1e-38, times 0
+    const __m256 top = _mm256_set1_ps(new_max);
+    const __m256 p0 = _mm256_and_ps(m0, exp_nonpositive8(_mm256_sub_ps(s[q][0], top)));
+    const __m256 p1 = _mm256_and_ps(m1, exp_nonpositive8(_mm256_sub_ps(s[q][1], top)));
+    st.row_max[v + q] = new_max;
+    st.row_sum[v + q] = st.row_sum[v + q] * rescale + sum_of8(_mm256_add_ps(p0, p1));
+    alignas(32) float pj[kKeysPerChunk];
+    _mm256_store_ps(pj, p0);
+    _mm256_store_ps(pj + 8, p1);
+    const __m256 r = _mm256_set1_ps(rescale);
+    for (int part = 0; part < kHeadSize; part += 64) {
+      __m256 o[8];
+      for (int i = 0; i < 8; ++i) o[i] = _mm256_mul_ps(_mm256_load_ps(st.acc[v + q] + part + 8 * i), r);
+      for (int j = 0; j < visible[q]; ++j) {
+        const __m256 w = _mm256_broadcast_ss(pj + j);
+        for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_load_ps(st.values[j] + part + 8 * i), o[i]);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(st.acc[v + q] + part + 8 * i, o[i]);
+    }
+  }
+}
 #endif
 
 template <typename scalar_t, int kHeadSize>
@@ -518,6 +596,11 @@ void prefill_tile(
     if constexpr (kHeadSize > 0 && kHeadSize % 16 == 0) {
       for (; v + 4 <= vectors; v += 4) chunk_step_avx512<kHeadSize, 4>(st, v, visible + v);
       for (; v < vectors; ++v) chunk_step_avx512<kHeadSize, 1>(st, v, visible + v);
+    }
+#elif defined(PAGODA_ISA_AVX2)
+    if constexpr (kHeadSize > 0 && kHeadSize % 64 == 0) {
+      for (; v + 4 <= vectors; v += 4) chunk_step_avx2<kHeadSize, 4>(st, v, visible + v);
+      for (; v < vectors; ++v) chunk_step_avx2<kHeadSize, 1>(st, v, visible + v);
     }
 #endif
     for (; v < vectors; ++v) {

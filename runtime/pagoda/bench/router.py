@@ -54,6 +54,7 @@ class PolicyResult:
     duration: float = 0.0
     overhead: dict = field(default_factory=dict)
     hop: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         ttfts = sorted(t.ttft for t in self.turns)
@@ -68,6 +69,7 @@ class PolicyResult:
                                      for b in sorted({t.backend for t in self.turns})},
             "router_overhead_ms": self.overhead,
             "added_latency_ms": self.hop,
+            "routing_reasons": self.reasons,
         }
 
 
@@ -143,6 +145,19 @@ def overhead_ms(metrics_text: str) -> dict:
     return {"median": 1000 * median, "mean": 1000 * total / count, "count": int(count)}
 
 
+def routing_reasons(metrics_text: str) -> dict:
+    """The router's routing_decisions_total by reason (requests only; health probes are not routed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reasons = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "pagoda_router:routing_decisions":
+            for s in family.samples:
+                if s.name.endswith("_total") and s.value:
+                    reasons[s.labels["reason"]] = int(s.value)
+    return reasons
+
+
 async def run_policy(router_url: str, model: str, policy: str, args, seed: int) -> PolicyResult:
     convs = conversations(seed, args.conversations, args.system_prompts, args.system_words)
     rng = random.Random(seed + 1)
@@ -154,6 +169,10 @@ async def run_policy(router_url: str, model: str, policy: str, args, seed: int) 
     async with httpx.AsyncClient(base_url=router_url, timeout=600, limits=limits, headers=headers) as client:
         async def converse(messages: list[dict]) -> None:
             for turn in range(args.turns):
+                # a user reads and types between turns: without the pause, conversations advance in lockstep
+                # and round-robin sends each one back to the same replica by accident whenever the
+                # concurrency is a multiple of the replica count
+                await asyncio.sleep(rng.expovariate(1 / args.think_time) if args.think_time > 0 else 0)
                 document = f"Read this: {words(rng, args.document_words)}\n" if turn == 0 else ""
                 messages.append({"role": "user", "content": document + f"Turn {turn}: " + words(rng, args.user_words)})
                 async with gate:
@@ -167,7 +186,8 @@ async def run_policy(router_url: str, model: str, policy: str, args, seed: int) 
         start = time.perf_counter()
         await asyncio.gather(*(converse(m) for m in convs))
         result.duration = time.perf_counter() - start
-        result.overhead = overhead_ms((await client.get("/metrics")).text)
+        metrics = (await client.get("/metrics")).text
+        result.overhead, result.reasons = overhead_ms(metrics), routing_reasons(metrics)
     result.hop = await asyncio.to_thread(added_latency, router_url, args.backend_urls, headers, args.probes)
     return result
 
@@ -234,6 +254,8 @@ def parse_args(argv):
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4, help="turns in flight at once")
+    p.add_argument("--think-time", type=float, default=2.0,
+                   help="mean seconds a user pauses before each turn (exponential; 0: none)")
     p.add_argument("--api-key")
     p.add_argument("--probes", type=int, default=200,
                    help="GET /v1/models pairs (direct, routed) measuring the added hop (default: %(default)s)")
@@ -243,6 +265,8 @@ def parse_args(argv):
     unknown = set(args.policies.split(",")) - {"round-robin", "least-load", "prefix", "session"}
     if unknown:
         p.error(f"--policies: unknown {sorted(unknown)}")
+    if args.think_time < 0:
+        p.error("--think-time must be >= 0")
     if args.replicas < 1 or args.conversations < 1 or args.turns < 1 or args.concurrency < 1:
         p.error("--replicas, --conversations, --turns and --concurrency must be >= 1")
     return args
@@ -258,6 +282,8 @@ def table(summaries: list[dict]) -> str:
                      f"{o.get('median', 0):>8.3f}/{o.get('mean', 0):.3f}ms "
                      f"{s['added_latency_ms'].get('added_median', 0):>7.3f}ms  "
                      f"{list(s['requests_per_backend'].values())}" + (f"  errors {s['errors']}" if s["errors"] else ""))
+        if len(s["routing_reasons"]) > 1:
+            lines.append(f"{'':<12} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(s["routing_reasons"].items())))
     return "\n".join(lines)
 
 
@@ -285,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(urls)} replicas of {model}; {args.conversations} conversations x {args.turns} turns, "
               f"{args.system_prompts} shared system prompts of {args.system_words} words, documents of "
               f"{args.document_words} words, "
-              f"concurrency {args.concurrency}; logs in {logs}", flush=True)
+              f"concurrency {args.concurrency}, think time {args.think_time} s; logs in {logs}", flush=True)
         for i, policy in enumerate(args.policies.split(",")):
             port = free_port()
             router = start([sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--policy", policy,

@@ -316,15 +316,19 @@ def parse_args(argv):
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="after the server, start `vllm serve` from this installation's Python (or venv directory) "
                         "on the same model directory, send it the same requests, and print both with their ratios")
+    p.add_argument("--vllm-dtype", default="bfloat16",
+                   help="vLLM's dtype (default bfloat16, its own default); compare against its best on the machine")
     p.add_argument("--vllm-model", default=None, metavar="DIR",
                    help="the model directory vLLM serves (default: the Pagoda server's, from /v1/models)")
     p.add_argument("--result-json", default=None, help="also write the summary to this file")
     p.add_argument("--isa", default=None, choices=ALL_LEVELS, metavar="LEVEL",
                    help="with --offline: run the engine's kernels (and torch's ATen, MKL, oneDNN) at this CPU ISA "
-                        f"level ({', '.join(ALL_LEVELS)}); a server takes PAGODA_CPU_ISA=LEVEL instead")
+                        f"level ({', '.join(ALL_LEVELS)}); with --vllm-python: run vLLM's peer at it (start "
+                        "Pagoda's server with PAGODA_CPU_ISA=LEVEL to match)")
     args = p.parse_args(argv)
-    if args.isa and not args.offline:
-        p.error("--isa applies to the in-process engine (--offline); start the server with PAGODA_CPU_ISA=LEVEL")
+    if args.isa and not (args.offline or args.vllm_python):
+        p.error("--isa applies to the in-process engine (--offline) or the vLLM peer (--vllm-python); "
+                "start a Pagoda server with PAGODA_CPU_ISA=LEVEL")
     if args.vllm_python and args.offline:
         p.error("--vllm-python compares servers: it cannot be combined with --offline")
     if args.dataset == "jsonl" and not args.dataset_path:
@@ -391,7 +395,7 @@ async def main_async(args) -> dict:
     print(report(summary, title))
     if args.vllm_python:
         peer = await measure_vllm(args, model, args.vllm_model or root, warmup, requests)
-        print(report(peer, "vLLM (same client, same requests) Benchmark Result"))
+        print(report(peer, f"vLLM ({args.vllm_dtype}; same client, same requests) Benchmark Result"))
         print(compare(summary, peer))
         summary["vllm"] = peer
     from pagoda import platform
@@ -419,7 +423,7 @@ async def measure_vllm(args, model: str, model_dir: str | None, warmup, requests
         raise SystemExit(f"--vllm-python needs the model directory: the server reports {model_dir!r}; "
                          "give --vllm-model DIR")
     python = check_vllm_python(args.vllm_python)
-    with vllm_server(python, model_dir, model) as base_url:
+    with vllm_server(python, model_dir, model, dtype=args.vllm_dtype) as base_url:
         return await measure(HTTPSender(base_url, model, None, args.endpoint), warmup, requests, args)
 
 

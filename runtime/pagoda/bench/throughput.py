@@ -36,6 +36,8 @@ def parse_args(argv):
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="also run the workload through vLLM from this installation's Python (or venv directory), "
                         "after Pagoda, so that the ratio is measured in one run")
+    p.add_argument("--vllm-dtype", default=None,
+                   help="vLLM's dtype (default: the one Pagoda resolved); compare against vLLM's best on the machine")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results to this file")
     p.add_argument("--isa", default=None, choices=ALL_LEVELS, metavar="LEVEL",
                    help="run Pagoda's kernels (and torch's ATen, MKL and oneDNN) at this CPU ISA level, to show on "
@@ -125,7 +127,7 @@ def run_vllm(python: str, args, path: str, dtype: str, requests):
                          max_model_len=max_model_len)
     if timing["output_tokens"] != sum(r.output_len for r in requests):
         raise RuntimeError(f"vLLM produced {timing['output_tokens']} tokens, not the workload's")
-    result = summarize("vLLM (CPU build, same workload)", requests, timing["seconds"], 0)
+    result = summarize(f"vLLM (CPU build, {dtype}, same workload)", requests, timing["seconds"], 0)
     result["peak_memory_gib"] = float("nan")  # another process tree: not measured
     result["startup_seconds"] = timing["startup_seconds"]
     return result
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm_python = check_vllm_python(args.vllm_python) if args.vllm_python else None
     results = [run_pagoda(args, requests)]
     if vllm_python:
-        results.append(run_vllm(vllm_python, args, path, results[0]["dtype"], requests))
+        results.append(run_vllm(vllm_python, args, path, args.vllm_dtype or results[0]["dtype"], requests))
     if not args.skip_hf:
         results.append(run_hf(args, requests[: args.hf_sequential_requests], 1))
         results.append(run_hf(args, requests, args.hf_batch_size))

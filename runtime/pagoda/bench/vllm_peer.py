@@ -31,7 +31,36 @@ def check_vllm_python(python: str) -> str:
     return str(path)
 
 
+# Makes torch report no AVX-512 (nor AVX512-BF16, VNNI, AMX) to the peer, so that vLLM loads its AVX2 build
+# (it chooses by these) as it would on an AVX2 CPU; torch's own libraries are capped by the environment that
+# pagoda.platform.force_level set, which the peer inherits.
+_AVX2_SHIM = """\
+import torch.cpu
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+              "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+
+
+def _forced_level_shim() -> str | None:
+    """A directory holding a sitecustomize that shows the peer this process's forced ISA level, or None at the
+    native level. Only avx2 is emulated (vLLM's x86 builds are avx512bf16, avx512 and avx2)."""
+    from pagoda import platform
+
+    isa = platform.cpu_isa()
+    if not isa.forced or isa.level == isa.best:
+        return None
+    if isa.level != "avx2":
+        raise SystemExit(f"the vLLM peer cannot be run at the forced ISA level {isa.level!r}: only avx2 is emulated")
+    shim = Path(tempfile.gettempdir()) / "pagoda-vllm-peer-avx2"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(_AVX2_SHIM)
+    return str(shim)
+
+
 def peer_env(python: str, kv_cache_gib: int = 2) -> dict[str, str]:
+    """vLLM's environment: all cores, Intel OpenMP, and the ISA level this process runs at (forced or native)."""
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0")
@@ -40,6 +69,9 @@ def peer_env(python: str, kv_cache_gib: int = 2) -> dict[str, str]:
     if iomp is not None:
         env["LD_PRELOAD"] = str(iomp)
     env.pop("PYTHONPATH", None)  # Pagoda's path must not shadow the peer's packages
+    shim = _forced_level_shim()
+    if shim is not None:
+        env["PYTHONPATH"] = shim
     return env
 
 

@@ -12,8 +12,16 @@ from pagoda.router.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes
 POLICIES = ("round-robin", "least-load", "prefix", "session")
 # bounded load (consistent hashing with bounded loads, Mirrokni et al.): a preferred backend (prefix match,
 # session owner) is taken only while its load stays within BALANCE_FACTOR x the mean load, counting this
-# request; past that the request goes to the least-loaded backend instead
+# request, plus BALANCE_SLACK; past that the request goes to the least-loaded backend instead. The slack is
+# there because a continuous-batching replica runs a few more requests at once at little cost, while a
+# conversation moved elsewhere recomputes its whole prompt (at 4 requests over 3 replicas the bound alone
+# moved one turn in five)
 BALANCE_FACTOR = 1.25
+BALANCE_SLACK = 2
+# a match is worth concentrating load only when it covers at least this share of the prompt: a new
+# conversation matching just a shared system prompt goes by load (the later turns then follow it), else
+# the conversations behind one system prompt would all pile onto the replica that first saw it
+MIN_MATCH_SHARE = 0.5
 
 
 @dataclass
@@ -48,7 +56,7 @@ def least_loaded(candidates: list[Backend], start: int = 0) -> Backend:
 
 def within_bound(backend: Backend, candidates: list[Backend]) -> bool:
     total = sum(b.load() for b in candidates) + 1  # + this request
-    return backend.load() + 1 <= math.ceil(BALANCE_FACTOR * total / len(candidates))
+    return backend.load() + 1 <= math.ceil(BALANCE_FACTOR * total / len(candidates)) + BALANCE_SLACK
 
 
 class Policy:
@@ -104,6 +112,12 @@ class Prefix(Policy):
         best = max(matches.values())
         if best == 0:
             return Decision(fallback, "no-prefix-match", 0, prompt_chars)
+        if best < MIN_MATCH_SHARE * len(hashes):
+            # the least loaded; among equals the longest match, then round the list as least_loaded
+            n = len(candidates)
+            order = [candidates[(self.turn + i) % n] for i in range(n)]
+            choice = min(order, key=lambda b: (b.load(), -matches[b.url]))
+            return Decision(choice, "prefix-short-match", matches[choice.url] * BLOCK_CHARS, prompt_chars)
         holders = [b for b in candidates if matches[b.url] == best]
         choice = least_loaded(holders, self.turn)
         if not within_bound(choice, candidates):

@@ -1,0 +1,53 @@
+"""The vLLM peer at a forced ISA level: `pagoda bench ... --isa avx2 --vllm-python` must run vLLM as it runs
+on an AVX2 CPU, or the ratio compares Pagoda's AVX2 kernels with vLLM's AVX-512 ones. vLLM picks its kernel
+build by what torch.cpu reports, so the peer's environment carries a sitecustomize that reports no AVX-512,
+and the torch library caps that the forced level set."""
+
+import subprocess
+import sys
+
+import pytest
+
+from pagoda import platform
+from pagoda.bench import vllm_peer
+from pagoda.platform import isa as cpu_isa
+
+pytestmark = pytest.mark.unit
+
+PROBE = "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx512_bf16_supported())"
+
+
+@pytest.fixture
+def restore_level(monkeypatch):
+    for name in ("PAGODA_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                 "DNNL_MAX_CPU_ISA", "PYTHONPATH"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    platform.cpu_isa.cache_clear()
+
+
+def probe(env: dict) -> str:
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.mark.skipif("avx2" not in cpu_isa.detect("native").executable_levels
+                    or cpu_isa.detect("native").best == "avx2", reason="needs a CPU above AVX2 to force avx2 on")
+def test_the_peer_at_forced_avx2_sees_no_avx512(restore_level):
+    platform.force_level("avx2")
+    env = vllm_peer.peer_env(sys.executable)
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert probe(env) == "False False"
+
+
+def test_the_peer_at_the_native_level_is_left_alone(restore_level):
+    platform.cpu_isa.cache_clear()
+    env = vllm_peer.peer_env(sys.executable)
+    assert "PYTHONPATH" not in env and "ATEN_CPU_CAPABILITY" not in env
+
+
+@pytest.mark.skipif("generic" not in cpu_isa.detect("native").executable_levels, reason="x86 only")
+def test_a_level_the_peer_cannot_emulate_is_refused(restore_level):
+    platform.force_level("generic")
+    with pytest.raises(SystemExit, match="only avx2 is emulated"):
+        vllm_peer.peer_env(sys.executable)
