@@ -26,7 +26,7 @@ GRAVITON2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 cr
 
 @pytest.mark.parametrize("arch, cpuinfo, best", [
     ("x86_64", ZEN4, "avx512bf16"), ("x86_64", ZEN3, "avx2"), ("x86_64", SKYLAKE, "avx512"),
-    ("x86_64", SAPPHIRE, "avx512bf16"), ("x86_64", OLD_X86, "generic"), ("aarch64", GRAVITON3, "neon"),
+    ("x86_64", SAPPHIRE, "avx512bf16"), ("x86_64", OLD_X86, "generic"), ("aarch64", GRAVITON3, "neonbf16"),
     ("aarch64", GRAVITON2, "neon"), ("riscv64", "isa\t: rv64imafdc\n", "generic"),
 ])
 def test_best_level_from_cpuinfo(arch, cpuinfo, best):
@@ -44,6 +44,43 @@ def test_arm_features_and_native_flags():
                                None).has_native_bf16()
 
 
+def test_arm_levels_flags_and_refusals():
+    graviton3 = cpu_isa.features_from_cpuinfo("aarch64", GRAVITON3)
+    assert cpu_isa.resolve("aarch64", "Graviton3", graviton3, None).executable_levels == ("generic", "neon", "neonbf16")
+    neon = cpu_isa.resolve("aarch64", "Graviton3", graviton3, "neon")
+    assert neon.forced and neon.compile_flags() == ["-march=armv8-a"] and not neon.has_native_bf16()
+    assert cpu_isa.resolve("aarch64", "Graviton3", graviton3, "neonbf16").compile_flags() == ["-march=armv8.2-a+bf16"]
+    graviton2 = cpu_isa.features_from_cpuinfo("aarch64", GRAVITON2)
+    with pytest.raises(platform.UnsupportedIsa, match="cannot execute neonbf16 code; it can run native, generic, neon"):
+        cpu_isa.resolve("aarch64", "Graviton2", graviton2, "neonbf16")
+    with pytest.raises(platform.UnsupportedIsa, match="cannot execute avx2"):
+        cpu_isa.resolve("aarch64", "Graviton2", graviton2, "avx2")
+
+
+@pytest.mark.parametrize("cpuinfo, level, dtype, why, kernels", [
+    (GRAVITON3, None, "bfloat16", "BFMMLA/BFDOT", "NEON + BF16 kernels (BFMMLA/BFDOT matmul"),
+    (GRAVITON3, "neon", "bfloat16", "neon without bfloat16 instructions: bfloat16 weights widened",
+     "NEON kernels (bf16 weights widened to float32 in the FMLA matmul"),
+    (GRAVITON2, None, "bfloat16", "widened to float32", "NEON kernels (bf16 weights widened"),
+    (GRAVITON2, "generic", "float32", "no bfloat16 kernels", "generic C++ kernels"),
+])
+def test_arm_dtype_and_plan_name_the_neon_kernel_set(monkeypatch, cpuinfo, level, dtype, why, kernels):
+    """What an ARM host is told at start-up, from its /proc/cpuinfo (platform decides from the CpuIsa alone)."""
+    isa = cpu_isa.resolve("aarch64", "Neoverse", cpu_isa.features_from_cpuinfo("aarch64", cpuinfo), level)
+    monkeypatch.setattr(platform, "cpu_isa", lambda: isa)
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "1")
+    monkeypatch.setattr(platform, "compiler_available", lambda: True)
+    chosen, reason = platform.choose_dtype("cpu")
+    assert chosen == dtype and why in reason
+    plan = platform.cpu_kernel_plan(chosen)
+    assert kernels in plan.kernel_set and plan.kernel_set in plan.describe()
+    assert plan.layer_loop == (chosen == "bfloat16") and (plan.matmul == platform.VNNI) == (chosen == "bfloat16")
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
+    chosen, reason = platform.choose_dtype("cpu")
+    assert chosen == "float32" and ("PAGODA_CPU_KERNELS=0" in reason or level == "generic")
+    assert platform.cpu_kernel_plan("bfloat16").kernel_set == "no C++ kernels"
+
+
 def test_a_forced_level_takes_its_own_flags_not_native():
     features = cpu_isa.features_from_cpuinfo("x86_64", ZEN4)
     assert cpu_isa.resolve("x86_64", "zen4", features, None).compile_flags() == ["-march=native"]
@@ -52,7 +89,7 @@ def test_a_forced_level_takes_its_own_flags_not_native():
     assert avx2.compile_flags() == ["-mavx2", "-mfma", "-mf16c"]
     assert "-mavx512bf16" in cpu_isa.resolve("x86_64", "zen4", features, "avx512bf16").compile_flags()
     assert "-mavx512bf16" not in cpu_isa.resolve("x86_64", "zen4", features, "avx512").compile_flags()
-    assert cpu_isa.resolve("x86_64", "zen4", features, "generic").compile_flags() == []
+    assert cpu_isa.resolve("x86_64", "zen4", features, "generic").compile_flags() == ["-DPAGODA_ISA_GENERIC"]
 
 
 @pytest.mark.parametrize("requested, message", [

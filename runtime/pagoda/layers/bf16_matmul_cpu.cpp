@@ -1,7 +1,9 @@
 // bfloat16-weight matmul y = x W^T (+ bias) on the CPU, for every batch size, on a weight packed once
 // (bf16_matmul_cpu.py) into the layout of csrc/bf16_matmul_common.h. The micro-kernel is the ISA level's:
 // AVX512_BF16's `vdpbf16ps` (bf16_matmul_avx512bf16.h), AVX2/AVX-512 FMAs on weights widened to float32 in
-// registers (bf16_matmul_avx2.h), or plain C++ (bf16_matmul_generic.h); sums are float32 in every one.
+// registers (bf16_matmul_avx2.h), their aarch64 counterparts (ARM BF16's BFMMLA/BFDOT in
+// bf16_matmul_neonbf16.h, NEON FMLAs on widened weights in bf16_matmul_neon.h), or plain C++
+// (bf16_matmul_generic.h); sums are float32 in every one.
 //
 // Why our own: at decode's few rows a step is bound by reading the weights, and oneDNN's packed layout
 // streams them at about 10 GB/s per core against the 20 GB/s a plain sequential read gets, so a batch-1
@@ -23,6 +25,12 @@ namespace isa = pagoda::bf16_matmul::avx512bf16;
 #elif defined(PAGODA_ISA_AVX2)
 #include "bf16_matmul_avx2.h"
 namespace isa = pagoda::bf16_matmul::avx2;
+#elif defined(PAGODA_ISA_NEONBF16)
+#include "bf16_matmul_neonbf16.h"
+namespace isa = pagoda::bf16_matmul::neonbf16;
+#elif defined(PAGODA_ISA_NEON)
+#include "bf16_matmul_neon.h"
+namespace isa = pagoda::bf16_matmul::neon;
 #else
 #include "bf16_matmul_generic.h"
 namespace isa = pagoda::bf16_matmul::generic;
@@ -60,7 +68,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = out_features;
   auto y = at::empty(out_shape, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
-  // AVX2's prefill kernel is a float32 one: x widened once here, not in every task
+  // AVX2's and NEON's prefill kernels are float32 ones: x widened once here, not in every task
   at::Tensor x_float;
   if (isa::kWantsFloatX && rows >= isa::kFloatXRows) x_float = x.to(at::kFloat).contiguous();
   const bf16* x_data = x.data_ptr<bf16>();

@@ -5,6 +5,9 @@
 // few rows the dispatches are most of a layer's time outside the matmuls. Every kernel rounds where the
 // torch code in layers/ rounds (to the model dtype after the norm, before the weight multiply; after
 // SiLU, before the multiply), so the two paths agree to the float32 summation order.
+//
+// The loops are plain C++ the compiler vectorises at every ISA level; the ISA-specific parts are in csrc/:
+// argmax (argmax_row.h: AVX-512, AVX2, NEON) and, on aarch64, SiLU's exp (silu_and_mul_neon.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,11 +16,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
+#include "argmax_row.h"
 #include "cpu_isa.h"
 
-#if defined(PAGODA_ISA_AVX512) || defined(PAGODA_ISA_AVX2)
-#include <immintrin.h>
+#if defined(PAGODA_ISA_NEON)
+#include "silu_and_mul_neon.h"
 #endif
 
 namespace {
@@ -175,6 +180,22 @@ void apply_rotary_(const at::Tensor& positions, at::Tensor query, at::Tensor key
   });
 }
 
+// out[i] = dtype(dtype(silu(gate[i])) * up[i])
+template <typename scalar_t>
+inline void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
+#if defined(PAGODA_ISA_NEON)  // expf does not vectorise on aarch64 (no libmvec before glibc 2.38)
+  if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
+    pagoda::neon::silu_and_mul_row(gate, up, out, n);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_float(gate[i]);
+    const float silu = to_float(from_float<scalar_t>(g / (1.f + std::exp(-g))));
+    out[i] = from_float<scalar_t>(silu * to_float(up[i]));
+  }
+}
+
 // x [rows, 2 * inter] (gate then up) -> dtype(silu(gate)) * up, [rows, inter]
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "silu_and_mul runs on CPU tensors");
@@ -188,12 +209,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = xp + r * x_stride;
-        const scalar_t* up = gate + inter;
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = to_float(gate[i]);
-          const float silu = to_float(from_float<scalar_t>(g / (1.f + std::exp(-g))));
-          o[r * inter + i] = from_float<scalar_t>(silu * to_float(up[i]));
-        }
+        silu_and_mul_row(gate, gate + inter, o + r * inter, inter);
       }
     });
   });
@@ -241,65 +257,6 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
   });
 }
 
-// The first index of each row's largest value, as torch.argmax(dim=-1) (rows without NaN): one pass over
-// [N, V] float32 logits. torch's CPU argmax reads ~1 element a cycle on one thread: 1.3 ms a step for 32
-// rows of a 49152-token vocabulary.
-int64_t argmax_row(const float* x, int64_t n) {
-  int64_t i = 0;
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t best_index = 0;
-#if defined(PAGODA_ISA_AVX512)
-  if (n >= 16) {
-    // per lane: the largest value seen and its first index; the lane maxima then meet, lowest index first
-    __m512 lane_best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512i lane_index = _mm512_setzero_si512();
-    __m512i index = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i step = _mm512_set1_epi32(16);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
-      lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
-      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
-      index = _mm512_add_epi32(index, step);
-    }
-    best = _mm512_reduce_max_ps(lane_best);
-    const __mmask16 at_best = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
-    best_index = _mm512_mask_reduce_min_epi32(at_best, lane_index);
-  }
-#elif defined(PAGODA_ISA_AVX2)
-  if (n >= 8) {  // as above, 8 lanes; the lanes meet in scalar code
-    __m256 lane_best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    __m256i lane_index = _mm256_setzero_si256();
-    __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i step = _mm256_set1_epi32(8);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(x + i);
-      const __m256 greater = _mm256_cmp_ps(v, lane_best, _CMP_GT_OQ);
-      lane_best = _mm256_blendv_ps(lane_best, v, greater);
-      lane_index = _mm256_blendv_epi8(lane_index, index, _mm256_castps_si256(greater));
-      index = _mm256_add_epi32(index, step);
-    }
-    float lane_values[8];
-    int32_t lane_indices[8];
-    _mm256_storeu_ps(lane_values, lane_best);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lane_indices), lane_index);
-    best = lane_values[0];
-    best_index = lane_indices[0];
-    for (int j = 1; j < 8; ++j)
-      if (lane_values[j] > best || (lane_values[j] == best && lane_indices[j] < best_index)) {
-        best = lane_values[j];
-        best_index = lane_indices[j];
-      }
-  }
-#endif
-  for (; i < n; ++i)
-    if (i == 0 || x[i] > best) {
-      best = x[i];
-      best_index = i;
-    }
-  return best_index;
-}
-
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
                   x.size(1) > 0,
@@ -309,7 +266,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* data = x.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(data + r * stride, n);
+    for (int64_t r = begin; r < end; ++r) index[r] = pagoda::argmax_row(data + r * stride, n);
   });
   return out;
 }

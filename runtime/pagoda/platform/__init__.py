@@ -30,9 +30,20 @@ __all__ = ["ISA_ENV", "KERNELS_ENV", "CpuIsa", "CpuKernelPlan", "UnsupportedIsa"
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "PAGODA_CPU_KERNELS"
-# levels where bf16_matmul_cpu's packed kernel runs at the CPU's speed: AVX512_BF16's dot products, or bf16
-# weights widened to float32 inside the AVX2/AVX-512 FMA micro-kernel (half the bytes of float32 weights)
-PACKED_BF16_LEVELS = ("avx512bf16", "avx512", "avx2")
+# levels where bf16_matmul_cpu's packed kernel runs at the CPU's speed: bfloat16 dot products in hardware
+# (AVX512_BF16, ARM BF16), or bf16 weights widened to float32 inside the AVX2/AVX-512/NEON FMA micro-kernel
+# (half the bytes of float32 weights)
+PACKED_BF16_LEVELS = ("avx512bf16", "avx512", "avx2", "neonbf16", "neon")
+# the C++ kernel set each level builds (csrc/cpu_isa.h picks the same from the compiler's macros), for the plan
+KERNEL_SETS = {
+    "avx512bf16": "AVX512_BF16 kernels (vdpbf16ps matmul and attention, AVX-512 argmax)",
+    "avx512": "AVX-512 kernels (bf16 weights widened to float32 in the FMA matmul, AVX-512 float32 attention "
+              "and argmax)",
+    "avx2": "AVX2 kernels (bf16 weights widened to float32 in the FMA matmul, AVX2 argmax)",
+    "neonbf16": "NEON + BF16 kernels (BFMMLA/BFDOT matmul, NEON argmax and SiLU)",
+    "neon": "NEON kernels (bf16 weights widened to float32 in the FMLA matmul, NEON argmax and SiLU)",
+    "generic": "generic C++ kernels (compiler-vectorised)",
+}
 VNNI, ONEDNN, PLAIN = "vnni", "onednn", "plain"
 
 
@@ -89,11 +100,13 @@ def choose_dtype(device: str = "cpu") -> tuple[str, str]:
     if isa.level == "avx512bf16":
         return "bfloat16", "AVX512_BF16: bfloat16 dot products in hardware, half the bytes of float32"
     enabled, why_not = cpu_kernels_enabled()
+    if isa.level == "neonbf16" and enabled:
+        return "bfloat16", "ARM BF16: bfloat16 dot products in hardware (BFMMLA/BFDOT), half the bytes of float32"
     if isa.level in PACKED_BF16_LEVELS:
-        if enabled:
-            return "bfloat16", (f"{isa.level} without AVX512_BF16: bfloat16 weights widened to float32 inside "
-                                "the matmul kernel read half the bytes of float32 at float32 FMA speed")
-        return "float32", f"{isa.level} without AVX512_BF16 and {why_not}: no kernel widens bfloat16 weights"
+        if enabled:  # avx512, avx2, neon
+            return "bfloat16", (f"{isa.level} without bfloat16 instructions: bfloat16 weights widened to float32 "
+                                "inside the matmul kernel read half the bytes of float32 at float32 FMA speed")
+        return "float32", f"ISA level {isa.level} and {why_not}: no kernel for bfloat16 weights"
     return "float32", f"ISA level {isa.level}: no bfloat16 kernels for it, float32 is the fastest exact path"
 
 
@@ -103,12 +116,13 @@ class CpuKernelPlan:
     isa: CpuIsa
     dtype: str
     cpp_kernels: bool  # attention, fused ops, argmax
+    kernel_set: str  # what the C++ kernels are at this level (KERNEL_SETS), or why there are none
     matmul: str  # VNNI, ONEDNN, PLAIN (bfloat16) or "torch" (float32 / float16: F.linear)
     layer_loop: bool  # the C++ Llama layer loop (bfloat16, VNNI weights)
     reasons: tuple[str, ...]
 
     def describe(self) -> str:
-        parts = [f"CPU {self.isa.describe()}", f"dtype {self.dtype}",
+        parts = [f"CPU {self.isa.describe()}", f"dtype {self.dtype}", self.kernel_set,
                  "C++ attention and fused ops" if self.cpp_kernels else "torch attention and ops",
                  f"matmul {self.matmul}", "C++ layer loop" if self.layer_loop else "Python layer loop"]
         return "; ".join(parts) + (" (" + "; ".join(self.reasons) + ")" if self.reasons else "")
@@ -127,7 +141,8 @@ def cpu_kernel_plan(dtype: str) -> CpuKernelPlan:
     layer_loop = enabled and matmul == VNNI
     if enabled and not layer_loop:
         reasons.append("the C++ layer loop needs bfloat16 weights in the packed kernel's layout")
-    return CpuKernelPlan(isa, dtype, enabled, matmul, layer_loop, tuple(reasons))
+    kernel_set = KERNEL_SETS.get(isa.level, KERNEL_SETS["generic"]) if enabled else "no C++ kernels"
+    return CpuKernelPlan(isa, dtype, enabled, kernel_set, matmul, layer_loop, tuple(reasons))
 
 
 _logged: set[str] = set()

@@ -2,9 +2,10 @@
 
 Levels, lowest first, per architecture:
 
-- x86_64: ``generic`` (no -march), ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL), ``avx512bf16`` (+ BF16;
-  AMX is reported as a feature, its kernels are the avx512bf16 ones);
-- aarch64: ``generic``, ``neon`` (SVE and BF16 are reported as features).
+- x86_64: ``generic`` (no -march, no ISA-specific code), ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL),
+  ``avx512bf16`` (+ BF16; AMX is reported as a feature, its kernels are the avx512bf16 ones);
+- aarch64: ``generic``, ``neon`` (ASIMD, every aarch64 CPU), ``neonbf16`` (+ the BF16 extension's BFDOT and
+  BFMMLA: Graviton3/4, Neoverse V1/V2/N2, Apple M2 on; SVE is reported as a feature).
 
 ``PAGODA_CPU_ISA=native|<level>`` forces a level (native: the best this CPU executes, built with -march=native /
 -mcpu=native); a level the host cannot execute is refused with an error naming the levels it can.
@@ -17,17 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV = "PAGODA_CPU_ISA"
-LEVELS = {"x86_64": ("generic", "avx2", "avx512", "avx512bf16"), "aarch64": ("generic", "neon")}
-ALL_LEVELS = ("native", "generic", "avx2", "avx512", "avx512bf16", "neon")
+LEVELS = {"x86_64": ("generic", "avx2", "avx512", "avx512bf16"), "aarch64": ("generic", "neon", "neonbf16")}
+ALL_LEVELS = ("native", "generic", "avx2", "avx512", "avx512bf16", "neon", "neonbf16")
 
 # the compiler flags that target a level (besides -O3 -ffast-math -fopenmp); native: the host's own
 LEVEL_FLAGS = {
-    "generic": [],
+    "generic": ["-DPAGODA_ISA_GENERIC"],  # no -march; and csrc/cpu_isa.h leaves out NEON, aarch64's baseline
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
     "avx512bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                    "-mavx512bf16"],
-    "neon": [],  # NEON (ASIMD) is aarch64's baseline
+    "neon": ["-march=armv8-a"],  # NEON (ASIMD) is aarch64's baseline
+    "neonbf16": ["-march=armv8.2-a+bf16"],  # the oldest base with BF16: runs on every CPU that has it
 }
 
 
@@ -55,8 +57,8 @@ class CpuIsa:
         return levels[:levels.index(self.best) + 1]
 
     def has_native_bf16(self) -> bool:
-        """bfloat16 dot products in hardware at this level (AVX512_BF16/AMX; ARM BF16 with native builds)."""
-        return self.level == "avx512bf16" or (self.level == "neon" and self.native and "bf16" in self.features)
+        """bfloat16 dot products in hardware at this level (AVX512_BF16/AMX; ARM BF16's BFDOT/BFMMLA)."""
+        return self.level in ("avx512bf16", "neonbf16")
 
     def compile_flags(self) -> list[str]:
         if self.native:
@@ -109,7 +111,9 @@ def best_level(arch: str, features: frozenset[str]) -> str:
             return "avx512bf16" if "avx512bf16" in features else "avx512"
         return "avx2" if {"avx2", "fma", "f16c"} <= features else "generic"
     if arch == "aarch64":
-        return "neon" if "neon" in features else "generic"
+        if "neon" not in features:
+            return "generic"
+        return "neonbf16" if "bf16" in features else "neon"
     return "generic"
 
 
