@@ -322,6 +322,7 @@ def test_bench_serve_reports_every_request(server, tmp_path):
     assert summary["completed"] == 12 and summary["failed"] == 0 and summary["total_output_tokens"] >= 12 * 4
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert summary[key]["median"] > 0
+    assert summary["preemptions"] >= 0  # read from the server's /metrics before and after
     # Poisson arrivals and a JSONL dataset, through chat
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "Hello there"}\n{"messages": [{"role": "user", "content": "Hi"}], "output_len": 3}\n')

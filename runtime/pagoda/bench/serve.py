@@ -128,6 +128,17 @@ class HTTPSender:
     async def __aexit__(self, *exc):
         await self.session.close()
 
+    async def preemptions(self) -> float | None:
+        """The server's preemption counter (Pagoda's and vLLM's `*:num_preemptions_total`), or None."""
+        try:
+            async with self.session.get(f"{self.base_url}/metrics", headers=self.headers) as resp:
+                text = await resp.text()
+        except Exception:  # noqa: BLE001 - a server without /metrics: the figure is left out
+            return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if not line.startswith("#") and line.split("{")[0].split(" ")[0].endswith(":num_preemptions_total")]
+        return sum(values) if values else None
+
     async def send(self, req: BenchRequest) -> RequestResult:
         body = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True}
@@ -187,6 +198,9 @@ class EngineSender:
         return self
 
     async def __aexit__(self, *exc):
+        return None
+
+    async def preemptions(self) -> float | None:
         return None
 
     async def send(self, req: BenchRequest) -> RequestResult:
@@ -285,6 +299,8 @@ def report(summary: dict, title: str) -> str:
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
         s = summary[key]
         lines.append(f"{name + ' (ms) mean / median / p99:':<40}{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}")
+    if "preemptions" in summary:
+        lines.append(f"{'Preemptions (server counter):':<40}{summary['preemptions']}")
     for error in summary["errors"]:
         lines.append(f"error: {error}")
     return "\n".join(lines)
@@ -318,6 +334,9 @@ def parse_args(argv):
                         "on the same model directory, send it the same requests, and print both with their ratios")
     p.add_argument("--vllm-dtype", default="bfloat16",
                    help="vLLM's dtype (default bfloat16, its own default); compare against its best on the machine")
+    p.add_argument("--vllm-kv-cache-dtype", default=None, help="vLLM's --kv-cache-dtype (default: its own, auto)")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=2,
+                   help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB; default 2: Pagoda's CPU default)")
     p.add_argument("--vllm-model", default=None, metavar="DIR",
                    help="the model directory vLLM serves (default: the Pagoda server's, from /v1/models)")
     p.add_argument("--result-json", default=None, help="also write the summary to this file")
@@ -409,8 +428,12 @@ async def measure(sender, warmup, requests, args) -> dict:
     async with sender:
         if warmup:
             await run(sender, warmup, args.max_concurrency, float("inf"), args.seed)
+        before = await sender.preemptions()
         results, duration = await run(sender, requests, args.max_concurrency, args.request_rate, args.seed)
+        after = await sender.preemptions()
     summary = summarize(results, duration)
+    if before is not None and after is not None:
+        summary["preemptions"] = int(after - before)
     summary.update(max_concurrency=args.max_concurrency, request_rate=str(args.request_rate),
                    num_prompts=len(requests), input_len=args.input_len, output_len=args.output_len)
     return summary
@@ -423,7 +446,8 @@ async def measure_vllm(args, model: str, model_dir: str | None, warmup, requests
         raise SystemExit(f"--vllm-python needs the model directory: the server reports {model_dir!r}; "
                          "give --vllm-model DIR")
     python = check_vllm_python(args.vllm_python)
-    with vllm_server(python, model_dir, model, dtype=args.vllm_dtype) as base_url:
+    with vllm_server(python, model_dir, model, dtype=args.vllm_dtype, kv_cache_dtype=args.vllm_kv_cache_dtype,
+                     kv_cache_gib=args.vllm_kv_cache_gib) as base_url:
         return await measure(HTTPSender(base_url, model, None, args.endpoint), warmup, requests, args)
 
 

@@ -101,16 +101,16 @@ def _free_port() -> int:
 
 @contextmanager
 def vllm_server(python: str, model: str, served_name: str, *, dtype: str = "bfloat16", max_model_len: int = 2048,
-                startup_timeout: float = 600):
+                kv_cache_dtype: str | None = None, kv_cache_gib: int = 2, startup_timeout: float = 600):
     """`vllm serve` on a free port, yielding its base URL; stopped (its whole process group) on exit."""
     import httpx
 
     port = _free_port()
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", model, "--dtype", dtype, "--max-model-len",
            str(max_model_len), "--port", str(port), "--host", "127.0.0.1", "--served-model-name", served_name,
-           "--no-enable-prefix-caching"]
+           "--no-enable-prefix-caching"] + (["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else [])
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-peer-", delete=False)
-    proc = subprocess.Popen(cmd, env=peer_env(python), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=peer_env(python, kv_cache_gib), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout
