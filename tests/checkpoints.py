@@ -154,3 +154,48 @@ def hf_greedy(path, prompts: list[str], max_tokens: int) -> list[list[int]]:
         gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         outs.append(gen[0, ids.shape[1]:].tolist())
     return outs
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_lora_adapter(base: Path, out: Path, rank: int, seed: int, targets=tuple(LORA_TARGETS),
+                       alpha: float | None = None, **extra) -> Path:
+    """A PEFT LoRA adapter of the checkpoint at base, with random non-zero A and B (init_lora_weights=False),
+    written by peft itself (adapter_config.json + adapter_model.safetensors)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model = load_hf_reference(base)
+    torch.manual_seed(seed)
+    # targets: module names, or one regex string over the full module names (PEFT's two forms)
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
+                        target_modules=targets if isinstance(targets, str) else list(targets),
+                        lora_dropout=0.0, init_lora_weights=False, **extra)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # deltas that change the greedy tokens, but not into noise
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.5)
+    peft_model.save_pretrained(out)
+    return Path(out)
+
+
+def peft_greedy(base, adapter, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """PeftModel's greedy continuation of each prompt with the adapter (float32; None: the base model)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = load_hf_reference(base)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    outs = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        gen = model.generate(input_ids=ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+        outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs

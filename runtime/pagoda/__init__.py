@@ -16,6 +16,7 @@ _EXPORTS = {
     "RequestOutput": "pagoda.engine.outputs",
     "CompletionOutput": "pagoda.engine.outputs",
     "EmbeddingRequestOutput": "pagoda.engine.outputs",
+    "LoRARequest": "pagoda.lora.request",
 }
 
 

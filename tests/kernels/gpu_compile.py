@@ -13,14 +13,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagoda.kernels import flash_decode, fused_moe, kv_cache, paged_attention, rmsnorm, rotary
+from pagoda.kernels import flash_decode, fused_moe, kv_cache, lora_sgmv, paged_attention, rmsnorm, rotary
 from pagoda.kernels.paged_kv import head_pad
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 INT_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32",
-                "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
-FLOAT32_POINTERS = {"partial_max_ptr", "partial_sum_ptr", "partial_out_ptr", "cos_sin_ptr", "routing_weights_ptr"}
+                "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "seg_starts_ptr": "*i32",
+                "seg_slots_ptr": "*i32", "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
+FLOAT32_POINTERS = {"partial_max_ptr", "partial_sum_ptr", "partial_out_ptr", "cos_sin_ptr", "routing_weights_ptr",
+                    "s_ptr"}
 FLOAT_ARGS = {"scale_log2", "eps", "v_scale", "k_inv_scale", "v_inv_scale"}
 UNIT_STRIDES = {"stride_ak", "stride_wk", "stride_cn"}  # fused_moe's contiguous rows
 SHARED_MEMORY = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}  # per block, opt-in maximum
@@ -82,6 +83,10 @@ def cases():
     yield rotary._rotary_kernel, torch.float16, dict(NUM_Q_HEADS=32, Q_HEADS_PAD=32, NUM_K_HEADS=8, K_HEADS_PAD=8,
                                                     HEAD_SIZE=128, HALF=64, HALF_PAD=64, IS_NEOX=True, BLOCK_T=2), \
         four_warps
+    sgmv = dict(BLOCK_M=lora_sgmv.BLOCK_M, BLOCK_N=lora_sgmv.BLOCK_N)
+    yield (lora_sgmv._shrink_kernel, torch.bfloat16,
+           dict(sgmv, BLOCK_K=lora_sgmv.BLOCK_K, UPCAST_DOT=False, DOT_PRECISION="tf32"), four_warps)
+    yield lora_sgmv._expand_kernel, torch.bfloat16, dict(sgmv, R_PAD=16, DOT_PRECISION="tf32"), four_warps
 
 
 def main() -> int:

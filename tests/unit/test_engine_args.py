@@ -27,8 +27,7 @@ def no_loading(monkeypatch):
 
 
 @pytest.mark.parametrize("name,value", [
-    ("speculative_config", {"method": "eagle", "num_speculative_tokens": 4}), ("enable_lora", True),
-    ("max_loras", 4), ("max_lora_rank", 64), ("max_cpu_loras", 8), ("cpu_offload_gb", 4.0),
+    ("speculative_config", {"method": "eagle", "num_speculative_tokens": 4}), ("cpu_offload_gb", 4.0),
     ("num_scheduler_steps", 8), ("data_parallel_size", 2), ("enable_sleep_mode", True),
     ("tokenizer_mode", "mistral"), ("tokenizer_mode", "slow"), ("load_format", "pt"), ("load_format", "gguf"),
     ("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8_e4m3fn"), ("calculate_kv_scales", True),
@@ -38,6 +37,16 @@ def no_loading(monkeypatch):
 def test_unsupported_or_bad_values_are_refused_by_name_before_loading(no_loading, name, value):
     with pytest.raises(InvalidParam) as err:
         EngineArgs(model="/not/loaded", **{name: value}).create_config()
+    assert err.value.param == name and name in str(err.value)
+
+
+@pytest.mark.parametrize("values,name", [
+    (dict(max_loras=0), "max_loras"), (dict(max_lora_rank=0), "max_lora_rank"),
+    (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras"),
+])
+def test_bad_lora_values_are_refused_by_name_before_loading(no_loading, values, name):
+    with pytest.raises(InvalidParam) as err:
+        EngineArgs(model="/not/loaded", enable_lora=True, **values).create_config()
     assert err.value.param == name and name in str(err.value)
 
 

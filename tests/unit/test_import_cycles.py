@@ -125,7 +125,7 @@ RUNTIME_LAYERS = [
     {"core", "structured_output"},  # torch-free: scheduling, blocks, sequences, step contracts, grammars
     {"distributed", "kernels", "attention", "layers", "models"},  # collectives and the nn code
     {"sample", "spec_decode"},  # sampling, pooling, logprobs, rejection sampling, draft proposers
-    {"worker"},  # the model runner, KV cache, loading models
+    {"worker", "lora"},  # the model runner, KV cache, loading models; LoRA adapters (slots, the layers' hook)
     {"executor"},  # uni, mp, ray: where the runners run
     {"engine"},  # input processing, the engine core, output processing
     {"entrypoints", "router"},  # LLM, the OpenAI server, the CLI

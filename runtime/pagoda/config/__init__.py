@@ -16,6 +16,7 @@ from pagoda.config.configs import (
     DEFAULT_MODEL_NAME,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -27,5 +28,5 @@ from pagoda.config.resolve import choose_dtype, resolve_device, resolve_dtype
 __all__ = ["DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GIB", "DEFAULT_GPU_SWAP_SPACE_GIB",
            "DEFAULT_MODEL_NAME", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS",
            "PREEMPTION_MODES", "UNSUPPORTED_ARGS", "CacheConfig", "EngineArgs",
-           "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
+           "EngineConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
            "choose_dtype", "resolve_device", "resolve_dtype"]

@@ -18,10 +18,6 @@ EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 # vLLM engine arguments Pagoda does not implement yet: refused by name unless left at vLLM's default.
 UNSUPPORTED_ARGS = {
-    "enable_lora": False,
-    "max_loras": 1,
-    "max_lora_rank": 16,
-    "max_cpu_loras": None,
     "cpu_offload_gb": 0.0,
     "num_scheduler_steps": 1,
     "data_parallel_size": 1,
@@ -86,11 +82,12 @@ class EngineArgs:
     # speculative decoding, as vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
     # "prompt_lookup_min": m} or {"model": PATH, "num_speculative_tokens": k} (see docs/speculative-decoding.md)
     speculative_config: dict | None = None
-    # refused unless at their defaults (UNSUPPORTED_ARGS), so vLLM snippets fail by name, before loading
+    # LoRA adapters (docs/lora.md): device slots, the largest rank, host copies (default: max_loras)
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # refused unless at their defaults (UNSUPPORTED_ARGS), so vLLM snippets fail by name, before loading
     cpu_offload_gb: float = 0.0
     num_scheduler_steps: int = 1
     data_parallel_size: int = 1
@@ -121,6 +118,7 @@ class EngineArgs:
             raise InvalidParam("nnodes", f"nnodes ({self.nnodes}) must equal pipeline_parallel_size "
                                          f"({self.pipeline_parallel_size}): each node is one pipeline stage")
         check_quantization_args(self.quantization, self.quantization_group_size)
+        check_lora_args(self)
         check_generation_config_arg(self.generation_config)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
@@ -155,6 +153,17 @@ def check_vllm_args(args: EngineArgs) -> None:
     if not args.stats_log_interval > 0:
         raise InvalidParam("stats_log_interval", f"stats_log_interval must be > 0 seconds; "
                                                  f"got {args.stats_log_interval}")
+
+
+def check_lora_args(args: EngineArgs) -> None:
+    if not args.enable_lora:
+        return
+    check_positive(args, "max_loras", "max_lora_rank")
+    if args.max_cpu_loras is not None:
+        check_positive(args, "max_cpu_loras")
+        if args.max_cpu_loras < args.max_loras:
+            raise InvalidParam("max_cpu_loras", f"max_cpu_loras ({args.max_cpu_loras}) must be >= max_loras "
+                                                f"({args.max_loras})")
 
 
 def check_positive(args: EngineArgs, *names: str) -> None:

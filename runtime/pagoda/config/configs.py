@@ -51,6 +51,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     max_model_len: int
     preemption_mode: str = "recompute"
+    max_loras: int | None = None  # LoRA: the distinct adapters running sequences may use at once
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,16 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters: max_loras device slots (the distinct adapters one step may hold), adapters up to
+    max_lora_rank, and up to max_cpu_loras host copies kept for reloading (LRU)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -151,3 +162,4 @@ class EngineConfig:
     stats_log_interval: float = 5.0
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None  # speculative method draft_model: the draft checkpoint
+    lora: LoRAConfig | None = None  # enable_lora

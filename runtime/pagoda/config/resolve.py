@@ -12,6 +12,7 @@ from pagoda.config.configs import (
     DEFAULT_MODEL_NAME,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -89,7 +90,8 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
                           cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
-                                  max_model_len=max_model_len, preemption_mode=mode),
+                                  max_model_len=max_model_len, preemption_mode=mode,
+                                  max_loras=args.max_loras if args.enable_lora else None),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
@@ -104,6 +106,8 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
         stats_log_interval=args.stats_log_interval,
         speculative=speculative,
         draft_model=draft_model,
+        lora=LoRAConfig(args.max_loras, args.max_lora_rank, max(args.max_cpu_loras or 0, args.max_loras))
+        if args.enable_lora else None,
     )
 
 

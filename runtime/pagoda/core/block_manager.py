@@ -21,6 +21,11 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def chain_root(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: its LoRA adapter's (one adapter's KV is never another's)."""
+    return None if seq.lora_request is None else hash(("lora", seq.lora_request.lora_int_id))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_swap_blocks: int = 0):
@@ -66,7 +71,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        parent, hits = None, []
+        parent, hits = chain_root(seq), []
         for i in range((seq.num_tokens - 1) // bs):
             h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             block = self.cached_blocks.get(h)
@@ -127,7 +132,7 @@ class BlockManager:
         bs = self.block_size
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else chain_root(seq)
             h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             hashes.append(h)
             block = table[i]

@@ -109,6 +109,8 @@ class Scheduler:
 
         while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
+            if not self._adapter_fits(seq):
+                break
             remaining = seq.num_tokens - seq.num_computed_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
@@ -127,7 +129,10 @@ class Scheduler:
 
         while (self.waiting and not self.swapped and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            index = next((j for j, q in enumerate(self.waiting) if self._adapter_fits(q)), None)
+            if index is None:  # each waits for a running adapter's sequences to finish (max_loras)
+                break
+            seq = self.waiting[index]
             # a cached prefix has no logits (a request scoring its prompt computes all of it), and mean
             # pooling reads every prompt token's hidden state: neither may take its prefix from the cache
             every_token = seq.params.prompt_logprobs is not None or (
@@ -141,7 +146,7 @@ class Scheduler:
             copies = self.block_manager.allocate(seq, num_new, cached)
             if copies is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             if seq.status == SequenceStatus.WAITING:  # first admission, not a resumed preemption
                 seq.num_cached_tokens = num_computed
                 self.prefix_cache_queries += seq.num_tokens
@@ -156,6 +161,13 @@ class Scheduler:
         for s in out.scheduled:
             self.in_flight.add(s.seq_id)
         return out
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """LoRA: running sequences use at most max_loras distinct adapters (the runner's device slots)."""
+        if seq.lora_request is None or self.config.max_loras is None:
+            return True
+        running = {q.lora_request.lora_int_id for q in self.running if q.lora_request is not None}
+        return seq.lora_request.lora_int_id in running or len(running) < self.config.max_loras
 
     def _propose(self, seq: Sequence, budget: int) -> tuple[list[int] | None, int]:
         """A decoding sequence's drafts: (their ids or None when the runner's draft model proposes them, how
@@ -202,6 +214,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             params=seq.params if reset else None,
             pooling=seq.pooling if reset else None,
+            lora_request=seq.lora_request if reset else None,
             num_draft_tokens=num_drafts,
             draft_token_ids=draft_token_ids,
         )

@@ -1,11 +1,15 @@
 """What the scheduler hands the model runner each step (torch-free: it crosses processes pickled)."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.lora.request import LoRARequest
 
 
 @dataclass
@@ -21,6 +25,7 @@ class ScheduledSeq:
     num_prompt_tokens: int = 0
     params: SamplingParams | None = None  # sent on reset only
     pooling: PoolingParams | None = None  # an embedding request (sent on reset only): pool, never sample
+    lora_request: "LoRARequest | None" = None  # its adapter (sent on reset only); None: the base model
     # speculative decoding: the last num_draft_tokens of the num_new_tokens are drafts to verify (not in
     # new_token_ids); their ids here: the scheduler's (n-gram), or None until the driver's draft model fills
     # them in, before the batch goes on to the other ranks

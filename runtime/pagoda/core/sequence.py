@@ -4,9 +4,13 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.lora.request import LoRARequest
 
 _seq_ids = itertools.count()
 
@@ -30,6 +34,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first schedule
         self.pooling: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing sampled
+        self.lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
         self.status = SequenceStatus.WAITING
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.finish_reason: str | None = None
@@ -71,6 +76,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.pending_forks = 0
+        child.lora_request = self.lora_request
         return child
 
     def __repr__(self) -> str:

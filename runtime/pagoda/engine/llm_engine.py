@@ -24,6 +24,8 @@ from pagoda.engine.request_state import RequestState, RequestTable
 from pagoda.engine.stats_logger import StatsLogger
 from pagoda.errors import InvalidParam
 from pagoda.executor.factory import create_executor
+from pagoda.lora.registry import LoRARegistry
+from pagoda.lora.request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.stats import SpecDecodeStats
@@ -45,6 +47,7 @@ class LLMEngine:
         grammar_key = (model.tokenizer_path, model.hf_config.vocab_size, tuple(sorted(self.eos_token_ids)))
         self.input_processor = InputProcessor(self.tokenizer, model.hf_config.vocab_size, model.max_model_len,
                                               config.scheduler.max_num_seqs, grammar_key)
+        self.loras = LoRARegistry(config.lora, model.hf_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, model.max_model_len)
         self.executor = create_executor(config, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks()
@@ -97,12 +100,15 @@ class LLMEngine:
         return processed.text, processed.token_ids
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None) -> None:
+                    arrival_time: float | None = None, prompt_token_ids: list[int] | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """A generation request (SamplingParams), or an embedding request (PoolingParams): its prompt runs
-        through the model like any prefill, and its output's `embedding` is the pooled final hidden state."""
+        through the model like any prefill, and its output's `embedding` is the pooled final hidden state.
+        lora_request: the adapter it runs with (enable_lora)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already running")
+        lora_request = self.loras.resolve(lora_request)
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.process_prompt(prompt, params)
         elif isinstance(params, PoolingParams):
@@ -119,6 +125,10 @@ class LLMEngine:
         state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival))
         seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
         seq.pooling = pooling
+        seq.lora_request = lora_request
+        if lora_request is not None:
+            counts = self.stats.lora_requests
+            counts[lora_request.lora_name] = counts.get(lora_request.lora_name, 0) + 1
         state.add_seq(seq)
         self.requests.add(state)
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -208,9 +218,20 @@ class LLMEngine:
         s.spec_decode_num_draft_tokens = spec.num_draft_tokens
         s.spec_decode_num_accepted_tokens = spec.num_accepted_tokens
         s.spec_decode_accepted_per_pos = list(spec.accepted_per_pos)
+        s.max_lora = self.config.lora.max_loras if self.config.lora is not None else 0
+        running, waiting = set(), set()
+        for state in self.requests.values():
+            lora = next((q.lora_request for q in state.seqs if q.lora_request is not None), None)
+            if lora is not None:
+                is_running = any(q.status == SequenceStatus.RUNNING for q in state.seqs)
+                (running if is_running else waiting).add(lora.lora_name)
+        s.running_lora_adapters, s.waiting_lora_adapters = sorted(running), sorted(waiting)
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
                               "iteration_tokens_counts": list(s.iteration_tokens_counts),
-                              "expert_tokens": {layer: list(c) for layer, c in s.expert_tokens.items()}})
+                              "expert_tokens": {layer: list(c) for layer, c in s.expert_tokens.items()},
+                              "running_lora_adapters": list(s.running_lora_adapters),
+                              "waiting_lora_adapters": list(s.waiting_lora_adapters),
+                              "lora_requests": dict(s.lora_requests)})
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""

@@ -107,6 +107,11 @@ class EngineStats:
     # mixtures of experts (counters): MoE layer index -> rows routed to each expert (a row per token and
     # choice); the layers of the stage that samples (every layer without pipeline parallelism)
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # LoRA (vLLM's lora_requests_info): device slots, and the adapters of running and of waiting requests
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    lora_requests: dict[str, int] = field(default_factory=dict)  # requests added, by adapter name
 
     def add_expert_tokens(self, step: dict[int, list[int]]) -> None:
         for layer, counts in step.items():

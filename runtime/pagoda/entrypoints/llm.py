@@ -53,8 +53,9 @@ class LLM:
         return SamplingParams(**default_sampling_params(self.engine.config.model))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts (strings, token-id dicts, or one of them) to completion; outputs in input order."""
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """Run prompts (strings, token-id dicts, or one of them) to completion; outputs in input order.
+        lora_request: a LoRARequest for every prompt, or a list of them (None: the base model), one per prompt."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -63,12 +64,16 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         # validate everything before starting anything
         processed = [self.engine.process_prompt(p, sp) for p, sp in zip(prompts, params)]
+        loras = [self.engine.loras.resolve(lora) for lora in loras]
         ids = []
-        for (text, token_ids), sp in zip(processed, params):
+        for (text, token_ids), sp, lora in zip(processed, params, loras):
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids)
+            self.engine.add_request(request_id, text, sp, prompt_token_ids=token_ids, lora_request=lora)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 

@@ -80,9 +80,11 @@ class LinearBase(Module):
     packed_weight: PackedWeight | None = None  # set by packed_weights.pack_weights
     quant_method = None  # set by quantization.methods.attach, before loading
     input_is_sharded = False  # row-parallel: each rank holds some input columns of every row
+    lora = None  # pagoda.lora.layers.LoRALayer where adapters may target this layer: adds their deltas
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, bias_loader=None):
         super().__init__()
+        self.input_size, self.output_size = input_size, output_size  # this rank's
         self.add_param("weight", (output_size, input_size))
         if bias:
             self.add_param("bias", (output_size,), loader=bias_loader)
@@ -96,8 +98,10 @@ class LinearBase(Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, bias)
-        return linear(x, self, bias)
+            y = self.quant_method.apply(self, x, bias)
+        else:
+            y = linear(x, self, bias)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
 
 class ReplicatedLinear(LinearBase):

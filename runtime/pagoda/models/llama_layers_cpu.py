@@ -91,6 +91,8 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
             or not available()):
         return None
     first = model.layers[model.start_layer]
+    if first.self_attn.qkv_proj.lora is not None and first.self_attn.qkv_proj.lora.active:
+        return None  # LoRA deltas: the Python layers call the adapters' hook
     stack = model.cpu_layer_stack
     if stack is None or stack.first_kv_cache is not first.self_attn.attn.kv_cache:
         layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]

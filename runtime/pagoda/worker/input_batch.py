@@ -2,6 +2,7 @@
 batch one step runs: input ids, positions, slots, attention metadata and the rows to sample."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,6 +12,9 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import GrammarMatcher
 
+if TYPE_CHECKING:
+    from pagoda.lora.request import LoRARequest
+
 
 @dataclass
 class RunnerSeq:
@@ -19,6 +23,7 @@ class RunnerSeq:
     num_prompt_tokens: int
     params: SamplingParams
     matcher: GrammarMatcher | None = None  # structured outputs: made on first sample, follows token_ids
+    lora_request: "LoRARequest | None" = None  # its adapter; None: the base model
 
 
 @dataclass
@@ -45,7 +50,7 @@ class InputBatch:
         for s in out.scheduled:
             if s.reset:
                 self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
-                                                s.params)
+                                                s.params, lora_request=s.lora_request)
                 relearnt.append(s.seq_id)
                 continue
             seq = self.seqs[s.seq_id]

@@ -19,6 +19,7 @@ from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.moe import take_expert_tokens
 from pagoda.layers.packed_weights import pack_weights, packing_supported
+from pagoda.lora.manager import LoRAManager
 from pagoda.models import get_model_class, llama_layers_cpu
 from pagoda.process.cpu_allocator import keep_freed_memory
 from pagoda.sample.logits_processors import apply_logits_processors
@@ -72,6 +73,8 @@ class ModelRunner:
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
                                       config.parallel.pp_layer_partition, config.parallel.enable_expert_parallel)
         self.attention_layers = self.model.attention_layers()
+        # LoRA: the adapters' device slots and host copies; each step tells it which rows use which adapter
+        self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
         self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.kv_dtype, self.device,
                                      config.cache.calculate_kv_scales)
         self.batch = InputBatch(self.block_size, self.device)
@@ -219,6 +222,12 @@ class ModelRunner:
             row_of = {row: i for i, row in enumerate(keep_rows)}
             sample_rows = [row_of[row] for row in sample_rows]
             keep_rows = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        lora_failed: dict[int, str] = {}
+        if self.lora is not None:
+            adapters = [self.seqs[s.seq_id].lora_request for s in out.scheduled]
+            failures = self.lora.prepare(adapters, [s.num_new_tokens for s in out.scheduled], keep_rows)
+            lora_failed = {s.seq_id: failures[a.lora_int_id] for s, a in zip(out.scheduled, adapters)
+                           if a is not None and a.lora_int_id in failures}
         with forward_context(step.metadata, self.attn_backend, self.triton_ops):
             hidden = self.model(step.input_ids, step.positions, hidden_in, residual_in, keep_rows=keep_rows)
         if not self.is_last_stage:
@@ -231,11 +240,11 @@ class ModelRunner:
             keep = [i for i, seq_id in enumerate(sample_seq_ids) if not self.pooler.is_pooling(seq_id)]
             sample_rows, sample_seq_ids = [sample_rows[i] for i in keep], [sample_seq_ids[i] for i in keep]
         if not sample_rows:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled, failed=lora_failed)
         logits = self.model.compute_logits(hidden[sample_rows])  # every TP rank: the gather is collective
         if not self.samples:
             return ModelRunnerOutput()
-        result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
+        result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled, failed=lora_failed)
         generators = self._generators(sample_seq_ids, result.failed)
         self._advance_matchers(sample_seq_ids, result.failed)
         # one pass over the rows: a failed sequence's are dropped, a drafting one's verified, the rest sampled

@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
 
 import pagoda
 from pagoda.config import EngineArgs
@@ -46,6 +47,7 @@ from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.lora.request import LoRARequest
 from pagoda.process.startup_heap import frozen_when_loaded
 
 logger = logging.getLogger("pagoda.server")
@@ -66,6 +68,7 @@ class ServerState:
     metrics: ServerMetrics | None = None
     admission: Admission | None = None
     on_fatal: Callable[[], None] = lambda: None
+    last_lora_id: int = 0  # adapters get ids 1, 2, ... (--lora-modules, then /v1/load_lora_adapter)
 
     @property
     def ready(self) -> bool:
@@ -87,6 +90,30 @@ def default_engine_factory(args: EngineArgs):
     from pagoda import AsyncLLMEngine
 
     return AsyncLLMEngine.from_engine_args(args)
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # accepted for vLLM's clients; the name decides
+
+
+def lora_requests(modules: list, engine) -> dict[str, LoRARequest]:
+    """--lora-modules as the engine's LoRARequests (ids 1, 2, ... in flag order), each checked now: a bad
+    adapter stops the server at start-up, naming it."""
+    requests = {}
+    for i, module in enumerate(modules, start=1):
+        request = LoRARequest(module.name, i, module.path, module.base_model_name)
+        try:
+            engine.engine.loras.resolve(request)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module.name}: {e}") from None
+        requests[module.name] = request
+    return requests
 
 
 def _attach_engine(state: ServerState, engine) -> None:
@@ -111,6 +138,10 @@ def _attach_engine(state: ServerState, engine) -> None:
                                                      if state.server_args.enable_auto_tool_choice else None),
                                    chat_template=state.server_args.chat_template)
     state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
+    adapters = lora_requests(state.server_args.lora_modules or [], engine)
+    for serving in (state.completion, state.chat, state.embedding):
+        serving.lora_modules = adapters  # one dict: loading and unloading at runtime reach all three
+    state.last_lora_id = len(adapters)
     state.engine = engine
     if hasattr(engine, "add_group_failure_callback"):
         # a dead rank cannot be replaced in place: report 503 for a moment, then exit non-zero so the
@@ -204,19 +235,46 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         return await state.embedding.create(body, raw)
 
-    def model_card() -> ModelCard:
+    def model_card(adapter: LoRARequest | None = None) -> ModelCard:
         config = state.engine.config
+        if adapter is not None:
+            return ModelCard(id=adapter.lora_name, root=adapter.lora_path, parent=config.model.served_model_name,
+                             created=int(state.started), max_model_len=config.model.max_model_len)
         return ModelCard(id=config.model.served_model_name, root=config.model.path, created=int(state.started),
                          max_model_len=config.model.max_model_len)
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(), *map(model_card, state.completion.lora_modules.values())])
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
-        state.completion.check_model(model_id)
-        return model_card()
+        return model_card(state.completion.check_model(model_id))
+
+    if server_args.allow_runtime_lora_updating:  # it lets a client make the server read a path: off by default
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            adapters = state.completion.lora_modules
+            if body.lora_name in adapters or body.lora_name == state.engine.config.model.served_model_name:
+                raise APIError(400, f"The model `{body.lora_name}` is already served.", param="lora_name",
+                               code="invalid_value")
+            state.last_lora_id += 1  # an unloaded adapter's id is never reused
+            request = LoRARequest(body.lora_name, state.last_lora_id, body.lora_path)
+            try:  # read and checked off the event loop; a bad adapter is this request's error alone
+                await asyncio.to_thread(state.engine.engine.loras.resolve, request)
+            except ValueError as e:
+                raise APIError(400, str(e), param="lora_path", code="invalid_value") from None
+            adapters[body.lora_name] = request
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            if state.completion.lora_modules.pop(body.lora_name, None) is None:
+                raise APIError(404, f"The LoRA adapter `{body.lora_name}` is not loaded.", param="lora_name",
+                               code="model_not_found")
+            # requests already running keep their adapter; its slot is reused when another adapter needs one
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                            media_type="text/plain")
 
     app.include_router(v1)
 

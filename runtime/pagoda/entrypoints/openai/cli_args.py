@@ -51,10 +51,34 @@ class ServerArgs:
     allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     metrics_vllm_names: bool = False  # also publish every metric under vLLM's `vllm:` names
+    lora_modules: list["LoRAModulePath"] | None = None  # adapters served by name (--enable-lora)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def lora_module(text: str) -> LoRAModulePath:
+    """`--lora-modules NAME=PATH` or vLLM's JSON form `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    text = text.strip()
+    if text.startswith("{"):
+        value = json.loads(text)
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+                value.get("path"), str) or set(value) - {"name", "path", "base_model_name"}:
+            raise ValueError(text)
+        return LoRAModulePath(value["name"], value["path"], value.get("base_model_name"))
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(text)
+    return LoRAModulePath(name, path)
 
 
 def env_name(flag: str) -> str:
@@ -135,7 +159,8 @@ for _fn, _name in [(positive_int, "positive integer"), (non_negative_int, "non-n
                    (positive_float, "positive number"), (non_negative_float, "non-negative number"),
                    (port_number, "port number"), (int_list, "comma-separated list of positive integers"),
                    (chat_template_arg, "chat template (no such file, and not a Jinja template)"),
-                   (json_string_list, "JSON list of strings"), (json_object, "JSON object")]:
+                   (json_string_list, "JSON list of strings"), (json_object, "JSON object"),
+                   (lora_module, "LoRA module (NAME=PATH or a JSON object with name and path)")]:
     _fn.__name__ = _name
 
 
@@ -223,6 +248,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--preemption-mode", choices=PREEMPTION_MODES,
           help="when KV blocks run out: swap the preempted sequence out, or drop and recompute it "
                "(default: swap when --swap-space > 0)")
+    p.add("--enable-lora", default=d["enable_lora"], boolean=True,
+          help="serve LoRA adapters (--lora-modules) beside the base model; see docs/lora.md")
+    p.add("--max-loras", default=d["max_loras"], type=positive_int,
+          help="adapters one step may run at once (device slots)")
+    p.add("--max-lora-rank", default=d["max_lora_rank"], type=positive_int, help="the largest adapter rank")
+    p.add("--max-cpu-loras", type=positive_int, help="adapters kept in host memory (default: --max-loras)")
+    env_modules = os.environ.get(env_name("--lora-modules"))
+    try:
+        default_modules = [lora_module(m) for m in env_modules.split()] if env_modules else None
+    except ValueError:
+        parser.error(f"argument --lora-modules: invalid value {env_modules!r} in {env_name('--lora-modules')}")
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, default=default_modules,
+                        help="adapters clients choose by `model`: NAME=PATH (a PEFT directory or Hub id) or "
+                             '\'{"name": ..., "path": ..., "base_model_name": ...}\' (needs --enable-lora) '
+                             f"[env {env_name('--lora-modules')}, space-separated]")
+    p.add("--allow-runtime-lora-updating", default=ServerArgs.allow_runtime_lora_updating, boolean=True,
+          help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({\"lora_name\", \"lora_path\"}); "
+               "off by default: it lets a client make the server read a path")
     p.add("--speculative-config", type=json_object,
           help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' drafts by prompt lookup (over the prompt and '
@@ -282,6 +325,10 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
     values = vars(ns)
     engine = EngineArgs(**{name: value for name, value in values.items() if name in _ENGINE_FIELDS})
     server = ServerArgs(**{name: value for name, value in values.items() if name in _SERVER_FIELDS})
+    if server.lora_modules and not engine.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if server.lora_modules and len({m.name for m in server.lora_modules}) < len(server.lora_modules):
+        raise ValueError("--lora-modules: each adapter needs its own name")
     if server.max_queued_requests is None:
         server = dataclasses.replace(server, max_queued_requests=4 * engine.max_num_seqs)
     return engine, server

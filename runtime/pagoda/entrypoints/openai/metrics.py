@@ -120,11 +120,17 @@ class EngineStatsCollector(Collector):
                                  labels=["model_name", *self.cache_info])
         info.add_metric([self.model_name, *self.cache_info.values()], 1.0)
         yield info
-        # no LoRA adapters: published so LoRA-aware routers (the Gateway API Inference Extension) see none
-        lora = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters (none).",
+        # vLLM's labels, read by LoRA-aware routers (the Gateway API Inference Extension): max_lora 0 without LoRA
+        lora = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-        lora.add_metric(["0", "", ""], time.time())  # vLLM's value: when the adapter set was last seen
+        lora.add_metric([str(stats.max_lora), ",".join(stats.running_lora_adapters),
+                         ",".join(stats.waiting_lora_adapters)], time.time())  # vLLM's value: when last seen
         yield lora
+        per_adapter = CounterMetricFamily(PREFIX + "lora_requests", "Requests received, by LoRA adapter.",
+                                          labels=["model_name", "lora_name"])
+        for name, count in sorted(stats.lora_requests.items()):
+            per_adapter.add_metric([self.model_name, name], count)
+        yield per_adapter
 
     def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
         counts = stats.iteration_tokens_counts

@@ -18,6 +18,7 @@ from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.middleware import request_id_of
 from pagoda.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagoda.errors import RequestFailed
+from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.loader.generation_config import default_sampling_params
 
@@ -58,11 +59,17 @@ class OpenAIServing:
         self.metrics = metrics
         self.admission = admission
         self.sampling_defaults = default_sampling_params(engine.config.model)  # the model's generation config
+        self.lora_modules: dict[str, LoRARequest] = {}  # --lora-modules: adapters clients name as `model`
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for a model not served."""
+        if not model or model == self.model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        served = ", ".join(f"`{m}`" for m in [self.model_name, *self.lora_modules])
+        raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
+                       param="model", code="model_not_found")
 
     def make_params(self, request, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
@@ -85,11 +92,12 @@ class OpenAIServing:
         the middleware made up), so the client's id finds the request in the logs."""
         return f"{prefix}-{request_id_of(raw)}"
 
-    async def generate(self, prompt: dict, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative outputs, with metrics observed and engine errors as APIError."""
         tracker = self.metrics.tracker(params)
         try:
-            async for out in self.engine.generate(prompt, params, request_id):
+            async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request):
                 tracker.observe(out)
                 yield out
         except EngineDeadError as e:

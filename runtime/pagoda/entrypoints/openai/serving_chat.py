@@ -149,7 +149,7 @@ class OpenAIServingChat(OpenAIServing):
         return text, []
 
     async def create(self, request: ChatCompletionRequest, raw: Request):
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise invalid_request("a chat_template in the request is refused: the server runs the model's own "
                                   "template unless started with --trust-request-chat-template", "chat_template")
@@ -183,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
         request_id = self.request_id(raw, "chatcmpl")
         release = self.admission.acquire()
-        stream = self.generate(prompt, params, request_id)
+        stream = self.generate(prompt, params, request_id, lora_request)
         if request.stream:
             return EventStreamResponse(self._stream(request, request_id, stream, top_k, release), release)
         try:

@@ -86,7 +86,7 @@ def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int],
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request):
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         max_tokens = 16 if request.max_tokens is None else request.max_tokens
         if max_tokens == 0 and not request.echo:
             raise invalid_request("max_tokens must be at least 1 (0 only with echo, to score the prompt)",
@@ -103,7 +103,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [await self.validate_prompt(p, params) for p in raw_prompts]
         request_id = self.request_id(raw, "cmpl")
         release = self.admission.acquire(len(prompts))
-        streams = [self.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        streams = [self.generate(p, params, f"{request_id}-{i}", lora_request) for i, p in enumerate(prompts)]
         if request.stream:
             events = self._stream(request, request_id, prompts, streams, release)
             return EventStreamResponse(events, release)

@@ -21,7 +21,7 @@ from pagoda.pooling_params import PoolingParams
 
 class OpenAIServingEmbedding(OpenAIServing):
     async def create(self, request: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         hidden_size = self.engine.config.model.hf_config.hidden_size
         if request.dimensions is not None and request.dimensions != hidden_size:
             raise invalid_request(f"dimensions={request.dimensions} is not supported: this model's embeddings "
@@ -35,7 +35,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         request_id = self.request_id(raw, "embd")
         release = self.admission.acquire(len(prompts))
         try:
-            streams = [self.generate(p, params, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+            streams = [self.generate(p, params, f"{request_id}-{i}", lora_request) for i, p in enumerate(prompts)]
             finals = await cancel_on_disconnect(raw, collect_finals(streams))
         finally:
             release()

@@ -128,3 +128,15 @@ def _explain(error: Exception, repo_id: str, revision: str | None) -> str | None
         # disk full, or the network failing mid-transfer after huggingface_hub's own retries
         return f"downloading model {name} failed: {type(error).__name__}: {error}"
     return None
+
+
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"]
+
+
+def download_adapter(repo_id: str, revision: str | None = None) -> str:
+    """A PEFT adapter's files (config and weights) from the Hub -> its local directory in the Hub cache."""
+    from huggingface_hub import snapshot_download
+
+    with _clear_errors(repo_id, revision):
+        return snapshot_download(repo_id, revision=revision, allow_patterns=ADAPTER_FILES,
+                                 ignore_patterns=_SUBFOLDERS)
