@@ -16,9 +16,10 @@ SMALL = ["--hidden-size", "64", "--num-layers", "2", "--num-experts", "4", "--to
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+def moe_dir(tmp_path_factory, tiny_model_factory):
     out = tmp_path_factory.mktemp("moe")
-    assert moe.main(["write", str(out), *SMALL]) == 0
+    # the tests' own small tokenizer (the default is the default model's)
+    assert moe.main(["write", str(out), *SMALL, "--tokenizer", str(tiny_model_factory("llama"))]) == 0
     return out
 
 

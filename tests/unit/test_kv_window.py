@@ -132,7 +132,7 @@ def test_random_workload_keeps_every_window_right_and_never_leaks(mode, num_swap
     live, longest, peak = [], 0, 0
     for step in range(500):
         if rng.random() < 0.25 and len(live) < 8:
-            s = seq(rng.randint(1, 30), start=rng.choice([0, 1000 + step]), max_tokens=rng.randint(1, 40),
+            s = seq(rng.randint(1, 40), start=rng.choice([0, 1000 + step]), max_tokens=rng.randint(1, 60),
                     n_out=rng.choice([1, 1, 2]))
             sched.add(s)
             live.append(s)

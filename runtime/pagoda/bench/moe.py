@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def write_moe_checkpoint(out: str | Path, hidden_size: int = 1024, num_layers: int = 4, num_experts: int = 8,
