@@ -60,7 +60,7 @@ CATEGORIES = [
     ("expert matmuls", ("pagoda.moe.expert_matmul",)),
     ("activation", ("pagoda.moe.activation",)),
     ("all-reduce", ("pagoda.moe.all_reduce",)),
-    ("gather / combine", ("index_select", "index_add", "zeros", "mul", "copy", "to", "empty", "sub", "add",
+    ("gather / combine", ("index_select", "index_add", "index_put", "zeros", "mul", "copy", "to", "empty", "sub", "add",
                           "local_scalar")),
 ]
 BETWEEN_OPS = "Python between ops"
