@@ -138,6 +138,33 @@ def test_two_hosts_serve_one_group_and_a_dead_worker_fails_it(two_hosts, model, 
     assert "stopped responding" in head.log() or "exited" in head.log() or "closed" in head.log()
 
 
+def test_expert_parallel_moe_over_two_hosts_equals_one_process(two_hosts, tiny_model_factory, nodes, tmp_path):
+    """A Mixtral of 2 layers and 4 experts, TP=2 x PP=2 with --enable-expert-parallel over two hosts: each
+    host runs one stage (one MoE layer) and splits its experts over its two ranks, two whole experts each.
+    Greedy text equals one process's, and the head's metrics count the routing done on the worker host."""
+    model = tiny_model_factory("mixtral")
+    llm = LLM(str(model), dtype="float32", kv_cache_memory=0.02)
+    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
+    extra = ("--tensor-parallel-size", "2", "--enable-expert-parallel")
+    master_port = free_port()
+    worker = Node(model, tmp_path, 1, two_hosts.head_ip, master_port, two_hosts.worker_ip, two_hosts.exec_prefix(),
+                  {"GLOO_SOCKET_IFNAME": two_hosts.worker_ifname}, *extra)
+    head = Node(model, tmp_path, 0, two_hosts.head_ip, master_port, "127.0.0.1", None,
+                {"GLOO_SOCKET_IFNAME": two_hosts.head_ifname}, *extra)
+    nodes += [worker, head]
+    head.wait_healthy()
+    response = httpx.post(head.url + "/v1/completions", timeout=120, json={
+        "model": str(model), "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected
+    metrics = httpx.get(head.url + "/metrics", timeout=5).text
+    counts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith('pagoda:moe_expert_tokens_total{') and 'layer="1"' in line]
+    assert len(counts) == 4 and sum(counts) > 0, metrics[-3000:]
+
+
 def test_head_alone_times_out_naming_the_missing_rank(model, nodes, tmp_path):
     head = Node(model, tmp_path, 0, "127.0.0.1", free_port(), "127.0.0.1", None, None,
                 "--distributed-timeout", "5")

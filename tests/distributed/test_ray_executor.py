@@ -159,6 +159,22 @@ def test_a_cluster_too_small_is_refused_naming_what_is_missing(cluster, model):
     assert ray.available_resources().get("CPU") == 2 * CPUS_PER_NODE  # the placement group was removed
 
 
+def test_expert_parallel_moe_with_a_stage_on_each_node_equals_one_process(cluster, tiny_model_factory):
+    """A Mixtral of 2 layers and 4 experts, TP=2 x PP=2 with expert parallelism: stage 0 on the head and
+    stage 1 on the worker node, each splitting its layer's experts over its node's two actors."""
+    model = tiny_model_factory("mixtral")
+    with LLM(str(model), dtype="float32", kv_cache_memory=0.02) as llm:
+        expected = greedy(llm)
+    with LLM(str(model), dtype="float32", kv_cache_memory=0.02, distributed_executor_backend="ray",
+             tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True) as llm:
+        hosts = cluster.hosts
+        assert llm.engine.executor.node_of_rank == {0: hosts.head_ip, 1: hosts.head_ip,
+                                                    2: hosts.worker_ip, 3: hosts.worker_ip}
+        assert greedy(llm) == expected
+        stats = llm.engine.get_stats()
+    assert sorted(stats.expert_tokens) == [1] and sum(stats.expert_tokens[1]) > 0  # the worker node's layer
+
+
 RECIPE = """
 import asyncio, sys, ray
 from pagoda import AsyncEngineArgs, AsyncLLMEngine, SamplingParams

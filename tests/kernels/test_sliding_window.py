@@ -100,3 +100,32 @@ def test_engine_with_triton_kernels_equals_torch_on_gemma2(tiny_model_factory, d
                   max_num_batched_tokens=16)
         tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert tokens[0] == tokens[1]
+
+
+def test_engine_with_triton_kernels_equals_torch_while_blocks_behind_the_window_are_freed(
+        tiny_model_factory, device, monkeypatch):
+    """Every layer of mistral-window slides (16 tokens): 6 KV blocks serve a prompt of about 150 tokens, so
+    blocks behind the window are freed and reused while sequences run and their table entries are null.
+    Triton's mixed-batch and split-K decode kernels read only the window: the torch backend's tokens."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "SPLIT_K_PARTITION_SIZE", 64)
+    monkeypatch.setattr(triton_backend, "SPLIT_K_PROGRAMS_PER_SM", 10**6)
+    split_k_calls = []
+    real = triton_backend._flash_decode.flash_decode
+    monkeypatch.setattr(triton_backend._flash_decode, "flash_decode",
+                        lambda *a, **kw: split_k_calls.append(kw) or real(*a, **kw))
+    path = tiny_model_factory("mistral-window")
+    prompts = ["Continuous batching lets new requests join between steps. " * 4, "Hello, my name is"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for backend in ("torch", "triton"):
+        llm = LLM(str(path), dtype="float32", attention_backend=backend, device=device, max_model_len=256,
+                  kv_cache_memory=6 * 8192 / 2**30, max_num_batched_tokens=16)
+        assert llm.engine.num_blocks == 6
+        assert len(llm.get_tokenizer()(prompts[0]).input_ids) > 6 * 16
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.engine.block_manager.check_no_leaks()
+    assert tokens[0] == tokens[1]
+    assert split_k_calls and split_k_calls[0]["sliding_window"] == 16

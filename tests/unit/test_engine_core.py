@@ -81,7 +81,8 @@ def core_with(tokens, num_blocks=16) -> EngineCore:
                           kv_cache_memory_gib=None),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
                                   max_model_len=64),
-        speculative=None)
+        speculative=None, draft_model=None,
+        model=SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=2)))  # full attention: no window
     return EngineCore(config, ScriptedExecutor(tokens), num_blocks)
 
 

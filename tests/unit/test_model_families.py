@@ -62,3 +62,16 @@ def test_unsupported_architecture_points_at_the_table():
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\].*docs/models.md#supported"):
         check_supported(cfg)
+
+
+@pytest.mark.parametrize("qc", [
+    dict(quant_method="gptq", bits=4, group_size=128, desc_act=False),
+    dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm"),
+], ids=["gptq", "awq"])
+def test_gptq_and_awq_experts_are_refused_naming_the_way_that_works(qc):
+    moe = config("mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None, quantization_config=qc)
+    method = qc["quant_method"].upper()
+    with pytest.raises(ValueError, match=rf"{method} checkpoints of mixture-of-experts models \(MixtralForCausalLM\) "
+                                         r"are not supported yet.*quantization='int8' or 'int4'"):
+        check_supported(moe)
+    check_supported(config("llama", quantization_config=qc))  # dense: loads

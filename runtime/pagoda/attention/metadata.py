@@ -33,6 +33,9 @@ class AttentionMetadata:
         block_tables = np.zeros((len(tables), max_blocks), dtype=np.int32)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
+        # blocks freed behind a sliding window are -1 in the tables (core.kv_window.NULL_BLOCK) and never read;
+        # 0 keeps every entry a valid block for a kernel that loads a whole tile before masking it
+        np.maximum(block_tables, 0, out=block_tables)
         query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=query_start_loc[1:])
         to = lambda a: torch.from_numpy(np.asarray(a)).to(device)  # noqa: E731

@@ -2,11 +2,13 @@
 
 Pagoda runs all requests with continuous batching; transformers runs them one at a time and in static
 left-padded batches. Output tokens count only what each request asked for (padding waste is not
-counted as work). Also reports Pagoda's decode model-FLOP utilisation against the measured matmul peak.
+counted as work). Also reports Pagoda's TPOT and its decode model-FLOP utilisation against the measured
+matmul peak (of a mixture of experts, only the top-k experts each token is routed to count as work).
 """
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -33,6 +35,8 @@ def parse_args(argv):
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: whole experts split over the tensor-parallel ranks (docs/distributed.md)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="also run the workload through vLLM from this installation's Python (or venv directory), "
                         "after Pagoda, so that the ratio is measured in one run")
@@ -76,12 +80,25 @@ def matmul_flops(dtype: torch.dtype, device: str, size: int = 1024, repeats: int
 
 
 def decode_flops(hf_config, context_lens: list[int]) -> float:
-    """Model FLOPs of one decode step: 2 x matmul weights per token plus attention over each context."""
+    """Model FLOPs of one decode step: 2 x the matmul weights each token multiplies, plus attention over each
+    context. A mixture-of-experts layer counts its router and the top-k experts a token is routed to (and a
+    shared expert with its gate), not the experts it skips."""
+    from pagoda.models.family import moe_config
+
     h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
-    per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * hf_config.intermediate_size
-    matmul_params = layers * per_layer + hf_config.vocab_size * h
+    attention_params = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h
+    dense_mlp = 3 * h * hf_config.intermediate_size
+    moe = moe_config(hf_config)
+    if moe is None:
+        mlp_params = layers * dense_mlp
+    else:
+        shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
+        active_moe = h * moe.num_experts + moe.top_k * 3 * h * moe.intermediate_size + shared
+        num_sparse = sum(moe.sparse_layers)
+        mlp_params = num_sparse * active_moe + (layers - num_sparse) * dense_mlp
+    matmul_params = layers * attention_params + mlp_params + hf_config.vocab_size * h
     attention = sum(4 * layers * heads * head_dim * ctx for ctx in context_lens)
     return 2 * matmul_params * len(context_lens) + attention
 
@@ -91,12 +108,15 @@ def run_pagoda(args, requests):
 
     llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel)
     engine = llm.engine
     for i, r in enumerate(requests):
         engine.add_request(str(i), None, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),
                            prompt_token_ids=r.prompt_token_ids)
     decode_time = decode_work = 0.0
+    decode_steps = 0
+    tpots = []
     with PeakMemory() as mem:
         start = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -104,17 +124,28 @@ def run_pagoda(args, requests):
             pure_decode = not any(sc.waiting for sc in engine.schedulers) and all(
                 s.num_computed_tokens == s.num_tokens - 1 for s in running)
             step_start = time.perf_counter()
-            engine.step()
+            finished = [out for out in engine.step() if out.finished]
             if pure_decode and running:
                 decode_time += time.perf_counter() - step_start
+                decode_steps += 1
                 decode_work += decode_flops(engine.config.model.hf_config, [s.num_tokens for s in running])
+            tpots += [request_tpot(out) for out in finished if len(out.outputs[0].token_ids) > 1]
         elapsed = time.perf_counter() - start
     result = summarize("pagoda", requests, elapsed, mem.peak_bytes)
     result["decode_flops_per_s"] = decode_work / decode_time if decode_time else 0.0
+    result["tpot_ms"] = {"mean": 1000 * statistics.mean(tpots), "median": 1000 * statistics.median(tpots)} \
+        if tpots else None
+    result["decode_step_ms"] = 1000 * decode_time / decode_steps if decode_steps else None
     result["dtype"] = engine.config.model.dtype
     result["device"] = engine.config.device
     engine.shutdown()
     return result
+
+
+def request_tpot(out) -> float:
+    """Seconds per output token after the first, as vLLM's benchmarks count TPOT."""
+    m = out.metrics
+    return (m.last_token_time - m.first_token_time) / (len(out.outputs[0].token_ids) - 1)
 
 
 def run_vllm(python: str, args, path: str, dtype: str, requests):
@@ -204,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_flops(torch.float32 if pagoda["dtype"] == "float32" else getattr(torch, pagoda["dtype"]),
                         pagoda["device"])
     mfu = pagoda["decode_flops_per_s"] / peak
+    if pagoda["tpot_ms"] is not None:
+        step = pagoda["decode_step_ms"]
+        print(f"\nPagoda TPOT: mean {pagoda['tpot_ms']['mean']:.1f} ms, median {pagoda['tpot_ms']['median']:.1f} ms"
+              + (f"; mean pure-decode step {step:.1f} ms" if step else ""))
     print(f"\nPagoda decode: {pagoda['decode_flops_per_s'] / 1e9:.1f} GFLOP/s achieved; machine matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s ({pagoda['dtype']}); model FLOP utilisation {100 * mfu:.1f}%")
     for other in results[1:]:

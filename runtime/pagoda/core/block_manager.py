@@ -10,10 +10,13 @@
 - Swap space: a second pool of host blocks. A preempted sequence's blocks can be swapped out (each to
   its own host block, shared or not) and swapped back in to fresh device blocks; the runner does the
   copies from the (device, host) / (host, device) pairs returned here.
+- Sliding window (``kv_window``): when every layer slides, the blocks wholly behind a sequence's window are
+  released before each allocation; their table entries become NULL_BLOCK and own nothing.
 """
 
 from collections import OrderedDict
 
+from pagoda.core.kv_window import NULL_BLOCK, num_blocks_behind_window
 from pagoda.core.sequence import Sequence
 
 
@@ -28,12 +31,15 @@ def chain_root(seq: Sequence) -> int | None:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0):
+                 num_swap_blocks: int = 0, sliding_window: int | None = None):
+        """sliding_window: the window behind which blocks are dropped (``kv_window.droppable_window``), or
+        None to keep every block of a sequence while it lives."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
         self.hash_of_block: list[int | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front = LRU
@@ -84,24 +90,29 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int,
                  cached: list[int] | None = None) -> list[tuple[int, int]] | None:
         """Give seq slots for its next num_new_tokens tokens (after `cached` prefix blocks on its first
-        allocation). Returns the copy-on-write (src, dst) pairs, or None, changing nothing, if the
-        free blocks do not suffice."""
+        allocation). Returns the copy-on-write (src, dst) pairs, or None, changing nothing (but blocks
+        behind the window, released first), if the free blocks do not suffice."""
         cached = cached or []
         bs = self.block_size
         table = self.tables.setdefault(seq.seq_id, [])
         num_computed = seq.num_computed_tokens + len(cached) * bs
+        behind = num_blocks_behind_window(num_computed, self.sliding_window, bs)
+        self._release_behind_window(table, behind)  # no query of this step or later reads them
         num_needed = -(-(num_computed + num_new_tokens) // bs) - len(table) - len(cached)
         write_index = num_computed // bs
         copy_on_write = write_index < len(table) and self.ref_counts[table[write_index]] > 1
-        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        # cached blocks behind the window are not taken: their entries are NULL_BLOCK from the start
+        taken = [NULL_BLOCK if len(table) + i < behind else b for i, b in enumerate(cached)]
+        revived = sum(1 for b in taken if b != NULL_BLOCK and self.ref_counts[b] == 0)
         if max(num_needed, 0) + copy_on_write + revived > len(self.free_queue):
             if not table:
                 del self.tables[seq.seq_id]
             return None
-        for block in cached:
-            if self.ref_counts[block] == 0:
-                del self.free_queue[block]
-            self.ref_counts[block] += 1
+        for block in taken:
+            if block != NULL_BLOCK:
+                if self.ref_counts[block] == 0:
+                    del self.free_queue[block]
+                self.ref_counts[block] += 1
             table.append(block)
         copies = []
         if copy_on_write:
@@ -115,6 +126,22 @@ class BlockManager:
         if self.enable_prefix_caching:  # draft tokens (past the sequence's own) are not cached
             self._register_full_blocks(seq, table, min(num_computed + num_new_tokens, seq.num_tokens))
         return copies
+
+    def _release_behind_window(self, table: list[int], behind: int) -> None:
+        """Release the table's first `behind` blocks (those already NULL_BLOCK form a leading run: the scan
+        stops at the first)."""
+        for i in range(min(behind, len(table)) - 1, -1, -1):
+            block = table[i]
+            if block == NULL_BLOCK:
+                break
+            table[i] = NULL_BLOCK
+            self._unref(block)
+
+    def _unref(self, block: int) -> None:
+        """One holder fewer; a block nobody holds joins the free queue's tail (still findable by its hash)."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
 
     def _take_free_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
@@ -136,7 +163,7 @@ class BlockManager:
             h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             hashes.append(h)
             block = table[i]
-            if h not in self.cached_blocks and self.hash_of_block[block] is None:
+            if block != NULL_BLOCK and h not in self.cached_blocks and self.hash_of_block[block] is None:
                 self.cached_blocks[h] = block
                 self.hash_of_block[block] = h
 
@@ -149,30 +176,32 @@ class BlockManager:
         keep = -(-num_tokens // self.block_size)
         while len(table) > keep:
             block = table.pop()
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
+            if block != NULL_BLOCK:
+                self._unref(block)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares all of parent's blocks (copy-on-write later)."""
         table = list(self.tables[parent.seq_id])
         for block in table:
-            self.ref_counts[block] += 1
+            if block != NULL_BLOCK:
+                self.ref_counts[block] += 1
         self.tables[child.seq_id] = table
         self.seq_hashes[child.seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
 
     # --- swap space ---------------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(self.tables.get(seq.seq_id, [])) <= len(self.free_swap_blocks)
+        held = sum(1 for b in self.tables.get(seq.seq_id, []) if b != NULL_BLOCK)
+        return 0 < held <= len(self.free_swap_blocks)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move seq's blocks to host blocks (call can_swap_out first): its device blocks are released
-        (a shared one stays with its other holders) and the (device, host) copies are returned."""
+        (a shared one stays with its other holders) and the (device, host) copies are returned. Entries
+        behind the window stay NULL_BLOCK in the host table."""
         table = self.tables[seq.seq_id]
-        host = [self.free_swap_blocks.pop() for _ in table]
+        host = [NULL_BLOCK if b == NULL_BLOCK else self.free_swap_blocks.pop() for b in table]
         self.swap_tables[seq.seq_id] = host
-        pairs = list(zip(table, host))
+        pairs = [(b, h) for b, h in zip(table, host) if b != NULL_BLOCK]
         self.free(seq, keep_swapped=True)
         return pairs
 
@@ -180,27 +209,28 @@ class BlockManager:
         """Bring a swapped-out seq back to fresh device blocks with room for its next num_new_tokens
         tokens. Returns the (host, device) copies, or None, changing nothing, if the blocks do not suffice."""
         host = self.swap_tables[seq.seq_id]
+        held = [h for h in host if h != NULL_BLOCK]
         num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        if max(num_needed, len(host)) > len(self.free_queue):
+        if len(held) + max(num_needed - len(host), 0) > len(self.free_queue):
             return None
-        table = [self._take_free_block() for _ in host]
+        table = [NULL_BLOCK if h == NULL_BLOCK else self._take_free_block() for h in host]
         self.tables[seq.seq_id] = table
         del self.swap_tables[seq.seq_id]
-        self.free_swap_blocks.extend(reversed(host))
-        pairs = list(zip(host, table))
+        self.free_swap_blocks.extend(reversed(held))
+        pairs = [(h, b) for h, b in zip(host, table) if h != NULL_BLOCK]
         self.allocate(seq, num_new_tokens)  # cannot fail: counted above; registers the blocks' hashes too
         return pairs
 
     def free(self, seq: Sequence, keep_swapped: bool = False) -> None:
         if not keep_swapped:
-            self.free_swap_blocks.extend(reversed(self.swap_tables.pop(seq.seq_id, [])))
+            host = self.swap_tables.pop(seq.seq_id, [])
+            self.free_swap_blocks.extend(h for h in reversed(host) if h != NULL_BLOCK)
         table = self.tables.pop(seq.seq_id, [])
         self.seq_hashes.pop(seq.seq_id, None)
         # tail blocks first: they are the least likely to be shared, so they are evicted first
         for block in reversed(table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
+            if block != NULL_BLOCK:
+                self._unref(block)
 
     def check_no_leaks(self) -> None:
         """With no live sequences, every block is free (possibly cached and evictable), device and host."""

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 from pagoda.config import EngineConfig
 from pagoda.core.block_manager import BlockManager
+from pagoda.core.kv_window import droppable_window
 from pagoda.core.runner_output import SampledToken
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.sequence import Sequence
+from pagoda.models.family import layer_windows
 
 
 @dataclass
@@ -48,12 +50,21 @@ class StepObserver:
     def on_token(self, seq: Sequence, token: SampledToken) -> None: ...
 
 
+def droppable_kv_window(config: EngineConfig) -> int | None:
+    """The window behind which the block manager drops a sequence's KV blocks: set when every layer of the
+    model slides (``core.kv_window``). Never with a draft model: it reads through the same block tables and
+    catches up over a whole prompt from its first position."""
+    if config.draft_model is not None:
+        return None
+    return droppable_window(layer_windows(config.model.hf_config))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor, num_blocks: int):
         self.executor = executor
         cache = config.cache
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                          cache.num_swap_blocks)
+                                          cache.num_swap_blocks, droppable_kv_window(config))
         depth = executor.pipeline_depth
         per_batch = dataclasses.replace(config.scheduler, max_num_seqs=-(-config.scheduler.max_num_seqs // depth))
         self.schedulers = [Scheduler(per_batch, self.block_manager, config.speculative) for _ in range(depth)]

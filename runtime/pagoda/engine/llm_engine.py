@@ -15,8 +15,9 @@ import time
 from functools import cached_property
 
 from pagoda.config import EngineArgs, EngineConfig
+from pagoda.core.kv_window import blocks_per_sequence
 from pagoda.core.sequence import Sequence, SequenceStatus
-from pagoda.engine.engine_core import EngineCore, StepObserver
+from pagoda.engine.engine_core import EngineCore, StepObserver, droppable_kv_window
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -52,13 +53,14 @@ class LLMEngine:
         self.executor = create_executor(config, self.eos_token_ids)
         num_blocks = self.executor.determine_num_blocks()
         block_size = config.cache.block_size
-        needed = -(-model.max_model_len // block_size)
+        needed = blocks_per_sequence(model.max_model_len, block_size, droppable_kv_window(config),
+                                     config.scheduler.max_num_batched_tokens)
         if num_blocks < needed:
             self.executor.shutdown()
             raise InvalidParam(
                 "kv_cache_memory",
-                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), fewer than one "
-                f"sequence of max_model_len={model.max_model_len} needs: raise kv_cache_memory / "
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), fewer than the "
+                f"{needed} one sequence of max_model_len={model.max_model_len} needs: raise kv_cache_memory / "
                 "gpu_memory_utilization or lower max_model_len")
         self.executor.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -76,6 +78,10 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; max_model_len=%d, max_num_seqs=%d, "
                     "max_num_batched_tokens=%d", num_blocks, block_size, num_blocks * block_size,
                     model.max_model_len, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        if self.core.block_manager.sliding_window is not None:
+            logger.info("every layer slides (window %d): a sequence's blocks behind its window are freed as it "
+                        "decodes; one sequence needs at most %d blocks", self.core.block_manager.sliding_window,
+                        needed)
         logger.info("preemption mode %s; swap space %d blocks (%.2f GiB per worker)", config.cache.preemption_mode,
                     config.cache.num_swap_blocks, config.cache.swap_space_gib)
 

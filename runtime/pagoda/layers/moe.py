@@ -147,7 +147,9 @@ class SparseMoE(Module):
                 layer = self.experts[expert]
                 hidden = layer.down_proj.matmul(self.act_and_mul(layer.gate_up_proj.matmul(x.index_select(0, tokens))))
                 scale = weights.flatten().index_select(0, pairs).unsqueeze(1)
-                out.index_add_(0, tokens, (hidden.float() * scale).to(x.dtype))
+                # an expert's tokens are distinct; index_add_ would open an OpenMP region per call (tens of ms
+                # each when a thread is descheduled, docs/benchmarks.md), index_put_ adds the same way without
+                out.index_put_((tokens,), (hidden.float() * scale).to(x.dtype), accumulate=True)
             start += n
         return out
 

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from pagoda.config.quantization import QuantizationConfig, checkpoint_quantization
 from pagoda.layers.quantization import kv_scales, methods
-from pagoda.models.family import ACTIVATIONS, rope_parameters
+from pagoda.models.family import ACTIVATIONS, moe_config, rope_parameters
 from pagoda.models.registry import SUPPORTED_ARCHITECTURES, unsupported_architecture_message
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,12 @@ def check_supported(config) -> None:
         raise ValueError(f"unsupported hidden_act {act!r}: Pagoda supports {', '.join(ACTIVATIONS)}")
     if getattr(config, "mlp_bias", False):
         raise ValueError("unsupported option mlp_bias=true")
-    checkpoint_quantization(config)  # raises for a quantized format Pagoda cannot run
+    checkpoint = checkpoint_quantization(config)  # raises for a quantized format Pagoda cannot run
+    if checkpoint is not None and checkpoint.method in ("gptq", "awq") and moe_config(config) is not None:
+        raise ValueError(f"{checkpoint.method.upper()} checkpoints of mixture-of-experts models ({archs[0]}) are not "
+                         f"supported yet: Pagoda reads {checkpoint.method.upper()} tensors of dense layers, not "
+                         "experts'. Serve the unquantized checkpoint with quantization='int8' or 'int4' (online, "
+                         "experts included): see docs/models.md#supported-architectures")
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"unsupported partial_rotary_factor {partial}: Pagoda supports 1.0")
