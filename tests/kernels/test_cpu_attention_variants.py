@@ -1,4 +1,4 @@
-"""The C++ CPU attention kernels (``attention/paged_attention_cpu.cpp``) on what used to send a layer to the torch
+"""The C++ CPU attention kernels (``attention/paged_*_cpu.cpp``) on what used to send a layer to the torch
 path: an fp8 KV cache (e4m3fn / e5m2, per-tensor scales, widened in registers), sliding windows shorter and
 longer than the context, soft-capped scores, and the fp8 cache write; against the torch reference
 (``paged_attention_in_torch``, ``windowed_attention``, ``kv_scales.quantize``). tests/kernels/test_cpu_isa_levels.py

@@ -1,4 +1,4 @@
-"""The engine's CPU attention runs the C++ kernels (``attention/paged_attention_cpu.cpp``) for the layers that used
+"""The engine's CPU attention runs the C++ kernels (``attention/paged_*_cpu.cpp``) for the layers that used
 to take the torch path: sliding windows and soft-capped scores (Gemma 2/3, Mistral with a window) and fp8 KV
 caches. The torch attention functions are made to fail for the whole run, so these tests see only the kernels,
 and the tokens are still transformers' (test_hf_parity.py and test_fp8_kv_cache.py hold the same references)."""

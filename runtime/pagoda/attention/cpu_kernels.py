@@ -1,6 +1,6 @@
 """C++ CPU attention kernels, compiled on first use and cached (``pagoda.cpp_extensions``).
 
-Decode and prefill attention read the paged cache in place (``paged_attention_cpu.cpp``); the pure-torch
+Decode and prefill attention read the paged cache in place (``paged_*_cpu.cpp``); the pure-torch
 path has to gather every context first, and runs prefill through SDPA (a third of the kernel's speed on
 this path's sizes). The cache is in the query's dtype or fp8 (e4m3fn / e5m2, widened in registers as it is
 read); sliding windows and soft-capped scores are the kernels' too. The fp8 cache write is here as well.
@@ -13,10 +13,12 @@ import torch
 
 from pagoda import cpp_extensions
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
-MAX_HEAD_SIZE = 256  # kMaxHeadSize in the source; larger heads take the torch path
+# one library: decode and prefill apart (they share csrc/paged_attention_common.h), registered in the first
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("paged_attention_cpu.cpp", "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp")]
+MAX_HEAD_SIZE = 256  # kMaxHeadSize in csrc/paged_attention_common.h; larger heads take the torch path
 
-_extension = cpp_extensions.OptionalExtension("pagoda_cpu_", SOURCE, "PAGODA_CPU_KERNELS", "paged attention")
+_extension = cpp_extensions.OptionalExtension("pagoda_cpu_", SOURCES, "PAGODA_CPU_KERNELS", "paged attention")
 
 
 def available() -> bool:
