@@ -101,18 +101,33 @@ void decode_fp8_unit(const float* qf,  // [kN, kHeadSize], scaled
                      float* out) {                      // [kN, kHeadSize], written
   constexpr int kVecs = kHeadSize / 16;
   const int64_t len = seq_len - first;
-  auto row_at = [&](const cache_t* cache, int64_t t) {
-    return reinterpret_cast<const uint8_t*>(cache + block_table[t / block_size] * block_stride +
-                                            (t % block_size) * pos_stride);
+  // the rows of positions first, first + 1, ... in order, walking the block table (no division per row; the
+  // next block's entry is read only when a row of it is asked for)
+  struct Rows {
+    const cache_t* cache;
+    const int32_t* table;
+    int64_t block_size, block_stride, pos_stride, b, offset;
+    const cache_t* block;
+    Rows(const cache_t* c, const int32_t* t, int64_t first, int64_t bs, int64_t block_s, int64_t pos_s)
+        : cache(c), table(t), block_size(bs), block_stride(block_s), pos_stride(pos_s), b(first / bs),
+          offset(first % bs), block(c + t[first / bs] * block_s) {}
+    const uint8_t* next() {
+      if (offset == block_size) {
+        offset = 0;
+        block = cache + table[++b] * block_stride;
+      }
+      return reinterpret_cast<const uint8_t*>(block + (offset++) * pos_stride);
+    }
   };
   __m512 q[kN][kVecs];
   for (int g = 0; g < kN; ++g)
     for (int i = 0; i < kVecs; ++i) q[g][i] = _mm512_loadu_ps(qf + g * kHeadSize + 16 * i);
   alignas(64) float keys[16][kHeadSize];
+  Rows key_rows(k_cache, block_table, first, block_size, block_stride, pos_stride);
   for (int64_t c0 = 0; c0 < len; c0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - c0);
     for (int64_t j = 0; j < n; ++j) {
-      const uint8_t* k = row_at(k_cache, first + c0 + j);
+      const uint8_t* k = key_rows.next();
       for (int i = 0; i < kVecs; ++i) _mm512_store_ps(keys[j] + 16 * i, pagoda::upcast_fp8_16<cache_t>(k + 16 * i));
     }
     for (int g = 0; g < kN; ++g) {
@@ -132,22 +147,28 @@ void decode_fp8_unit(const float* qf,  // [kN, kHeadSize], scaled
     }
   }
   float totals[kN];
+  auto mask_at = [&](int64_t t) { return static_cast<__mmask16>(len - t >= 16 ? 0xFFFF : (1u << (len - t)) - 1); };
   for (int g = 0; g < kN; ++g) {  // softmax, unnormalised: 1 / total goes into the output scale
     float* sg = s + g * len;
-    float max_score = std::numeric_limits<float>::lowest();
-    for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, sg[t]);
-    float total = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - max_score);
-      total += sg[t];
+    __m512 max16 = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+    for (int64_t t = 0; t < len; t += 16)
+      max16 = _mm512_mask_max_ps(max16, mask_at(t), max16, _mm512_maskz_loadu_ps(mask_at(t), sg + t));
+    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max16));
+    __m512 total16 = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(
+          mask_at(t), exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask_at(t), sg + t), max_score)));
+      _mm512_mask_storeu_ps(sg + t, mask_at(t), e);
+      total16 = _mm512_add_ps(total16, e);
     }
-    totals[g] = total;
+    totals[g] = _mm512_reduce_add_ps(total16);
   }
   __m512 acc[kN][kVecs];
   for (int g = 0; g < kN; ++g)
     for (int i = 0; i < kVecs; ++i) acc[g][i] = _mm512_setzero_ps();
+  Rows value_rows(v_cache, block_table, first, block_size, block_stride, pos_stride);
   for (int64_t t = 0; t < len; ++t) {
-    const uint8_t* v = row_at(v_cache, first + t);
+    const uint8_t* v = value_rows.next();
     __m512 row[kVecs];
     for (int i = 0; i < kVecs; ++i) row[i] = pagoda::upcast_fp8_16<cache_t>(v + 16 * i);
     for (int g = 0; g < kN; ++g) {
