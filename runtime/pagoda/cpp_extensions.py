@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -58,13 +59,18 @@ def compiler_available() -> bool:
 INCLUDE_DIR = Path(__file__).with_name("csrc")
 
 
-def build_name(prefix: str, source: Path, cflags: list[str]) -> str:
+def source_list(source: Path | Sequence[Path]) -> list[Path]:
+    """A library's sources: one file, or several compiled apart and linked into one library."""
+    return [source] if isinstance(source, Path) else list(source)
+
+
+def build_name(prefix: str, source: Path | Sequence[Path], cflags: list[str]) -> str:
     """``prefix`` + the ISA level + a hash of everything the binary depends on."""
     isa = pagoda_platform.cpu_isa()
     headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h*"))]
     host = _cpu_flags() if any("native" in flag for flag in cflags) else ""  # -march=native: this CPU's flags
-    key = "\n".join([source.read_text(), *headers, " ".join(cflags), torch.__version__, platform.machine(),
-                     isa.level, host])
+    key = "\n".join([*(s.read_text() for s in source_list(source)), *headers, " ".join(cflags), torch.__version__,
+                     platform.machine(), isa.level, host])
     level = "native" if isa.native else isa.level
     return f"{prefix}{level}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
@@ -73,8 +79,10 @@ def failure_marker(build_dir: Path) -> Path:
     return build_dir.with_name(build_dir.name + ".failed")
 
 
-def build_and_load(prefix: str, source: Path, cflags: list[str] | None = None, is_python_module: bool = False):
-    """Compile ``source`` once per (source, flags, torch, ISA level) and load it: the module when
+def build_and_load(prefix: str, source: Path | Sequence[Path], cflags: list[str] | None = None,
+                   is_python_module: bool = False):
+    """Compile ``source`` (one file or several, linked into one library) once per (sources, flags, torch, ISA
+    level) and load it: the module when
     ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. Raises on failure,
     PreviousBuildFailed without compiling when this build failed before."""
     cflags = kernel_cflags() if cflags is None else cflags
@@ -86,21 +94,23 @@ def build_and_load(prefix: str, source: Path, cflags: list[str] | None = None, i
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    name = build_name(prefix, source, cflags)
+    sources = source_list(source)
+    what = ", ".join(s.name for s in sources)
+    name = build_name(prefix, sources, cflags)
     build_dir = cache_dir() / "cpu_kernels" / name
     marker = failure_marker(build_dir)
     if marker.exists():
-        raise PreviousBuildFailed(f"{source.name} failed to build before with these flags ({marker}; delete it "
+        raise PreviousBuildFailed(f"{what} failed to build before with these flags ({marker}; delete it "
                                   f"to retry): {marker.read_text()[-500:]}")
     build_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("Loading %s (compiled once into %s)", source.name, build_dir)
+    logger.info("Loading %s (compiled once into %s)", what, build_dir)
     with open(build_dir.with_name(name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():  # another process failed while this one waited for the lock
-            raise PreviousBuildFailed(f"{source.name} failed to build ({marker}): {marker.read_text()[-500:]}")
+            raise PreviousBuildFailed(f"{what} failed to build ({marker}): {marker.read_text()[-500:]}")
         (build_dir / "lock").unlink(missing_ok=True)  # torch's, stale: no other process is building here now
         try:
-            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+            return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
                                       build_directory=str(build_dir), extra_include_paths=[str(INCLUDE_DIR)],
                                       is_python_module=is_python_module, verbose=False)
         except Exception as e:
@@ -125,7 +135,7 @@ class OptionalExtension:
     says whether its ``torch.ops`` are loaded. Off with ``env_switch=0``, without a compiler, or when
     the build fails (a broken toolchain must not stop the engine: callers fall back to torch)."""
 
-    def __init__(self, prefix: str, source: Path, env_switch: str, what: str):
+    def __init__(self, prefix: str, source: Path | Sequence[Path], env_switch: str, what: str):
         self.prefix, self.source, self.env_switch, self.what = prefix, source, env_switch, what
         self._lock = threading.Lock()
         self._loaded: bool | None = None  # None: not tried yet

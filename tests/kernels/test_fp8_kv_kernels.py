@@ -77,15 +77,19 @@ def test_split_k_kernel_reads_fp8(device, fp8):
 
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 def test_torch_reference_reads_fp8_as_the_dequantized_cache(fp8):
-    """The torch path on an fp8 cache (decodes and prefills) equals attention over its dequantized float copy."""
+    """The torch path on an fp8 cache (decodes and prefills) equals attention over its dequantized float copy
+    (and so does torch_backend.paged_attention, the C++ kernels where they are built:
+    test_cpu_attention_variants.py compares those with this reference)."""
     k_scale, v_scale = 0.05, 1.7
     batch = fp8_batch(MIXED_PAIRS, 8, 2, 64, 16, fp8, k_scale, v_scale)
     dequantized = torch.stack([dequantize(batch.kv_cache[0], k_scale, torch.float32),
                                dequantize(batch.kv_cache[1], v_scale, torch.float32)])
     expected = torch_backend.paged_attention_in_torch(batch.query, dequantized, batch.metadata, batch.scale)
+    assert_close(torch_backend.paged_attention_in_torch(batch.query, batch.kv_cache, batch.metadata, batch.scale,
+                                                        k_scale, v_scale), expected, torch.float32)
     assert_close(torch_backend.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale,
                                                k_scale, v_scale), expected, torch.float32)
-    assert not torch_backend.cpp_kernels_read(batch.kv_cache)
+    assert torch_backend.cpp_kernels_read(batch.kv_cache)
 
 
 def test_scales_are_ignored_for_float_caches(device):

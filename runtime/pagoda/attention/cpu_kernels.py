@@ -1,8 +1,10 @@
 """C++ CPU attention kernels, compiled on first use and cached (``pagoda.cpp_extensions``).
 
-Decode and prefill attention read the paged cache in place (``paged_attention_cpu.cpp``); the pure-torch
+Decode and prefill attention read the paged cache in place (``paged_*_cpu.cpp``); the pure-torch
 path has to gather every context first, and runs prefill through SDPA (a third of the kernel's speed on
-this path's sizes). Without a C++ compiler, or with ``PAGODA_CPU_KERNELS=0``, the torch path is used.
+this path's sizes). The cache is in the query's dtype or fp8 (e4m3fn / e5m2, widened in registers as it is
+read); sliding windows and soft-capped scores are the kernels' too. The fp8 cache write is here as well.
+Without a C++ compiler, or with ``PAGODA_CPU_KERNELS=0``, the torch path is used.
 """
 
 from pathlib import Path
@@ -11,10 +13,12 @@ import torch
 
 from pagoda import cpp_extensions
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
-MAX_HEAD_SIZE = 256  # kMaxHeadSize in the source; larger heads take the torch path
+# one library: decode and prefill apart (they share csrc/paged_attention_common.h), registered in the first
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("paged_attention_cpu.cpp", "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp")]
+MAX_HEAD_SIZE = 256  # kMaxHeadSize in csrc/paged_attention_common.h; larger heads take the torch path
 
-_extension = cpp_extensions.OptionalExtension("pagoda_cpu_", SOURCE, "PAGODA_CPU_KERNELS", "paged attention")
+_extension = cpp_extensions.OptionalExtension("pagoda_cpu_", SOURCES, "PAGODA_CPU_KERNELS", "paged attention")
 
 
 def available() -> bool:
@@ -24,14 +28,19 @@ def available() -> bool:
 
 def paged_decode_attention(
     query: torch.Tensor,  # [B, Hq, D]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D], head dim contiguous
-    value_cache: torch.Tensor,  # same shape and strides as key_cache
+    key_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D], head dim contiguous; the query's dtype or fp8
+    value_cache: torch.Tensor,  # same shape, strides and dtype as key_cache
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     out: torch.Tensor,  # [B, Hq, D], written
+    k_scale: float = 1.0,  # fp8 caches: stored keys times k_scale are the keys (ignored for float caches)
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,  # a query at position p sees p - sliding_window + 1 .. p
+    logit_softcap: float | None = None,  # scores = cap * tanh(scores / cap)
 ) -> None:
-    torch.ops.pagoda_cpu.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
+    torch.ops.pagoda_cpu.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                                                k_scale, v_scale, sliding_window or 0, logit_softcap or 0.0)
 
 
 def paged_prefill_attention(
@@ -43,6 +52,23 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32; a sequence's rows are the last of its positions
     scale: float,
     out: torch.Tensor,  # [T, Hq, D]: the rows of sequences with two or more query rows are written
+    k_scale: float = 1.0,  # the rest as paged_decode_attention's
+    v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     torch.ops.pagoda_cpu.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                                                 seq_lens, scale, out)
+                                                 seq_lens, scale, out, k_scale, v_scale, sliding_window or 0,
+                                                 logit_softcap or 0.0)
+
+
+def write_kv_cache_fp8(
+    key: torch.Tensor,  # [T, H_kv, D] float32/bfloat16/float16, head dim contiguous
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, H_kv, D] float8_e4m3fn or float8_e5m2
+    slot_mapping: torch.Tensor,  # [T] int64, -1 skips
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """Stores fp8(key / k_scale) and fp8(value / v_scale), saturated: the bytes kv_scales.quantize gives."""
+    torch.ops.pagoda_cpu.write_kv_cache_fp8(key, value, kv_cache, slot_mapping, k_scale, v_scale)

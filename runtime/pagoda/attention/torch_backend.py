@@ -7,9 +7,12 @@ one contiguous run: decode gathers a head's context in long copies and multiplie
 
 An fp8 cache (``kv_cache_dtype="fp8"``) holds fp8(k / k_scale) and fp8(v / v_scale): written quantized, read
 back block by block (the gathered context, or one head's blocks at decode) in the query's dtype, with
-k_scale folded into the softmax scale and v_scale applied to the output. The C++ kernels read only
-float caches (``cpp_kernels_read``); fp8 caches take the torch path here.
+k_scale folded into the softmax scale and v_scale applied to the output. On CPU the C++ kernels
+(``cpu_kernels``) do all of it where they are built: float and fp8 caches (widened in registers), sliding
+windows and soft-capped scores, and the fp8 write; the torch code here is the fallback and the reference.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,9 @@ def write_kv_cache(
     if key.dtype == kv_cache.dtype and fused_cpu_ops.usable(key):
         fused_cpu_ops.write_kv_cache(key, value, kv_cache, slot_mapping)
         return
+    if is_fp8(kv_cache) and _cpp_writes_fp8(key, value, kv_cache):
+        cpu_kernels.write_kv_cache_fp8(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+        return
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
@@ -41,6 +47,11 @@ def write_kv_cache(
         key, value = quantize(key, k_scale, kv_cache.dtype), quantize(value, v_scale, kv_cache.dtype)
     kv_cache[0].index_put_((blocks, offsets), key.to(kv_cache.dtype))
     kv_cache[1].index_put_((blocks, offsets), value.to(kv_cache.dtype))
+
+
+def _cpp_writes_fp8(key, value, kv_cache) -> bool:
+    return (key.device.type == "cpu" and key.dtype in _FLOAT_DTYPES and value.dtype == key.dtype
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1 and cpu_kernels.available())
 
 
 def _gather_context(
@@ -66,21 +77,26 @@ def paged_attention(
     logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Each query row attends causally to its sequence's context through the block table: the C++ kernels
-    where they are built and read this cache, else ``paged_attention_in_torch``. sliding_window: a query at
-    position p sees positions p - sliding_window + 1 .. p; logit_softcap: scores = cap * tanh(scores / cap).
-    The C++ kernels have neither: such layers take ``windowed_attention``."""
+    where they are built and read this cache, else ``paged_attention_in_torch`` (``windowed_attention`` for a
+    window or soft-capping). sliding_window: a query at position p sees positions p - sliding_window + 1 .. p;
+    logit_softcap: scores = cap * tanh(scores / cap)."""
+    if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpp_kernels_read(kv_cache) \
+            and query.dtype in _FLOAT_DTYPES and (is_fp8(kv_cache) or kv_cache.dtype == query.dtype) \
+            and cpu_kernels.available():
+        return _paged_attention_cpu(query, kv_cache, metadata, scale,
+                                    _CppVariant(k_scale, v_scale, sliding_window, logit_softcap))
     if sliding_window is not None or logit_softcap is not None:
         return windowed_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap, k_scale, v_scale)
-    if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpp_kernels_read(kv_cache) \
-            and cpu_kernels.available():
-        return _paged_attention_cpu(query, kv_cache, metadata, scale)
     return paged_attention_in_torch(query, kv_cache, metadata, scale, k_scale, v_scale)
 
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def cpp_kernels_read(kv_cache: torch.Tensor) -> bool:
-    """Whether the C++ CPU attention kernels read a cache of this dtype: float ones only, not fp8 (until
-    they upcast fp8 in registers, fp8 caches take the torch path)."""
-    return not is_fp8(kv_cache)
+    """Whether the C++ CPU attention kernels read a cache of this dtype: float32, bfloat16, float16, and fp8
+    (float8_e4m3fn / float8_e5m2, widened in registers as it is read), with or without a window or soft-cap."""
+    return kv_cache.dtype in _FLOAT_DTYPES or is_fp8(kv_cache)
 
 
 def windowed_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, sliding_window: int | None,
@@ -172,25 +188,43 @@ def paged_attention_in_torch(
     return out
 
 
-def _paged_attention_cpu(query, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class _CppVariant:
+    """The kernels' arguments past the scale: fp8 scales, window and soft-cap (None: none)."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    def args(self) -> tuple:
+        return self.k_scale, self.v_scale, self.sliding_window, self.logit_softcap
+
+
+def _paged_attention_cpu(query, kv_cache, metadata: AttentionMetadata, scale: float,
+                         variant: _CppVariant = _CppVariant()) -> torch.Tensor:
     """The C++ kernels: one call for every sequence with several query rows, one for the single-row ones."""
     out = torch.empty_like(query)
     if metadata.max_query_len == 1:  # all decodes: query row i is sequence i
         cpu_kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
-                                           metadata.seq_lens, scale, out)
+                                           metadata.seq_lens, scale, out, *variant.args())
         return out
     cpu_kernels.paged_prefill_attention(query, kv_cache[0], kv_cache[1], metadata.block_tables,
-                                        metadata.query_start_loc, metadata.seq_lens, scale, out)
+                                        metadata.query_start_loc, metadata.seq_lens, scale, out, *variant.args())
     decode_rows = metadata.decode_seqs
     if decode_rows:
-        _decode_rows(query, kv_cache[0], kv_cache[1], metadata, decode_rows, scale, out, _cpp_decode)
+        def decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):
+            cpu_kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                                               *variant.args())
+
+        _decode_rows(query, kv_cache[0], kv_cache[1], metadata, decode_rows, scale, out, decode)
     return out
 
 
 def _decode_rows(query, key_cache, value_cache, metadata, rows, scale, out, decode):
-    """The batch's single-token queries (sequences `rows`) as one dense decode batch for ``decode``
-    (``_cpp_decode`` or ``_batched_decode``): gathered out of the query rows, and scattered back, only when
-    prefill chunks sit among them."""
+    """The batch's single-token queries (sequences `rows`) as one dense decode batch for ``decode`` (the C++
+    kernel or ``_batched_decode``): gathered out of the query rows, and scattered back, only when prefill chunks
+    sit among them."""
     max_len = max(metadata.seq_lens_cpu[i] for i in rows)
     if len(rows) == metadata.num_seqs:  # query row i is sequence i
         decode(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, max_len, scale, out)
@@ -206,11 +240,6 @@ def gather_sequences(metadata: AttentionMetadata, seqs: list[int]):
     [R, max_blocks] and context lengths [R]: a dense decode batch."""
     seqs_t = torch.tensor(seqs, device=metadata.seq_lens.device)
     return metadata.query_start_loc[seqs_t].long(), metadata.block_tables[seqs_t], metadata.seq_lens[seqs_t]
-
-
-def _cpp_decode(query, key_cache, value_cache, block_tables, seq_lens, max_len, scale, out):
-    """query/out [B, Hq, D]: the C++ kernel reads the paged cache in place."""
-    cpu_kernels.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
 
 
 _workspaces: dict[tuple, torch.Tensor] = {}

@@ -73,9 +73,10 @@ class FamilyOptions:
 
     @property
     def plain_llama_layers(self) -> bool:
-        """Whether every layer is the Llama layer the C++ layer loop (``models.llama_layers_cpu``) and the C++
-        attention kernels implement: no window, no soft-capping, SiLU, two norms, one rope for all layers.
-        The one predicate that sends other models to the Python layers and torch attention."""
+        """Whether every layer is the Llama layer the C++ layer loop (``models.llama_layers_cpu``) implements: no
+        window, no soft-capping, SiLU, two norms, one rope for all layers. The one predicate that sends other
+        models to the Python layers (whose attention still runs the C++ kernels on CPU: they take windows and
+        soft-caps)."""
         ropes = {_rope_key(layer.rope) for layer in self.layers}
         return (self.activation == "silu" and not self.sandwich_norms and self.attn_logit_softcap is None
                 and self.moe is None and not self.qk_norm_full and self.clip_qkv is None

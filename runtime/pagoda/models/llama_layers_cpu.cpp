@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "attention_ops.h"
+
 namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
@@ -34,12 +36,8 @@ struct Kernels {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
   c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&)>
       write_kv_cache;
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, double, at::Tensor)>
-      paged_decode_attention;
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, double, at::Tensor)>
-      paged_prefill_attention;
+  c10::TypedOperatorHandle<pagoda::ops::PagedDecodeAttention> paged_decode_attention;
+  c10::TypedOperatorHandle<pagoda::ops::PagedPrefillAttention> paged_prefill_attention;
 };
 
 template <typename Signature>
@@ -60,10 +58,8 @@ const Kernels& kernels() {
       find<at::Tensor(const at::Tensor&)>("pagoda_cpu_fused::silu_and_mul"),
       find<void(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&)>(
           "pagoda_cpu_fused::write_kv_cache"),
-      find<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                double, at::Tensor)>("pagoda_cpu::paged_decode_attention"),
-      find<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                const at::Tensor&, double, at::Tensor)>("pagoda_cpu::paged_prefill_attention"),
+      find<pagoda::ops::PagedDecodeAttention>(pagoda::ops::kPagedDecodeAttention),
+      find<pagoda::ops::PagedPrefillAttention>(pagoda::ops::kPagedPrefillAttention),
   };
   return k;
 }
@@ -98,21 +94,27 @@ struct Batch {
   const OptionalTensor& decode_seq_lens;  // [R]
 };
 
+// the loop's layers have no window and no soft-cap, and a cache in the model's dtype (no fp8 scales)
+constexpr double kNoScale = 1.0, kNoSoftcap = 0.0;
+constexpr int64_t kNoWindow = 0;
+
 // attention/torch_backend.py's _paged_attention_cpu: query [T, Hq, D] -> [T, Hq, D]
 at::Tensor paged_attention(const Kernels& k, const at::Tensor& query, const at::Tensor& kv_cache, const Batch& b,
                            double scale) {
   at::Tensor out = at::empty_like(query);
   const at::Tensor key_cache = kv_cache[0], value_cache = kv_cache[1];
   if (b.all_decode) {
-    k.paged_decode_attention.call(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out);
+    k.paged_decode_attention.call(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out, kNoScale,
+                                  kNoScale, kNoWindow, kNoSoftcap);
     return out;
   }
   k.paged_prefill_attention.call(query, key_cache, value_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale,
-                                 out);
+                                 out, kNoScale, kNoScale, kNoWindow, kNoSoftcap);
   if (b.decode_rows.has_value()) {
     at::Tensor decoded = at::empty({b.decode_rows->size(0), query.size(1), query.size(2)}, query.options());
     k.paged_decode_attention.call(query.index_select(0, *b.decode_rows), key_cache, value_cache,
-                                  *b.decode_block_tables, *b.decode_seq_lens, scale, decoded);
+                                  *b.decode_block_tables, *b.decode_seq_lens, scale, decoded, kNoScale, kNoScale,
+                                  kNoWindow, kNoSoftcap);
     out.index_copy_(0, *b.decode_rows, decoded);
   }
   return out;

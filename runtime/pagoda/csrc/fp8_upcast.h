@@ -1,0 +1,120 @@
+// fp8 (float8_e4m3fn, float8_e5m2) -> float32 in registers, per ISA level, for kernels that read an fp8 KV cache
+// in place (no dequantised copy).
+//
+// Both formats are read through float16: the byte's bits are moved to where a float16 keeps the same fields and
+// one conversion instruction (F16C's vcvtph2ps, which also turns float16 subnormals into normal floats exactly)
+// widens them. e5m2 is the high byte of a float16 (same exponent bias): its value comes out as it is. e4m3fn's
+// sign goes to bit 15 and its exponent and mantissa to bits 7..13; its exponent bias is 8 smaller than
+// float16's, so what comes out is the value / 256 (subnormals included), for every byte but the NaN code,
+// which quantization never stores (values are clamped to 448). Kernels fold kFp8ReadFactor into their scales
+// instead of multiplying each element. No float subnormal is ever formed, so -ffast-math's flush-to-zero
+// cannot touch the small values.
+#pragma once
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu_isa.h"
+
+#if defined(PAGODA_ISA_AVX512) || defined(PAGODA_ISA_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace pagoda {
+
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+
+// what a value read by upcast_fp8 must be multiplied by: 1 for a float cache and e5m2, 256 for e4m3fn
+template <typename T>
+constexpr float kFp8ReadFactor = std::is_same_v<T, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
+template <typename T>
+inline uint16_t fp8_to_half_bits(uint8_t b) {
+  if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>)
+    return static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+  else
+    return static_cast<uint16_t>(b << 8);
+}
+
+// float16 bits -> float32, exactly, without forming a float subnormal (exponent 31, never stored: as 30)
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = static_cast<float>(mantissa) * (1.f / 16777216.f);  // mantissa * 2^-24: 0 or >= 2^-24
+  } else {
+    const uint32_t bits = ((exponent + 112u) << 23) | (mantissa << 13);
+    std::memcpy(&magnitude, &bits, sizeof(magnitude));
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, sizeof(bits));
+  bits |= sign;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// the 256 bytes' values as upcast_fp8 reads them (the scalar path and vector tails)
+template <typename T>
+inline const float* fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = half_bits_to_float(fp8_to_half_bits<T>(static_cast<uint8_t>(b)));
+    return t;
+  }();
+  return table.data();
+}
+
+#if defined(PAGODA_ISA_AVX512)
+// 16 bytes -> 16 floats
+template <typename T>
+inline __m512 upcast_fp8_16(const uint8_t* src) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  __m256i h;
+  if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>)
+    h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  else
+    h = _mm256_slli_epi16(b, 8);
+  return _mm512_cvtph_ps(h);
+}
+#endif
+
+#if defined(PAGODA_ISA_AVX2) && defined(__F16C__)
+// 8 bytes -> 8 floats
+template <typename T>
+inline __m256 upcast_fp8_8(const uint8_t* src) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  __m128i h;
+  if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>)
+    h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                     _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  else
+    h = _mm_slli_epi16(b, 8);
+  return _mm256_cvtph_ps(h);
+}
+#endif
+
+// n fp8 values of type T -> dst, each times 1 / kFp8ReadFactor<T>
+template <typename T>
+inline void upcast_fp8(const T* src, float* dst, int64_t n) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(PAGODA_ISA_AVX512)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, upcast_fp8_16<T>(bytes + i));
+#elif defined(PAGODA_ISA_AVX2) && defined(__F16C__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, upcast_fp8_8<T>(bytes + i));
+#endif
+  if (i < n) {
+    const float* table = fp8_table<T>();
+    for (; i < n; ++i) dst[i] = table[bytes[i]];
+  }
+}
+
+}  // namespace pagoda
