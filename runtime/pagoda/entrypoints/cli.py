@@ -16,6 +16,7 @@ BENCHMARKS = {
     "parallel": "pagoda.bench.parallel",
     "spec-decode": "pagoda.bench.spec_decode",
     "router": "pagoda.bench.router",
+    "lora": "pagoda.bench.lora",
 }
 
 
