@@ -9,6 +9,7 @@ for rendezvous; Service X selects heads only and is the OpenAI endpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -129,6 +130,10 @@ def group_revision(spec: DeploymentSpec, group: int, epoch: int, cluster_domain:
     """The hash of the group's rendered pod templates (and its epoch): whatever changes a pod — a spec
     edit, or an operator upgrade that renders other probes or args — changes the revision, so the
     group is replaced; what does not (replicas, the Service, restartPolicy) never restarts it."""
+    # spec.adapters' list reaches running pods through the runtime's load/unload endpoints (adapters.py), so
+    # it is no part of the revision; whether LoRA is on (the field present) is
+    if spec.adapters:
+        spec = dataclasses.replace(spec, adapters=())
     templates = [_pod_template(spec, group, role, cluster_domain) for role in group_roles(spec)]
     return digest({"templates": templates, "epoch": epoch})
 
@@ -170,7 +175,18 @@ def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.
             args += [flag, str(value)]
     if e.enable_prefix_caching is not None:
         args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
-    return args + list(e.extra_args)
+    return args + lora_args(spec) + list(e.extra_args)
+
+
+def lora_args(spec: DeploymentSpec) -> list[str]:
+    """spec.adapters: LoRA on, loading at runtime allowed (the operator's reconcile uses it), and the
+    adapters a pod starts with (those ready when its StatefulSet was last applied)."""
+    if spec.adapters is None:
+        return []
+    args = ["--enable-lora", "--allow-runtime-lora-updating"]
+    if spec.adapters:
+        args += ["--lora-modules", *(f"{a.name}={a.directory}" for a in spec.adapters)]
+    return args
 
 
 def build_env(spec: DeploymentSpec) -> list[dict[str, Any]]:

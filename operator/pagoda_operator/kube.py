@@ -240,6 +240,11 @@ class Cluster:
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get("Job", namespace, name)
 
+    def list_jobs(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        items = self._dict(self.batch.list_namespaced_job(
+            namespace, label_selector=selector_string(selector), **_cache(True))).get("items") or []
+        return [i for i in items if labels_match(i, selector)]
+
     def create_job(self, manifest: dict[str, Any]) -> bool:
         """Create the Job; False when one of that name still exists (the old one is being deleted)."""
         try:

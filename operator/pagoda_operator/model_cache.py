@@ -81,16 +81,16 @@ def build_cache_claim(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, 
     })
 
 
-def build_download_args(spec: DeploymentSpec) -> list[str]:
-    hub = _hub(spec)
+def build_download_args(spec: DeploymentSpec, hub: HubModel | None = None) -> list[str]:
+    hub = hub or _hub(spec)
     args = ["download", hub.name]
     if hub.revision:
         args += ["--revision", hub.revision]
     return args + ["--dir", hub.directory]
 
 
-def build_download_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    hub = _hub(spec)
+def build_download_env(spec: DeploymentSpec, hub: HubModel | None = None) -> list[dict[str, Any]]:
+    hub = hub or _hub(spec)
     # The root filesystem is read-only: huggingface_hub's caches and locks go to /tmp.
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"}]
     if hub.token_secret:
@@ -109,8 +109,11 @@ def download_pod_security_context(spec: DeploymentSpec) -> dict[str, Any]:
     return {**pod_security_context(spec), "fsGroup": RUNTIME_UID}
 
 
-def build_download_job(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
-    hub = _hub(spec)
+def build_download_job(spec: DeploymentSpec, owner: dict[str, Any], hub: HubModel | None = None,
+                       job_name: str | None = None, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """The Job downloading the base model (by default) or another Hub repository (a LoRA adapter: hub,
+    job_name and labels given) into the cache claim."""
+    hub = hub or _hub(spec)
     identity = model_hash(hub)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -118,8 +121,8 @@ def build_download_job(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str,
             "name": DOWNLOAD_CONTAINER,
             "image": spec.image,
             "imagePullPolicy": "IfNotPresent",
-            "args": build_download_args(spec),
-            "env": build_download_env(spec),
+            "args": build_download_args(spec, hub),
+            "env": build_download_env(spec, hub),
             "resources": DOWNLOAD_RESOURCES,
             "volumeMounts": [{"name": MODEL_VOLUME, "mountPath": MODEL_CACHE_PATH},
                              {"name": TMP_VOLUME, "mountPath": "/tmp"}],
@@ -140,8 +143,8 @@ def build_download_job(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str,
     return with_applied_hash({
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": model_job_name(spec), "namespace": spec.namespace,
-                     "labels": {**deployment_labels(spec), LABEL_MODEL_HASH: identity},
+        "metadata": {"name": job_name or model_job_name(spec), "namespace": spec.namespace,
+                     "labels": {**deployment_labels(spec), **(labels or {}), LABEL_MODEL_HASH: identity},
                      "annotations": {ANNOTATION_MODEL: hub.display},
                      "ownerReferences": [owner_reference(owner)]},
         "spec": {

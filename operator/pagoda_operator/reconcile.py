@@ -23,6 +23,7 @@ from typing import Any
 import kopf
 import kubernetes
 
+from . import adapters as ad
 from . import builders as b
 from . import model_cache as mc
 from .autoscaling import KEDA_API, AutoscalerPlan, plan_autoscaler, with_autoscaler_status
@@ -77,6 +78,8 @@ class Reconciler:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     # API discovery results: (group, version, plural) -> (served, when, monotonic seconds)
     _discovered: dict[tuple[str, str, str], tuple[bool, float]] = field(default_factory=dict)
+    # a group's head pod -> its runtime's adapter endpoints (None before the pod has an address)
+    runtime_client: Callable[[dict[str, Any]], ad.RuntimeAdapters | None] = ad.client_for_pod
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -200,6 +203,14 @@ class Reconciler:
         self.cluster.apply(b.build_head_service(spec, body))
         self.cluster.apply(b.build_disruption_budget(spec, body))
         model_ready = self._reconcile_model(spec, body, previous)
+        adapters = self._reconcile_adapter_downloads(spec, body, previous)
+        ready = [s.adapter for s in adapters if s.state == "Ready"]
+        if spec.adapters is not None:
+            # pods start with the adapters ready now (the others join them later), less those a runtime
+            # refused: at start-up the runtime would refuse them too, and the pod would never start
+            refused = {a.get("name"): a.get("model") for a in previous.get("adapters") or []
+                       if a.get("state") == "LoadFailed"}
+            spec = replace(spec, adapters=tuple(a for a in ready if refused.get(a.name) != a.display))
         # Until the model is downloaded, no group is created or moved onto it (see _reconcile_model).
         model_is_ready = model_ready["status"] == "True"
         # Before the groups' StatefulSets: the pods must find their PodGroup when they appear.
@@ -239,11 +250,12 @@ class Reconciler:
                 self._apply_group(spec, body, group.index, record, listed)
                 group.record = record
 
+        adapter_status = self._sync_adapters(spec, body, groups, adapters, ready, previous)
         plan, autoscaler = self._apply_autoscaler(spec, body, previous)
         status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
                               spec_error=spec_error, now=self.clock(), model_ready=model_ready)
         status = with_autoscaler_status(status, autoscaler)
-        status = {**status, **self._apply_router(spec, body, previous)}
+        status = {**status, **self._apply_router(spec, body, previous), **adapter_status}
         if plan.error:
             unrealised.append(("AutoscalingUnsupported", plan.error))
         status = with_spec_unrealised(status, unrealised, previous, to_iso(self.clock()))
@@ -290,6 +302,77 @@ class Reconciler:
             elif condition["reason"] == "DownloadFailed":
                 self._event(body, "Warning", "DownloadFailed", condition["message"])
         return condition
+
+    # ----- LoRA adapters (spec.adapters) -----
+
+    def _reconcile_adapter_downloads(self, spec: DeploymentSpec, body: dict[str, Any],
+                                     previous: dict[str, Any]) -> list[ad.AdapterState]:
+        """Each Hub adapter's download Job (adapters.py), as the base model's; Jobs of adapters no longer in
+        the spec are deleted (their directories stay in the cache claim). Returns every adapter's state."""
+        if spec.adapters is None and not previous.get("adapters"):
+            return []  # no adapters now or at the last pass: no Job of one to look for
+        states = []
+        for adapter in spec.adapters or ():
+            if adapter.hub is None:
+                states.append(ad.AdapterState(adapter))
+                continue
+            wanted = ad.build_adapter_job(spec, body, adapter)
+            name = wanted["metadata"]["name"]
+            live = self.cluster.get_job(spec.namespace, name)
+            action = mc.job_action(live, wanted)
+            if action == "replace":
+                self.cluster.delete_job(spec.namespace, name)
+            if action in ("create", "replace") and self.cluster.create_job(wanted):
+                live = wanted
+                self._event(body, "Normal", "DownloadStarted", f"Job {name} downloads adapter {adapter.name} "
+                            f"({adapter.display}) into claim {adapter.hub.claim_name} ({adapter.directory})")
+            current = mc.job_is_current(live, wanted)
+            pod_message = None
+            if current and mc.job_download(live).state == "Failed":
+                download_pods = {mc.LABEL_DOWNLOAD: spec.name, mc.LABEL_MODEL_HASH: mc.model_hash(adapter.hub)}
+                pod_message = mc.pod_failure_message(self.cluster.list_pods(spec.namespace, download_pods))
+            state = ad.download_state(adapter, live, current, pod_message)
+            before = next((a for a in previous.get("adapters") or [] if a.get("name") == adapter.name), {})
+            if state.state == "DownloadFailed" and before.get("message") != state.message:
+                self._event(body, "Warning", "DownloadFailed", f"adapter {adapter.name}: {state.message}")
+            states.append(state)
+        wanted_jobs = {ad.adapter_job_name(spec, a) for a in spec.adapters or () if a.hub is not None}
+        for job in self.cluster.list_jobs(spec.namespace, {b.LABEL_DEPLOYMENT: spec.name}):
+            name = job["metadata"]["name"]
+            if ad.LABEL_ADAPTER in (job["metadata"].get("labels") or {}) and name not in wanted_jobs:
+                self.cluster.delete_job(spec.namespace, name)
+        return states
+
+    def _sync_adapters(self, spec: DeploymentSpec, body: dict[str, Any], groups: list[GroupObservation],
+                       states: list[ad.AdapterState], ready: list, previous: dict[str, Any]) -> dict[str, Any]:
+        """Load the ready adapters into each Ready group's head and unload the others (no restart; one a
+        runtime refused is tried again each pass); returns the status fields saying which groups serve which."""
+        if spec.adapters is None:  # cleared once after the field goes
+            return {"adapters": None, "adaptersReady": None} if "adapters" in previous else {}
+        wanted = {a.name: a.directory for a in ready}
+        by_name = {s.adapter.name: s for s in states}
+        for group in groups:
+            head = next((p for p in group.current_pods if _label(p, b.LABEL_ROLE) == "head"), None)
+            client = self.runtime_client(head) if head is not None and group.ready and not group.stale else None
+            if client is None:
+                continue
+            try:
+                serving, errors = ad.sync_group(client, wanted)
+            except ad.AdapterCallError as e:
+                log.warning("group %s of %s/%s: cannot reach its runtime for adapters: %s", group.index,
+                            spec.namespace, spec.name, e)
+                continue
+            for name in serving:
+                by_name[name].groups.append(group.index)
+            for name, error in errors.items():
+                if name in by_name:
+                    by_name[name].state, by_name[name].message = "LoadFailed", f"group {group.index}: {error}"
+        status = ad.adapters_status(states, spec.replicas)
+        for entry in status["adapters"]:
+            before = next((a for a in previous.get("adapters") or [] if a.get("name") == entry["name"]), {})
+            if entry["state"] == "LoadFailed" and before.get("message") != entry.get("message"):
+                self._event(body, "Warning", "AdapterLoadFailed", f"adapter {entry['name']}: {entry['message']}")
+        return status
 
     def _resolve_spec(self, body: dict[str, Any]) -> tuple[DeploymentSpec | None, str | None]:
         """The spec to act on, and why the current one is rejected (None when it is valid).

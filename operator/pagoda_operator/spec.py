@@ -20,6 +20,9 @@ OWNED_FLAGS = (
     "--served-model-name", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
     "--nnodes", "--node-rank", "--master-addr", "--master-port", "--shutdown-timeout",
 )
+# Flags the operator sets when spec.adapters is given (other LoRA flags, --max-loras, --max-lora-rank, stay
+# the user's, in engine.extraArgs).
+LORA_FLAGS = ("--enable-lora", "--lora-modules", "--allow-runtime-lora-updating")
 # Directories a model volume must not shadow inside the container.
 RESERVED_PATHS = ("/dev", "/proc", "/sys", "/etc", "/usr", "/bin", "/lib", "/tmp", "/var/run")
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -86,6 +89,8 @@ class DeploymentSpec:
     autoscaling: AutoscalingSpec | None = None
     scheduling: SchedulingSpec | None = None
     router: RouterSpec | None = None  # spec.router with enabled: true (router.py builds its children)
+    # spec.adapters (LoRA): None without the field; present (even empty), the pods run with LoRA enabled
+    adapters: tuple[AdapterSpec, ...] | None = None
     # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
     # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
     source: str = field(default="", compare=False)
@@ -212,6 +217,9 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         if arg.split("=", 1)[0] in OWNED_FLAGS:
             raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]}: "
                               "the operator sets it from the spec")
+        if arg.split("=", 1)[0] in LORA_FLAGS and spec.get("adapters") is not None:
+            raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]} with spec.adapters: "
+                              "the operator sets it from spec.adapters")
     grace = _int(spec.get("terminationGracePeriodSeconds", 90), "terminationGracePeriodSeconds", 30)
     rollout = spec.get("rollout") or {}
     max_unavailable = _int(rollout.get("maxUnavailable", 1), "rollout.maxUnavailable", 1)
@@ -263,6 +271,7 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         autoscaling=parse_autoscaling(spec.get("autoscaling")),
         scheduling=parse_scheduling(spec.get("scheduling")),
         router=parse_router(spec.get("router")),
+        adapters=parse_adapters(name, spec.get("adapters"), hub_model, model.get("servedName") or name),
         source=spec_source(spec),
     )
     check_scheduling(parsed)
@@ -485,3 +494,85 @@ def parse_router(raw: Any) -> RouterSpec | None:
     if resources is not None and not isinstance(resources, dict):
         raise InvalidSpec(f"router.resources must be a resources block (requests, limits), got {resources!r}")
     return RouterSpec(policy=policy, replicas=replicas, resources=resources)
+
+
+# ----- spec.adapters (LoRA) -----
+
+# Job names "<name>-lora-<adapter>" and the OpenAI model name clients send: a DNS label.
+MAX_JOB_NAME = 63
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One entry of spec.adapters: served under `name` (a request's "model"), from a directory in the pod
+    (path) or from the Hub (hub: downloaded by a Job into the base model's cache claim)."""
+    name: str
+    path: str | None = None
+    hub: HubModel | None = None
+
+    @property
+    def directory(self) -> str:
+        """Where the pods read it."""
+        return self.hub.directory if self.hub else str(self.path)
+
+    @property
+    def display(self) -> str:
+        return self.hub.display if self.hub else str(self.path)
+
+
+def parse_adapters(deployment: str, raw: Any, base_hub: HubModel | None, served: str
+                   ) -> tuple[AdapterSpec, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidSpec(f"adapters must be a list of {{name, model}}, got {raw!r}")
+    adapters: list[AdapterSpec] = []
+    for i, entry in enumerate(raw):
+        where = f"adapters[{i}]"
+        if not isinstance(entry, dict):
+            raise InvalidSpec(f"{where} must be an object {{name, model}}, got {entry!r}")
+        name = entry.get("name")
+        if not isinstance(name, str) or not DNS_LABEL.match(name):
+            raise InvalidSpec(f"{where}.name {name!r} must be a DNS label (lower-case letters, digits and '-'): "
+                              "clients send it as the request's model, and the download Job is named after it")
+        if len(f"{deployment}-lora-{name}") > MAX_JOB_NAME:
+            raise InvalidSpec(f"{where}.name {name!r} is too long: the Job {deployment}-lora-{name} would have more "
+                              f"than {MAX_JOB_NAME} characters")
+        if name in (a.name for a in adapters):
+            raise InvalidSpec(f"{where}.name {name!r} is given twice")
+        if name == served:
+            raise InvalidSpec(f"{where}.name {name!r} is the base model's served name: requests for it would "
+                              "not reach the adapter")
+        model = entry.get("model") or {}
+        if not isinstance(model, dict):
+            raise InvalidSpec(f"{where}.model must be an object {{name | path, revision, tokenSecret}}")
+        unknown = sorted(set(model) - {"name", "path", "revision", "tokenSecret"})
+        if unknown:
+            raise InvalidSpec(f"{where}.model.{unknown[0]} is not a field of an adapter's model (name | path, "
+                              "revision, tokenSecret)")
+        path = model.get("path")
+        if (path is None) == (model.get("name") is None):
+            raise InvalidSpec(f"{where}.model needs exactly one of name (a Hugging Face Hub id) and path (a "
+                              "directory inside the pods)")
+        if path is not None:
+            stray = [k for k in ("revision", "tokenSecret") if model.get(k) is not None]
+            if stray:
+                raise InvalidSpec(f"{where}.model.{stray[0]} needs {where}.model.name (a Hub id), not path")
+            normalised = posixpath.normpath(str(path))
+            if not str(path).startswith("/") or normalised == "/":
+                raise InvalidSpec(f"{where}.model.path {path!r} must be an absolute path inside the pods, e.g. a "
+                                  "directory on the model volume")
+            adapters.append(AdapterSpec(name=name, path=normalised))
+            continue
+        if base_hub is None:
+            raise InvalidSpec(f"{where}.model.name: an adapter from the Hub is downloaded into the base model's "
+                              "cache claim, so it needs model.name (the base model from the Hub); otherwise give "
+                              f"{where}.model.path")
+        try:
+            hub = parse_hub_model(deployment, {k: v for k, v in model.items() if k != "path"})
+        except InvalidSpec as e:
+            raise InvalidSpec(f"{where}.{e}") from None
+        adapters.append(AdapterSpec(name=name, hub=HubModel(
+            name=hub.name, revision=hub.revision, token_secret=hub.token_secret, claim_name=base_hub.claim_name,
+            existing_claim=base_hub.existing_claim)))
+    return tuple(adapters)

@@ -24,6 +24,9 @@ SPECS = [
                 "gpuMemoryUtilization": 0.85, "dtype": "bfloat16", "extraArgs": ["--kv-cache-memory", "4"]},
      "terminationGracePeriodSeconds": 300},
     {"engine": {"enablePrefixCaching": True}, "resources": {"requests": {"cpu": "2"}}},
+    {"model": {"name": "org/base"}, "engine": {"extraArgs": ["--max-loras", "4"]},
+     "adapters": [{"name": "sql", "model": {"name": "org/sql-lora", "revision": "r1"}},
+                  {"name": "chat", "model": {"path": "/models/chat-lora"}}]},
 ]
 
 
@@ -49,5 +52,8 @@ def test_pod_args_parse_with_the_runtime_cli(spec, monkeypatch):
         assert ns.shutdown_timeout == b.drain_seconds(parsed)
         if parsed.engine.max_num_seqs:
             assert ns.max_num_seqs == parsed.engine.max_num_seqs and ns.dtype == parsed.engine.dtype
+        if parsed.adapters is not None:
+            assert ns.enable_lora and ns.allow_runtime_lora_updating and ns.max_loras == 4
+            assert [(m.name, m.path) for m in ns.lora_modules] == [(a.name, a.directory) for a in parsed.adapters]
         if parsed.engine.enable_prefix_caching is not None:
             assert ns.enable_prefix_caching is parsed.engine.enable_prefix_caching

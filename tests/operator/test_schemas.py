@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pagoda_operator import builders as b
+from pagoda_operator.adapters import build_adapter_job
 from pagoda_operator.router import build_router
 from pagoda_operator.spec import parse_spec
 
@@ -55,7 +56,7 @@ def test_crd_names_columns_and_subresources():
     assert crd["names"]["shortNames"] == ["llmd"] and crd["scope"] == "Namespaced"
     version = crd["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "TP", "PP", "Replicas", "Ready", "Phase", "Model", "ModelReady", "Router", "Endpoint", "Age"]
+        "TP", "PP", "Replicas", "Ready", "Phase", "Model", "ModelReady", "Router", "Adapters", "Endpoint", "Age"]
     assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
@@ -67,7 +68,8 @@ def test_samples_match_the_crd_schema_and_build_valid_manifests(sample):
     jsonschema.Draft4Validator(crd_schema()).validate(body)  # OpenAPI v3.0 schemas are draft-4 style
     body["metadata"].update(namespace="default", uid="00000000-0000-0000-0000-000000000000")
     spec = parse_spec(body, default_image="pagoda-runtime:0.1.0")
-    for manifest in b.build_all(spec, body) + build_router(spec, body):
+    jobs = [build_adapter_job(spec, body, a) for a in spec.adapters or () if a.hub is not None]
+    for manifest in b.build_all(spec, body) + build_router(spec, body) + jobs:
         validate(manifest, VERSIONS[0])
 
 

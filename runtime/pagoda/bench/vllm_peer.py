@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 OFFLINE_SCRIPT = Path(__file__).with_name("vllm_offline_peer.py")
+LORA_OFFLINE_SCRIPT = Path(__file__).with_name("vllm_lora_offline_peer.py")
 
 
 def check_vllm_python(python: str) -> str:
@@ -91,6 +92,27 @@ def run_offline(python: str, model: str, requests, *, dtype: str, seed: int, max
         if line.startswith("VLLM_PEER_RESULT "):
             return json.loads(line.split(" ", 1)[1])
     raise RuntimeError(f"the vLLM peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def run_lora_offline(python: str, model: str, requests, adapter_paths: list[str], *, dtype: str, seed: int,
+                     max_num_seqs: int, max_model_len: int, max_loras: int, rank: int) -> dict:
+    """`pagoda bench lora`'s batch through vllm.LLM(enable_lora=True) in a child process, the adapters spread
+    round-robin over the requests (none: the base model): {"seconds", "startup_seconds", "output_tokens",
+    "median_tpot_ms"}."""
+    spec = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+            "max_loras": max_loras, "max_lora_rank": rank, "adapters": adapter_paths,
+            "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run([python, str(LORA_OFFLINE_SCRIPT), f.name], env=peer_env(python), capture_output=True,
+                              text=True, timeout=3600)
+    finally:
+        os.unlink(f.name)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_PEER_RESULT "):
+            return json.loads(line.split(" ", 1)[1])
+    raise RuntimeError(f"the vLLM LoRA peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "spec-decode": "pagoda.bench.spec_decode",
     "router": "pagoda.bench.router",
     "moe": "pagoda.bench.moe",
+    "lora": "pagoda.bench.lora",
 }
 
 
