@@ -29,7 +29,10 @@ def make_two_hosts() -> TwoHosts:
     if os.geteuid() != 0:
         raise OSError("creating network namespaces needs root")
     tag = os.getpid() % 10000
-    subnet = 10 + tag % 200
+    # a subnet no interface holds: two runs' pids can map to the same one, and a run killed before its
+    # teardown leaves its namespace and address behind
+    in_use = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    subnet = next(s for s in ((10 + tag + i) % 200 + 10 for i in range(200)) if f" 10.213.{s}." not in in_use)
     hosts = TwoHosts(f"pagoda-w{tag}", f"10.213.{subnet}.1", f"10.213.{subnet}.2", f"pgdh{tag}", f"pgdw{tag}")
     remove_two_hosts(hosts)
     _ip("netns", "add", hosts.namespace)
