@@ -3,6 +3,7 @@ on an AVX2 CPU, or the ratio compares Pagoda's AVX2 kernels with vLLM's AVX-512 
 build by what torch.cpu reports, so the peer's environment carries a sitecustomize that reports no AVX-512,
 and the torch library caps that the forced level set."""
 
+import os
 import subprocess
 import sys
 
@@ -18,11 +19,17 @@ PROBE = "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_avx
 
 
 @pytest.fixture
-def restore_level(monkeypatch):
+def restore_level():
+    """force_level writes os.environ itself: the whole environment is put back, or a forced level (and the
+    torch library caps) would leak into every later test of this process."""
+    saved = dict(os.environ)
     for name in ("PAGODA_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
                  "DNNL_MAX_CPU_ISA", "PYTHONPATH"):
-        monkeypatch.delenv(name, raising=False)
+        os.environ.pop(name, None)
+    platform.cpu_isa.cache_clear()
     yield
+    os.environ.clear()
+    os.environ.update(saved)
     platform.cpu_isa.cache_clear()
 
 
