@@ -76,22 +76,31 @@ def peer_env(python: str, kv_cache_gib: int = 2) -> dict[str, str]:
     return env
 
 
-def run_offline(python: str, model: str, requests, *, dtype: str, seed: int, max_num_seqs: int,
-                max_model_len: int) -> dict:
-    """The workload through vllm.LLM in a child process: {"seconds", "startup_seconds", "output_tokens"}."""
-    spec = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-            "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]}
+def _run_script(python: str, script: Path, spec: dict, what: str) -> dict:
+    """One of the peer scripts on `spec` (a JSON file) in a child process: the dict it prints."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        proc = subprocess.run([python, str(OFFLINE_SCRIPT), f.name], env=peer_env(python), capture_output=True,
-                              text=True, timeout=3600)
+        proc = subprocess.run([python, str(script), f.name], env=peer_env(python), capture_output=True, text=True,
+                              timeout=3600)
     finally:
         os.unlink(f.name)
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_PEER_RESULT "):
             return json.loads(line.split(" ", 1)[1])
-    raise RuntimeError(f"the vLLM peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _requests(requests) -> list[dict]:
+    return [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]
+
+
+def run_offline(python: str, model: str, requests, *, dtype: str, seed: int, max_num_seqs: int,
+                max_model_len: int) -> dict:
+    """The workload through vllm.LLM in a child process: {"seconds", "startup_seconds", "output_tokens"}."""
+    spec = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+            "requests": _requests(requests)}
+    return _run_script(python, OFFLINE_SCRIPT, spec, "the vLLM peer")
 
 
 def run_lora_offline(python: str, model: str, requests, adapter_paths: list[str], *, dtype: str, seed: int,
@@ -100,19 +109,8 @@ def run_lora_offline(python: str, model: str, requests, adapter_paths: list[str]
     round-robin over the requests (none: the base model): {"seconds", "startup_seconds", "output_tokens",
     "median_tpot_ms"}."""
     spec = {"model": model, "dtype": dtype, "seed": seed, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-            "max_loras": max_loras, "max_lora_rank": rank, "adapters": adapter_paths,
-            "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        proc = subprocess.run([python, str(LORA_OFFLINE_SCRIPT), f.name], env=peer_env(python), capture_output=True,
-                              text=True, timeout=3600)
-    finally:
-        os.unlink(f.name)
-    for line in proc.stdout.splitlines():
-        if line.startswith("VLLM_PEER_RESULT "):
-            return json.loads(line.split(" ", 1)[1])
-    raise RuntimeError(f"the vLLM LoRA peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            "max_loras": max_loras, "max_lora_rank": rank, "adapters": adapter_paths, "requests": _requests(requests)}
+    return _run_script(python, LORA_OFFLINE_SCRIPT, spec, "the vLLM LoRA peer")
 
 
 def _free_port() -> int:
