@@ -24,18 +24,16 @@ inline __m256 odd_weights(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// MB (1 or 2) rows against the block, weights widened on the fly. Each output sums its K products in order,
-// one FMA chain per 8 outputs, exactly as float_rows does: a row's result is then the same whatever the
-// batch holds (batch invariance: a prompt recomputed beside others, or after a prefix-cache hit, gives the
-// same logits). One row's 4 chains wait on FMA latency, but a decode row is bound by reading the weights.
+// MB (1 or 2) rows against the block, weights widened on the fly. One row keeps separate even/odd sums (8
+// independent FMA chains); two rows share them (8 chains again) within AVX2's 16 registers.
 template <int MB, typename OutT>
 inline void decode_rows(const BlockTask& t, const bf16* x, OutT* y) {
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x);
   const int64_t ldx_pairs = t.ldx / 2;
-  __m256 acc[2][4];
+  __m256 acc[2][4], acc_odd[4];
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {
-    acc[0][q] = acc[1][q] = _mm256_setzero_ps();
+    acc[0][q] = acc[1][q] = acc_odd[q] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < t.k_pairs; ++k) {
     __m256 xe[MB], xo[MB];
@@ -50,16 +48,22 @@ inline void decode_rows(const BlockTask& t, const bf16* x, OutT* y) {
     for (int q = 0; q < 4; ++q) {
       const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * q));
       const __m256 we = even_weights(pairs), wo = odd_weights(pairs);
+      if constexpr (MB == 1) {
+        acc[0][q] = _mm256_fmadd_ps(xe[0], we, acc[0][q]);
+        acc_odd[q] = _mm256_fmadd_ps(xo[0], wo, acc_odd[q]);
+      } else {
 #pragma GCC unroll 2
-      for (int m = 0; m < MB; ++m) {
-        acc[m][q] = _mm256_fmadd_ps(xe[m], we, acc[m][q]);
-        acc[m][q] = _mm256_fmadd_ps(xo[m], wo, acc[m][q]);
+        for (int m = 0; m < MB; ++m) {
+          acc[m][q] = _mm256_fmadd_ps(xe[m], we, acc[m][q]);
+          acc[m][q] = _mm256_fmadd_ps(xo[m], wo, acc[m][q]);
+        }
       }
     }
   }
   for (int m = 0; m < MB; ++m) {
     alignas(32) float sums[kBlockN];
-    for (int q = 0; q < 4; ++q) _mm256_store_ps(sums + 8 * q, acc[m][q]);
+    for (int q = 0; q < 4; ++q)
+      _mm256_store_ps(sums + 8 * q, MB == 1 ? _mm256_add_ps(acc[0][q], acc_odd[q]) : acc[m][q]);
     store_row(y + m * t.ldy, sums, t.ncols, t.bias);
   }
 }
