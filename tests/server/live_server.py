@@ -58,7 +58,10 @@ class LiveServer:
                 status = 0
             self.statuses_while_starting.append(status)
             if status == 503:
-                self.v1_statuses_while_starting.append(httpx.get(self.url + "/v1/models", timeout=2).status_code)
+                try:  # a loaded machine can time this one out too: then the next round asks again
+                    self.v1_statuses_while_starting.append(httpx.get(self.url + "/v1/models", timeout=2).status_code)
+                except httpx.TransportError:
+                    pass
             if status == 200:
                 return
             time.sleep(0.2)
