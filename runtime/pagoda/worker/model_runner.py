@@ -7,20 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda import cpp_extensions
 from pagoda import platform as pagoda_platform
-from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
+from pagoda.attention import AttentionMetadata, get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.config.kv_cache import storage_dtype_name
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
-from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.moe import take_expert_tokens
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.lora.manager import LoRAManager
-from pagoda.models import get_model_class, llama_layers_cpu
+from pagoda.models import get_model_class
+from pagoda.ops import cpu_library
 from pagoda.process.cpu_allocator import keep_freed_memory
 from pagoda.sample.logits_processors import apply_logits_processors
 from pagoda.sample.prompt_logprobs import score_prompt_tokens
@@ -66,9 +65,7 @@ class ModelRunner:
             keep_freed_memory()
             plan = pagoda_platform.log_cpu_plan(config.model.dtype)  # what runs on this CPU, and why
             if config.attention_backend == "torch" and plan.cpp_kernels:  # built now, not in the first request
-                # bfloat16 matmuls, and the Llama layer loop that calls them
-                matmul = [bf16_matmul_cpu.available, llama_layers_cpu.build] if plan.layer_loop else []
-                cpp_extensions.build_concurrently(cpu_kernels.available, fused_cpu_ops.available, *matmul)
+                cpu_library.available()
         torch.manual_seed(config.seed)
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
                                       config.parallel.pp_layer_partition, config.parallel.enable_expert_parallel)
