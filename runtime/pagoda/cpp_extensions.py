@@ -1,4 +1,6 @@
-"""C++ extensions compiled on first use with torch's extension builder and cached under $PAGODA_CACHE_DIR.
+"""C++ extensions compiled on first use with torch's extension builder and cached under $PAGODA_CACHE_DIR: the CPU
+kernel library (``pagoda.ops.cpu_library``) and the shared-memory all-reduce. An extension's sources are
+compiled apart, in parallel (ninja), and linked into one library.
 
 Builds target the ISA level ``pagoda.platform`` chose (``-march=native`` for native, the level's own flags
 such as ``-mavx2 -mfma`` when ``PAGODA_CPU_ISA`` forces one), so the cache key holds the level (and for a
@@ -159,12 +161,3 @@ class OptionalExtension:
                         logger.warning("Could not build the C++ kernels for %s, using the torch path: %s",
                                        self.what, e)
         return self._loaded
-
-
-def build_concurrently(*availability_checks) -> list[bool]:
-    """Run several extensions' ``available()`` at once: each first build is ~10 s of one compiler process,
-    mostly parsing torch's headers, so on a fresh cache they overlap instead of adding up."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(availability_checks)) as pool:
-        return list(pool.map(lambda check: check(), availability_checks))

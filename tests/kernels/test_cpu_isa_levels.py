@@ -1,7 +1,7 @@
 """Every CPU ISA level this host can execute, built and tested from this one machine: the C++ kernels' unit
 tests (attention, fused ops, the bfloat16 matmul) run in a subprocess with PAGODA_CPU_ISA=<level>, so the
 kernels compile with that level's flags (an AVX-512 machine also tests its AVX2 and generic code) and are
-compared against the torch reference there. A process can load one build of each kernel library, hence a
+compared against the torch reference there. A process can load one build of the kernel library, hence a
 process per level."""
 
 import os

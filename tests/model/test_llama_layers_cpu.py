@@ -168,7 +168,7 @@ def test_a_layer_tensor_missing_from_the_list_is_a_clear_error(tiny_model_factor
     tensors[llama_layers_cpu.layer_slots().index("qkv")] = None
     one = torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="layer 0 has no tensor in slot 1"):
-        torch.ops.pagoda_llama_cpu.layers(
+        torch.ops.pagoda_cpu.llama_layers(
             torch.zeros(1, 64, dtype=torch.bfloat16), None, torch.zeros(1, dtype=torch.long), tensors,
             stack.cos_sin_cache, torch.tensor([0, 1], dtype=torch.int32), one, torch.zeros(1, 1, dtype=torch.int32),
             torch.zeros(1, dtype=torch.long), True, None, None, None, None, *stack.sizes, stack.eps, stack.scale)

@@ -1,17 +1,20 @@
 """Kernel builds under $PAGODA_CACHE_DIR: a build lock left behind by a process killed mid-build (torch's
-builder waits on its lock file with no deadline) does not hang the next start."""
+builder waits on its lock file with no deadline) does not hang the next start; the one CPU kernel library
+registers every op csrc/ops.h declares."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from pagoda import cpp_extensions
 from pagoda.config.paths import cache_dir
-from pagoda.layers import fused_cpu_ops
+from pagoda.ops import cpu_library
 
 pytestmark = [
     pytest.mark.unit,
@@ -20,17 +23,17 @@ pytestmark = [
 
 
 def test_a_stale_build_lock_from_a_killed_process_does_not_hang_the_next_load():
-    assert fused_cpu_ops.available()
-    extension = fused_cpu_ops._extension
+    assert cpu_library.available()
+    extension = cpu_library._library
     name = cpp_extensions.build_name(extension.prefix, extension.source, cpp_extensions.kernel_cflags())
     stale = cache_dir() / "cpu_kernels" / name / "lock"
     stale.touch()  # what torch's builder leaves when its process is killed while it holds the lock
     load = textwrap.dedent(f"""
-        from pathlib import Path
         from pagoda import cpp_extensions
-        cpp_extensions.build_and_load({extension.prefix!r}, Path({str(extension.source)!r}))
+        from pagoda.ops import cpu_library
+        cpp_extensions.build_and_load({extension.prefix!r}, cpu_library.SOURCES)
         import torch
-        print(hasattr(torch.ops.pagoda_cpu_fused, "rms_norm"))
+        print(hasattr(torch.ops.pagoda_cpu, "rms_norm"))
     """)
     try:
         proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=180,
@@ -41,3 +44,11 @@ def test_a_stale_build_lock_from_a_killed_process_does_not_hang_the_next_load():
         stale.unlink(missing_ok=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "True"
+
+
+def test_the_library_registers_every_op_its_header_declares():
+    assert cpu_library.available()
+    header = (cpp_extensions.INCLUDE_DIR / "ops.h").read_text()
+    names = re.findall(r'Schema =\s*"(\w+)\(', header)
+    assert len(names) == len(set(names)) >= 13
+    assert [name for name in names if not hasattr(torch.ops.pagoda_cpu, name)] == []

@@ -132,7 +132,7 @@ def test_errors_name_the_problem():
         fused_cpu_ops.apply_rotary_(torch.tensor([0, 1, 99]), torch.randn(3, 8), torch.randn(3, 8),
                                     torch.randn(10, 8), 8)
     with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
-        torch.ops.pagoda_cpu_fused.argmax_rows(torch.zeros(2, 3, dtype=torch.bfloat16))
+        torch.ops.pagoda_cpu.argmax_rows(torch.zeros(2, 3, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="slot 1000 outside"):
         cache = torch.zeros(2, 2, 4, 1, 8)
         fused_cpu_ops.write_kv_cache(torch.randn(1, 1, 8), torch.randn(1, 1, 8), cache, torch.tensor([1000]))

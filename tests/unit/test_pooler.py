@@ -17,7 +17,7 @@ def chunk(start: int, end: int, last: bool, reset: bool = False, pooling: Poolin
           seq_id: int = 7) -> ScheduledSeq:
     return ScheduledSeq(seq_id=seq_id, num_new_tokens=end - start, num_computed_tokens=start, new_token_ids=[],
                         block_ids_start=0, block_ids=[], num_samples=1 if last else 0, reset=reset,
-                        pooling=pooling)
+                        request_params=pooling)
 
 
 def run(pooler: Pooler, chunks: list[tuple[int, int]], params: PoolingParams, other_rows: int = 0) -> list[float]:

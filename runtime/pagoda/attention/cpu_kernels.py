@@ -1,4 +1,4 @@
-"""C++ CPU attention kernels, compiled on first use and cached (``pagoda.cpp_extensions``).
+"""C++ CPU attention kernels, in the CPU kernel library (``pagoda.ops.cpu_library``: built on first use, cached).
 
 Decode and prefill attention read the paged cache in place (``paged_*_cpu.cpp``); the pure-torch
 path has to gather every context first, and runs prefill through SDPA (a third of the kernel's speed on
@@ -7,23 +7,16 @@ read); sliding windows and soft-capped scores are the kernels' too. The fp8 cach
 Without a C++ compiler, or with ``PAGODA_CPU_KERNELS=0``, the torch path is used.
 """
 
-from pathlib import Path
-
 import torch
 
-from pagoda import cpp_extensions
+from pagoda.ops import cpu_library
 
-# one library: decode and prefill apart (they share csrc/paged_attention_common.h), registered in the first
-SOURCES = [Path(__file__).with_name(name)
-           for name in ("paged_attention_cpu.cpp", "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp")]
 MAX_HEAD_SIZE = 256  # kMaxHeadSize in csrc/paged_attention_common.h; larger heads take the torch path
-
-_extension = cpp_extensions.OptionalExtension("pagoda_cpu_", SOURCES, "PAGODA_CPU_KERNELS", "paged attention")
 
 
 def available() -> bool:
     """Whether ``torch.ops.pagoda_cpu`` is loaded, building it the first time (thread-safe)."""
-    return _extension.available()
+    return cpu_library.available()
 
 
 def paged_decode_attention(

@@ -1,7 +1,7 @@
-// The CPU attention library, torch.ops.pagoda_cpu: attention straight from the paged KV cache, decode (one query
-// token per sequence: paged_decode_cpu.cpp) and prefill (several: a prompt, a prefill chunk, verified drafts:
-// paged_prefill_cpu.cpp), sharing csrc/paged_attention_common.h; here the fp8 cache write and the registration,
-// with the signatures of csrc/attention_ops.h.
+// The fp8 KV-cache write of the CPU attention kernels (torch.ops.pagoda_cpu.write_kv_cache_fp8). Attention straight
+// from the paged KV cache is in paged_decode_cpu.cpp (one query token per sequence) and paged_prefill_cpu.cpp
+// (several: a prompt, a prefill chunk, verified drafts), sharing csrc/paged_attention_common.h; the ops'
+// signatures are csrc/ops.h's.
 //
 // The cache holds the query's dtype, or fp8 (float8_e4m3fn / float8_e5m2, per-tensor k_scale and v_scale:
 // the stored keys times k_scale are the keys): fp8 rows are widened to float32 as they are read
@@ -9,8 +9,6 @@
 // sliding window (a query at position p sees p - window + 1 .. p: only those rows are read) and soft-capped
 // scores (cap * tanh(score / cap), Gemma 2). Both, and fp8, take the float32 kernels; the AVX512_BF16 paths
 // are for plain attention over a bfloat16 cache.
-
-#include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
@@ -50,6 +48,8 @@ void write_fp8_rows(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
+}  // namespace
+
 void write_kv_cache_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
                         const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   TORCH_CHECK(key.device().is_cpu() && kv_cache.device().is_cpu(), "write_kv_cache_fp8 runs on CPU tensors");
@@ -79,24 +79,4 @@ void write_kv_cache_fp8(const at::Tensor& key, const at::Tensor& value, at::Tens
   });
 }
 
-}  // namespace
 }  // namespace pagoda::attention
-
-using pagoda::attention::write_kv_cache_fp8;
-
-static_assert(std::is_same_v<decltype(pagoda::attention::paged_decode_attention), pagoda::ops::PagedDecodeAttention> &&
-                  std::is_same_v<decltype(pagoda::attention::paged_prefill_attention), pagoda::ops::PagedPrefillAttention> &&
-                  std::is_same_v<decltype(write_kv_cache_fp8), pagoda::ops::WriteKvCacheFp8>,
-              "the ops' signatures are csrc/attention_ops.h's");
-
-TORCH_LIBRARY(pagoda_cpu, m) {
-  m.def(pagoda::ops::kPagedDecodeAttentionSchema);
-  m.def(pagoda::ops::kPagedPrefillAttentionSchema);
-  m.def(pagoda::ops::kWriteKvCacheFp8Schema);
-}
-
-TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &pagoda::attention::paged_decode_attention);
-  m.impl("paged_prefill_attention", &pagoda::attention::paged_prefill_attention);
-  m.impl("write_kv_cache_fp8", &write_kv_cache_fp8);
-}

@@ -1,6 +1,7 @@
 """What one model step hands back to the engine core (torch-free: it crosses processes pickled)."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -23,7 +24,8 @@ class ModelRunnerOutput:
     # seq id -> (position of the first prompt token scored, each token's logprobs from there): the prompt
     # tokens this step's chunk predicted, for requests with prompt_logprobs (token 0 is never scored)
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
-    # seq id -> its embedding (an embedding request whose prompt ended this step: it samples nothing)
-    pooled: dict[int, list[float]] = field(default_factory=dict)
+    # seq id -> the result of a request of a kind that does not sample (an embedding: list[float]), whose
+    # prompt ended this step; the request is finished with it (core.request_kind)
+    results: dict[int, Any] = field(default_factory=dict)
     # MoE layer index -> rows routed to each of its experts this step (the sampling rank's layers)
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)

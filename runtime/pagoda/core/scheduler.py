@@ -133,10 +133,7 @@ class Scheduler:
             if index is None:  # each waits for a running adapter's sequences to finish (max_loras)
                 break
             seq = self.waiting[index]
-            # a cached prefix has no logits (a request scoring its prompt computes all of it), and mean
-            # pooling reads every prompt token's hidden state: neither may take its prefix from the cache
-            every_token = seq.params.prompt_logprobs is not None or (
-                seq.pooling is not None and seq.pooling.needs_every_token)
+            every_token = seq.kind.reads_every_prompt_token(seq.request_params)
             cached = [] if every_token else self.block_manager.find_cached_prefix(seq)
             num_computed = len(cached) * self.block_manager.block_size
             remaining = seq.num_tokens - num_computed
@@ -213,7 +210,7 @@ class Scheduler:
             reset=reset,
             num_prompt_tokens=seq.num_prompt_tokens,
             params=seq.params if reset else None,
-            pooling=seq.pooling if reset else None,
+            request_params=seq.request_params if reset else None,
             lora_request=seq.lora_request if reset else None,
             num_draft_tokens=num_drafts,
             draft_token_ids=draft_token_ids,

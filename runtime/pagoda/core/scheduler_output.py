@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagoda.pooling_params import PoolingParams
+from pagoda.core.request_kind import RequestParams
 from pagoda.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,8 +23,10 @@ class ScheduledSeq:
     num_samples: int  # 0 mid-prompt; 1 normally; n where a request forks into n at the end of its prompt
     reset: bool = False  # new to the runner (or resumed after preemption): forget what it had
     num_prompt_tokens: int = 0
-    params: SamplingParams | None = None  # sent on reset only
-    pooling: PoolingParams | None = None  # an embedding request (sent on reset only): pool, never sample
+    params: SamplingParams | None = None  # what it samples with (sent on reset only)
+    # the request's own parameters, which name its kind (core.request_kind; sent on reset only): for a
+    # generation, params itself (pickled once)
+    request_params: RequestParams | None = None
     lora_request: "LoRARequest | None" = None  # its adapter (sent on reset only); None: the base model
     # speculative decoding: the last num_draft_tokens of the num_new_tokens are drafts to verify (not in
     # new_token_ids); their ids here: the scheduler's (n-gram), or None until the driver's draft model fills

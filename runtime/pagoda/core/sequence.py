@@ -6,8 +6,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from pagoda.pooling_params import PoolingParams
-from pagoda.sampling_params import SamplingParams
+from pagoda.core.request_kind import RequestParams, kind_of
 
 if TYPE_CHECKING:
     from pagoda.lora.request import LoRARequest
@@ -23,24 +22,25 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, index: int = 0,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: RequestParams, index: int = 0,
                  arrival_time: float | None = None):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
         self.index = index  # which of the request's n outputs
-        self.params = params
+        self.kind = kind_of(params)  # generation, embedding (core.request_kind)
+        self.request_params = params  # the request's own parameters, whichever kind
+        self.params = self.kind.sampling_params(params)  # what it is scheduled and stop-checked with
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first schedule
-        self.pooling: PoolingParams | None = None  # an embedding request: its prompt is pooled, nothing sampled
         self.lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
         self.status = SequenceStatus.WAITING
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # forked from a parent that finished prefill: n samples are drawn at the end of the prompt
-        self.pending_forks = params.n - 1 if index == 0 else 0
+        self.pending_forks = self.params.n - 1 if index == 0 else 0
         # what the model runner already knows about this sequence (the scheduler sends deltas)
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
@@ -66,7 +66,7 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def fork(self, index: int) -> "Sequence":
-        params = self.params
+        params = self.params  # only a kind that samples forks (n > 1)
         if params.seed is not None:  # each of the n outputs draws its own random stream
             params = dataclasses.replace(params, seed=params.seed + index)
         child = Sequence(self.request_id, self.token_ids[: self.num_prompt_tokens], params, index,

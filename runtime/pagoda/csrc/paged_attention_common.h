@@ -1,7 +1,7 @@
-// What the CPU attention kernels share (attention/paged_decode_cpu.cpp, attention/paged_prefill_cpu.cpp, and the
-// library's registration in attention/paged_attention_cpu.cpp): float conversions, the softmax's exp, soft-capping,
+// What the CPU attention kernels share (attention/paged_decode_cpu.cpp, attention/paged_prefill_cpu.cpp and the
+// fp8 cache write in attention/paged_attention_cpu.cpp): float conversions, the softmax's exp, soft-capping,
 // reading a cache row (fp8 widened in registers), a layer's Variant (scales, window, soft-cap), argument checks and
-// the dtype dispatch. Everything here is inline; the ops themselves are declared at the end.
+// the dtype dispatch. Everything here is inline; the ops themselves are declared in ops.h.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,8 +19,8 @@
 #include <limits>
 #include <type_traits>
 
-#include "attention_ops.h"
 #include "fp8_upcast.h"
+#include "ops.h"
 
 namespace pagoda::attention {
 
@@ -198,9 +198,5 @@ void with_dtypes(const char* op, const at::Tensor& query, const at::Tensor& key_
     default: TORCH_CHECK(false, op, " supports float32, bfloat16 and float16 queries");
   }
 }
-
-// the ops (signatures: attention_ops.h)
-ops::PagedDecodeAttention paged_decode_attention;
-ops::PagedPrefillAttention paged_prefill_attention;
 
 }  // namespace pagoda::attention

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.block_manager import BlockManager
@@ -30,7 +31,8 @@ class CoreStep:
     failed: dict[int, str] = field(default_factory=dict)  # seq id -> why its step failed (it alone)
     # seq id -> (first position, logprobs) of the prompt tokens its chunk scored (prompt_logprobs)
     prompt_logprobs: dict[int, tuple[int, list[SampledToken]]] = field(default_factory=dict)
-    pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)  # embedding requests done
+    # a request of a kind that does not sample, and its result (an embedding): its prompt ended this step
+    results: list[tuple[Sequence, Any]] = field(default_factory=list)
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE: rows per expert, by layer
 
 
@@ -45,7 +47,7 @@ class StepObserver:
 
     def on_prompt_logprobs(self, seq_id: int, start: int, scored: list[SampledToken]) -> None: ...
 
-    def on_pooled(self, seq: Sequence, vector: list[float]) -> None: ...
+    def on_result(self, seq: Sequence, result: Any) -> None: ...
 
     def on_token(self, seq: Sequence, token: SampledToken) -> None: ...
 
@@ -110,7 +112,7 @@ class EngineCore:
     def _update(scheduler: Scheduler, result, observer: StepObserver | None = None) -> CoreStep:
         """The one after-step update: forks made, every token appended (sampled ones and verified runs
         alike, one at a time), the observer told of each change in order: forks, failures, prompt logprobs,
-        pooled outputs, then each token as it is appended. A sequence finished meanwhile (aborted, failed,
+        the results of kinds that do not sample, then each token as it is appended. A sequence finished meanwhile (aborted, failed,
         stopped) gets no more tokens."""
         observer = observer or StepObserver()
         step = CoreStep(failed=dict(result.failed), prompt_logprobs=dict(result.prompt_logprobs),
@@ -132,18 +134,18 @@ class EngineCore:
             seq = scheduler.get(seq_id)
             if seq is not None and seq_id not in step.failed:
                 runs.append((seq, tokens))
-        for seq_id, vector in result.pooled.items():
+        for seq_id, made in result.results.items():
             seq = scheduler.get(seq_id)
             if seq is not None and seq_id not in step.failed:
-                step.pooled.append((seq, vector))
+                step.results.append((seq, made))
         for parent, child in step.forks:
             observer.on_fork(parent, child)
         for seq_id, message in step.failed.items():
             observer.on_failed(seq_id, message)
         for seq_id, (start, scored) in step.prompt_logprobs.items():
             observer.on_prompt_logprobs(seq_id, start, scored)
-        for seq, vector in step.pooled:
-            observer.on_pooled(seq, vector)
+        for seq, made in step.results:
+            observer.on_result(seq, made)
         for seq, tokens in runs:
             for token in tokens:
                 if seq.is_finished:  # stopped by an earlier token of its run, or its request failed

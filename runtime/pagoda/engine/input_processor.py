@@ -4,8 +4,8 @@ can get wrong is caught here, as InvalidParam naming the field, so nothing it se
 
 from dataclasses import dataclass
 
+from pagoda.core.request_kind import RequestParams, kind_of
 from pagoda.errors import InvalidParam
-from pagoda.pooling_params import PoolingParams
 from pagoda.sample.logits_processors import tokenize_bad_words
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import get_grammar_backend
@@ -26,9 +26,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
 
-    def process(self, prompt, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
-        if not isinstance(params, SamplingParams | PoolingParams):
-            raise InvalidParam("sampling_params", f"expected SamplingParams or PoolingParams, got {type(params).__name__}")
+    def process(self, prompt, params: RequestParams) -> ProcessedPrompt:
+        kind_of(params)  # raises InvalidParam for parameters of no kind
         text, token_ids = self._split(prompt)
         if token_ids is None:
             if not isinstance(text, str) or not text:
@@ -38,13 +37,18 @@ class InputProcessor:
                 raise InvalidParam("prompt", f"the prompt has {len(text)} characters, more than this model's "
                                              f"maximum context length of {self.max_model_len} tokens can hold")
             token_ids = self.tokenizer.encode(text)
+        self.check_request(token_ids, params)
+        return ProcessedPrompt(text, list(token_ids))
+
+    def check_request(self, token_ids, params: RequestParams) -> None:
+        """The prompt's token ids, and the parameters of a kind that samples; a kind that does not generates
+        nothing, so its prompt may fill the context."""
         self.check_token_ids(token_ids)
-        if isinstance(params, PoolingParams):
-            self.check_pooling_length(len(token_ids))
-        else:
+        if kind_of(params).samples:
             self.check_params(params)
             self.check_length(len(token_ids), params)
-        return ProcessedPrompt(text, list(token_ids))
+        else:
+            self.check_prompt_fits(len(token_ids))
 
     @staticmethod
     def _split(prompt) -> tuple[str | None, list[int] | None]:
@@ -89,8 +93,7 @@ class InputProcessor:
             # compiled here, off the engine thread; the model runner's compile of it is then a cache hit
             get_grammar_backend(*self.grammar_key).compile(params.structured_outputs)
 
-    def check_pooling_length(self, num_prompt_tokens: int) -> None:
-        """An embedding request generates nothing: its prompt may fill the context."""
+    def check_prompt_fits(self, num_prompt_tokens: int) -> None:
         if num_prompt_tokens > self.max_model_len:
             raise InvalidParam("input", f"This model's maximum context length is {self.max_model_len} tokens. "
                                         f"However, the input has {num_prompt_tokens} tokens.")

@@ -16,6 +16,7 @@ from functools import cached_property
 
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.kv_window import blocks_per_sequence
+from pagoda.core.request_kind import RequestParams
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine.engine_core import EngineCore, StepObserver, droppable_kv_window
 from pagoda.engine.input_processor import InputProcessor
@@ -27,7 +28,6 @@ from pagoda.errors import InvalidParam
 from pagoda.executor.factory import create_executor
 from pagoda.lora.registry import LoRARegistry
 from pagoda.lora.request import LoRARequest
-from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.stats import SpecDecodeStats
 from pagoda.worker.loader.generation_config import eos_token_ids_for
@@ -99,38 +99,29 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
 
-    def process_prompt(self, prompt, params: SamplingParams | PoolingParams) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt, params: RequestParams) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt (str, token ids, or {"prompt_token_ids": [...]}); raises
         InvalidParam (a ValueError) naming the field."""
         processed = self.input_processor.process(prompt, params)
         return processed.text, processed.token_ids
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | PoolingParams | None = None,
+    def add_request(self, request_id: str, prompt, params: RequestParams | None = None,
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None,
                     lora_request: LoRARequest | None = None) -> None:
-        """A generation request (SamplingParams), or an embedding request (PoolingParams): its prompt runs
-        through the model like any prefill, and its output's `embedding` is the pooled final hidden state.
-        lora_request: the adapter it runs with (enable_lora)."""
+        """A request of any kind (core.request_kind), named by its params: a generation (SamplingParams), or
+        an embedding (PoolingParams), whose prompt runs through the model like any prefill and whose output's
+        `embedding` is the pooled final hidden state. lora_request: the adapter it runs with (enable_lora)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already running")
         lora_request = self.loras.resolve(lora_request)
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.process_prompt(prompt, params)
-        elif isinstance(params, PoolingParams):
-            self.input_processor.check_token_ids(prompt_token_ids)
-            self.input_processor.check_pooling_length(len(prompt_token_ids))
         else:
-            self.input_processor.check_token_ids(prompt_token_ids)
-            self.input_processor.check_params(params)
-            self.input_processor.check_length(len(prompt_token_ids), params)
-        pooling = None
-        if isinstance(params, PoolingParams):  # the sequence's sampling params are never used to sample
-            pooling, params = params, SamplingParams(max_tokens=1, temperature=0.0)
+            self.input_processor.check_request(prompt_token_ids, params)
         arrival = arrival_time or time.time()
-        state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival))
         seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
-        seq.pooling = pooling
+        state = RequestState(request_id, prompt, prompt_token_ids, seq.params, RequestMetrics(arrival), seq.kind)
         seq.lora_request = lora_request
         if lora_request is not None:
             counts = self.stats.lora_requests
@@ -277,12 +268,12 @@ class _EngineStepObserver(StepObserver):
         if state is not None:
             self.engine.output_processor.process_prompt_logprobs(state, start, scored)
 
-    def on_pooled(self, seq: Sequence, vector: list[float]) -> None:
-        """An embedding request: done once its prompt has run."""
+    def on_result(self, seq: Sequence, result) -> None:
+        """A request of a kind that does not sample (an embedding): done once its prompt has run."""
         state = self._live(seq.seq_id)
         if state is None:
             return
-        state.embedding = vector
+        state.result = result
         self.engine.core.finish(seq, "stop")
         self.engine._count_finish("stop")
         state.metrics.first_token_time = state.metrics.last_token_time = self.now

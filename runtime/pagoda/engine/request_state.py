@@ -2,7 +2,9 @@
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from pagoda.core.request_kind import GENERATE, RequestKind
 from pagoda.core.sequence import Sequence
 from pagoda.engine.detokenizer import DetokenizerState, new_state
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -25,13 +27,14 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    kind: RequestKind = GENERATE
     seqs: list[Sequence] = field(default_factory=list)
     outputs: dict[int, SeqOutputState] = field(default_factory=dict)  # by seq id
     aborted: bool = False
     error: str | None = None  # why this request failed inside the engine (it alone)
     # prompt_logprobs: None for the first token (nothing predicts it), then one entry per scored token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    embedding: list[float] | None = None  # an embedding request's vector, once its prompt has run
+    result: Any = None  # a kind that does not sample: its result (an embedding), once its prompt has run
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -76,7 +79,12 @@ class RequestState:
             prompt_logprobs = list(self.prompt_logprobs)  # once the whole prompt is scored, as vLLM's
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
                              self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error,
-                             prompt_logprobs=prompt_logprobs, embedding=self.embedding)
+                             prompt_logprobs=prompt_logprobs, **self._result_field())
+
+    def _result_field(self) -> dict[str, Any]:
+        """The RequestOutput field the kind's result fills (`embedding`), once it is made."""
+        field_name = self.kind.output_field
+        return {field_name: self.result} if field_name is not None and self.result is not None else {}
 
 
 class RequestTable:

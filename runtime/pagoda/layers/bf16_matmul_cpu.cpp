@@ -12,11 +12,11 @@
 // instructions (AVX2) the weights still stream as bfloat16: half the bytes of float32 weights.
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <vector>
 
 #include "cpu_isa.h"
+#include "ops.h"
 #include "parallel_tasks.h"
 
 #if defined(PAGODA_ISA_AVX512BF16)
@@ -36,18 +36,15 @@ namespace isa = pagoda::bf16_matmul::neon;
 namespace isa = pagoda::bf16_matmul::generic;
 #endif
 
-namespace {
+namespace pagoda::bf16_matmul {  // the ops are declared in csrc/ops.h
 
-using bf16 = c10::BFloat16;
-using pagoda::bf16_matmul::BlockTask;
-using pagoda::bf16_matmul::kBlockN;
 constexpr int64_t kRowsPerTask = 64;  // rows of x one task runs against a block (its weights stay in L2)
 
-const char* isa_level() { return pagoda::kIsaLevel; }
+std::string isa_level() { return kIsaLevel; }  // no tensor: one kernel for every backend
 
 // x [..., K] -> [..., out_features], bfloat16, or float32 with float32_out (logits: not rounded to 8 bits)
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
-                  const c10::optional<at::Tensor>& bias, bool float32_out) {
+                  const std::optional<at::Tensor>& bias, bool float32_out) {
   TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16 && input.dim() >= 1,
               "linear: x must be a bfloat16 CPU tensor");
   at::Tensor x = input.reshape({-1, input.size(-1)});
@@ -95,11 +92,4 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(pagoda_bf16_matmul, m) {
-  m.def("isa_level() -> str", [] { return std::string(isa_level()); });  // no tensor: one kernel for every backend
-  m.def("linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool float32_out=False) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagoda_bf16_matmul, CPU, m) { m.impl("linear", &linear); }
+}  // namespace pagoda::bf16_matmul

@@ -1,5 +1,6 @@
-"""bfloat16-weight matmuls on the CPU, through ``bf16_matmul_cpu.cpp`` (built on first use and cached for the
-ISA level ``pagoda.platform`` chose, ``pagoda.cpp_extensions``), on weights packed once by ``pack``.
+"""bfloat16-weight matmuls on the CPU, through ``bf16_matmul_cpu.cpp`` (in the CPU kernel library,
+``pagoda.ops.cpu_library``, built on first use for the ISA level ``pagoda.platform`` chose), on weights packed
+once by ``pack``.
 
 With AVX512_BF16 they stream the weights twice as fast as oneDNN's packed matmul at decode's few rows (a
 batch-1 step is bound by that read) and are on par at large batches. On AVX2 the weights stay bfloat16 in
@@ -8,27 +9,21 @@ runs float32 FMAs. ``pagoda.platform.bf16_matmul_layout`` decides where this ker
 compiler or with ``PAGODA_CPU_KERNELS=0`` ``available()`` is False.
 """
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-from pagoda import cpp_extensions
+from pagoda.ops import cpu_library
 
 BLOCK_N = 32  # output columns per packed block (the kernel's kBlockN)
 
-_extension = cpp_extensions.OptionalExtension(
-    "pagoda_bf16_matmul_", Path(__file__).with_name("bf16_matmul_cpu.cpp"), "PAGODA_CPU_KERNELS",
-    "bfloat16 matmuls")
-
 
 def available() -> bool:
-    return _extension.available()
+    return cpu_library.available()
 
 
 def isa_level() -> str:
     """The ISA level the loaded kernel was compiled for (its micro-kernel's)."""
-    return torch.ops.pagoda_bf16_matmul.isa_level()
+    return torch.ops.pagoda_cpu.isa_level()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -50,4 +45,4 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
            float32_out: bool = False) -> torch.Tensor:
     """``F.linear`` for x [..., K] against a weight packed by ``pack``: [..., out_features], bfloat16, or the
     float32 sums unrounded with float32_out."""
-    return torch.ops.pagoda_bf16_matmul.linear(x, packed, out_features, bias, float32_out)
+    return torch.ops.pagoda_cpu.bf16_linear(x, packed, out_features, bias, float32_out)

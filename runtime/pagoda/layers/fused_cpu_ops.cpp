@@ -11,7 +11,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstring>
@@ -20,12 +19,13 @@
 
 #include "argmax_row.h"
 #include "cpu_isa.h"
+#include "ops.h"
 
 #if defined(PAGODA_ISA_NEON)
 #include "silu_and_mul_neon.h"
 #endif
 
-namespace {
+namespace pagoda::fused {  // the ops are declared in csrc/ops.h
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -271,22 +271,4 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(pagoda_cpu_fused, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("apply_rotary_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, int head_size) -> ()");
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
-  m.def("argmax_rows(Tensor x) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(pagoda_cpu_fused, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("apply_rotary_", &apply_rotary_);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("write_kv_cache", &write_kv_cache);
-  m.impl("argmax_rows", &argmax_rows);
-}
+}  // namespace pagoda::fused

@@ -2,69 +2,27 @@
 //
 // A batch-1 decode step of the default model is ~10 ms of kernels and, before this, ~3 ms of Python
 // between them: ~10 op calls per layer, each a module call, attribute lookups and a dispatch. This loop
-// makes the same calls, to the same kernels (through the dispatcher: each kernel stays in its own
-// library), in the order of models/llama.py and attention/torch_backend.py, so the result is bit for bit
-// the Python path's.
+// makes the same calls, to the same kernels (the library's own, called directly through csrc/ops.h), in the
+// order of models/llama.py and attention/torch_backend.py, so the result is bit for bit the Python path's.
 //
 // Scope (llama_layers_cpu.py checks it): bfloat16 weights packed for bf16_matmul_cpu, one tensor-parallel
 // rank, a KV cache in the model's dtype, the C++ attention and fused kernels.
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
 
 #include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "attention_ops.h"
+#include "ops.h"
 
+namespace pagoda::llama {  // the ops are declared in csrc/ops.h
 namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
 
-struct Kernels {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, bool)>
-      linear;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                             const at::Tensor&, double)>
-      fused_add_rms_norm;
-  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&, int64_t)>
-      apply_rotary_;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&)>
-      write_kv_cache;
-  c10::TypedOperatorHandle<pagoda::ops::PagedDecodeAttention> paged_decode_attention;
-  c10::TypedOperatorHandle<pagoda::ops::PagedPrefillAttention> paged_prefill_attention;
-};
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-// looked up on first use: the kernels' libraries are loaded by then (llama_layers_cpu.py loads them first)
-const Kernels& kernels() {
-  static const Kernels k{
-      find<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&, bool)>(
-          "pagoda_bf16_matmul::linear"),
-      find<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("pagoda_cpu_fused::rms_norm"),
-      find<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
-          "pagoda_cpu_fused::fused_add_rms_norm"),
-      find<void(const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&, int64_t)>(
-          "pagoda_cpu_fused::apply_rotary_"),
-      find<at::Tensor(const at::Tensor&)>("pagoda_cpu_fused::silu_and_mul"),
-      find<void(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&)>(
-          "pagoda_cpu_fused::write_kv_cache"),
-      find<pagoda::ops::PagedDecodeAttention>(pagoda::ops::kPagedDecodeAttention),
-      find<pagoda::ops::PagedPrefillAttention>(pagoda::ops::kPagedPrefillAttention),
-  };
-  return k;
-}
-
-// A layer's tensors in layer_tensors, kSlots per layer, in this order; Python reads the names (op layer_slots)
+// A layer's tensors in layer_tensors, kSlots per layer, in this order; Python reads the names (op llama_layer_slots)
 // and fills the list by name, so the order is written down here only.
 enum Slot {
   kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kSlots
@@ -72,8 +30,6 @@ enum Slot {
 constexpr const char* kSlotNames[] = {"input_norm", "qkv",       "qkv_bias", "q_norm", "k_norm",  "out",
                                       "out_bias",   "post_norm", "gate_up",  "down",   "kv_cache"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kSlots, "one name per Slot");
-
-std::vector<std::string> layer_slots() { return {std::begin(kSlotNames), std::end(kSlotNames)}; }
 
 at::Tensor required(const c10::List<OptionalTensor>& tensors, int64_t layer, Slot slot) {
   OptionalTensor t = tensors.get(layer * kSlots + slot);
@@ -99,28 +55,31 @@ constexpr double kNoScale = 1.0, kNoSoftcap = 0.0;
 constexpr int64_t kNoWindow = 0;
 
 // attention/torch_backend.py's _paged_attention_cpu: query [T, Hq, D] -> [T, Hq, D]
-at::Tensor paged_attention(const Kernels& k, const at::Tensor& query, const at::Tensor& kv_cache, const Batch& b,
-                           double scale) {
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const Batch& b, double scale) {
   at::Tensor out = at::empty_like(query);
   const at::Tensor key_cache = kv_cache[0], value_cache = kv_cache[1];
   if (b.all_decode) {
-    k.paged_decode_attention.call(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out, kNoScale,
-                                  kNoScale, kNoWindow, kNoSoftcap);
+    attention::paged_decode_attention(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out,
+                                      kNoScale, kNoScale, kNoWindow, kNoSoftcap);
     return out;
   }
-  k.paged_prefill_attention.call(query, key_cache, value_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale,
-                                 out, kNoScale, kNoScale, kNoWindow, kNoSoftcap);
+  attention::paged_prefill_attention(query, key_cache, value_cache, b.block_tables, b.query_start_loc, b.seq_lens,
+                                     scale, out, kNoScale, kNoScale, kNoWindow, kNoSoftcap);
   if (b.decode_rows.has_value()) {
     at::Tensor decoded = at::empty({b.decode_rows->size(0), query.size(1), query.size(2)}, query.options());
-    k.paged_decode_attention.call(query.index_select(0, *b.decode_rows), key_cache, value_cache,
-                                  *b.decode_block_tables, *b.decode_seq_lens, scale, decoded, kNoScale, kNoScale,
-                                  kNoWindow, kNoSoftcap);
+    attention::paged_decode_attention(query.index_select(0, *b.decode_rows), key_cache, value_cache,
+                                      *b.decode_block_tables, *b.decode_seq_lens, scale, decoded, kNoScale, kNoScale,
+                                      kNoWindow, kNoSoftcap);
     out.index_copy_(0, *b.decode_rows, decoded);
   }
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> llama_layers(
+}  // namespace
+
+std::vector<std::string> layer_slots() { return {std::begin(kSlotNames), std::end(kSlotNames)}; }
+
+std::tuple<at::Tensor, at::Tensor> layers(
     const at::Tensor& hidden_in,  // [T, hidden]
     const OptionalTensor& residual_in,  // [T, hidden], None before the first layer of the model
     const at::Tensor& positions,  // [T] int64
@@ -136,7 +95,6 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
                     decode_block_tables, decode_seq_lens};
   TORCH_CHECK(layer_tensors.size() % kSlots == 0, "llama_layers: ", kSlots, " tensors per layer, got ",
               layer_tensors.size(), " in all");
-  const Kernels& k = kernels();
   const int64_t num_layers = static_cast<int64_t>(layer_tensors.size()) / kSlots;
   const int64_t rows = hidden_in.size(0), hidden_size = hidden_in.size(1);
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
@@ -147,53 +105,44 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
   for (int64_t i = 0; i < num_layers; ++i) {
     // input norm, with the previous layer's residual add
     if (residual.has_value()) {
-      std::tie(hidden, residual) = k.fused_add_rms_norm.call(hidden, *residual, required(layer_tensors, i, kInputNorm), eps);
+      std::tie(hidden, residual) =
+          fused::fused_add_rms_norm(hidden, *residual, required(layer_tensors, i, kInputNorm), eps);
     } else {
       residual = hidden;
-      hidden = k.rms_norm.call(hidden, required(layer_tensors, i, kInputNorm), eps);
+      hidden = fused::rms_norm(hidden, required(layer_tensors, i, kInputNorm), eps);
     }
     // attention
-    const at::Tensor qkv = k.linear.call(hidden, required(layer_tensors, i, kQKV), q_size + 2 * kv_size,
-                                         optional(i, kQKVBias), false);  // [T, q + 2 kv]
+    const at::Tensor qkv = bf16_matmul::linear(hidden, required(layer_tensors, i, kQKV), q_size + 2 * kv_size,
+                                               optional(i, kQKVBias), false);  // [T, q + 2 kv]
     // views into qkv: the kernels take rows at any stride (the Python layers copy them: torch's rotary
     // needs contiguous rows; the values are the same)
     at::Tensor q = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size);
     if (const OptionalTensor q_norm = optional(i, kQNorm); q_norm.has_value()) {  // Qwen3: per-head norms
-      q = k.rms_norm.call(q.reshape({-1, head_size}), *q_norm, eps).view({-1, q_size});
-      key = k.rms_norm.call(key.reshape({-1, head_size}), required(layer_tensors, i, kKNorm), eps).view({-1, kv_size});
+      q = fused::rms_norm(q.reshape({-1, head_size}), *q_norm, eps).view({-1, q_size});
+      key = fused::rms_norm(key.reshape({-1, head_size}), required(layer_tensors, i, kKNorm), eps).view({-1, kv_size});
     }
-    k.apply_rotary_.call(positions, q, key, cos_sin_cache, head_size);  // in place
+    fused::apply_rotary_(positions, q, key, cos_sin_cache, head_size);  // in place
     at::Tensor kv_cache = required(layer_tensors, i, kKVCache);  // [2, blocks, block_size, Hkv, D]
-    k.write_kv_cache.call(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
+    fused::write_kv_cache(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
                           kv_cache, slot_mapping);
-    at::Tensor attended = paged_attention(k, q.view({rows, num_heads, head_size}), kv_cache, batch, scale).flatten(1);
+    at::Tensor attended = paged_attention(q.view({rows, num_heads, head_size}), kv_cache, batch, scale).flatten(1);
     if (i == num_layers - 1 && keep_rows.has_value()) {  // past attention, rows nobody reads are dropped
       attended = attended.index_select(0, *keep_rows);
       residual = residual->index_select(0, *keep_rows);
     }
-    at::Tensor out = k.linear.call(attended, required(layer_tensors, i, kOut), hidden_size, std::nullopt, false);
+    at::Tensor out = bf16_matmul::linear(attended, required(layer_tensors, i, kOut), hidden_size, std::nullopt, false);
     if (const OptionalTensor bias = optional(i, kOutBias); bias.has_value()) out = out + *bias;
     // MLP, after the post-attention norm with the residual add
-    std::tie(hidden, residual) = k.fused_add_rms_norm.call(out, *residual, required(layer_tensors, i, kPostNorm), eps);
-    const at::Tensor gate_up = k.linear.call(hidden, required(layer_tensors, i, kGateUp), 2 * intermediate_size,
-                                             std::nullopt, false);  // [T, 2 I]
-    hidden = k.linear.call(k.silu_and_mul.call(gate_up), required(layer_tensors, i, kDown), hidden_size,
-                           std::nullopt, false);
+    std::tie(hidden, residual) =
+        fused::fused_add_rms_norm(out, *residual, required(layer_tensors, i, kPostNorm), eps);
+    const at::Tensor gate_up = bf16_matmul::linear(hidden, required(layer_tensors, i, kGateUp),
+                                                   2 * intermediate_size, std::nullopt, false);  // [T, 2 I]
+    hidden = bf16_matmul::linear(fused::silu_and_mul(gate_up), required(layer_tensors, i, kDown), hidden_size,
+                                 std::nullopt, false);
   }
   TORCH_CHECK(residual.has_value(), "llama_layers: no layers given");
   return {hidden, *residual};
 }
 
-}  // namespace
-
-TORCH_LIBRARY(pagoda_llama_cpu, m) {
-  m.def("layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, Tensor cos_sin_cache, "
-        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor slot_mapping, bool all_decode, "
-        "Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, Tensor? keep_rows, "
-        "int num_heads, int num_kv_heads, int head_size, int intermediate_size, float eps, float scale) "
-        "-> (Tensor, Tensor)");
-  m.def("layer_slots() -> str[]", &layer_slots);  // no tensor to dispatch on
-}
-
-TORCH_LIBRARY_IMPL(pagoda_llama_cpu, CPU, m) { m.impl("layers", &llama_layers); }
+}  // namespace pagoda::llama

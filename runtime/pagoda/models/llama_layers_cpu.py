@@ -8,37 +8,25 @@ the memory-profiling pass (no KV cache yet), and machines where a kernel library
 """
 
 import functools
-from pathlib import Path
 
 import torch
 
-from pagoda import cpp_extensions
 from pagoda.attention import cpu_kernels, torch_backend
-from pagoda.layers import attention, bf16_matmul_cpu, custom_ops, fused_cpu_ops
+from pagoda.layers import attention, custom_ops, fused_cpu_ops
 from pagoda.layers.packed_weights import VNNI
-
-_extension = cpp_extensions.OptionalExtension(
-    "pagoda_llama_cpu_", Path(__file__).with_name("llama_layers_cpu.cpp"), "PAGODA_CPU_KERNELS",
-    "the Llama layer loop")
-
+from pagoda.ops import cpu_library
 
 
 @functools.cache
 def layer_slots() -> tuple[str, ...]:
     """The names of a layer's tensors in the C++ loop's list, in its order (its enum Slot; the library must be
     loaded)."""
-    return tuple(torch.ops.pagoda_llama_cpu.layer_slots())
-
-
-def build() -> bool:
-    """Build and load the loop's own library (the model runner does at start-up, beside the kernels)."""
-    return _extension.available()
+    return tuple(torch.ops.pagoda_cpu.llama_layer_slots())
 
 
 def available() -> bool:
-    """The loop and every kernel it calls are loaded (it finds them by name on its first call)."""
-    return (bf16_matmul_cpu.available() and fused_cpu_ops.available() and cpu_kernels.available()
-            and _extension.available())
+    """The loop is loaded, and with it every kernel it calls (one library)."""
+    return cpu_library.available()
 
 
 class LayerStack:
@@ -103,7 +91,7 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
     decode_rows = decode_tables = decode_lens = None
     if not m.is_pure_decode and (seqs := m.decode_seqs):  # single-row sequences among prefill chunks
         decode_rows, decode_tables, decode_lens = torch_backend.gather_sequences(m, seqs)
-    return torch.ops.pagoda_llama_cpu.layers(
+    return torch.ops.pagoda_cpu.llama_layers(
         hidden, residual, positions, stack.tensors, stack.cos_sin_cache, m.query_start_loc, m.seq_lens,
         m.block_tables, m.slot_mapping, m.is_pure_decode, decode_rows, decode_tables, decode_lens, keep_rows,
         *stack.sizes, stack.eps, stack.scale)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.core.request_kind import EMBED
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.pooling_params import PoolingParams
 
@@ -18,6 +19,8 @@ class PoolState:
 
 
 class Pooler:
+    """The reader of embedding requests (worker/request_kinds.py)."""
+
     def __init__(self):
         self.states: dict[int, PoolState] = {}  # by seq id, from its first step until it finishes
 
@@ -26,12 +29,19 @@ class Pooler:
         for seq_id in out.finished_seq_ids:
             self.states.pop(seq_id, None)
         for s in out.scheduled:
-            if s.reset and s.pooling is not None and s.seq_id not in self.states:
+            if s.reset and EMBED.owns(s.request_params) and s.seq_id not in self.states:
                 # a sequence reset after preemption keeps its partial sum: recomputed positions are skipped
-                self.states[s.seq_id] = PoolState(s.pooling)
+                self.states[s.seq_id] = PoolState(s.request_params)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.states)
 
     def is_pooling(self, seq_id: int) -> bool:
         return seq_id in self.states
+
+    def read(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[float]]:
+        return self.pool(out, hidden)
 
     def pool(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[float]]:
         """hidden [num_tokens, hidden_size], the last stage's final (normed) hidden states of the batch, rows in

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagoda.attention import AttentionMetadata
+from pagoda.core.request_kind import GENERATE, RequestKind, kind_of
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import GrammarMatcher
@@ -22,6 +23,7 @@ class RunnerSeq:
     block_table: list[int]
     num_prompt_tokens: int
     params: SamplingParams
+    kind: RequestKind = GENERATE  # a kind that does not sample is read, not sampled, at its prompt's end
     matcher: GrammarMatcher | None = None  # structured outputs: made on first sample, follows token_ids
     lora_request: "LoRARequest | None" = None  # its adapter; None: the base model
 
@@ -50,7 +52,8 @@ class InputBatch:
         for s in out.scheduled:
             if s.reset:
                 self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
-                                                s.params, lora_request=s.lora_request)
+                                                s.params, kind_of(s.request_params or s.params),
+                                                lora_request=s.lora_request)
                 relearnt.append(s.seq_id)
                 continue
             seq = self.seqs[s.seq_id]

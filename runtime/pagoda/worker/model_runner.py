@@ -7,23 +7,21 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda import cpp_extensions
 from pagoda import platform as pagoda_platform
-from pagoda.attention import AttentionMetadata, cpu_kernels, get_backend
+from pagoda.attention import AttentionMetadata, get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.config.kv_cache import storage_dtype_name
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
-from pagoda.layers import bf16_matmul_cpu, fused_cpu_ops
 from pagoda.layers.attention import forward_context
 from pagoda.layers.moe import take_expert_tokens
 from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.lora.manager import LoRAManager
-from pagoda.models import get_model_class, llama_layers_cpu
+from pagoda.models import get_model_class
+from pagoda.ops import cpu_library
 from pagoda.process.cpu_allocator import keep_freed_memory
 from pagoda.sample.logits_processors import apply_logits_processors
-from pagoda.sample.pooler import Pooler
 from pagoda.sample.prompt_logprobs import score_prompt_tokens
 from pagoda.sample.rejection_sampler import RejectionSampler, target_probs
 from pagoda.sample.sampler import Sampler, SamplingTensors
@@ -32,6 +30,7 @@ from pagoda.structured_output import apply_bitmask, get_grammar_backend
 from pagoda.worker.input_batch import InputBatch, RunnerSeq
 from pagoda.worker.kv_cache import PagedKVCache
 from pagoda.worker.loader.model_loader import load_weights
+from pagoda.worker.request_kinds import prompt_readers
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +65,7 @@ class ModelRunner:
             keep_freed_memory()
             plan = pagoda_platform.log_cpu_plan(config.model.dtype)  # what runs on this CPU, and why
             if config.attention_backend == "torch" and plan.cpp_kernels:  # built now, not in the first request
-                # bfloat16 matmuls, and the Llama layer loop that calls them
-                matmul = [bf16_matmul_cpu.available, llama_layers_cpu.build] if plan.layer_loop else []
-                cpp_extensions.build_concurrently(cpu_kernels.available, fused_cpu_ops.available, *matmul)
+                cpu_library.available()
         torch.manual_seed(config.seed)
         self.model = self._load_model(hf, config.model.path, config.model.quantization,
                                       config.parallel.pp_layer_partition, config.parallel.enable_expert_parallel)
@@ -82,7 +79,7 @@ class ModelRunner:
         self.seq_generators: dict[int, torch.Generator] = {}
         self.shared_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = Sampler(self.shared_generator)
-        self.pooler = Pooler()
+        self.readers = prompt_readers()  # the kinds that do not sample: their results at the prompt's end
         self.rejection_sampler = RejectionSampler(self.shared_generator)
         # speculative decoding with a draft model: it proposes each step's drafts on the driver (global
         # rank 0) alone, unsharded, and they travel with the schedule to the other ranks
@@ -186,7 +183,8 @@ class ModelRunner:
         if self.drafter is not None:  # finished, new to the runner, or its blocks changed: no draft KV kept
             for seq_id in [*out.finished_seq_ids, *relearnt]:
                 self.drafter.forget(seq_id)
-        self.pooler.update(out)
+        for reader in self.readers.values():
+            reader.update(out)
         if out.blocks_to_swap_out:
             self.kv_cache.swap_out(out.blocks_to_swap_out)
         if out.blocks_to_swap_in:
@@ -233,18 +231,20 @@ class ModelRunner:
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
         prompt_logprobs = self._prompt_logprobs(out, hidden)
-        pooled = {}
+        results = {}
         sample_seq_ids = step.sample_seq_ids
-        if self.pooler.states:  # embedding requests pool where they would sample (on every rank alike)
-            pooled = self.pooler.pool(out, hidden) if self.samples else {}
-            keep = [i for i, seq_id in enumerate(sample_seq_ids) if not self.pooler.is_pooling(seq_id)]
+        if self._reading():  # kinds that do not sample are read where they would sample (every rank alike)
+            if self.samples:
+                for reader in self.readers.values():
+                    results.update(reader.read(out, hidden))
+            keep = [i for i, seq_id in enumerate(sample_seq_ids) if self.seqs[seq_id].kind.samples]
             sample_rows, sample_seq_ids = [sample_rows[i] for i in keep], [sample_seq_ids[i] for i in keep]
         if not sample_rows:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled, failed=lora_failed)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, results=results, failed=lora_failed)
         logits = self.model.compute_logits(hidden[sample_rows])  # every TP rank: the gather is collective
         if not self.samples:
             return ModelRunnerOutput()
-        result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled, failed=lora_failed)
+        result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, results=results, failed=lora_failed)
         generators = self._generators(sample_seq_ids, result.failed)
         self._advance_matchers(sample_seq_ids, result.failed)
         # one pass over the rows: a failed sequence's are dropped, a drafting one's verified, the rest sampled
@@ -276,8 +276,8 @@ class ModelRunner:
     def _rows_read(self, out: SchedulerOutput, sample_rows: list[int], num_rows: int) -> list[int] | None:
         """The rows of the last stage's hidden this step reads, ascending, when they are fewer than all: the
         model then skips the last layer's output projection and MLP for the others (a prompt's rows but its
-        last: ~3 % of a prefill). None when every row is read, or may be: prompt logprobs, pooling."""
-        if not self.is_last_stage or self.pooler.states:
+        last: ~3 % of a prefill). None when every row is read, or may be: prompt logprobs, a kind's reader."""
+        if not self.is_last_stage or self._reading():
             return None
         rows = list(dict.fromkeys(sample_rows))  # sample_rows ascend; a row sampled n times appears n times
         if len(rows) == num_rows:  # every decode step: decided before looking at each sequence
@@ -285,6 +285,9 @@ class ModelRunner:
         if any(self.seqs[s.seq_id].params.prompt_logprobs is not None for s in out.scheduled):
             return None
         return rows
+
+    def _reading(self) -> bool:
+        return any(reader.active for reader in self.readers.values())
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, tuple[int, list]]:
         """The logprobs of the prompt tokens this step's chunks predict, for sequences that asked. Hidden row

@@ -1,0 +1,117 @@
+// Every op of the C++ CPU kernel library (torch.ops.pagoda_cpu), declared once: its C++ function, defined in its
+// kernel's source file, and its schema, registered with it in csrc/register_ops.cpp. The library is one
+// extension per ISA level (pagoda/ops/cpu_library.py lists its translation units); the layer loop calls the
+// other kernels straight through these declarations.
+#pragma once
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+// attention (attention/paged_decode_cpu.cpp, paged_prefill_cpu.cpp; the fp8 write in paged_attention_cpu.cpp)
+namespace pagoda::attention {
+
+// query/out [B, Hq, D]; caches [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] int32;
+// seq_lens [B] int32; scale; out; k_scale, v_scale (fp8 caches); sliding_window (0: none); logit_softcap (0: none)
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                            at::Tensor out, double k_scale, double v_scale, int64_t sliding_window,
+                            double logit_softcap);
+constexpr const char* kPagedDecodeAttentionSchema =
+    "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+    "Tensor seq_lens, float scale, Tensor(a!) out, float k_scale, float v_scale, int sliding_window, "
+    "float logit_softcap) -> ()";
+
+// as paged_decode_attention, query/out [T, Hq, D] with query_start_loc [S + 1] int32 after block_tables
+void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& seq_lens, double scale, at::Tensor out, double k_scale,
+                             double v_scale, int64_t sliding_window, double logit_softcap);
+constexpr const char* kPagedPrefillAttentionSchema =
+    "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+    "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, float k_scale, float v_scale, "
+    "int sliding_window, float logit_softcap) -> ()";
+
+// key/value [T, Hkv, D] into an fp8 kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T] int64
+void write_kv_cache_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                        const at::Tensor& slot_mapping, double k_scale, double v_scale);
+constexpr const char* kWriteKvCacheFp8Schema =
+    "write_kv_cache_fp8(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, float k_scale, "
+    "float v_scale) -> ()";
+
+}  // namespace pagoda::attention
+
+// the fused per-layer ops and the sampler's argmax (layers/fused_cpu_ops.cpp)
+namespace pagoda::fused {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);  // x [rows, hidden]
+constexpr const char* kRmsNormSchema = "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor";
+
+// (rms_norm(x + residual), x + residual)
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps);
+constexpr const char* kFusedAddRmsNormSchema =
+    "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)";
+
+// query [T, Hq*D] and key [T, Hkv*D] rotated in place (neox style)
+void apply_rotary_(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_sin_cache,
+                   int64_t head_size);
+constexpr const char* kApplyRotarySchema =
+    "apply_rotary_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, int head_size) -> ()";
+
+at::Tensor silu_and_mul(const at::Tensor& x);  // [T, 2I] (gate, up) -> [T, I]
+constexpr const char* kSiluAndMulSchema = "silu_and_mul(Tensor x) -> Tensor";
+
+// key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] (the same dtype) at slot_mapping [T]
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,
+                    const at::Tensor& slot_mapping);
+constexpr const char* kWriteKvCacheSchema =
+    "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()";
+
+at::Tensor argmax_rows(const at::Tensor& x);  // [N, V] float32 -> [N] int64
+constexpr const char* kArgmaxRowsSchema = "argmax_rows(Tensor x) -> Tensor";
+
+}  // namespace pagoda::fused
+
+// bfloat16-weight matmuls (layers/bf16_matmul_cpu.cpp)
+namespace pagoda::bf16_matmul {
+
+// x [..., K] against a weight packed by bf16_matmul_cpu.pack -> [..., out_features], bfloat16, or float32 with
+// float32_out (logits: not rounded to 8 bits)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                  const std::optional<at::Tensor>& bias, bool float32_out);
+constexpr const char* kLinearSchema =
+    "bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool float32_out=False) -> Tensor";
+
+std::string isa_level();  // the ISA level the library was compiled for (csrc/cpu_isa.h)
+constexpr const char* kIsaLevelSchema = "isa_level() -> str";
+
+}  // namespace pagoda::bf16_matmul
+
+// the Llama decoder layers in one call (models/llama_layers_cpu.cpp)
+namespace pagoda::llama {
+
+std::tuple<at::Tensor, at::Tensor> layers(
+    const at::Tensor& hidden_in, const std::optional<at::Tensor>& residual_in, const at::Tensor& positions,
+    const c10::List<std::optional<at::Tensor>>& layer_tensors, const at::Tensor& cos_sin_cache,
+    const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+    const at::Tensor& slot_mapping, bool all_decode, const std::optional<at::Tensor>& decode_rows,
+    const std::optional<at::Tensor>& decode_block_tables, const std::optional<at::Tensor>& decode_seq_lens,
+    const std::optional<at::Tensor>& keep_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+    int64_t intermediate_size, double eps, double scale);
+constexpr const char* kLayersSchema =
+    "llama_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, "
+    "Tensor cos_sin_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor slot_mapping, "
+    "bool all_decode, Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, "
+    "Tensor? keep_rows, int num_heads, int num_kv_heads, int head_size, int intermediate_size, float eps, "
+    "float scale) -> (Tensor, Tensor)";
+
+std::vector<std::string> layer_slots();  // the names of a layer's tensors in layer_tensors, in order
+constexpr const char* kLayerSlotsSchema = "llama_layer_slots() -> str[]";
+
+}  // namespace pagoda::llama

@@ -1,0 +1,38 @@
+// The library's registration: every op of csrc/ops.h as torch.ops.pagoda_cpu.<name>, in one namespace. An op
+// with a tensor argument is the CPU backend's; one without (isa_level, llama_layer_slots) is a catch-all.
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(pagoda_cpu, m) {
+  using namespace pagoda;
+  m.def(attention::kPagedDecodeAttentionSchema);
+  m.def(attention::kPagedPrefillAttentionSchema);
+  m.def(attention::kWriteKvCacheFp8Schema);
+  m.def(fused::kRmsNormSchema);
+  m.def(fused::kFusedAddRmsNormSchema);
+  m.def(fused::kApplyRotarySchema);
+  m.def(fused::kSiluAndMulSchema);
+  m.def(fused::kWriteKvCacheSchema);
+  m.def(fused::kArgmaxRowsSchema);
+  m.def(bf16_matmul::kLinearSchema);
+  m.def(bf16_matmul::kIsaLevelSchema, &bf16_matmul::isa_level);
+  m.def(llama::kLayersSchema);
+  m.def(llama::kLayerSlotsSchema, &llama::layer_slots);
+}
+
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
+  using namespace pagoda;
+  m.impl("paged_decode_attention", &attention::paged_decode_attention);
+  m.impl("paged_prefill_attention", &attention::paged_prefill_attention);
+  m.impl("write_kv_cache_fp8", &attention::write_kv_cache_fp8);
+  m.impl("rms_norm", &fused::rms_norm);
+  m.impl("fused_add_rms_norm", &fused::fused_add_rms_norm);
+  m.impl("apply_rotary_", &fused::apply_rotary_);
+  m.impl("silu_and_mul", &fused::silu_and_mul);
+  m.impl("write_kv_cache", &fused::write_kv_cache);
+  m.impl("argmax_rows", &fused::argmax_rows);
+  m.impl("bf16_linear", &bf16_matmul::linear);
+  m.impl("llama_layers", &llama::layers);
+}

@@ -1,0 +1,1 @@
+"""Compiled kernels: the C++ CPU library (``cpu_library``), its sources listed once."""

@@ -1,0 +1,41 @@
+"""The C++ CPU kernel library, ``torch.ops.pagoda_cpu``: paged attention (decode, prefill, the fp8 cache write),
+the fused per-layer ops (RMSNorm, rotary, SiLU-and-multiply, the KV-cache write, the sampler's argmax), the
+bfloat16 matmul and the Llama layer loop. One extension per ISA level, built once on first use and cached
+(``pagoda.cpp_extensions``): its translation units below are compiled apart, in parallel (ninja), and linked
+into one library; every op's C++ signature and schema is declared in ``csrc/ops.h`` and registered in
+``csrc/register_ops.cpp``.
+
+Off with ``PAGODA_CPU_KERNELS=0``, without a C++ compiler, on a CPU the kernels do not support, or when the
+build fails: every caller then takes its torch path (the kernel modules' ``available()`` all say so).
+
+The shared-memory all-reduce (``distributed/shm_allreduce.cpp``) is not part of it: it is a Python module
+rather than torch ops, built without ``-ffast-math`` (its sums must be plain IEEE additions in rank order, the
+same bits on every rank), and only where tensor-parallel ranks share a host.
+"""
+
+from pathlib import Path
+
+from pagoda import cpp_extensions
+
+_RUNTIME = Path(__file__).resolve().parents[1]
+
+# Every translation unit of the library: a new kernel source is one line here (its ops go in csrc/ops.h and
+# csrc/register_ops.cpp).
+SOURCES = [_RUNTIME / path for path in (
+    "csrc/register_ops.cpp",
+    "attention/paged_attention_cpu.cpp",
+    "attention/paged_decode_cpu.cpp",
+    "attention/paged_prefill_cpu.cpp",
+    "layers/fused_cpu_ops.cpp",
+    "layers/bf16_matmul_cpu.cpp",
+    "models/llama_layers_cpu.cpp",
+)]
+
+_library = cpp_extensions.OptionalExtension(
+    "pagoda_cpu_", SOURCES, "PAGODA_CPU_KERNELS",
+    "paged attention, RMSNorm, rotary, SiLU, the KV-cache write, bfloat16 matmuls and the Llama layer loop")
+
+
+def available() -> bool:
+    """Whether ``torch.ops.pagoda_cpu`` is loaded, building it the first time (thread-safe)."""
+    return _library.available()
