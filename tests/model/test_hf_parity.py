@@ -94,6 +94,27 @@ def test_a_windowed_model_runs_sequences_longer_than_its_kv_cache(tiny_model_fac
         LLM(str(tiny_model_factory("gemma2")), dtype="float32", **cache)
 
 
+def test_a_windowed_prefix_hit_needs_only_its_last_window_cached(tiny_model_factory):
+    """mistral-window (every layer slides, 16 tokens) on 6 blocks of 16: a prompt of more than 6 blocks runs
+    by reusing the blocks behind its window, so its first blocks are evicted while it runs. Asked again, it
+    still hits: the lookup searches from the end and needs only the blocks its window reaches (a hit from
+    the first block would need more blocks than the cache has). Both runs give transformers' tokens."""
+    path = tiny_model_factory("mistral-window")
+    prompt = "Continuous batching lets new requests join between steps. " * 4
+    llm = LLM(str(path), dtype="float32", max_model_len=256, kv_cache_memory=6 * 8192 / 2**30,
+              max_num_batched_tokens=16)
+    assert llm.engine.num_blocks == 6
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    num_prompt = len(first.prompt_token_ids)
+    assert num_prompt > 6 * 16
+    assert again.num_cached_tokens == (num_prompt - 1) // 16 * 16
+    assert llm.engine.get_stats().prefix_cache_hits == again.num_cached_tokens
+    expected = hf_greedy(path, [prompt], 8)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected
+    llm.engine.block_manager.check_no_leaks()
+
+
 def test_prefix_cache_hits_give_the_same_tokens(tiny_model_factory, reference):
     path = tiny_model_factory("llama")
     llm = LLM(str(path), dtype="float32", kv_cache_memory=0.02)
