@@ -1,7 +1,7 @@
 """Greedy output equals Hugging Face transformers token for token (float32) on tiny random checkpoints."""
 
 import pytest
-from checkpoints import hf_greedy
+from checkpoints import hf_greedy, hf_greedy_stepwise
 
 from pagoda import LLM, SamplingParams
 
@@ -92,6 +92,38 @@ def test_a_windowed_model_runs_sequences_longer_than_its_kv_cache(tiny_model_fac
     assert got == reference("mistral-window")
     with pytest.raises(ValueError, match="fewer than the 10 one sequence of max_model_len=160 needs"):
         LLM(str(tiny_model_factory("gemma2")), dtype="float32", **cache)
+
+
+def test_phi3_longrope_past_its_original_length_with_a_window(tiny_model_factory):
+    """Phi-3 with LongRoPE from original_max_position_embeddings=16 and a 16-token window on every layer: short
+    prompts (chunked) start below position 16 and decode past it, so later positions take the long factors
+    while blocks behind the window are freed. The reference is transformers' model one token at a time
+    through its cache (its generate() instead recomputes the whole sequence with the long factors at
+    position 16; vLLM keeps the cache, as Pagoda)."""
+    path = tiny_model_factory("phi3-long")
+    prompts = ["Hello, my name is", "a", "Paris is the capital of"]
+    llm, got = pagoda_greedy(path, prompts, max_num_batched_tokens=7)
+    assert max(len(llm.get_tokenizer()(p).input_ids) for p in prompts) <= 16
+    assert llm.engine.block_manager.sliding_window == 16
+    assert got == hf_greedy_stepwise(path, prompts, MAX_TOKENS)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("arch,draft", [("mistral-window", None), ("mistral-window", "llama"), ("qwen2-moe", "llama")],
+                         ids=["window-ngram", "window-draft-model", "moe-draft-model"])
+def test_speculative_decoding_on_the_new_families(tiny_model_factory, reference, arch, draft):
+    """Drafts verified by a windowed target (n-gram drafts: blocks behind the window freed while drafts come and
+    go; a draft model: nothing freed, it reads the same tables) and by a mixture of experts: transformers'
+    tokens."""
+    spec = NGRAM if draft is None else {"model": str(tiny_model_factory(draft, seed=1, num_layers=1)),
+                                        "num_speculative_tokens": 3}
+    llm, got = pagoda_greedy(tiny_model_factory(arch), speculative_config=spec,
+                             kv_cache_memory=0.02 if draft is None else 0.04)
+    assert got == reference(arch)
+    assert llm.engine.get_stats().spec_decode_num_drafts > 0
+    assert llm.engine.block_manager.sliding_window == (16 if (arch, draft) == ("mistral-window", None) else None)
 
 
 def test_a_windowed_prefix_hit_needs_only_its_last_window_cached(tiny_model_factory):
