@@ -95,6 +95,12 @@ ARCH_CONFIGS = {
 }
 
 
+# Gemma multiplies its embeddings by sqrt(hidden_size): drawn at the others' size, the input token's embedding
+# then swamps every layer's output and the tied LM head repeats the last prompt token forever (greedy parity
+# would test nothing). Drawn sqrt(hidden_size) times smaller, they enter the layers at the others' size.
+SCALED_EMBEDDINGS = {"gemma2", "gemma3_text"}
+
+
 def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_layers: int = 2,
                      hidden: int = 64, num_heads: int = 4, seed: int = 0, max_positions: int = 512,
                      shards: int = 1, fim: bool = False) -> Path:
@@ -114,6 +120,8 @@ def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # non-trivial norms and biases, so a wrong wiring shows in the output
+        if model_type in SCALED_EMBEDDINGS:
+            model.get_input_embeddings().weight.mul_(hidden**-0.5)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
