@@ -75,6 +75,11 @@ ARCH_CONFIGS = {
                  original_max_position_embeddings=256,
                  rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
+    # LongRoPE from position 16 on (short prompts decode past it) and a 16-token window on every layer
+    "phi3-long": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", tie_word_embeddings=False,
+                      original_max_position_embeddings=16, sliding_window=WINDOW,
+                      rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                    "long_factor": [2.0 + 0.5 * i for i in range(8)]}),
     # mixtures of experts: 4 experts, top-2 (Mixtral renormalises the two weights; OLMoE and Qwen2-MoE here
     # do not, Qwen3-MoE does); Qwen2-MoE with its gated shared expert and a dense layer (mlp_only_layers)
     "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
@@ -88,6 +93,12 @@ ARCH_CONFIGS = {
     "olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=4, num_experts_per_tok=2,
                   norm_topk_prob=False, clip_qkv=8.0, tie_word_embeddings=False),
 }
+
+
+# Gemma multiplies its embeddings by sqrt(hidden_size): drawn at the others' size, the input token's embedding
+# then swamps every layer's output and the tied LM head repeats the last prompt token forever (greedy parity
+# would test nothing). Drawn sqrt(hidden_size) times smaller, they enter the layers at the others' size.
+SCALED_EMBEDDINGS = {"gemma2", "gemma3_text"}
 
 
 def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_layers: int = 2,
@@ -109,6 +120,8 @@ def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # non-trivial norms and biases, so a wrong wiring shows in the output
+        if model_type in SCALED_EMBEDDINGS:
+            model.get_input_embeddings().weight.mul_(hidden**-0.5)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
@@ -153,6 +166,28 @@ def hf_greedy(path, prompts: list[str], max_tokens: int) -> list[list[int]]:
         ids = tok(prompt, return_tensors="pt").input_ids
         gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def hf_greedy_stepwise(path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation, one token per forward through its own KV cache, without generate()'s
+    model-specific input preparation: Phi-3's recomputes the whole sequence with LongRoPE's long factors once
+    it passes original_max_position_embeddings, where vLLM and Pagoda keep the cache (each position with its
+    own factors), as this loop does."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    model = load_hf_reference(path)
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model(tok(prompt, return_tensors="pt").input_ids, use_cache=True)
+            tokens = []
+            for _ in range(max_tokens):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            outs.append(tokens)
     return outs
 
 

@@ -47,7 +47,7 @@ def lora_llm(base, **kwargs):
     return LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8, **kwargs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # gemma3: the Python layers, windows
 def test_mixed_batch_matches_peft(adapters, arch):
     base, a, b, reference = adapters(arch)
     # every prompt under each adapter and the base model, interleaved, in one generate call

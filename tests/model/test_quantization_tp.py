@@ -1,4 +1,4 @@
-"""Quantized engines with tensor and pipeline parallelism (gloo, local processes): each rank quantizes its
+"""Quantized engines with tensor, pipeline and expert parallelism (gloo, local processes): each rank quantizes its
 own shard (int8 row-parallel ranks agree on each row's scale), and greedy tokens equal the single-process
 quantized engine's."""
 
@@ -46,3 +46,14 @@ def test_tp2_checkpoint_quantized_equals_tp1(tiny_model_factory, tmp_path, metho
     write_quantized_model(tiny_model_factory("qwen2"), path, tmp_path / "dequantized", method, group_size=32,
                           sym=False)
     assert greedy(path, tensor_parallel_size=2) == greedy(path)
+
+
+@pytest.mark.parametrize("quantization,parallel", [
+    ("int8", dict(tensor_parallel_size=2)),
+    ("int4", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+], ids=["int8-tp2", "int4-ep2"])
+def test_quantized_experts_split_or_whole_equal_single_process(tiny_model_factory, quantization, parallel):
+    """Online quantization of a mixture of experts: every expert split over the ranks (TP: the down projections'
+    ranks agree on each row's scale), or whole experts per rank (EP: each quantized as one process would)."""
+    path = tiny_model_factory("mixtral")
+    assert greedy(path, quantization=quantization, **parallel) == greedy(path, quantization=quantization)

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoConfig
 
 from pagoda.config import SchedulerConfig
-from pagoda.core.block_manager import BlockManager
+from pagoda.core.block_manager import BlockManager, block_hash
 from pagoda.core.kv_window import NULL_BLOCK, blocks_per_sequence, droppable_window, num_blocks_behind_window
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.sequence import Sequence
@@ -85,6 +85,58 @@ def test_a_prefix_hit_behind_the_window_is_not_taken():
     assert [bm.ref_counts[h] for h in hits] == [0, 0, 0, 1]
     bm.free(b)
     bm.check_no_leaks()
+
+
+def run(bm, s, chunk=4) -> list[int]:
+    """Allocate and 'compute' all of s's tokens, chunk tokens a step (blocks behind the window released as it
+    goes); returns the block each of its table's entries had."""
+    held = []
+    while s.num_computed_tokens < s.num_tokens:
+        n = min(chunk, s.num_tokens - s.num_computed_tokens)
+        assert bm.allocate(s, n) is not None
+        s.num_computed_tokens += n
+        held += bm.block_table(s)[len(held):]
+    return held
+
+
+def evict(bm, block):
+    bm.cached_blocks.pop(bm.hash_of_block[block])
+    bm.hash_of_block[block] = None
+
+
+def test_a_hit_needs_only_the_blocks_its_window_reaches():
+    """Window 8, blocks of 4: a hit of h blocks needs blocks (4h - 7) // 4 .. h - 1 cached. 6 blocks hold a
+    30-token sequence only by reusing the blocks it freed behind its window, so its first blocks are
+    evicted while it runs; the same tokens then hit 7 blocks (28 tokens) of which only the last two are
+    taken, as vLLM's sliding-window lookup (one from the first block would find nothing)."""
+    bm = BlockManager(6, 4, sliding_window=8)
+    a = seq(30)
+    table = run(bm, a)
+    bm.free(a)
+    assert bm.hash_of_block[table[0]] != block_hash(None, (0, 1, 2, 3))
+    hits = bm.find_cached_prefix(seq(30))
+    assert hits == [NULL_BLOCK] * 5 + table[5:7]
+    b = seq(30)
+    assert bm.allocate(b, 2, hits) == []
+    assert bm.block_table(b)[:7] == hits and NULL_BLOCK not in bm.block_table(b)[5:]
+    bm.free(b)
+    bm.check_no_leaks()
+
+
+def test_the_longest_hit_whose_window_is_cached_wins():
+    bm = BlockManager(16, 4, sliding_window=8)
+    a = seq(30)
+    table = run(bm, a)
+    bm.free(a)
+    assert bm.find_cached_prefix(seq(30)) == [NULL_BLOCK] * 5 + table[5:7]
+    evict(bm, table[6])  # a hit of 7 blocks would need it: the next run down, 6 blocks, needs blocks 4 and 5
+    assert bm.find_cached_prefix(seq(30)) == [NULL_BLOCK] * 4 + table[4:6]
+    evict(bm, table[4])  # 5 blocks would need 3 and 4; 4 blocks need 2 and 3
+    assert bm.find_cached_prefix(seq(30)) == [NULL_BLOCK] * 2 + table[2:4]
+    evict(bm, table[2])
+    evict(bm, table[0])  # every other block gone: no two neighbours, and every hit past one block needs two
+    assert bm.find_cached_prefix(seq(30)) == []
+    assert BlockManager(16, 4, enable_prefix_caching=False, sliding_window=8).find_cached_prefix(seq(30)) == []
 
 
 class WindowRunner:

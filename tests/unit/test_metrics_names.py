@@ -61,3 +61,17 @@ def test_iteration_tokens_histogram_and_vllm_names():
     assert got[("vllm:num_requests_waiting", (("model_name", "m"),))] == 3
     assert got[("vllm:gpu_cache_usage_perc", (("model_name", "m"),))] == 0.25
     assert not any(name.startswith("vllm:") for name, _ in samples(ServerMetrics("m", lambda: stats)))
+
+
+def test_moe_expert_tokens_counter_per_layer_and_expert():
+    """The engine's per-expert counts (summed over steps) as pagoda:moe_expert_tokens_total{layer, expert}; a
+    dense model's stats have none, so the family is absent."""
+    stats = EngineStats()
+    stats.add_expert_tokens({0: [3, 0, 1, 4], 2: [1, 1, 1, 1]})
+    stats.add_expert_tokens({0: [1, 1, 0, 0], 2: [0, 0, 0, 8]})
+    got = samples(ServerMetrics("m", lambda: stats))
+    counts = {(dict(labels)["layer"], dict(labels)["expert"]): value for (name, labels), value in got.items()
+              if name == "pagoda:moe_expert_tokens_total"}
+    assert counts == {("0", "0"): 4, ("0", "1"): 1, ("0", "2"): 1, ("0", "3"): 4,
+                      ("2", "0"): 1, ("2", "1"): 1, ("2", "2"): 1, ("2", "3"): 9}
+    assert not any(name.startswith("pagoda:moe_") for name, _ in samples(ServerMetrics("m", lambda: EngineStats())))

@@ -11,7 +11,8 @@
   its own host block, shared or not) and swapped back in to fresh device blocks; the runner does the
   copies from the (device, host) / (host, device) pairs returned here.
 - Sliding window (``kv_window``): when every layer slides, the blocks wholly behind a sequence's window are
-  released before each allocation; their table entries become NULL_BLOCK and own nothing.
+  released before each allocation; their table entries become NULL_BLOCK and own nothing. A prefix hit
+  then needs only its last window's blocks cached (the lookup searches from the end).
 """
 
 from collections import OrderedDict
@@ -73,11 +74,18 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq's tokens. The last token is never a hit:
-        its logits are needed, so at least one token is always computed."""
+        its logits are needed, so at least one token is always computed. With a droppable window only the
+        blocks the next query's window reaches need to be cached: the entries before them are NULL_BLOCK."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         parent, hits = chain_root(seq), []
+        if self.sliding_window is not None:
+            hashes = []
+            for i in range((seq.num_tokens - 1) // bs):
+                parent = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+                hashes.append(parent)
+            return self._find_window_hit(hashes)
         for i in range((seq.num_tokens - 1) // bs):
             h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             block = self.cached_blocks.get(h)
@@ -86,6 +94,23 @@ class BlockManager:
             hits.append(block)
             parent = h
         return hits
+
+    def _find_window_hit(self, hashes: list[int]) -> list[int]:
+        """The longest hit of h blocks whose blocks from ``num_blocks_behind_window(h * block_size)`` to h are
+        all cached, searched from the end (as vLLM's sliding-window manager): the blocks a sequence freed
+        behind its window, or that were evicted since, do not stop a hit on its last window's blocks."""
+        hits = [NULL_BLOCK] * len(hashes)
+        top = None  # the last block of the run of cached blocks the scan is in
+        for i in range(len(hashes) - 1, -1, -1):
+            block = self.cached_blocks.get(hashes[i])
+            if block is None:
+                top = None
+                continue
+            hits[i] = block
+            top = i if top is None else top
+            if i <= num_blocks_behind_window((top + 1) * self.block_size, self.sliding_window, self.block_size):
+                return hits[: top + 1]  # (the entries before i stay NULL_BLOCK)
+        return []
 
     def allocate(self, seq: Sequence, num_new_tokens: int,
                  cached: list[int] | None = None) -> list[tuple[int, int]] | None:

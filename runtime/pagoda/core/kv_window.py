@@ -4,7 +4,8 @@ A layer with window W lets the query at position p see positions p - W + 1 .. p.
 the next query of a sequence that has computed q tokens is at position q or later, so no layer reads a
 position before q - W + 1 (W the largest window): the blocks wholly before it can be freed, as vLLM's
 sliding-window manager does. A freed full block keeps its hash, so the prefix cache can still hand it to
-a request with the same prefix until it is evicted.
+a request with the same prefix until it is evicted; and a prefix hit needs cached only the blocks its
+window reaches (``BlockManager.find_cached_prefix`` searches from the end).
 
 One full-attention layer reads every position, and all layers share one block table here: for a model
 that mixes local and global layers (Gemma 2/3) nothing is freed (docs/models.md gives what it costs).
