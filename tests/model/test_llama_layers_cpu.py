@@ -86,6 +86,26 @@ def test_mixed_batches_of_prefill_chunks_and_decodes_give_the_python_layers_resu
     assert in_one_call == in_python
 
 
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "fp8_e4m3"), ("qwen3", "fp8_e5m2")])
+def test_an_fp8_cache_gives_the_python_layers_results_exactly(tiny_model_factory, monkeypatch, loop_calls, arch,
+                                                              kv_cache_dtype):
+    """The loop writes and reads an fp8 cache with each layer's scales. They are calibrated on the first batch
+    (calculate_kv_scales), a pass the Python layers run; the loop takes every later one."""
+    llm = LLM(str(tiny_model_factory(arch)), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+
+    in_one_call = generate(llm, True, monkeypatch)
+    assert len(loop_calls) == 24 and loop_calls[0] is False and all(loop_calls[1:])
+    attn = llm.engine.executor.runner.model.model.layers[0].self_attn.attn
+    assert attn.kv_cache.dtype == getattr(torch, "float8_e4m3fn" if kv_cache_dtype == "fp8_e4m3" else "float8_e5m2")
+    assert attn.k_scale != 1.0 and attn.v_scale != 1.0  # calibrated, so the scales must reach the loop's kernels
+    loop_calls.clear()
+    in_python = generate(llm, False, monkeypatch)
+
+    assert not any(loop_calls)
+    assert in_one_call == in_python
+
+
 def record_kept_rows(runner, monkeypatch) -> list[tuple[int, list[int] | None, int]]:
     """Each pass's (rows in, keep_rows given, rows out), recorded around the runner's model."""
     passes = []

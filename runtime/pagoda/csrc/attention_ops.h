@@ -31,6 +31,7 @@ constexpr const char* kPagedPrefillAttentionSchema =
 
 // key/value [T, Hkv, D] into an fp8 kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T] int64
 using WriteKvCacheFp8 = void(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&, double, double);
+constexpr const char* kWriteKvCacheFp8 = "pagoda_cpu::write_kv_cache_fp8";
 constexpr const char* kWriteKvCacheFp8Schema =
     "write_kv_cache_fp8(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, float k_scale, "
     "float v_scale) -> ()";

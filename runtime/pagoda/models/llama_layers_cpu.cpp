@@ -7,7 +7,8 @@
 // the Python path's.
 //
 // Scope (llama_layers_cpu.py checks it): bfloat16 weights packed for bf16_matmul_cpu, one tensor-parallel
-// rank, a KV cache in the model's dtype, the C++ attention and fused kernels.
+// rank, a KV cache in the model's dtype or fp8 (with the layer's k_scale and v_scale), the C++ attention and
+// fused kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -38,6 +39,7 @@ struct Kernels {
       write_kv_cache;
   c10::TypedOperatorHandle<pagoda::ops::PagedDecodeAttention> paged_decode_attention;
   c10::TypedOperatorHandle<pagoda::ops::PagedPrefillAttention> paged_prefill_attention;
+  c10::TypedOperatorHandle<pagoda::ops::WriteKvCacheFp8> write_kv_cache_fp8;
 };
 
 template <typename Signature>
@@ -60,17 +62,19 @@ const Kernels& kernels() {
           "pagoda_cpu_fused::write_kv_cache"),
       find<pagoda::ops::PagedDecodeAttention>(pagoda::ops::kPagedDecodeAttention),
       find<pagoda::ops::PagedPrefillAttention>(pagoda::ops::kPagedPrefillAttention),
+      find<pagoda::ops::WriteKvCacheFp8>(pagoda::ops::kWriteKvCacheFp8),
   };
   return k;
 }
 
 // A layer's tensors in layer_tensors, kSlots per layer, in this order; Python reads the names (op layer_slots)
 // and fills the list by name, so the order is written down here only.
+// kv_scales: an fp8 cache's [k_scale, v_scale] (float64 [2]), None for a cache in the model's dtype.
 enum Slot {
-  kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kSlots
+  kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kKVScales, kSlots
 };
-constexpr const char* kSlotNames[] = {"input_norm", "qkv",       "qkv_bias", "q_norm", "k_norm",  "out",
-                                      "out_bias",   "post_norm", "gate_up",  "down",   "kv_cache"};
+constexpr const char* kSlotNames[] = {"input_norm", "qkv",     "qkv_bias", "q_norm",   "k_norm",   "out",
+                                      "out_bias",   "post_norm", "gate_up", "down",    "kv_cache", "kv_scales"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kSlots, "one name per Slot");
 
 std::vector<std::string> layer_slots() { return {std::begin(kSlotNames), std::end(kSlotNames)}; }
@@ -94,26 +98,40 @@ struct Batch {
   const OptionalTensor& decode_seq_lens;  // [R]
 };
 
-// the loop's layers have no window and no soft-cap, and a cache in the model's dtype (no fp8 scales)
-constexpr double kNoScale = 1.0, kNoSoftcap = 0.0;
+// the loop's layers have no window and no soft-cap
+constexpr double kNoSoftcap = 0.0;
 constexpr int64_t kNoWindow = 0;
+
+// an fp8 cache's scales (stored = fp8(k / k_scale)); 1 and 1 for a cache in the model's dtype (the kernels
+// ignore them there)
+struct KvScales {
+  double k = 1.0, v = 1.0;
+};
+
+KvScales kv_scales(const OptionalTensor& t) {
+  if (!t.has_value()) return {};
+  TORCH_CHECK(t->scalar_type() == at::kDouble && t->numel() == 2 && t->is_contiguous(),
+              "llama_layers: kv_scales must be float64 [k_scale, v_scale]");
+  const double* s = t->data_ptr<double>();
+  return {s[0], s[1]};
+}
 
 // attention/torch_backend.py's _paged_attention_cpu: query [T, Hq, D] -> [T, Hq, D]
 at::Tensor paged_attention(const Kernels& k, const at::Tensor& query, const at::Tensor& kv_cache, const Batch& b,
-                           double scale) {
+                           double scale, KvScales kv) {
   at::Tensor out = at::empty_like(query);
   const at::Tensor key_cache = kv_cache[0], value_cache = kv_cache[1];
   if (b.all_decode) {
-    k.paged_decode_attention.call(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out, kNoScale,
-                                  kNoScale, kNoWindow, kNoSoftcap);
+    k.paged_decode_attention.call(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out, kv.k, kv.v,
+                                  kNoWindow, kNoSoftcap);
     return out;
   }
   k.paged_prefill_attention.call(query, key_cache, value_cache, b.block_tables, b.query_start_loc, b.seq_lens, scale,
-                                 out, kNoScale, kNoScale, kNoWindow, kNoSoftcap);
+                                 out, kv.k, kv.v, kNoWindow, kNoSoftcap);
   if (b.decode_rows.has_value()) {
     at::Tensor decoded = at::empty({b.decode_rows->size(0), query.size(1), query.size(2)}, query.options());
     k.paged_decode_attention.call(query.index_select(0, *b.decode_rows), key_cache, value_cache,
-                                  *b.decode_block_tables, *b.decode_seq_lens, scale, decoded, kNoScale, kNoScale,
+                                  *b.decode_block_tables, *b.decode_seq_lens, scale, decoded, kv.k, kv.v,
                                   kNoWindow, kNoSoftcap);
     out.index_copy_(0, *b.decode_rows, decoded);
   }
@@ -165,9 +183,17 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     }
     k.apply_rotary_.call(positions, q, key, cos_sin_cache, head_size);  // in place
     at::Tensor kv_cache = required(layer_tensors, i, kKVCache);  // [2, blocks, block_size, Hkv, D]
-    k.write_kv_cache.call(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
-                          kv_cache, slot_mapping);
-    at::Tensor attended = paged_attention(k, q.view({rows, num_heads, head_size}), kv_cache, batch, scale).flatten(1);
+    const OptionalTensor scales = optional(i, kKVScales);
+    const KvScales kv = kv_scales(scales);
+    const at::Tensor key_rows = key.view({rows, num_kv_heads, head_size});
+    const at::Tensor value_rows = value.view({rows, num_kv_heads, head_size});
+    if (scales.has_value()) {
+      k.write_kv_cache_fp8.call(key_rows, value_rows, kv_cache, slot_mapping, kv.k, kv.v);
+    } else {
+      k.write_kv_cache.call(key_rows, value_rows, kv_cache, slot_mapping);
+    }
+    at::Tensor attended =
+        paged_attention(k, q.view({rows, num_heads, head_size}), kv_cache, batch, scale, kv).flatten(1);
     if (i == num_layers - 1 && keep_rows.has_value()) {  // past attention, rows nobody reads are dropped
       attended = attended.index_select(0, *keep_rows);
       residual = residual->index_select(0, *keep_rows);

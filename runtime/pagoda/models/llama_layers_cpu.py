@@ -4,7 +4,8 @@ At one sequence a decode step is ~10 ms of kernels; calling them from Python, la
 (module calls, attribute lookups, ~10 dispatches per layer). The C++ loop makes the same kernel calls in the
 same order, so its output is bit for bit that of ``LlamaDecoderLayer.forward``, which stays the path for
 everything else: other devices, float32 and float16, quantized or oneDNN-packed weights, tensor parallelism,
-the memory-profiling pass (no KV cache yet), and machines where a kernel library is not built.
+the memory-profiling pass (no KV cache yet), the pass that calibrates an fp8 cache's scales, and machines where
+a kernel library is not built. A bfloat16 or an fp8 cache (with each layer's k_scale and v_scale) is read.
 """
 
 import functools
@@ -16,6 +17,7 @@ from pagoda import cpp_extensions
 from pagoda.attention import cpu_kernels, torch_backend
 from pagoda.layers import attention, bf16_matmul_cpu, custom_ops, fused_cpu_ops
 from pagoda.layers.packed_weights import VNNI
+from pagoda.layers.quantization import kv_scales
 
 _extension = cpp_extensions.OptionalExtension(
     "pagoda_llama_cpu_", Path(__file__).with_name("llama_layers_cpu.cpp"), "PAGODA_CPU_KERNELS",
@@ -63,6 +65,14 @@ def _vnni_weight(linear) -> torch.Tensor | None:
     return packed.data
 
 
+def _kv_scales(attention_layer) -> torch.Tensor | None:
+    """An fp8 cache's [k_scale, v_scale] as the loop reads them (float64: the Python floats the torch path passes);
+    None for a cache in the model's dtype."""
+    if not kv_scales.is_fp8(attention_layer.kv_cache):
+        return None
+    return torch.tensor([attention_layer.k_scale, attention_layer.v_scale], dtype=torch.float64)
+
+
 def _layer_tensors(layer) -> list[torch.Tensor | None] | None:
     """The layer's tensors in layer_slots() order, or None when the loop cannot run it."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -70,13 +80,15 @@ def _layer_tensors(layer) -> list[torch.Tensor | None] | None:
     kv_cache = attn.attn.kv_cache
     if (None in weights or attn.o_proj.tp_size > 1 or mlp.gate_up_proj.bias is not None
             or mlp.down_proj.bias is not None or kv_cache is None
-            or kv_cache.dtype != torch.bfloat16 or attn.head_size > cpu_kernels.MAX_HEAD_SIZE):
+            or not (kv_cache.dtype == torch.bfloat16 or kv_scales.is_fp8(kv_cache))
+            or attn.head_size > cpu_kernels.MAX_HEAD_SIZE):
         return None
     qkv, out, gate_up, down = weights
     norm_weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
     slots = dict(input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=attn.qkv_proj.bias,
                  q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm), out=out, out_bias=attn.o_proj.bias,
-                 post_norm=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down, kv_cache=kv_cache)
+                 post_norm=layer.post_attention_layernorm.weight, gate_up=gate_up, down=down, kv_cache=kv_cache,
+                 kv_scales=_kv_scales(attn.attn))
     return [slots[name] for name in layer_slots()]
 
 
@@ -93,6 +105,9 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
     first = model.layers[model.start_layer]
     if first.self_attn.qkv_proj.lora is not None and first.self_attn.qkv_proj.lora.active:
         return None  # LoRA deltas: the Python layers call the adapters' hook
+    if first.self_attn.attn.calculate_kv_scales:
+        return None  # the fp8 scales are calibrated on this batch, by the Python layers (all of them at once), so a
+        # stack gathered after this pass holds the final scales
     stack = model.cpu_layer_stack
     if stack is None or stack.first_kv_cache is not first.self_attn.attn.kv_cache:
         layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
