@@ -1,0 +1,54 @@
+"""FP8 (e4m3fn) weight-only matmuls on the CPU for bfloat16 activations, through ``fp8_matmul_cpu.cpp`` (built on
+first use and cached for the ISA level ``pagoda.platform`` chose, ``pagoda.cpp_extensions``), on weights packed
+once by ``pack``: bf16_matmul_cpu's layout at one byte a weight. The weight is widened in registers (to bfloat16
+for AVX512_BF16's dot products, to float32 elsewhere) and the scales (per output row, or per row and block of
+inputs) applied to the sums, so a decode step reads each weight's byte once. Without a compiler or with
+``PAGODA_CPU_KERNELS=0`` ``available()`` is False and the layers keep the torch path (``fp8.weight_only_matmul``).
+"""
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagoda import cpp_extensions
+
+BLOCK_N = 32  # output columns per packed block (the kernel's kBlockN)
+
+_extension = cpp_extensions.OptionalExtension(
+    "pagoda_fp8_matmul_", Path(__file__).with_name("fp8_matmul_cpu.cpp"), "PAGODA_CPU_KERNELS", "fp8 matmuls")
+
+
+def available() -> bool:
+    return _extension.available()
+
+
+def can_pack(qweight: torch.Tensor, block_k: int | None) -> bool:
+    """[N, K] float8_e4m3fn on CPU with K even and scale blocks of an even number of inputs (input pairs never
+    straddle two blocks)."""
+    return (qweight.device.type == "cpu" and qweight.dim() == 2 and qweight.dtype == torch.float8_e4m3fn
+            and qweight.shape[1] % 2 == 0 and (block_k is None or block_k % 2 == 0))
+
+
+def pack(qweight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N/32), K/2, 32, 2]: per block of 32 outputs, each pair of inputs' weights side by side."""
+    n, k = qweight.shape
+    codes = qweight.detach().view(torch.uint8)
+    if n % BLOCK_N:
+        codes = F.pad(codes, (0, 0, 0, -n % BLOCK_N))
+    pairs = codes.contiguous().view(torch.int16).view(-1, BLOCK_N, k // 2)  # an input pair moves as one int16
+    return pairs.transpose(1, 2).contiguous().view(torch.uint8).view(-1, k // 2, BLOCK_N, 2).view(qweight.dtype)
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``pack``'s inverse: [N, K]."""
+    blocks, k_pairs = packed.shape[:2]
+    pairs = packed.view(torch.uint8).view(blocks, k_pairs, BLOCK_N, 2).view(torch.int16).squeeze(-1)
+    return pairs.transpose(1, 2).reshape(-1, k_pairs).view(torch.uint8)[:out_features].view(packed.dtype)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_k: int, out_features: int,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] bfloat16 @ (unpack(packed) * scales).T (+ bias): [..., out_features] bfloat16. scales [N, G]
+    float32, one per output row and block of block_k inputs."""
+    return torch.ops.pagoda_fp8_matmul.linear(x, packed, scales, block_k, out_features, bias)
