@@ -54,7 +54,6 @@ def test_pack_and_unpack_are_inverse(n, k):
     qweight = random_fp8(n, k, torch.Generator().manual_seed(n))
     packed = fp8_matmul_cpu.pack(qweight)
     assert packed.shape == ((n + 31) // 32, k // 2, 32, 2) and packed.dtype == E4M3
-    assert packed[0, 3, 5, 1].view(torch.uint8) == qweight[5, 7].view(torch.uint8)
     assert torch.equal(fp8_matmul_cpu.unpack(packed, n).view(torch.uint8), qweight.view(torch.uint8))
 
 

@@ -4,6 +4,7 @@
 // byte a weight instead of the torch path's upcast, write and re-read of every weight.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -65,11 +66,61 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::T
   return y;
 }
 
+// [N, K] float8_e4m3fn -> [ceil(N/32), K/2, 32, 2]: per block of 32 outputs and pair of inputs, one 64-byte line
+// of the 32 outputs' two weights (rows past N: 0), in the order this build's kernel reads (stored_position)
+at::Tensor pack(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 2 && qweight.scalar_type() == at::kFloat8_e4m3fn &&
+                  qweight.size(1) % 2 == 0,
+              "fp8 pack: the weight must be [N, K] float8_e4m3fn with K even, got ", qweight.sizes(), " ",
+              qweight.scalar_type());
+  const at::Tensor w = qweight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlockN - 1) / kBlockN;
+  at::Tensor packed = at::zeros({blocks, k / 2, kBlockN, 2}, w.options());
+  const auto* src = static_cast<const uint8_t*>(w.data_ptr());
+  auto* dst = static_cast<uint8_t*>(packed.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b)
+      for (int64_t pair = 0; pair < k / 2; ++pair) {
+        uint8_t* line = dst + (b * (k / 2) + pair) * 2 * kBlockN;
+        for (int64_t i = 0; i < 2 * kBlockN; ++i) {
+          const int64_t row = b * kBlockN + i / 2;
+          if (row < n) line[pagoda::fp8_matmul::stored_position(i)] = src[row * k + 2 * pair + i % 2];
+        }
+      }
+  });
+  return packed;
+}
+
+// pack's inverse: [N, K]
+at::Tensor unpack(const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kFloat8_e4m3fn &&
+                  packed.size(2) == kBlockN && packed.size(3) == 2 && out_features <= packed.size(0) * kBlockN,
+              "fp8 unpack: packed must be [N/32, K/2, 32, 2] float8_e4m3fn, got ", packed.sizes());
+  const int64_t k_pairs = packed.size(1);
+  at::Tensor w = at::empty({out_features, 2 * k_pairs}, packed.options());
+  const auto* src = static_cast<const uint8_t*>(packed.data_ptr());
+  auto* dst = static_cast<uint8_t*>(w.data_ptr());
+  for (int64_t row = 0; row < out_features; ++row)
+    for (int64_t pair = 0; pair < k_pairs; ++pair)
+      for (int64_t parity = 0; parity < 2; ++parity) {
+        const int64_t b = row / kBlockN, i = 2 * (row % kBlockN) + parity;
+        dst[row * 2 * k_pairs + 2 * pair + parity] =
+            src[(b * k_pairs + pair) * 2 * kBlockN + pagoda::fp8_matmul::stored_position(i)];
+      }
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagoda_fp8_matmul, m) {
   m.def("isa_level() -> str", [] { return std::string(pagoda::kIsaLevel); });
   m.def("linear(Tensor x, Tensor packed, Tensor scales, int block_k, int out_features, Tensor? bias) -> Tensor");
+  m.def("pack(Tensor qweight) -> Tensor");
+  m.def("unpack(Tensor packed, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagoda_fp8_matmul, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(pagoda_fp8_matmul, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("pack", &pack);
+  m.impl("unpack", &unpack);
+}

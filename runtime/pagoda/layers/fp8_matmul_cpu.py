@@ -9,7 +9,6 @@ inputs) applied to the sums, so a decode step reads each weight's byte once. Wit
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pagoda import cpp_extensions
 
@@ -31,20 +30,14 @@ def can_pack(qweight: torch.Tensor, block_k: int | None) -> bool:
 
 
 def pack(qweight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/32), K/2, 32, 2]: per block of 32 outputs, each pair of inputs' weights side by side."""
-    n, k = qweight.shape
-    codes = qweight.detach().view(torch.uint8)
-    if n % BLOCK_N:
-        codes = F.pad(codes, (0, 0, 0, -n % BLOCK_N))
-    pairs = codes.contiguous().view(torch.int16).view(-1, BLOCK_N, k // 2)  # an input pair moves as one int16
-    return pairs.transpose(1, 2).contiguous().view(torch.uint8).view(-1, k // 2, BLOCK_N, 2).view(qweight.dtype)
+    """[N, K] -> [ceil(N/32), K/2, 32, 2]: per block of 32 outputs and pair of inputs, one 64-byte line of their
+    weights, in the order the built kernel reads them (csrc/fp8_matmul.h: stored_position). Needs the library."""
+    return torch.ops.pagoda_fp8_matmul.pack(qweight.detach())
 
 
 def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``pack``'s inverse: [N, K]."""
-    blocks, k_pairs = packed.shape[:2]
-    pairs = packed.view(torch.uint8).view(blocks, k_pairs, BLOCK_N, 2).view(torch.int16).squeeze(-1)
-    return pairs.transpose(1, 2).reshape(-1, k_pairs).view(torch.uint8)[:out_features].view(packed.dtype)
+    return torch.ops.pagoda_fp8_matmul.unpack(packed, out_features)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block_k: int, out_features: int,
