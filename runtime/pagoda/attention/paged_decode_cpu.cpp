@@ -221,9 +221,10 @@ void decode_fp8(const scalar_t* q, int64_t q_head_stride, const cache_t* k_cache
 
 #if defined(PAGODA_ISA_AVX512BF16)
 // Decode for a bfloat16 or fp8 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs straight
-// from a bfloat16 cache (no widening pass). An fp8 cache's rows are widened to bfloat16 (exact:
-// upcast_fp8_32_bf16) one block and KV head at a time into a buffer that stays in L1, then read as a bfloat16
-// block's would be; k_scale goes into the softmax scale, v_scale into the output. Scores: one instruction per 32 head-dim elements and a horizontal sum
+// from a bfloat16 cache (no widening pass). An fp8 cache's rows are widened to bfloat16 (exact: byte lookups with
+// AVX512_VBMI, upcast_fp8_64_bf16, else upcast_fp8_32_bf16) one block and KV head at a time into a buffer that
+// stays in L1, then read as a bfloat16 block's would be; k_scale goes into the softmax scale, v_scale into the
+// output. Scores: one instruction per 32 head-dim elements and a horizontal sum
 // per (key, head). P @ V: two keys at a time, their value rows interleaved into pairs and the two
 // probabilities (rounded to bfloat16, as SDPA's math path does) broadcast as one pair. Needs an even
 // block_size, so a pair of keys never straddles two blocks.
@@ -336,9 +337,19 @@ inline std::pair<const c10::BFloat16*, int64_t> bf16_rows(const cache_t* rows, i
   } else {
     for (int64_t t = 0; t < n; ++t) {
       const auto* bytes = reinterpret_cast<const uint8_t*>(rows + t * pos_stride);
+      c10::BFloat16* row = buffer + t * kHeadSize;
+#if defined(__AVX512VBMI__)
+      for (int i = 0; i < kHeadSize / 64; ++i) {  // byte lookups: 7 instructions for 64 codes
+        __m512i first, second;
+        pagoda::upcast_fp8_64_bf16<cache_t>(bytes + 64 * i, first, second);
+        _mm512_store_si512(row + 64 * i, first);
+        _mm512_store_si512(row + 64 * i + 32, second);
+      }
+#else
       for (int i = 0; i < kHeadSize / 32; ++i)
-        _mm512_store_si512(buffer + t * kHeadSize + 32 * i, pagoda::upcast_fp8_32_bf16<cache_t>(
-                                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * i))));
+        _mm512_store_si512(row + 32 * i, pagoda::upcast_fp8_32_bf16<cache_t>(
+                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * i))));
+#endif
     }
     return {buffer, kHeadSize};
   }

@@ -42,42 +42,16 @@ inline int64_t stored_position(int64_t i) {
 #if defined(PAGODA_FP8_MATMUL_VBMI)
   // after the lookups, unpacklo/hi_epi8 make words 8L..8L+7 of 128-bit lane L from bytes 16L..16L+7 / 16L+8..16L+15:
   // the first register must hold elements 0..31, the second 32..63
-  const int64_t half = i / 32, w = i % 32;
-  return 16 * (w / 8) + 8 * half + w % 8;
+  return pagoda::unpack_lanes_position(static_cast<int>(i));
 #else
   return i;
 #endif
 }
 
 #if defined(PAGODA_FP8_MATMUL_VBMI)
-// the bfloat16 bits of the 128 e4m3fn magnitudes (exact; the NaN code reads as 480), high or low bytes, as four
-// 64-byte tables: magnitudes 0-63 and 64-127
-struct Bf16ByteTables {
-  alignas(64) uint8_t high[128];
-  alignas(64) uint8_t low[128];
-};
-
-constexpr Bf16ByteTables bf16_byte_tables() {
-  constexpr std::array<uint16_t, 32> subnormals = pagoda::fp8_subnormals_as_bf16<3>();
-  Bf16ByteTables t{};
-  for (int c = 0; c < 128; ++c) {
-    const int exponent = c >> 3;
-    const uint16_t bits = exponent == 0 ? subnormals[c] : static_cast<uint16_t>(((exponent + 120) << 7) | ((c & 7) << 4));
-    t.high[c] = static_cast<uint8_t>(bits >> 8);
-    t.low[c] = static_cast<uint8_t>(bits & 0xFF);
-  }
-  return t;
-}
-
 // one line's 64 stored codes -> elements 0..31 and 32..63 as bfloat16
 inline void upcast_line(const uint8_t* line, __m512i& first, __m512i& second) {
-  static constexpr Bf16ByteTables kTables = bf16_byte_tables();
-  const __m512i codes = _mm512_loadu_si512(line);
-  __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(kTables.high), codes, _mm512_load_si512(kTables.high + 64));
-  const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(kTables.low), codes, _mm512_load_si512(kTables.low + 64));
-  high = _mm512_ternarylogic_epi32(high, codes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // high | (codes & sign)
-  first = _mm512_unpacklo_epi8(low, high);
-  second = _mm512_unpackhi_epi8(low, high);
+  pagoda::upcast_fp8_lanes_bf16<fp8>(_mm512_loadu_si512(line), first, second);
 }
 #elif defined(PAGODA_ISA_AVX512BF16)
 inline void upcast_line(const uint8_t* line, __m512i& first, __m512i& second) {
