@@ -6,7 +6,8 @@
 // library), in the order of models/llama.py and attention/torch_backend.py, so the result is bit for bit
 // the Python path's.
 //
-// Scope (llama_layers_cpu.py checks it): bfloat16 weights packed for bf16_matmul_cpu, one tensor-parallel
+// Scope (llama_layers_cpu.py checks it): bfloat16 weights packed for bf16_matmul_cpu or FP8 ones packed for
+// fp8_matmul_cpu (with their scales), one tensor-parallel
 // rank, a KV cache in the model's dtype or fp8 (with the layer's k_scale and v_scale), the C++ attention and
 // fused kernels.
 
@@ -69,12 +70,16 @@ const Kernels& kernels() {
 
 // A layer's tensors in layer_tensors, kSlots per layer, in this order; Python reads the names (op layer_slots)
 // and fills the list by name, so the order is written down here only.
-// kv_scales: an fp8 cache's [k_scale, v_scale] (float64 [2]), None for a cache in the model's dtype.
+// kv_scales: an fp8 cache's [k_scale, v_scale] (float64 [2]), None for a cache in the model's dtype. FP8 weights:
+// the four *_scale slots hold their scales ([N, G] float32) and block_k their block sizes (int64 [4], in the order
+// qkv, out, gate_up, down); None for bfloat16 weights.
 enum Slot {
-  kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kKVScales, kSlots
+  kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kKVScales,
+  kQKVScale, kOutScale, kGateUpScale, kDownScale, kBlockK, kSlots
 };
-constexpr const char* kSlotNames[] = {"input_norm", "qkv",     "qkv_bias", "q_norm",   "k_norm",   "out",
-                                      "out_bias",   "post_norm", "gate_up", "down",    "kv_cache", "kv_scales"};
+constexpr const char* kSlotNames[] = {"input_norm", "qkv",       "qkv_bias",  "q_norm",    "k_norm",        "out",
+                                      "out_bias",   "post_norm", "gate_up",   "down",      "kv_cache",      "kv_scales",
+                                      "qkv_scale",  "out_scale", "gate_up_scale", "down_scale", "block_k"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kSlots, "one name per Slot");
 
 std::vector<std::string> layer_slots() { return {std::begin(kSlotNames), std::end(kSlotNames)}; }
@@ -138,6 +143,22 @@ at::Tensor paged_attention(const Kernels& k, const at::Tensor& query, const at::
   return out;
 }
 
+using Fp8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                             const OptionalTensor&);
+
+// one of a layer's matmuls (kQKV, kOut, kGateUp, kDown; `which` 0..3 in that order): bf16_matmul_cpu's linear, or
+// fp8_matmul_cpu's for FP8 weights (looked up on first use: its library is loaded where FP8 weights were packed)
+at::Tensor layer_linear(const Kernels& k, const c10::List<OptionalTensor>& tensors, int64_t layer, Slot weight,
+                        Slot scale, int which, const at::Tensor& x, int64_t out_features, const OptionalTensor& bias) {
+  const OptionalTensor scales = tensors.get(layer * kSlots + scale);
+  if (!scales.has_value()) return k.linear.call(x, required(tensors, layer, weight), out_features, bias, false);
+  static const auto fp8_linear = find<Fp8Linear>("pagoda_fp8_matmul::linear");
+  const at::Tensor block_k = required(tensors, layer, kBlockK);
+  TORCH_CHECK(block_k.scalar_type() == at::kLong && block_k.numel() == 4, "llama_layers: block_k must be int64 [4]");
+  return fp8_linear.call(x, required(tensors, layer, weight), *scales, block_k.data_ptr<int64_t>()[which], out_features,
+                         bias);
+}
+
 std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& hidden_in,  // [T, hidden]
     const OptionalTensor& residual_in,  // [T, hidden], None before the first layer of the model
@@ -171,8 +192,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
       hidden = k.rms_norm.call(hidden, required(layer_tensors, i, kInputNorm), eps);
     }
     // attention
-    const at::Tensor qkv = k.linear.call(hidden, required(layer_tensors, i, kQKV), q_size + 2 * kv_size,
-                                         optional(i, kQKVBias), false);  // [T, q + 2 kv]
+    const at::Tensor qkv = layer_linear(k, layer_tensors, i, kQKV, kQKVScale, 0, hidden, q_size + 2 * kv_size,
+                                        optional(i, kQKVBias));  // [T, q + 2 kv]
     // views into qkv: the kernels take rows at any stride (the Python layers copy them: torch's rotary
     // needs contiguous rows; the values are the same)
     at::Tensor q = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
@@ -198,14 +219,14 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
       attended = attended.index_select(0, *keep_rows);
       residual = residual->index_select(0, *keep_rows);
     }
-    at::Tensor out = k.linear.call(attended, required(layer_tensors, i, kOut), hidden_size, std::nullopt, false);
+    at::Tensor out = layer_linear(k, layer_tensors, i, kOut, kOutScale, 1, attended, hidden_size, std::nullopt);
     if (const OptionalTensor bias = optional(i, kOutBias); bias.has_value()) out = out + *bias;
     // MLP, after the post-attention norm with the residual add
     std::tie(hidden, residual) = k.fused_add_rms_norm.call(out, *residual, required(layer_tensors, i, kPostNorm), eps);
-    const at::Tensor gate_up = k.linear.call(hidden, required(layer_tensors, i, kGateUp), 2 * intermediate_size,
-                                             std::nullopt, false);  // [T, 2 I]
-    hidden = k.linear.call(k.silu_and_mul.call(gate_up), required(layer_tensors, i, kDown), hidden_size,
-                           std::nullopt, false);
+    const at::Tensor gate_up = layer_linear(k, layer_tensors, i, kGateUp, kGateUpScale, 2, hidden,
+                                            2 * intermediate_size, std::nullopt);  // [T, 2 I]
+    hidden = layer_linear(k, layer_tensors, i, kDown, kDownScale, 3, k.silu_and_mul.call(gate_up), hidden_size,
+                          std::nullopt);
   }
   TORCH_CHECK(residual.has_value(), "llama_layers: no layers given");
   return {hidden, *residual};

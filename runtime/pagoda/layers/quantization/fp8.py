@@ -108,6 +108,13 @@ class Fp8Weights:
     def dequantized_weight(self, layer) -> torch.Tensor:
         return dequantize(plain_qweight(layer), layer.weight_scale, self.block_k)
 
+    def cpu_kernel_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(packed weight, scales, block_k) of a layer packed for fp8_matmul_cpu (the C++ layer loop calls the
+        kernel with them, as apply does); None when it is not."""
+        if not _cpu_packed(layer):
+            return None
+        return layer.qweight, layer.weight_scale, self.block_k or 2 * layer.qweight.shape[1]
+
     def pack_for_cpu(self, layer) -> None:
         """For bfloat16 inference on CPU (packed_weights.pack_weights calls it): qweight into fp8_matmul_cpu's
         layout, where its kernel is built and takes this weight; else it stays [N, K]."""
