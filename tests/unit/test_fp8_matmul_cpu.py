@@ -57,7 +57,7 @@ def test_pack_and_unpack_are_inverse(n, k):
     assert torch.equal(fp8_matmul_cpu.unpack(packed, n).view(torch.uint8), qweight.view(torch.uint8))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 13, 70])
+@pytest.mark.parametrize("rows", [1, 6, 13, 70])  # micro-kernel tails of 5 and 8 rows, two row tasks
 @pytest.mark.parametrize("n,k,block_k", [(64, 96, None), (50, 256, 128), (33, 200, 64), (96, 128, 2)],
                          ids=["channel", "blocks", "partial-blocks", "pair-blocks"])
 @pytest.mark.parametrize("bias", [False, True])
