@@ -3,7 +3,7 @@
 At one sequence a decode step is ~10 ms of kernels; calling them from Python, layer by layer, added ~3 ms
 (module calls, attribute lookups, ~10 dispatches per layer). The C++ loop makes the same kernel calls in the
 same order, so its output is bit for bit that of ``LlamaDecoderLayer.forward``, which stays the path for
-everything else: other devices, float32 and float16, quantized or oneDNN-packed weights, tensor parallelism,
+everything else: other devices, float32 and float16, int8/int4/GPTQ/AWQ or oneDNN-packed weights, tensor parallelism,
 the memory-profiling pass (no KV cache yet), the pass that calibrates an fp8 cache's scales, and machines where
 a kernel library is not built. A bfloat16 or an fp8 cache (with each layer's k_scale and v_scale) is read;
 weights are bfloat16 (bf16_matmul_cpu) or FP8 (fp8_matmul_cpu, with their scales).
