@@ -164,6 +164,35 @@ def test_every_fp8_code_is_read_as_its_value(fp8, v_scale):
     torch.testing.assert_close(out[0, 0].double(), expected, rtol=1e-6, atol=0)
 
 
+def subnormal_fp8_codes(fp8):
+    """The codes with exponent 0 (subnormals and zeros) as uint8."""
+    mantissa_bits = 3 if fp8 == torch.float8_e4m3fn else 2
+    return torch.tensor([sign | m for sign in (0, 0x80) for m in range(1 << mantissa_bits)], dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("codes", ["all", "subnormal"])
+def test_bfloat16_decode_reads_every_fp8_code(cpp_only, fp8, head_size, codes):
+    """bfloat16 queries on an fp8 cache in decode (with AVX512_BF16 the cache is widened to bfloat16, at other
+    levels to float32): keys and values drawn from the 256 codes but NaN / inf, or from the subnormal codes alone
+    with scales that make them decide the scores and the output (a kernel that read them as zero, or as normal
+    numbers, would be far off), against the torch reference."""
+    pairs = [(1, 37), (1, 16), (1, 1), (1, 64)]
+    batch = batch_with_cache(pairs, 8, 2, head_size, 16, torch.bfloat16, fp8, seed=11)
+    pool = every_fp8_value(fp8).view(torch.uint8) if codes == "all" else subnormal_fp8_codes(fp8)
+    generator = torch.Generator().manual_seed(3)
+    picks = torch.randint(0, pool.numel(), batch.kv_cache.shape, generator=generator)
+    batch.kv_cache.view(torch.uint8).copy_(pool[picks])
+    largest = float(upcast(pool.view(fp8), torch.float32).abs().max())
+    k_scale, v_scale = 0.5 / largest, 2.0 / largest  # scores and outputs of order 1
+    expected = reference(batch, k_scale=k_scale, v_scale=v_scale)
+    got = cpp_only(torch_backend.paged_attention, batch.query, batch.kv_cache, batch.metadata, batch.scale, k_scale,
+                   v_scale)
+    assert expected.abs().max() > 0.1
+    assert_close(got, expected, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.037, 2.5)])

@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ["tests/unit/test_bf16_matmul_cpu.py", "tests/unit/test_fused_cpu_ops.py",
+KERNEL_TESTS = ["tests/unit/test_bf16_matmul_cpu.py", "tests/unit/test_fp8_matmul_cpu.py", "tests/unit/test_fused_cpu_ops.py",
                 "tests/unit/test_cpu_attention_kernels.py",
                 "tests/kernels/test_cpu_attention_variants.py"]  # fp8 caches, windows, soft-caps
 LEVELS = cpu_isa.detect("native").executable_levels

@@ -4,6 +4,7 @@ passes it does not run."""
 
 import pytest
 import torch
+from fp8_checkpoints import write_fp8_model
 
 from pagoda import LLM, SamplingParams
 from pagoda.layers import attention
@@ -83,6 +84,50 @@ def test_mixed_batches_of_prefill_chunks_and_decodes_give_the_python_layers_resu
 
     assert all(loop_calls)
     assert any(1 in lens and max(lens) > 1 for lens in loop_calls.query_lens)  # decodes among prefill chunks
+    assert in_one_call == in_python
+
+
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("llama", "fp8_e4m3"), ("qwen3", "fp8_e5m2")])
+def test_an_fp8_cache_gives_the_python_layers_results_exactly(tiny_model_factory, monkeypatch, loop_calls, arch,
+                                                              kv_cache_dtype):
+    """The loop writes and reads an fp8 cache with each layer's scales. They are calibrated on the first batch
+    (calculate_kv_scales), a pass the Python layers run; the loop takes every later one."""
+    llm = LLM(str(tiny_model_factory(arch)), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=True)
+
+    in_one_call = generate(llm, True, monkeypatch)
+    assert len(loop_calls) == 24 and loop_calls[0] is False and all(loop_calls[1:])
+    attn = llm.engine.executor.runner.model.model.layers[0].self_attn.attn
+    assert attn.kv_cache.dtype == getattr(torch, "float8_e4m3fn" if kv_cache_dtype == "fp8_e4m3" else "float8_e5m2")
+    assert attn.k_scale != 1.0 and attn.v_scale != 1.0  # calibrated, so the scales must reach the loop's kernels
+    loop_calls.clear()
+    in_python = generate(llm, False, monkeypatch)
+
+    assert not any(loop_calls)
+    assert in_one_call == in_python
+
+
+@pytest.mark.parametrize("arch,weights,kv_cache_dtype", [("llama", "online", "auto"), ("qwen2", "online", "fp8"),
+                                                         ("llama", "block", "auto")])
+def test_fp8_weights_give_the_python_layers_results_exactly(tiny_model_factory, tmp_path, monkeypatch, loop_calls,
+                                                            arch, weights, kv_cache_dtype):
+    """FP8 weights packed for fp8_matmul_cpu: the loop calls that kernel with each layer's scales and block size
+    (online: one scale per row; a compressed-tensors checkpoint: [32, 16] blocks), as the layers' methods do."""
+    path, kwargs = tiny_model_factory(arch), {"quantization": "fp8"}
+    if weights == "block":
+        write_fp8_model(path, tmp_path / "fp8", tmp_path / "dequantized", "compressed-tensors", "block", (32, 16))
+        path, kwargs = tmp_path / "fp8", {}
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype, **kwargs)
+    down = llm.engine.executor.runner.model.model.layers[0].mlp.down_proj
+    assert down.qweight.dim() == 4  # packed for the kernel
+
+    in_one_call = generate(llm, True, monkeypatch)
+    assert len(loop_calls) == 24 and all(loop_calls)
+    loop_calls.clear()
+    in_python = generate(llm, False, monkeypatch)
+
+    assert not any(loop_calls)
     assert in_one_call == in_python
 
 

@@ -16,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "paged_attention_common.h"
@@ -219,8 +220,11 @@ void decode_fp8(const scalar_t* q, int64_t q_head_stride, const cache_t* k_cache
 
 
 #if defined(PAGODA_ISA_AVX512BF16)
-// Decode for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs straight
-// from the cache (no widening pass). Scores: one instruction per 32 head-dim elements and a horizontal sum
+// Decode for a bfloat16 or fp8 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs straight
+// from a bfloat16 cache (no widening pass). An fp8 cache's rows are widened to bfloat16 (exact: byte lookups with
+// AVX512_VBMI, upcast_fp8_64_bf16, else upcast_fp8_32_bf16) one block and KV head at a time into a buffer that
+// stays in L1, then read as a bfloat16 block's would be; k_scale goes into the softmax scale, v_scale into the
+// output. Scores: one instruction per 32 head-dim elements and a horizontal sum
 // per (key, head). P @ V: two keys at a time, their value rows interleaved into pairs and the two
 // probabilities (rounded to bfloat16, as SDPA's math path does) broadcast as one pair. Needs an even
 // block_size, so a pair of keys never straddles two blocks.
@@ -323,13 +327,42 @@ inline void with_unit_size(int64_t n, Visit&& visit) {
   }
 }
 
-// One sequence, KV heads 0..num_kv_heads of the pointers given (q/out: their first query head's row)
-template <int kHeadSize>
-void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloat16* k_cache,
-                 const c10::BFloat16* v_cache, int64_t block_stride, int64_t pos_stride, int64_t head_stride,
-                 int64_t num_kv_heads, int64_t group, const int32_t* block_table, int64_t seq_len,
-                 int64_t block_size, float scale, c10::BFloat16* out, int64_t out_head_stride,
-                 std::vector<float>& scratch) {
+// n rows of one KV head's block (rows pos_stride apart) as bfloat16 rows: a bfloat16 cache's in place (rows
+// pos_stride apart), an fp8 cache's widened into buffer ([n, kHeadSize], rows kHeadSize apart)
+template <int kHeadSize, typename cache_t>
+inline std::pair<const c10::BFloat16*, int64_t> bf16_rows(const cache_t* rows, int64_t pos_stride, int64_t n,
+                                                          c10::BFloat16* buffer) {
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16>) {
+    return {rows, pos_stride};
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const auto* bytes = reinterpret_cast<const uint8_t*>(rows + t * pos_stride);
+      c10::BFloat16* row = buffer + t * kHeadSize;
+#if defined(__AVX512VBMI__)
+      for (int i = 0; i < kHeadSize / 64; ++i) {  // byte lookups: 7 instructions for 64 codes
+        __m512i first, second;
+        pagoda::upcast_fp8_64_bf16<cache_t>(bytes + 64 * i, first, second);
+        _mm512_store_si512(row + 64 * i, first);
+        _mm512_store_si512(row + 64 * i + 32, second);
+      }
+#else
+      for (int i = 0; i < kHeadSize / 32; ++i)
+        _mm512_store_si512(row + 32 * i, pagoda::upcast_fp8_32_bf16<cache_t>(
+                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 32 * i))));
+#endif
+    }
+    return {buffer, kHeadSize};
+  }
+}
+
+// One sequence, KV heads 0..num_kv_heads of the pointers given (q/out: their first query head's row); scale: the
+// softmax scale (times k_scale for fp8), out_scale: 1 (v_scale for fp8)
+template <int kHeadSize, typename cache_t>
+void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k_cache, const cache_t* v_cache,
+                 int64_t block_stride, int64_t pos_stride, int64_t head_stride, int64_t num_kv_heads, int64_t group,
+                 const int32_t* block_table, int64_t seq_len, int64_t block_size, float scale, float out_scale,
+                 c10::BFloat16* out, int64_t out_head_stride, std::vector<float>& scratch,
+                 std::vector<c10::BFloat16>& widened) {
   constexpr int kVecs = kHeadSize / 32;
   constexpr int kUnit = 16 / (kHeadSize / 16);  // query heads at once: 16 of the 32 registers for P @ V
   const int64_t heads = num_kv_heads * group;
@@ -340,29 +373,39 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloa
   float* s = scratch.data();                                                // [heads, padded_len] scores
   uint16_t* p16 = reinterpret_cast<uint16_t*>(s + heads * padded_len);      // [heads, padded_len] bfloat16
   float* acc = s + 2 * heads * padded_len;                                  // [heads, 2 kVecs, 16]
+  c10::BFloat16* buffer = nullptr;  // an fp8 block's rows of one KV head, widened: [block_size, kHeadSize]
+  if constexpr (pagoda::kIsFp8<cache_t>) {
+    if (static_cast<int64_t>(widened.size()) < block_size * kHeadSize + 32) widened.resize(block_size * kHeadSize + 32);
+    const auto address = reinterpret_cast<uintptr_t>(widened.data());
+    buffer = reinterpret_cast<c10::BFloat16*>((address + 63) & ~uintptr_t{63});  // whole cache lines
+  }
 
   const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
   // a block that does not follow its predecessor in memory starts a run the hardware prefetcher cannot
   // guess: fetch it into L2 ahead (one real load first: a prefetch that misses the TLB may be dropped).
   // Prefetching every block, or into L1, was slower: 4 blocks of 3 heads overflow L1, and requests the
   // hardware would make anyway take the core's miss buffers.
-  auto prefetch_run_start = [&](const c10::BFloat16* cache, int64_t b) {
+  auto prefetch_run_start = [&](const cache_t* cache, int64_t b) {
     if (b >= num_blocks || (b > 0 && block_table[b] == block_table[b - 1] + 1)) return;
     const char* rows = reinterpret_cast<const char*>(cache + block_table[b] * block_stride);
     const char first_byte = *reinterpret_cast<const volatile char*>(rows);
     asm volatile("" : : "r"(first_byte));
     for (int64_t h = 0; h < num_kv_heads; ++h)
       for (int64_t t = 0; t < block_size; ++t)
-        for (int64_t byte = 0; byte < kHeadSize * 2; byte += 64)
-          _mm_prefetch(rows + (h * head_stride + t * pos_stride) * 2 + byte, _MM_HINT_T1);
+        for (int64_t byte = 0; byte < kHeadSize * int64_t(sizeof(cache_t)); byte += 64)
+          _mm_prefetch(rows + (h * head_stride + t * pos_stride) * sizeof(cache_t) + byte, _MM_HINT_T1);
   };
-  // a unit: KV head h and query heads [first, first + count) of its group, count <= kUnit
-  auto for_each_unit = [&](auto&& visit) {
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t g0 = 0; g0 < group; g0 += kUnit) visit(h, h * group + g0, std::min<int64_t>(kUnit, group - g0));
+  // a unit: KV head h's n rows of a block as bfloat16 (rows stride apart) and query heads [first, first + count)
+  // of its group, count <= kUnit
+  auto for_each_unit = [&](const cache_t* block, int64_t n, auto&& visit) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const auto [rows, stride] = bf16_rows<kHeadSize>(block + h * head_stride, pos_stride, n, buffer);
+      for (int64_t g0 = 0; g0 < group; g0 += kUnit)
+        visit(rows, stride, h * group + g0, std::min<int64_t>(kUnit, group - g0));
+    }
   };
   // one pass over the context's blocks: visit(block's first position, its size, its rows in cache)
-  auto sweep = [&](const c10::BFloat16* cache, auto&& visit) {
+  auto sweep = [&](const cache_t* cache, auto&& visit) {
     for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_run_start(cache, b);
     for (int64_t b = 0; b < num_blocks; ++b) {
       prefetch_run_start(cache, b + kPrefetchBlocks);
@@ -371,22 +414,21 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloa
     }
   };
 
-  sweep(k_cache, [&](int64_t t0, int64_t n, const c10::BFloat16* block) {
-    for_each_unit([&](int64_t h, int64_t first, int64_t count) {
+  sweep(k_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
+    for_each_unit(block, n, [&](const c10::BFloat16* rows, int64_t stride, int64_t first, int64_t count) {
       with_unit_size<kUnit>(count, [&](auto size) {
-        score_block<kHeadSize, decltype(size)::value>(q + first * q_head_stride, q_head_stride, block + h * head_stride,
-                                                      pos_stride, n, scale, s + first * padded_len + t0, padded_len);
+        score_block<kHeadSize, decltype(size)::value>(q + first * q_head_stride, q_head_stride, rows, stride, n,
+                                                      scale, s + first * padded_len + t0, padded_len);
       });
     });
   });
   for (int64_t head = 0; head < heads; ++head) softmax_to_bf16(s + head * padded_len, p16 + head * padded_len, seq_len);
   std::memset(acc, 0, acc_floats * sizeof(float));
-  sweep(v_cache, [&](int64_t t0, int64_t n, const c10::BFloat16* block) {
-    for_each_unit([&](int64_t h, int64_t first, int64_t count) {
+  sweep(v_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
+    for_each_unit(block, n, [&](const c10::BFloat16* rows, int64_t stride, int64_t first, int64_t count) {
       with_unit_size<kUnit>(count, [&](auto size) {
-        accumulate_block<kHeadSize, decltype(size)::value>(p16 + first * padded_len + t0, padded_len,
-                                                           block + h * head_stride, pos_stride, n,
-                                                           acc + first * 2 * kVecs * 16);
+        accumulate_block<kHeadSize, decltype(size)::value>(p16 + first * padded_len + t0, padded_len, rows, stride,
+                                                           n, acc + first * 2 * kVecs * 16);
       });
     });
   });
@@ -397,8 +439,8 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const c10::BFloa
       c10::BFloat16* o = out + head * out_head_stride + 32 * i;
       for (int lane = 0; lane < 4; ++lane)
         for (int j = 0; j < 4; ++j) {
-          o[8 * lane + j] = c10::BFloat16(lo[4 * lane + j]);
-          o[8 * lane + 4 + j] = c10::BFloat16(hi[4 * lane + j]);
+          o[8 * lane + j] = c10::BFloat16(lo[4 * lane + j] * out_scale);
+          o[8 * lane + 4 + j] = c10::BFloat16(hi[4 * lane + j] * out_scale);
         }
     }
 }
@@ -422,18 +464,23 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
 
 #if defined(PAGODA_ISA_AVX512BF16)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
-    if (variant.plain() && block_size % 2 == 0 && (head_size == 64 || head_size == 128)) {
-      auto decode = head_size == 64 ? decode_bf16<64> : decode_bf16<128>;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> &&
+                (std::is_same_v<cache_t, c10::BFloat16> || pagoda::kIsFp8<cache_t>)) {
+    if (variant.window == 0 && variant.softcap == 0.f && block_size % 2 == 0 && (head_size == 64 || head_size == 128)) {
+      auto decode = head_size == 64 ? decode_bf16<64, cache_t> : decode_bf16<128, cache_t>;
+      // the fp8 rows are widened exactly, without upcast_fp8's 1 / kFp8ReadFactor
+      const float score_scale = variant.q_scale / pagoda::kFp8ReadFactor<cache_t>;
+      const float out_scale = variant.out_scale / pagoda::kFp8ReadFactor<cache_t>;
       // a sequence's KV heads together when every thread gets a sequence; else one item per KV head
       const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? num_kv_heads : 1;
       const int64_t items_per_seq = num_kv_heads / heads_per_item;
       pagoda::parallel_tasks(num_seqs * items_per_seq, [&](int64_t item) {
         thread_local std::vector<float> scratch;
+        thread_local std::vector<c10::BFloat16> widened;
         const int64_t i = item / items_per_seq, h = item % items_per_seq * heads_per_item;
         decode(q + i * q_seq + h * group * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
                pos_stride, head_stride, heads_per_item, group, tables + i * table_stride, lens[i], block_size,
-               variant.q_scale, o + i * o_seq + h * group * o_head, o_head, scratch);
+               score_scale, out_scale, o + i * o_seq + h * group * o_head, o_head, scratch, widened);
       });
       return;
     }

@@ -93,6 +93,24 @@ constexpr const char* kIsaLevelSchema = "isa_level() -> str";
 
 }  // namespace pagoda::bf16_matmul
 
+// FP8 (e4m3fn) weight-only matmuls for bfloat16 activations (layers/fp8_matmul_cpu.cpp)
+namespace pagoda::fp8_matmul {
+
+// x [..., K] bfloat16 against a weight packed by fp8_pack; scales [N, G] float32, one per output row and block of
+// block_k inputs -> [..., out_features] bfloat16
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t block_k,
+                  int64_t out_features, const std::optional<at::Tensor>& bias);
+constexpr const char* kLinearSchema =
+    "fp8_linear(Tensor x, Tensor packed, Tensor scales, int block_k, int out_features, Tensor? bias) -> Tensor";
+
+at::Tensor pack(const at::Tensor& qweight);  // [N, K] float8_e4m3fn -> [ceil(N/32), K/2, 32, 2]
+constexpr const char* kPackSchema = "fp8_pack(Tensor qweight) -> Tensor";
+
+at::Tensor unpack(const at::Tensor& packed, int64_t out_features);  // pack's inverse: [N, K]
+constexpr const char* kUnpackSchema = "fp8_unpack(Tensor packed, int out_features) -> Tensor";
+
+}  // namespace pagoda::fp8_matmul
+
 // the Llama decoder layers in one call (models/llama_layers_cpu.cpp)
 namespace pagoda::llama {
 

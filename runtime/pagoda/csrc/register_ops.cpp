@@ -18,6 +18,9 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(fused::kArgmaxRowsSchema);
   m.def(bf16_matmul::kLinearSchema);
   m.def(bf16_matmul::kIsaLevelSchema, &bf16_matmul::isa_level);
+  m.def(fp8_matmul::kLinearSchema);
+  m.def(fp8_matmul::kPackSchema);
+  m.def(fp8_matmul::kUnpackSchema);
   m.def(llama::kLayersSchema);
   m.def(llama::kLayerSlotsSchema, &llama::layer_slots);
 }
@@ -34,5 +37,8 @@ TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("write_kv_cache", &fused::write_kv_cache);
   m.impl("argmax_rows", &fused::argmax_rows);
   m.impl("bf16_linear", &bf16_matmul::linear);
+  m.impl("fp8_linear", &fp8_matmul::linear);
+  m.impl("fp8_pack", &fp8_matmul::pack);
+  m.impl("fp8_unpack", &fp8_matmul::unpack);
   m.impl("llama_layers", &llama::layers);
 }

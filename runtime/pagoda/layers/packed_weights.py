@@ -64,9 +64,15 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 
 def pack_weights(model: nn.Module) -> None:
     """Give each matmul layer (a class declaring ``packed_weight``) its packed weight, and drop the plain
-    ``weight`` unless the layer is marked ``shares_weight`` (a tied LM head)."""
+    ``weight`` unless the layer is marked ``shares_weight`` (a tied LM head). A quantized layer's method packs
+    its own weights where it has a CPU layout (``pack_for_cpu``: FP8)."""
     for layer in model.modules():
-        if not hasattr(type(layer), "packed_weight") or layer.weight is None:
+        if not hasattr(type(layer), "packed_weight"):
+            continue
+        if layer.weight is None:
+            pack_quantized = getattr(getattr(layer, "quant_method", None), "pack_for_cpu", None)
+            if pack_quantized is not None:
+                pack_quantized(layer)
             continue
         layer.packed_weight = pack(layer.weight)
         if layer.packed_weight is not None and not getattr(layer, "shares_weight", False):

@@ -5,8 +5,9 @@
 // makes the same calls, to the same kernels (the library's own, called directly through csrc/ops.h), in the
 // order of models/llama.py and attention/torch_backend.py, so the result is bit for bit the Python path's.
 //
-// Scope (llama_layers_cpu.py checks it): bfloat16 weights packed for bf16_matmul_cpu, one tensor-parallel
-// rank, a KV cache in the model's dtype, the C++ attention and fused kernels.
+// Scope (llama_layers_cpu.py checks it): bfloat16 weights packed for bf16_matmul_cpu or FP8 ones packed for
+// fp8_matmul_cpu (with their scales), one tensor-parallel rank, a KV cache in the model's dtype or fp8 (with the
+// layer's k_scale and v_scale), the C++ attention and fused kernels.
 
 #include <ATen/ATen.h>
 
@@ -24,11 +25,16 @@ using OptionalTensor = std::optional<at::Tensor>;
 
 // A layer's tensors in layer_tensors, kSlots per layer, in this order; Python reads the names (op llama_layer_slots)
 // and fills the list by name, so the order is written down here only.
+// kv_scales: an fp8 cache's [k_scale, v_scale] (float64 [2]), None for a cache in the model's dtype. FP8 weights:
+// the four *_scale slots hold their scales ([N, G] float32) and block_k their block sizes (int64 [4], in the order
+// qkv, out, gate_up, down); None for bfloat16 weights.
 enum Slot {
-  kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kSlots
+  kInputNorm, kQKV, kQKVBias, kQNorm, kKNorm, kOut, kOutBias, kPostNorm, kGateUp, kDown, kKVCache, kKVScales,
+  kQKVScale, kOutScale, kGateUpScale, kDownScale, kBlockK, kSlots
 };
-constexpr const char* kSlotNames[] = {"input_norm", "qkv",       "qkv_bias", "q_norm", "k_norm",  "out",
-                                      "out_bias",   "post_norm", "gate_up",  "down",   "kv_cache"};
+constexpr const char* kSlotNames[] = {"input_norm", "qkv",       "qkv_bias",  "q_norm",    "k_norm",        "out",
+                                      "out_bias",   "post_norm", "gate_up",   "down",      "kv_cache",      "kv_scales",
+                                      "qkv_scale",  "out_scale", "gate_up_scale", "down_scale", "block_k"};
 static_assert(sizeof(kSlotNames) / sizeof(kSlotNames[0]) == kSlots, "one name per Slot");
 
 at::Tensor required(const c10::List<OptionalTensor>& tensors, int64_t layer, Slot slot) {
@@ -50,29 +56,56 @@ struct Batch {
   const OptionalTensor& decode_seq_lens;  // [R]
 };
 
-// the loop's layers have no window and no soft-cap, and a cache in the model's dtype (no fp8 scales)
-constexpr double kNoScale = 1.0, kNoSoftcap = 0.0;
+// the loop's layers have no window and no soft-cap
+constexpr double kNoSoftcap = 0.0;
 constexpr int64_t kNoWindow = 0;
 
+// an fp8 cache's scales (stored = fp8(k / k_scale)); 1 and 1 for a cache in the model's dtype (the kernels
+// ignore them there)
+struct KvScales {
+  double k = 1.0, v = 1.0;
+};
+
+KvScales kv_scales(const OptionalTensor& t) {
+  if (!t.has_value()) return {};
+  TORCH_CHECK(t->scalar_type() == at::kDouble && t->numel() == 2 && t->is_contiguous(),
+              "llama_layers: kv_scales must be float64 [k_scale, v_scale]");
+  const double* s = t->data_ptr<double>();
+  return {s[0], s[1]};
+}
+
 // attention/torch_backend.py's _paged_attention_cpu: query [T, Hq, D] -> [T, Hq, D]
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const Batch& b, double scale) {
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const Batch& b, double scale,
+                           KvScales kv) {
   at::Tensor out = at::empty_like(query);
   const at::Tensor key_cache = kv_cache[0], value_cache = kv_cache[1];
   if (b.all_decode) {
-    attention::paged_decode_attention(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out,
-                                      kNoScale, kNoScale, kNoWindow, kNoSoftcap);
+    attention::paged_decode_attention(query, key_cache, value_cache, b.block_tables, b.seq_lens, scale, out, kv.k,
+                                      kv.v, kNoWindow, kNoSoftcap);
     return out;
   }
   attention::paged_prefill_attention(query, key_cache, value_cache, b.block_tables, b.query_start_loc, b.seq_lens,
-                                     scale, out, kNoScale, kNoScale, kNoWindow, kNoSoftcap);
+                                     scale, out, kv.k, kv.v, kNoWindow, kNoSoftcap);
   if (b.decode_rows.has_value()) {
     at::Tensor decoded = at::empty({b.decode_rows->size(0), query.size(1), query.size(2)}, query.options());
     attention::paged_decode_attention(query.index_select(0, *b.decode_rows), key_cache, value_cache,
-                                      *b.decode_block_tables, *b.decode_seq_lens, scale, decoded, kNoScale, kNoScale,
+                                      *b.decode_block_tables, *b.decode_seq_lens, scale, decoded, kv.k, kv.v,
                                       kNoWindow, kNoSoftcap);
     out.index_copy_(0, *b.decode_rows, decoded);
   }
   return out;
+}
+
+// one of a layer's matmuls (kQKV, kOut, kGateUp, kDown; `which` 0..3 in that order): the bfloat16 matmul, or the
+// FP8 one where the layer's weights are FP8 (their scale slot is filled)
+at::Tensor layer_linear(const c10::List<OptionalTensor>& tensors, int64_t layer, Slot weight, Slot scale, int which,
+                        const at::Tensor& x, int64_t out_features, const OptionalTensor& bias) {
+  const OptionalTensor scales = tensors.get(layer * kSlots + scale);
+  if (!scales.has_value()) return bf16_matmul::linear(x, required(tensors, layer, weight), out_features, bias, false);
+  const at::Tensor block_k = required(tensors, layer, kBlockK);
+  TORCH_CHECK(block_k.scalar_type() == at::kLong && block_k.numel() == 4, "llama_layers: block_k must be int64 [4]");
+  return fp8_matmul::linear(x, required(tensors, layer, weight), *scales, block_k.data_ptr<int64_t>()[which],
+                            out_features, bias);
 }
 
 }  // namespace
@@ -112,8 +145,8 @@ std::tuple<at::Tensor, at::Tensor> layers(
       hidden = fused::rms_norm(hidden, required(layer_tensors, i, kInputNorm), eps);
     }
     // attention
-    const at::Tensor qkv = bf16_matmul::linear(hidden, required(layer_tensors, i, kQKV), q_size + 2 * kv_size,
-                                               optional(i, kQKVBias), false);  // [T, q + 2 kv]
+    const at::Tensor qkv = layer_linear(layer_tensors, i, kQKV, kQKVScale, 0, hidden, q_size + 2 * kv_size,
+                                        optional(i, kQKVBias));  // [T, q + 2 kv]
     // views into qkv: the kernels take rows at any stride (the Python layers copy them: torch's rotary
     // needs contiguous rows; the values are the same)
     at::Tensor q = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
@@ -124,22 +157,29 @@ std::tuple<at::Tensor, at::Tensor> layers(
     }
     fused::apply_rotary_(positions, q, key, cos_sin_cache, head_size);  // in place
     at::Tensor kv_cache = required(layer_tensors, i, kKVCache);  // [2, blocks, block_size, Hkv, D]
-    fused::write_kv_cache(key.view({rows, num_kv_heads, head_size}), value.view({rows, num_kv_heads, head_size}),
-                          kv_cache, slot_mapping);
-    at::Tensor attended = paged_attention(q.view({rows, num_heads, head_size}), kv_cache, batch, scale).flatten(1);
+    const OptionalTensor scales = optional(i, kKVScales);
+    const KvScales kv = kv_scales(scales);
+    const at::Tensor key_rows = key.view({rows, num_kv_heads, head_size});
+    const at::Tensor value_rows = value.view({rows, num_kv_heads, head_size});
+    if (scales.has_value()) {
+      attention::write_kv_cache_fp8(key_rows, value_rows, kv_cache, slot_mapping, kv.k, kv.v);
+    } else {
+      fused::write_kv_cache(key_rows, value_rows, kv_cache, slot_mapping);
+    }
+    at::Tensor attended = paged_attention(q.view({rows, num_heads, head_size}), kv_cache, batch, scale, kv).flatten(1);
     if (i == num_layers - 1 && keep_rows.has_value()) {  // past attention, rows nobody reads are dropped
       attended = attended.index_select(0, *keep_rows);
       residual = residual->index_select(0, *keep_rows);
     }
-    at::Tensor out = bf16_matmul::linear(attended, required(layer_tensors, i, kOut), hidden_size, std::nullopt, false);
+    at::Tensor out = layer_linear(layer_tensors, i, kOut, kOutScale, 1, attended, hidden_size, std::nullopt);
     if (const OptionalTensor bias = optional(i, kOutBias); bias.has_value()) out = out + *bias;
     // MLP, after the post-attention norm with the residual add
     std::tie(hidden, residual) =
         fused::fused_add_rms_norm(out, *residual, required(layer_tensors, i, kPostNorm), eps);
-    const at::Tensor gate_up = bf16_matmul::linear(hidden, required(layer_tensors, i, kGateUp),
-                                                   2 * intermediate_size, std::nullopt, false);  // [T, 2 I]
-    hidden = bf16_matmul::linear(fused::silu_and_mul(gate_up), required(layer_tensors, i, kDown), hidden_size,
-                                 std::nullopt, false);
+    const at::Tensor gate_up = layer_linear(layer_tensors, i, kGateUp, kGateUpScale, 2, hidden,
+                                            2 * intermediate_size, std::nullopt);  // [T, 2 I]
+    hidden = layer_linear(layer_tensors, i, kDown, kDownScale, 3, fused::silu_and_mul(gate_up), hidden_size,
+                          std::nullopt);
   }
   TORCH_CHECK(residual.has_value(), "llama_layers: no layers given");
   return {hidden, *residual};

@@ -1,6 +1,6 @@
 """The C++ CPU kernel library, ``torch.ops.pagoda_cpu``: paged attention (decode, prefill, the fp8 cache write),
 the fused per-layer ops (RMSNorm, rotary, SiLU-and-multiply, the KV-cache write, the sampler's argmax), the
-bfloat16 matmul and the Llama layer loop. One extension per ISA level, built once on first use and cached
+bfloat16 and FP8-weight matmuls and the Llama layer loop. One extension per ISA level, built once on first use and cached
 (``pagoda.cpp_extensions``): its translation units below are compiled apart, in parallel (ninja), and linked
 into one library; every op's C++ signature and schema is declared in ``csrc/ops.h`` and registered in
 ``csrc/register_ops.cpp``.
@@ -28,12 +28,13 @@ SOURCES = [_RUNTIME / path for path in (
     "attention/paged_prefill_cpu.cpp",
     "layers/fused_cpu_ops.cpp",
     "layers/bf16_matmul_cpu.cpp",
+    "layers/fp8_matmul_cpu.cpp",
     "models/llama_layers_cpu.cpp",
 )]
 
 _library = cpp_extensions.OptionalExtension(
     "pagoda_cpu_", SOURCES, "PAGODA_CPU_KERNELS",
-    "paged attention, RMSNorm, rotary, SiLU, the KV-cache write, bfloat16 matmuls and the Llama layer loop")
+    "paged attention, RMSNorm, rotary, SiLU, the KV-cache write, bfloat16 and FP8 matmuls and the Llama layer loop")
 
 
 def available() -> bool:

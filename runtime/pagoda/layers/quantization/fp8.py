@@ -9,8 +9,10 @@ block scale to the rows of its block, so the layers' loaders shard scales by out
 shard weights.
 
 The matmul: on GPUs with FP8 tensor cores (compute capability 8.9+) and per-channel scales,
-``torch._scaled_mm`` with the activations quantized per token on the fly; everywhere else weight-only, the
-weight upcast to the activations' dtype a chunk of output rows at a time (never the whole matrix at once).
+``torch._scaled_mm`` with the activations quantized per token on the fly; on CPU in bfloat16, where the C++
+kernel is built, ``fp8_matmul_cpu`` (the weight packed once into its layout and widened in registers); everywhere
+else weight-only, the weight upcast to the activations' dtype a chunk of output rows at a time (never the whole
+matrix at once).
 Checkpoints' static ``input_scale`` are read and not used: activations are always scaled per token."""
 
 import math
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.config.quantization import QuantizationConfig
+from pagoda.layers import fp8_matmul_cpu
 from pagoda.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -96,11 +99,38 @@ class Fp8Weights:
     block_k: int | None = None
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = matmul(x, layer.qweight, layer.weight_scale, self.block_k)
+        if _cpu_packed(layer) and x.dtype == torch.bfloat16:
+            n, k = layer.weight_scale.shape[0], x.shape[-1]
+            return fp8_matmul_cpu.linear(x, layer.qweight, layer.weight_scale, self.block_k or k, n, bias)
+        y = matmul(x, plain_qweight(layer), layer.weight_scale, self.block_k)
         return y + bias if bias is not None else y
 
     def dequantized_weight(self, layer) -> torch.Tensor:
-        return dequantize(layer.qweight, layer.weight_scale, self.block_k)
+        return dequantize(plain_qweight(layer), layer.weight_scale, self.block_k)
+
+    def cpu_kernel_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(packed weight, scales, block_k) of a layer packed for fp8_matmul_cpu (the C++ layer loop calls the
+        kernel with them, as apply does); None when it is not."""
+        if not _cpu_packed(layer):
+            return None
+        return layer.qweight, layer.weight_scale, self.block_k or 2 * layer.qweight.shape[1]
+
+    def pack_for_cpu(self, layer) -> None:
+        """For bfloat16 inference on CPU (packed_weights.pack_weights calls it): qweight into fp8_matmul_cpu's
+        layout, where its kernel is built and takes this weight; else it stays [N, K]."""
+        if fp8_matmul_cpu.can_pack(layer.qweight, self.block_k) and fp8_matmul_cpu.available():
+            layer.qweight = fp8_matmul_cpu.pack(layer.qweight)
+
+
+def _cpu_packed(layer) -> bool:
+    return layer.qweight.dim() == 4
+
+
+def plain_qweight(layer) -> torch.Tensor:
+    """The layer's [N, K] fp8 weight, whichever layout it holds."""
+    if _cpu_packed(layer):
+        return fp8_matmul_cpu.unpack(layer.qweight, layer.weight_scale.shape[0])
+    return layer.qweight
 
 
 class Fp8OnlineMethod(Fp8Weights):
