@@ -18,6 +18,7 @@
 #error "the harness is for aarch64 NEON builds"
 #endif
 
+#include "paged_decode_neon.h"
 #include "silu_and_mul_neon.h"
 #if defined(PAGODA_ISA_NEONBF16)
 #include "bf16_matmul_neonbf16.h"
@@ -175,6 +176,56 @@ void check_silu(int64_t n) {
   report(ok, what, ok ? "" : detail);
 }
 
+// decode attention over a bfloat16 paged cache [blocks, block_size, kv_heads, D], blocks in shuffled order,
+// against softmax(q k^T scale) v in double precision from the same bfloat16 values
+template <int kHeadSize>
+void check_decode(int64_t seq_len, int64_t block_size, int64_t kv_heads, int64_t group) {
+  const int64_t heads = kv_heads * group, num_blocks = (seq_len + block_size - 1) / block_size + 3;
+  const float scale = 1.f / std::sqrt(float(kHeadSize));
+  const std::vector<bf16> q = random_bf16(heads * kHeadSize, 1.f);
+  const std::vector<bf16> k_cache = random_bf16(num_blocks * block_size * kv_heads * kHeadSize, 1.f);
+  const std::vector<bf16> v_cache = random_bf16(num_blocks * block_size * kv_heads * kHeadSize, 1.f);
+  std::vector<int32_t> table(num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) table[b] = static_cast<int32_t>(b);
+  std::shuffle(table.begin(), table.end(), rng);
+  const int64_t pos_stride = kv_heads * kHeadSize, block_stride = block_size * pos_stride;
+  std::vector<bf16> out(heads * kHeadSize);
+  std::vector<float> scratch;
+  pagoda::attention::neon::decode_sequence<kHeadSize>(q.data(), kHeadSize, k_cache.data(), v_cache.data(),
+                                                      block_stride, pos_stride, kHeadSize, kv_heads, group,
+                                                      table.data(), seq_len, block_size, scale, out.data(),
+                                                      kHeadSize, scratch);
+  auto at = [&](const std::vector<bf16>& cache, int64_t t, int64_t h, int64_t d) {
+    return double(bf16_to_float(cache[table[t / block_size] * block_stride + t % block_size * pos_stride +
+                                      h * kHeadSize + d]));
+  };
+  double worst = 0;
+  for (int64_t head = 0; head < heads; ++head) {
+    const int64_t h = head / group;
+    std::vector<double> p(seq_len);
+    double top = -1e300, total = 0;
+    for (int64_t t = 0; t < seq_len; ++t) {
+      double dot = 0;
+      for (int64_t d = 0; d < kHeadSize; ++d) dot += double(bf16_to_float(q[head * kHeadSize + d])) * at(k_cache, t, h, d);
+      p[t] = dot * scale;
+      top = std::max(top, p[t]);
+    }
+    for (auto& x : p) total += (x = std::exp(x - top));
+    for (int64_t d = 0; d < kHeadSize; ++d) {
+      double want = 0;
+      for (int64_t t = 0; t < seq_len; ++t) want += p[t] / total * at(v_cache, t, h, d);
+      // the output is rounded to bfloat16 (2^-8 relative) after float32 sums
+      const double got = bf16_to_float(out[head * kHeadSize + d]);
+      worst = std::max(worst, std::fabs(got - want) / (std::ldexp(std::fabs(want), -7) + 1e-3));
+    }
+  }
+  char what[96], detail[128];
+  std::snprintf(what, sizeof(what), "decode_attention D=%d len=%lld block=%lld kv_heads=%lld group=%lld", kHeadSize,
+                (long long)seq_len, (long long)block_size, (long long)kv_heads, (long long)group);
+  std::snprintf(detail, sizeof(detail), "worst error %.3g of the tolerance", worst);
+  report(worst <= 1.0, what, worst <= 1.0 ? "" : detail);
+}
+
 }  // namespace
 
 int main() {
@@ -188,6 +239,12 @@ int main() {
   for (int64_t n : {1, 3, 15, 16, 17, 31, 64, 100, 1000, 49157})
     for (int ties : {0, 1, 3}) check_argmax(n, ties);
   for (int64_t n : {1, 3, 4, 7, 8, 33, 1000, 20000}) check_silu(n);
+  for (int64_t seq_len : {1, 3, 4, 5, 17, 64, 301})
+    for (int64_t block_size : {1, 16})
+      for (int64_t group : {1, 3, 6}) {
+        check_decode<64>(seq_len, block_size, 2, group);
+        if (group == 3) check_decode<128>(seq_len, block_size, 1, group);
+      }
   std::printf("%d failed\n", failures);
   return failures ? 1 : 0;
 }

@@ -54,3 +54,4 @@ def test_aarch64_kernels_match_the_scalar_reference_under_qemu(level, tmp_path):
     assert sum(line.startswith("ok matmul") for line in checks) == 360
     assert sum(line.startswith("ok argmax") for line in checks) == 30
     assert sum(line.startswith("ok silu_and_mul") for line in checks) == 16
+    assert sum(line.startswith("ok decode_attention") for line in checks) == 56

@@ -22,6 +22,14 @@
 #include "paged_attention_common.h"
 #include "parallel_tasks.h"
 
+#if defined(PAGODA_ISA_AVX2)
+#include "paged_decode_avx2.h"
+namespace decode_isa = pagoda::attention::avx2;
+#elif defined(PAGODA_ISA_NEON)
+#include "paged_decode_neon.h"
+namespace decode_isa = pagoda::attention::neon;
+#endif
+
 namespace pagoda::attention {
 namespace {
 
@@ -481,6 +489,25 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
         decode(q + i * q_seq + h * group * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
                pos_stride, head_stride, heads_per_item, group, tables + i * table_stride, lens[i], block_size,
                score_scale, out_scale, o + i * o_seq + h * group * o_head, o_head, scratch, widened);
+      });
+      return;
+    }
+  }
+#endif
+#if defined(PAGODA_ISA_AVX2) || defined(PAGODA_ISA_NEON)
+  // a bfloat16 cache without AVX512_BF16 (or with an odd block size): csrc/paged_decode_avx2.h or
+  // csrc/paged_decode_neon.h, split as above
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
+    if (variant.plain() && (head_size == 64 || head_size == 128)) {
+      auto decode = head_size == 64 ? decode_isa::decode_sequence<64> : decode_isa::decode_sequence<128>;
+      const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? num_kv_heads : 1;
+      const int64_t items_per_seq = num_kv_heads / heads_per_item;
+      pagoda::parallel_tasks(num_seqs * items_per_seq, [&](int64_t item) {
+        thread_local std::vector<float> scratch;
+        const int64_t i = item / items_per_seq, h = item % items_per_seq * heads_per_item;
+        decode(q + i * q_seq + h * group * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
+               pos_stride, head_stride, heads_per_item, group, tables + i * table_stride, lens[i], block_size,
+               variant.q_scale, o + i * o_seq + h * group * o_head, o_head, scratch);
       });
       return;
     }

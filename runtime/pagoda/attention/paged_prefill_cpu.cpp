@@ -16,6 +16,10 @@
 #include "paged_attention_common.h"
 #include "parallel_tasks.h"
 
+#if defined(PAGODA_ISA_AVX2)
+#include "avx2_math.h"
+#endif
+
 namespace pagoda::attention {
 namespace {
 
@@ -102,20 +106,9 @@ inline void chunk_step_avx512(TileState<kHeadSize>& st, int64_t v, const int64_t
   }
 }
 #elif defined(PAGODA_ISA_AVX2)
-// exp(x) of 8 lanes, as exp_nonpositive (2^i written into the exponent field)
-inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _mm256_set1_ps(-126.f));
-  const __m256 i = _mm256_floor_ps(t);
-  const __m256 f = _mm256_sub_ps(t, i);
-  __m256 p = _mm256_set1_ps(1.87537657e-3f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.98725919e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.58359654e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40146495e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93154738e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.99999834e-1f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+using pagoda::avx2::exp_nonpositive8;
+using pagoda::avx2::max_of8;
+using pagoda::avx2::sum_of8;
 
 // softcap_score of 8 lanes
 inline __m256 softcap8(__m256 x, float cap) {
@@ -125,18 +118,6 @@ inline __m256 softcap8(__m256 x, float cap) {
   const __m256 one = _mm256_set1_ps(1.f);
   const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
   return _mm256_mul_ps(_mm256_or_ps(t, sign), _mm256_set1_ps(cap));
-}
-
-inline float max_of8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline float sum_of8(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
 // all-ones in the lanes first..first+7 that lie in [begin, end)
