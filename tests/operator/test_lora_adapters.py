@@ -136,3 +136,20 @@ def test_sync_plan_unloads_what_went_or_moved_and_loads_what_is_missing():
 def test_runtime_url_is_the_head_pods_address():
     assert ad.runtime_url({"status": {"podIP": "10.1.2.3"}}) == f"http://10.1.2.3:{b.HTTP_PORT}"
     assert ad.runtime_url({"status": {}}) is None and ad.client_for_pod({}) is None
+
+
+def test_the_runtimes_api_key_is_found_where_the_pods_get_it():
+    def source(**spec):
+        return ad.runtime_api_key(parse({"model": HUB_BASE, "adapters": [], **spec}))
+
+    assert source() is None
+    ref = {"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "runtime"}}}
+    assert source(env=[{"name": "OTHER", "value": "x"}, ref]) == ad.ApiKeySource(secret="keys", secret_key="runtime")
+    # Kubernetes' rule: of two entries with one name the last wins; argparse's: the last --api-key wins
+    assert source(env=[ref, {"name": "PAGODA_API_KEY", "value": "plain"}]) == ad.ApiKeySource(value="plain")
+    flags = {"extraArgs": ["--api-key", "one", "--api-key=two"]}
+    assert source(env=[ref], engine=flags) == ad.ApiKeySource(value="two")  # a flag beats the variable
+    optional = {"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "v", "optional": True}}}
+    assert source(env=[optional]).optional
+    client = ad.client_for_pod({"status": {"podIP": "10.1.2.3"}}, "s3cret")
+    assert client.api_key == "s3cret" and client.base_url == f"http://10.1.2.3:{b.HTTP_PORT}"
