@@ -6,7 +6,9 @@ base model's cache claim (/models/ORG/NAME/REVISION); an adapter by path is read
 Pods start with `--enable-lora --allow-runtime-lora-updating --lora-modules NAME=DIR ...` listing the adapters
 ready then. The adapter list is no part of a group's revision, so a change never restarts a group: the
 reconcile loads and unloads adapters on each Ready group's head through the runtime's
-/v1/load_lora_adapter and /v1/unload_lora_adapter, and pods started later get the list in their flags."""
+/v1/load_lora_adapter and /v1/unload_lora_adapter, and pods started later get the list in their flags.
+A runtime that requires an API key (PAGODA_API_KEY in spec.env, or --api-key in engine.extraArgs) gets it
+on these calls: `runtime_api_key` says where the key is, the reconcile reads a Secret's."""
 
 from __future__ import annotations
 
@@ -88,15 +90,44 @@ def plan_sync(wanted: dict[str, str], served: dict[str, str]) -> SyncPlan:
     return SyncPlan(unload, load)
 
 
+@dataclass(frozen=True)
+class ApiKeySource:
+    """Where the runtime's API key is: a plain value, or key `secret_key` of Secret `secret` (optional: a
+    missing Secret or key means no key, as the pod's env var then is unset)."""
+    value: str | None = None
+    secret: str | None = None
+    secret_key: str | None = None
+    optional: bool = False
+
+
+def runtime_api_key(spec: DeploymentSpec) -> ApiKeySource | None:
+    """The key the pods' runtime requires on /v1/*, as the pods get it: `--api-key` in engine.extraArgs
+    (argparse: the last one wins), else env PAGODA_API_KEY (a value or a secretKeyRef); None without."""
+    args = list(spec.engine.extra_args)
+    for i in range(len(args) - 1, -1, -1):
+        if args[i].startswith("--api-key="):
+            return ApiKeySource(value=args[i].split("=", 1)[1])
+        if args[i] == "--api-key" and i + 1 < len(args):
+            return ApiKeySource(value=args[i + 1])
+    for var in reversed(spec.env or []):  # Kubernetes: of two entries with one name, the last wins
+        if var.get("name") != "PAGODA_API_KEY":
+            continue
+        ref = (var.get("valueFrom") or {}).get("secretKeyRef")
+        if ref:
+            return ApiKeySource(secret=ref.get("name"), secret_key=ref.get("key"), optional=bool(ref.get("optional")))
+        return ApiKeySource(value=var.get("value") or "") if var.get("value") else None
+    return None
+
+
 def runtime_url(pod: dict[str, Any]) -> str | None:
     """The head pod's OpenAI server, or None before it has an IP."""
     ip = (pod.get("status") or {}).get("podIP")
     return f"http://{ip}:{HTTP_PORT}" if ip else None
 
 
-def client_for_pod(pod: dict[str, Any]) -> RuntimeAdapters | None:
+def client_for_pod(pod: dict[str, Any], api_key: str | None = None) -> RuntimeAdapters | None:
     url = runtime_url(pod)
-    return RuntimeAdapters(url) if url else None
+    return RuntimeAdapters(url, api_key) if url else None
 
 
 class AdapterCallError(Exception):
@@ -106,14 +137,17 @@ class AdapterCallError(Exception):
 class RuntimeAdapters:
     """The runtime's adapter endpoints, over HTTP (urllib: the operator has no HTTP client dependency)."""
 
-    def __init__(self, base_url: str, timeout: float = RUNTIME_TIMEOUT_SECONDS):
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = RUNTIME_TIMEOUT_SECONDS):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.timeout = timeout
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310 - the pod's URL
                 return response.read()

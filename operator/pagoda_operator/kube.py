@@ -6,6 +6,7 @@ is skipped only when the live object still holds every field the operator sets (
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import uuid
@@ -236,6 +237,17 @@ class Cluster:
                 raise
 
     # ----- the model download Job (its pod template cannot change: created and replaced, never patched) -----
+
+    def get_secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        """One key of a Secret, decoded; None when the Secret or the key is missing."""
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except kubernetes.client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        value = (secret.data or {}).get(key)
+        return base64.b64decode(value).decode() if value is not None else None
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get("Job", namespace, name)

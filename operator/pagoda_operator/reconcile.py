@@ -78,8 +78,8 @@ class Reconciler:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     # API discovery results: (group, version, plural) -> (served, when, monotonic seconds)
     _discovered: dict[tuple[str, str, str], tuple[bool, float]] = field(default_factory=dict)
-    # a group's head pod -> its runtime's adapter endpoints (None before the pod has an address)
-    runtime_client: Callable[[dict[str, Any]], ad.RuntimeAdapters | None] = ad.client_for_pod
+    # a group's head pod and the runtime's API key -> its adapter endpoints (None before the pod has an address)
+    runtime_client: Callable[[dict[str, Any], str | None], ad.RuntimeAdapters | None] = ad.client_for_pod
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -351,9 +351,11 @@ class Reconciler:
             return {"adapters": None, "adaptersReady": None} if "adapters" in previous else {}
         wanted = {a.name: a.directory for a in ready}
         by_name = {s.adapter.name: s for s in states}
+        api_key = self._runtime_api_key(spec, body) if any(g.ready and not g.stale for g in groups) else None
         for group in groups:
             head = next((p for p in group.current_pods if _label(p, b.LABEL_ROLE) == "head"), None)
-            client = self.runtime_client(head) if head is not None and group.ready and not group.stale else None
+            client = self.runtime_client(head, api_key) if head is not None and group.ready and not group.stale \
+                else None
             if client is None:
                 continue
             try:
@@ -373,6 +375,24 @@ class Reconciler:
             if entry["state"] == "LoadFailed" and before.get("message") != entry.get("message"):
                 self._event(body, "Warning", "AdapterLoadFailed", f"adapter {entry['name']}: {entry['message']}")
         return status
+
+    def _runtime_api_key(self, spec: DeploymentSpec, body: dict[str, Any]) -> str | None:
+        """The key the runtime requires (adapters.runtime_api_key), read from its Secret when it is in one.
+        A Secret the operator cannot read is said in an Event; the calls then go without a key (the runtime
+        answers 401, and the adapters stay as they are)."""
+        source = ad.runtime_api_key(spec)
+        if source is None or source.secret is None:
+            return source.value if source is not None else None
+        try:
+            value = self.cluster.get_secret_value(spec.namespace, source.secret, source.secret_key or "")
+        except kubernetes.client.ApiException as e:
+            self._event(body, "Warning", "ApiKeyUnreadable", f"cannot read key {source.secret_key} of Secret "
+                        f"{source.secret} (PAGODA_API_KEY) for the runtime's adapter endpoints: {e.status} {e.reason}")
+            return None
+        if value is None and not source.optional:
+            self._event(body, "Warning", "ApiKeyUnreadable", f"Secret {source.secret} has no key "
+                        f"{source.secret_key} (PAGODA_API_KEY): the runtime's adapter endpoints are called without one")
+        return value
 
     def _resolve_spec(self, body: dict[str, Any]) -> tuple[DeploymentSpec | None, str | None]:
         """The spec to act on, and why the current one is rejected (None when it is valid).

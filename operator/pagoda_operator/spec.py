@@ -89,7 +89,8 @@ class DeploymentSpec:
     autoscaling: AutoscalingSpec | None = None
     scheduling: SchedulingSpec | None = None
     router: RouterSpec | None = None  # spec.router with enabled: true (router.py builds its children)
-    # spec.adapters (LoRA): None without the field; present (even empty), the pods run with LoRA enabled
+    # spec.adapters (LoRA): None without the field (and without engine.enableLora: true); present (even
+    # empty), the pods run with LoRA enabled
     adapters: tuple[AdapterSpec, ...] | None = None
     # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
     # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
@@ -212,14 +213,20 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         raise InvalidSpec(f"gpuResourceName {gpu_resource_name!r} must be an extended resource name "
                           "such as nvidia.com/gpu, amd.com/gpu or nvidia.com/mig-1g.10gb")
     engine = spec.get("engine") or {}
+    enable_lora = engine.get("enableLora")
+    if enable_lora is not None and not isinstance(enable_lora, bool):
+        raise InvalidSpec(f"engine.enableLora must be true or false, got {enable_lora!r}")
+    if enable_lora is False and spec.get("adapters") is not None:
+        raise InvalidSpec("spec.adapters needs LoRA, but engine.enableLora is false: remove one of them")
+    lora_owned = spec.get("adapters") is not None or enable_lora
     extra_args = tuple(str(a) for a in engine.get("extraArgs") or ())
     for arg in extra_args:
         if arg.split("=", 1)[0] in OWNED_FLAGS:
             raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]}: "
                               "the operator sets it from the spec")
-        if arg.split("=", 1)[0] in LORA_FLAGS and spec.get("adapters") is not None:
-            raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]} with spec.adapters: "
-                              "the operator sets it from spec.adapters")
+        if arg.split("=", 1)[0] in LORA_FLAGS and lora_owned:
+            raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]} with spec.adapters or "
+                              "engine.enableLora: the operator sets it from those")
     grace = _int(spec.get("terminationGracePeriodSeconds", 90), "terminationGracePeriodSeconds", 30)
     rollout = spec.get("rollout") or {}
     max_unavailable = _int(rollout.get("maxUnavailable", 1), "rollout.maxUnavailable", 1)
@@ -271,7 +278,8 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         autoscaling=parse_autoscaling(spec.get("autoscaling")),
         scheduling=parse_scheduling(spec.get("scheduling")),
         router=parse_router(spec.get("router")),
-        adapters=parse_adapters(name, spec.get("adapters"), hub_model, model.get("servedName") or name),
+        adapters=_lora_adapters(parse_adapters(name, spec.get("adapters"), hub_model, model.get("servedName") or name),
+                                enable_lora),
         source=spec_source(spec),
     )
     check_scheduling(parsed)
@@ -518,6 +526,16 @@ class AdapterSpec:
     @property
     def display(self) -> str:
         return self.hub.display if self.hub else str(self.path)
+
+
+def _lora_adapters(adapters: tuple[AdapterSpec, ...] | None, enable_lora: bool | None
+                   ) -> tuple[AdapterSpec, ...] | None:
+    """engine.enableLora: true keeps LoRA on without spec.adapters (an empty list), so that adding the field
+    or removing it never changes the pods' flags (--enable-lora), hence never restarts a group. Unset, LoRA
+    is on exactly when spec.adapters is there."""
+    if adapters is None and enable_lora:
+        return ()
+    return adapters
 
 
 def parse_adapters(deployment: str, raw: Any, base_hub: HubModel | None, served: str

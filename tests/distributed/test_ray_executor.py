@@ -175,6 +175,28 @@ def test_expert_parallel_moe_with_a_stage_on_each_node_equals_one_process(cluste
     assert sorted(stats.expert_tokens) == [1] and sum(stats.expert_tokens[1]) > 0  # the worker node's layer
 
 
+def test_tp2_with_lora_adapters_equals_peft(cluster, model, tmp_path):
+    """Two adapters and the base model in one batch, TP=2 over Ray actors (A/B sharded per rank, each actor
+    reading the adapter files itself): greedy tokens equal PeftModel's."""
+    from checkpoints import peft_greedy, write_lora_adapter
+
+    from pagoda import LoRARequest
+
+    a = write_lora_adapter(model, tmp_path / "a", rank=8, seed=41)
+    b = write_lora_adapter(model, tmp_path / "b", rank=4, seed=42, targets=("k_proj", "o_proj", "up_proj", "down_proj"))
+    reference = {name: peft_greedy(model, path, PROMPTS, PARAMS.max_tokens)
+                 for name, path in (("base", None), ("a", a), ("b", b))}
+    loras = {"base": None, "a": LoRARequest("a", 1, str(a)), "b": LoRARequest("b", 2, str(b))}
+    order = [(i, name) for i in range(len(PROMPTS)) for name in ("a", "base", "b")]
+    with LLM(str(model), dtype="float32", kv_cache_memory=0.02, distributed_executor_backend="ray",
+             tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
+        assert llm.engine.config.parallel.distributed_executor_backend == "ray"
+        outs = llm.generate([PROMPTS[i] for i, _ in order], PARAMS, use_tqdm=False,
+                            lora_request=[loras[name] for _, name in order])
+        assert [o.outputs[0].token_ids for o in outs] == [reference[name][i] for i, name in order]
+        llm.engine.block_manager.check_no_leaks()
+
+
 RECIPE = """
 import asyncio, sys, ray
 from pagoda import AsyncEngineArgs, AsyncLLMEngine, SamplingParams

@@ -286,3 +286,132 @@ def test_mixture_of_experts_attention_and_dense_layers_match_peft_experts_refuse
         # the experts never carry a LoRA hook: they see only the rows routed to them
         runner = llm.engine.executor.runner
         assert not [name for name in runner.lora.layers if ".experts." in name or ".shared_expert." in name]
+
+
+# ----- structured outputs, prompt logprobs and embeddings with adapters, against PeftModel -----
+
+LOGPROB_TOLERANCE = 1e-4  # float32 on both sides; the engine's paged attention sums in another order
+
+
+@pytest.fixture(scope="module")
+def peft_llama(adapters):
+    """PeftModel with both llama adapters loaded: (name, token ids) -> its log-softmax at every position, or
+    its final hidden states (after the last norm); name "base" runs with the adapters disabled."""
+    import contextlib
+
+    import torch
+    from checkpoints import load_hf_reference
+    from peft import PeftModel
+
+    base, a, b, _ = adapters("llama")
+    model = PeftModel.from_pretrained(load_hf_reference(base), a.lora_path, adapter_name="a")
+    model.load_adapter(b.lora_path, adapter_name="b")
+    model.eval()
+
+    def run(name: str, ids: list[int], hidden: bool = False):
+        scope = model.disable_adapter() if name == "base" else contextlib.nullcontext(model.set_adapter(name))
+        with torch.no_grad(), scope:
+            if hidden:
+                return model.base_model.model.model(torch.tensor([ids])).last_hidden_state[0]
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def feature_llm(adapters):
+    """One LoRA engine for the tests below: a 16-token step budget, so long prompts prefill in chunks."""
+    base, *_ = adapters("llama")
+    with lora_llm(base, max_loras=2, max_num_batched_tokens=16, block_size=8) as llm:
+        yield llm
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
+                                           "kind": {"enum": ["cat", "dog", "fox"]}},
+          "required": ["name", "ok", "kind"], "additionalProperties": False}
+REGEX = r"[a-z]{2,5}-[0-9]{1,3}"
+CHOICES = ["Paris", "San Francisco", "Kubernetes"]
+
+
+def test_structured_outputs_with_adapters_are_valid_and_scored_by_each_adapter(adapters, feature_llm, peft_llama):
+    """Guided JSON, regex and choice under adapter a, adapter b and the base model in one batch: every output
+    is valid, and each sampled token's logprob (the model's, before the grammar's mask) equals PeftModel's
+    under that request's adapter, and differs from the base model's: the adapter ran under the grammar."""
+    import re
+
+    import jsonschema
+
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    base, a, b, _ = adapters("llama")
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
+             StructuredOutputsParams(choice=CHOICES)]
+    requests = [(spec, name, lora) for spec in specs for name, lora in (("a", a), ("b", b), ("base", None))]
+    outs = feature_llm.generate(
+        [PROMPTS[0]] * len(requests),
+        [SamplingParams(structured_outputs=spec, temperature=0.0, max_tokens=120, logprobs=0) for spec, *_ in requests],
+        use_tqdm=False, lora_request=[lora for *_, lora in requests])
+    for (spec, name, _), out in zip(requests, outs):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (name, completion)
+        if spec.json is not None:
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
+        elif spec.regex is not None:
+            assert re.fullmatch(REGEX, completion.text), completion.text
+        else:
+            assert completion.text in CHOICES
+        ids = out.prompt_token_ids + completion.token_ids
+        reference, plain = peft_llama(name, ids), peft_llama("base", ids)
+        start = len(out.prompt_token_ids) - 1  # the logits at position p predict token p + 1
+        for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert entry[token].logprob == pytest.approx(float(reference[start + j, token]), abs=LOGPROB_TOLERANCE)
+        if name != "base":
+            assert (reference[start:-1] - plain[start:-1]).abs().max() > 0.01
+    feature_llm.engine.block_manager.check_no_leaks()
+
+
+def test_prompt_logprobs_with_adapters_equal_peft_log_softmax(adapters, feature_llm, peft_llama):
+    """prompt_logprobs=3 for a prompt prefilled in chunks, under a, b and the base model in one batch (and a
+    again once its blocks are in the prefix cache): every position's token and top 3 equal PeftModel's
+    log-softmax within LOGPROB_TOLERANCE, and the ranks agree."""
+    base, a, b, _ = adapters("llama")
+    prompt = PROMPTS[1]
+    names = [("a", a), ("base", None), ("b", b)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=3)
+    outs = feature_llm.generate([prompt] * 3, params, use_tqdm=False, lora_request=[lora for _, lora in names])
+    outs += feature_llm.generate(prompt, params, use_tqdm=False, lora_request=a)
+    names.append(("a", a))
+    assert len(outs[0].prompt_token_ids) > 16  # more than one prefill chunk
+    for (name, _), out in zip(names, outs):
+        ids = out.prompt_token_ids
+        reference = peft_llama(name, ids)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for position in range(1, len(ids)):
+            entry, expected = out.prompt_logprobs[position], reference[position - 1]
+            token = ids[position]
+            assert entry[token].logprob == pytest.approx(float(expected[token]), abs=LOGPROB_TOLERANCE), (name, position)
+            assert entry[token].rank == int((expected > expected[token]).sum()) + 1
+            for tid in expected.topk(3).indices.tolist():
+                assert entry[tid].logprob == pytest.approx(float(expected[tid]), abs=LOGPROB_TOLERANCE)
+    assert outs[0].prompt_logprobs != outs[1].prompt_logprobs != outs[2].prompt_logprobs
+    feature_llm.engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("pooling_type", ["last", "mean"])
+def test_embeddings_with_adapters_equal_peft_hidden_states(adapters, feature_llm, peft_llama, pooling_type):
+    """LLM.embed(lora_request=...): the pooled final hidden states are the adapter's, as PeftModel's, for a
+    batch mixing a, b and the base model (the long prompt prefills in chunks)."""
+    import torch
+
+    from pagoda import PoolingParams
+
+    base, a, b, _ = adapters("llama")
+    names = [(name, lora, prompt) for prompt in PROMPTS[:2] for name, lora in (("a", a), ("base", None), ("b", b))]
+    outs = feature_llm.embed([p for *_, p in names], PoolingParams(pooling_type), use_tqdm=False,
+                             lora_request=[lora for _, lora, _ in names])
+    for (name, _, prompt), out in zip(names, outs):
+        hidden = peft_llama(name, out.prompt_token_ids, hidden=True)
+        want = torch.nn.functional.normalize(hidden[-1] if pooling_type == "last" else hidden.mean(0), dim=0)
+        assert torch.allclose(torch.tensor(out.outputs.embedding), want, atol=1e-5), (name, prompt)
+    assert outs[0].outputs.embedding != outs[1].outputs.embedding != outs[2].outputs.embedding
+    feature_llm.engine.block_manager.check_no_leaks()

@@ -33,6 +33,7 @@ async def cluster(kmock, tmp_path, monkeypatch) -> AsyncIterator[FakeCluster]:
         kind="HorizontalPodAutoscaler", namespaced=True, verbs=VERBS)
     kmock.resources["coordination.k8s.io/v1/leases"] = info(kind="Lease", namespaced=True, verbs=VERBS)
     kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
+    kmock.resources["v1/secrets"] = info(kind="Secret", namespaced=True, verbs=VERBS)
     kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
     kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"})

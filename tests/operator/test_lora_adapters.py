@@ -136,3 +136,51 @@ def test_sync_plan_unloads_what_went_or_moved_and_loads_what_is_missing():
 def test_runtime_url_is_the_head_pods_address():
     assert ad.runtime_url({"status": {"podIP": "10.1.2.3"}}) == f"http://10.1.2.3:{b.HTTP_PORT}"
     assert ad.runtime_url({"status": {}}) is None and ad.client_for_pod({}) is None
+
+
+def test_the_runtimes_api_key_is_found_where_the_pods_get_it():
+    def source(**spec):
+        return ad.runtime_api_key(parse({"model": HUB_BASE, "adapters": [], **spec}))
+
+    assert source() is None
+    ref = {"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "runtime"}}}
+    assert source(env=[{"name": "OTHER", "value": "x"}, ref]) == ad.ApiKeySource(secret="keys", secret_key="runtime")
+    # Kubernetes' rule: of two entries with one name the last wins; argparse's: the last --api-key wins
+    assert source(env=[ref, {"name": "PAGODA_API_KEY", "value": "plain"}]) == ad.ApiKeySource(value="plain")
+    flags = {"extraArgs": ["--api-key", "one", "--api-key=two"]}
+    assert source(env=[ref], engine=flags) == ad.ApiKeySource(value="two")  # a flag beats the variable
+    optional = {"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": "k", "key": "v", "optional": True}}}
+    assert source(env=[optional]).optional
+    client = ad.client_for_pod({"status": {"podIP": "10.1.2.3"}}, "s3cret")
+    assert client.api_key == "s3cret" and client.base_url == f"http://10.1.2.3:{b.HTTP_PORT}"
+
+
+def test_enable_lora_keeps_the_pods_flags_so_adding_or_removing_adapters_never_restarts_a_group():
+    one = [{"name": "sql", "model": {"name": "org/sql-lora"}}]
+
+    def group(adapters, enable_lora):
+        spec = {"model": HUB_BASE}
+        if enable_lora is not None:
+            spec["engine"] = {"enableLora": enable_lora, "extraArgs": ["--max-loras", "4"]}
+        if adapters is not None:
+            spec["adapters"] = adapters
+        parsed = parse(spec)
+        return b.group_revision(parsed, 0, epoch=0), b.lora_args(parsed), parsed.adapters
+
+    # on: no field, an empty list, an adapter: one revision, LoRA flags throughout (the field's absence is an
+    # empty list, so the reconcile unloads what the running groups still serve)
+    revisions = {group(a, True)[0] for a in (None, [], one)}
+    assert len(revisions) == 1
+    assert group(None, True)[1] == ["--enable-lora", "--allow-runtime-lora-updating"] and group(None, True)[2] == ()
+    assert group(one, True)[1][-1] == "sql=/models/org/sql-lora/main"
+    # unset: as before, the field's presence turns LoRA on (a new revision); on with the field equals unset
+    assert group(None, None)[0] != group([], None)[0] and group(None, None)[1] == []
+    assert group(one, None)[1] == group(one, True)[1]
+    # off: no LoRA; adapters with it are refused, and so are LoRA flags of the user's beside enableLora
+    assert group(None, False)[1] == [] and group(None, False)[2] is None
+    with pytest.raises(InvalidSpec, match="engine.enableLora is false"):
+        group(one, False)
+    with pytest.raises(InvalidSpec, match="must not set --enable-lora with spec.adapters or engine.enableLora"):
+        parse({"model": HUB_BASE, "engine": {"enableLora": True, "extraArgs": ["--enable-lora"]}})
+    with pytest.raises(InvalidSpec, match="engine.enableLora must be true or false"):
+        parse({"model": HUB_BASE, "engine": {"enableLora": "yes"}})

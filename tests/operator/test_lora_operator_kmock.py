@@ -1,13 +1,15 @@
 """kopf running for real against KMock with spec.adapters: adapters from the Hub are downloaded by Jobs as the
 base model is (the tests play the Job controller), pods start with the adapters ready then, and an edit of
 the adapter list reaches a running group through a real `pagoda serve` (its /v1/load_lora_adapter and
-/v1/unload_lora_adapter) without restarting it.
+/v1/unload_lora_adapter) without restarting it. That server requires an API key, which the LLMDeployment
+gives its pods from a Secret (env PAGODA_API_KEY): the operator reads it there and sends it on those calls.
 
 The one stand-in: the group's head pod exists only in KMock, so the reconciler's runtime_client maps that pod
 to the real server on a loopback port (in a cluster it is the pod's IP and port 8000)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import socket
@@ -21,11 +23,12 @@ import pytest
 from checkpoints import write_lora_adapter
 from operator_harness import PODS, eventually
 
-from pagoda_operator.adapters import RuntimeAdapters
+from pagoda_operator.adapters import AdapterCallError, RuntimeAdapters
 
 pytestmark = pytest.mark.operator
 
 JOBS = "/apis/batch/v1/namespaces/serving/jobs"
+SECRETS = "/api/v1/namespaces/{ns}/secrets"
 SUCCEEDED = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
 HUB_SPEC = {
     "model": {"name": "org/base", "revision": "v1"},
@@ -141,9 +144,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+API_KEY = "lora-operator-test-key"
+
+
 @pytest.fixture
 def runtime(tiny_llama_dir, tmp_path):
-    """`pagoda serve` of the tiny Llama as a pod would run it before any adapter was added."""
+    """`pagoda serve` of the tiny Llama as a pod would run it before any adapter was added, with an API key."""
     port = _free_port()
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(tiny_llama_dir), "--host", "127.0.0.1",
@@ -151,7 +157,7 @@ def runtime(tiny_llama_dir, tmp_path):
                "--allow-runtime-lora-updating", "--max-loras", "2", "--max-lora-rank", "8"]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "PAGODA_API_KEY": API_KEY})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -175,7 +181,7 @@ def runtime(tiny_llama_dir, tmp_path):
 
 
 def served(url: str) -> dict[str, str]:
-    return RuntimeAdapters(url).served()
+    return RuntimeAdapters(url, API_KEY).served()
 
 
 async def test_adapter_edits_reach_a_running_group_through_the_runtime_without_a_restart(
@@ -186,11 +192,20 @@ async def test_adapter_edits_reach_a_running_group_through_the_runtime_without_a
     chat = write_lora_adapter(tiny_llama_dir, tmp_path / "chat", rank=4, seed=32, targets=("q_proj", "v_proj"))
     big = write_lora_adapter(tiny_llama_dir, tmp_path / "big", rank=16, seed=33, targets=("q_proj",))
     pod_ip = "10.0.0.7"
+    # the key is whatever the reconcile read from the Secret: this stand-in only maps the pod to the server
     operator.memo.reconciler.runtime_client = \
-        lambda pod: RuntimeAdapters(runtime) if (pod.get("status") or {}).get("podIP") == pod_ip else None
+        lambda pod, api_key: RuntimeAdapters(runtime, api_key) if (pod.get("status") or {}).get("podIP") == pod_ip \
+        else None
+    with pytest.raises(AdapterCallError, match="401"):  # the runtime refuses a call without its key
+        RuntimeAdapters(runtime).served()
+    await cluster._json("POST", SECRETS.format(ns=cluster.ns), {
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "runtime-key", "namespace": cluster.ns},
+        "data": {"key": base64.b64encode(API_KEY.encode()).decode()}})
 
     await cluster.create("live", {"model": {"path": str(Path(tiny_llama_dir))}, "resources": {"requests": {"cpu": "1"}},
-                                  "adapters": [{"name": "sql", "model": {"path": str(sql)}}], "replicas": 1})
+                                  "adapters": [{"name": "sql", "model": {"path": str(sql)}}], "replicas": 1,
+                                  "env": [{"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {
+                                      "name": "runtime-key", "key": "key"}}}]})
     await cluster.converge("live")
     await cluster._json("PATCH", f"{PODS.format(ns=cluster.ns)}/live-g0-head-0/status", {"status": {"podIP": pod_ip}})
     uid = (await cluster.pods("live"))["live-g0-head-0"]["metadata"]["uid"]
@@ -202,7 +217,7 @@ async def test_adapter_edits_reach_a_running_group_through_the_runtime_without_a
     await cluster.update_spec("live", {"adapters": [{"name": "chat", "model": {"path": str(chat)}}]})
     await eventually(lambda: _served_is(runtime, {"chat": str(chat)}), timeout=30, what="chat replaces sql")
     await eventually(lambda: _groups(cluster, "live", "chat", [0]), timeout=30, what="status: chat in group 0")
-    client = openai.OpenAI(base_url=runtime + "/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=runtime + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     assert client.completions.create(model="chat", prompt="Hello", max_tokens=4, temperature=0).choices[0].text
     # an adapter the runtime refuses (rank 16 > --max-lora-rank 8) is named in the status; the others stay
     await cluster.update_spec("live", {"adapters": [{"name": "chat", "model": {"path": str(chat)}},

@@ -175,9 +175,13 @@ def test_rbac_is_least_privilege():
         ("rbac.authorization.k8s.io", r, v) for r in ("roles", "rolebindings")
         for v in ("get", "create", "patch", "delete")} | {
         ("discovery.k8s.io", "endpointslices", v) for v in ("get", "list", "watch")} | {
-        ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch")}
+        ("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch")} | {
+        ("", "secrets", "get")}  # the runtime's API key for the adapter calls (rbac.readApiKeySecrets)
     assert granted == expected
     assert not any("*" in x for g in granted for x in g)
+    without = helm("template", "pagoda", str(CHART), "--set", "rbac.readApiKeySecrets=false")
+    role = next(d for d in yaml.safe_load_all(without.stdout) if d and d["kind"] == "ClusterRole")
+    assert not any("secrets" in rule["resources"] for rule in role["rules"])
 
 
 def test_bad_values_are_rejected_by_the_values_schema():

@@ -33,7 +33,15 @@ def offline_answers(tiny_llama_dir, adapters):
         loras = [None, LoRARequest("sql", 1, str(adapters[0])), LoRARequest("chat", 2, str(adapters[1]))]
         outs = llm.generate([PROMPT] * 3, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                             use_tqdm=False, lora_request=loras)
-    return [o.outputs[0].text for o in outs]
+        embeddings = llm.embed([PROMPT] * 3, use_tqdm=False, lora_request=loras)
+    # the texts; and .embeddings, each request's embedding (last token, normalised) under the same adapter
+    answers = Answers(o.outputs[0].text for o in outs)
+    answers.embeddings = [e.outputs.embedding for e in embeddings]
+    return answers
+
+
+class Answers(list):
+    embeddings: list[list[float]]
 
 
 def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
@@ -73,6 +81,10 @@ def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
     counts = sorted(line for line in metrics.splitlines() if line.startswith("pagoda:lora_requests_total"))
     assert counts == [f'pagoda:lora_requests_total{{lora_name="{name}",model_name="{base}"}} 2.0'
                       for name in ("chat", "sql")]  # sql: a completion and a chat; chat: two completions
+    # /v1/embeddings: `model` chooses the adapter there too
+    for model, expected in zip((base, "sql", "chat"), offline_answers.embeddings):
+        assert client.embeddings.create(model=model, input=PROMPT).data[0].embedding == pytest.approx(expected, abs=1e-5)
+    assert offline_answers.embeddings[0] != offline_answers.embeddings[1] != offline_answers.embeddings[2]
 
 
 @pytest.mark.parametrize("flags,named", [

@@ -62,6 +62,13 @@ app.kubernetes.io/component: operator
 - apiGroups: [batch]
   resources: [jobs]
   verbs: [get, list, watch, create, delete]
+{{- if .Values.rbac.readApiKeySecrets }}
+# spec.adapters with a runtime that requires an API key from a Secret (env PAGODA_API_KEY, secretKeyRef):
+# the operator reads that key to call the runtime's load/unload adapter endpoints.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+{{- end }}
 # create: the operator's Events on LLMDeployments; list: the StatefulSet controller's FailedCreate
 # Events (ResourceQuota, Pod Security admission), read into the status.
 - apiGroups: [""]

@@ -10,7 +10,10 @@ output tokens/s over the batch (and its ratio to the base run), median TPOT ((la
 (tokens - 1) per request), and median TTFT; then the time to the first token of one request alone with a new
 adapter (its files checked, read and put in a slot) against one with an adapter already in a slot.
 The base run uses an engine without LoRA; the adapter runs one engine with --max-loras at the largest
-count, each configuration warmed up once (its adapters in their slots) before it is measured.
+count. Each configuration, the base one too, runs the whole batch once as a warm-up (the adapters in their
+slots) before it is measured. Prefix caching is off in both engines, as in the vLLM peer: the warm-up runs
+the same prompts, and a measured run would otherwise find their KV blocks cached and skip most of its
+prefill (a run reports its `prefix_cache_hits`, 0 here).
 
 With --vllm-python, the same batches run through vLLM's offline engine (enable_lora, the same adapter
 directories) in that interpreter, as `pagoda bench throughput --vllm-python` runs it.
@@ -72,9 +75,11 @@ def write_adapter(out: Path, hf_config, rank: int, seed: int) -> Path:
 def run_batch(llm: LLM, requests, loras: list) -> dict:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    hits = llm.engine.get_stats().prefix_cache_hits
     started = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     seconds = time.perf_counter() - started
+    hits = llm.engine.get_stats().prefix_cache_hits - hits
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
              for o in outs if len(o.outputs[0].token_ids) > 1]
@@ -82,7 +87,7 @@ def run_batch(llm: LLM, requests, loras: list) -> dict:
     return {"output_tokens": tokens, "seconds": round(seconds, 3),
             "output_tokens_per_s": round(tokens / seconds, 1),
             "median_tpot_ms": round(1000 * statistics.median(tpots), 2),
-            "median_ttft_ms": round(1000 * statistics.median(ttfts), 1)}
+            "median_ttft_ms": round(1000 * statistics.median(ttfts), 1), "prefix_cache_hits": hits}
 
 
 def first_token_ms(llm: LLM, request, lora) -> float:
@@ -107,10 +112,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagoda-bench-lora-") as root:
         paths = [write_adapter(Path(root) / f"a{i}", hf_config, args.rank, args.seed + i) for i in range(largest + 2)]
         adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        # no prefix caching: each measured run computes its prompts, as its warm-up did (see the docstring)
         common = dict(dtype=args.dtype, seed=args.seed, max_num_seqs=args.num_requests,
-                      max_model_len=args.prompt_len + args.max_tokens + 16)
+                      max_model_len=args.prompt_len + args.max_tokens + 16, enable_prefix_caching=False)
         with LLM(model, **common) as llm:
-            run_batch(llm, requests[:4], [None] * 4)  # warm-up
+            run_batch(llm, requests, [None] * len(requests))  # warm-up, the same batch as the adapter runs
             base = {"adapters": 0, "lora_enabled": False, **run_batch(llm, requests, [None] * len(requests))}
         print(json.dumps(base), flush=True)
         results.append(base)

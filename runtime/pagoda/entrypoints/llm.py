@@ -77,10 +77,11 @@ class LLM:
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 
-    def embed(self, prompts, pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """Each prompt's embedding: one forward pass over it, nothing sampled (see PoolingParams)."""
-        outputs = self.generate(prompts, pooling_params or PoolingParams(), use_tqdm)
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: one forward pass over it, nothing sampled (see PoolingParams).
+        lora_request: as generate()'s; the hidden states are then the adapter's."""
+        outputs = self.generate(prompts, pooling_params or PoolingParams(), use_tqdm, lora_request)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids)
                 for o in outputs]
 
