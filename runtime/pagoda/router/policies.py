@@ -31,6 +31,9 @@ class RoutingRequest:
     prefix_text: str | None = None
     session_key: str | None = None
     model: str | None = None
+    # what joins the prompt's text and the answer's in the next request of a conversation (chat: the
+    # assistant message's head; a completion: nothing); None where the answer is not recorded
+    answer_prefix: str | None = None
     _hashes: list[int] | None = field(default=None, repr=False)
 
     def hashes(self) -> list[int]:
@@ -61,6 +64,7 @@ def within_bound(backend: Backend, candidates: list[Backend]) -> bool:
 
 class Policy:
     name = ""
+    wants_answers = False  # answered() is called with the backend's generated text
 
     def __init__(self) -> None:
         self.turn = 0
@@ -70,6 +74,9 @@ class Policy:
 
     def routed(self, request: RoutingRequest, decision: Decision) -> None:
         """The request went to decision.backend (called once it was accepted)."""
+
+    def answered(self, request: RoutingRequest, decision: Decision, text: str) -> None:
+        """decision.backend answered the request with `text` (choice 0's), completely."""
 
     def forget(self, url: str) -> None:
         """The backend left or came back empty."""
@@ -97,6 +104,7 @@ class Prefix(Policy):
     """The backend holding the longest prefix of the prompt, within the load bound; else least-load."""
 
     name = "prefix"
+    wants_answers = True
 
     def __init__(self, index: PrefixIndex | None = None):
         super().__init__()
@@ -128,6 +136,11 @@ class Prefix(Policy):
         hashes = request.hashes()
         if hashes:
             self.index.insert(decision.backend.url, hashes)
+
+    def answered(self, request, decision, text):
+        # the engine caches the generated tokens' blocks too, and the next turn resends them
+        if request.prefix_text and request.answer_prefix is not None and text:
+            self.index.insert(decision.backend.url, block_hashes(request.prefix_text + request.answer_prefix + text))
 
     def forget(self, url):
         self.index.forget(url)
