@@ -227,3 +227,26 @@ def test_prefix_follows_a_conversation_through_its_recorded_answer():
     assert chat(*turn1).answer_prefix == "\x1eassistant\x1f"
     assert routing_request(b'{"prompt": "p", "n": 2}', {}, "x").answer_prefix is None
     assert routing_request(b'{"prompt": "p"}', {}, "x").answer_prefix == ""
+
+
+def test_prefix_balances_conversations_behind_a_long_shared_system_prompt():
+    """A system prompt that is most of a first turn: the conversations behind it must not all follow the
+    replica that first saw it, while each conversation's own turns (and one edit) still follow it."""
+    policy, pool = Prefix(), backends(3)
+    system = "system: " + "you answer questions about the sea, briefly and kindly. " * 12
+
+    def send(text, load=1):
+        decision = policy.choose(RoutingRequest(text), pool)
+        policy.routed(RoutingRequest(text), decision)
+        decision.backend.in_flight += load  # still running
+        return decision
+
+    openers = [send(system + f"user: question {c} about fish and tides") for c in range(3)]
+    assert [d.reason for d in openers] == ["no-prefix-match", "prefix-match", "prefix-shared"]
+    assert openers[2].backend is not openers[0].backend  # by load: the third continuation of a shared prefix
+    for d in openers:
+        d.backend.in_flight = 0
+    follow = send(system + "user: question 0 about fish and tides" + " assistant: they swim. user: and whales?")
+    assert follow.reason == "prefix-match" and follow.backend is openers[0].backend
+    edit = send(system + "user: question 0 about fish and tides" + " assistant: they float. user: really?")
+    assert edit.reason == "prefix-match" and edit.backend is openers[0].backend
