@@ -34,7 +34,7 @@ def test_system_prompts_differ_by_seed_and_lengths_vary_around_their_mean():
     assert {around(rng, 1) for _ in range(10)} == {1} and around(rng, 0, low=0) == 0
 
 
-def test_hit_rate_ceiling_counts_history_and_system_prompt_in_full_blocks():
+def test_hit_rate_floor_and_ceiling_count_system_prompt_and_history_in_full_blocks():
     result = PolicyResult("x", system_tokens={0: 100})
     # conversation 0: turn 0 can hit its 100-token system prompt (96 in full blocks), turn 1 its 150-token
     # prompt + 20-token answer of turn 0 (160); conversation 1 has no system prompt
@@ -42,6 +42,7 @@ def test_hit_rate_ceiling_counts_history_and_system_prompt_in_full_blocks():
                     TurnResult(0.1, 50, 0, 20, "b", 1, 0)]
     s = result.summary()
     assert s["hit_rate_ceiling"] == pytest.approx((96 + 160) / 400) == s["prefix_hit_rate"]
+    assert s["hit_rate_floor"] == pytest.approx((96 + 96) / 400)  # the system prompt, on both turns
     assert s["prompt_tokens_computed"] == 400 - 256
 
 
