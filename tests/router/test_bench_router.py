@@ -3,9 +3,17 @@
 import random
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagoda.bench.router import PolicyResult, TurnResult, around, overhead_ms, parse_args, system_prompts
+from pagoda.bench.router import (
+    PolicyResult,
+    TurnResult,
+    around,
+    overhead_ms,
+    parse_args,
+    replica_counters,
+    system_prompts,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +56,31 @@ def test_hit_rate_floor_and_ceiling_count_system_prompt_and_history_in_full_bloc
 
 def test_bad_flags_are_usage_errors(capsys):
     for argv, message in ((["--policies", "random"], "--policies"), (["--turns", "0"], "--turns"),
-                          (["--active", "0"], "--active"), (["--user-words", "-1"], "--user-words")):
+                          (["--active", "0"], "--active"), (["--user-words", "-1"], "--user-words"),
+                          (["--kv-cache-memory", "0"], "--kv-cache-memory"),
+                          (["--kv-cache-memory", "x"], "--kv-cache-memory"),
+                          (["--kv-cache-memory", "1", "--backend", "http://a"], "--kv-cache-memory")):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_kv_cache_memory_flag_and_the_replicas_counters():
+    assert parse_args(["--kv-cache-memory", "0.025"]).kv_cache_memory == 0.025
+    assert parse_args([]).kv_cache_memory is None
+    registry = CollectorRegistry()
+    Gauge("pagoda:kv_cache_total_blocks", "x", registry=registry).set(72)
+    Counter("pagoda:num_preemptions", "x", registry=registry).inc(3)
+    Counter("pagoda:num_recomputed", "x", registry=registry).inc(1)
+    assert replica_counters(generate_latest(registry).decode()) == {"kv_blocks": 72, "preemptions": 3, "recomputed": 1}
+
+
+def test_working_set_counts_live_conversations_histories_and_the_system_prompts():
+    result = PolicyResult("x", system_prompt_tokens=[20, 40])  # 2 + 3 blocks
+    # conversation 0 lives from t=0 (2 blocks) to t=10 (4 blocks, its end); conversation 1 from t=5 to t=20
+    result.turns = [TurnResult(0.1, 20, 0, 12, "a", 0, 0, end=0.0), TurnResult(0.1, 50, 0, 14, "a", 0, 1, end=10.0),
+                    TurnResult(0.1, 60, 0, 4, "b", 1, 0, end=5.0), TurnResult(0.1, 90, 0, 6, "b", 1, 1, end=20.0)]
+    w = result.working_set_blocks()
+    assert w["peak"] == 5 + 2 + 4  # at t=5: conversation 0's 2 blocks + conversation 1's 4
+    # 0-5: 2 blocks, 5-10: 2 + 4, 10-20: conversation 1's 4 (0 ended): (10 + 30 + 40) / 20 = 4
+    assert w["mean"] == pytest.approx(5 + 4)

@@ -51,6 +51,7 @@ class TurnResult:
     backend: str
     conversation: int = 0
     turn: int = 0
+    end: float = 0.0  # perf_counter when the answer ended: the conversation's history has grown by then
 
 
 BLOCK_TOKENS = 16  # the engine's default block size: only full blocks are cached
@@ -66,6 +67,8 @@ class PolicyResult:
     hop: dict = field(default_factory=dict)
     reasons: dict = field(default_factory=dict)
     system_tokens: dict[int, int] = field(default_factory=dict)  # conversation -> its system prompt's tokens
+    system_prompt_tokens: list[int] = field(default_factory=list)  # each shared system prompt's tokens
+    replicas: dict = field(default_factory=dict)  # the replicas' KV blocks and preemptions during the run
 
     def ceiling(self) -> int:
         """The prompt tokens a perfect router could serve from cache: a turn's history (the previous turn's
@@ -88,6 +91,36 @@ class PolicyResult:
         return sum(min(self.system_tokens.get(t.conversation, 0), t.prompt_tokens - 1) // BLOCK_TOKENS
                    * BLOCK_TOKENS for t in self.turns)
 
+    def working_set_blocks(self) -> dict:
+        """The blocks a replica must hold to serve every live conversation's next turn from cache: the shared
+        system prompts plus each live conversation's history (its last prompt and answer), from its first
+        turn's end to its last's. Mean over the run (time-weighted) and peak. Round-robin needs all of it on
+        every replica; a router that partitions conversations, about 1/replicas of the histories."""
+        systems = sum(-(-n // BLOCK_TOKENS) for n in self.system_prompt_tokens)
+        events = []  # (time, conversation, its blocks from then on)
+        by_conv: dict[int, list[TurnResult]] = {}
+        for t in self.turns:
+            by_conv.setdefault(t.conversation, []).append(t)
+        for turns in by_conv.values():
+            turns.sort(key=lambda t: t.turn)
+            for t in turns[:-1]:
+                events.append((t.end, t.conversation, -(-(t.prompt_tokens + t.output_tokens) // BLOCK_TOKENS)))
+            events.append((turns[-1].end, turns[-1].conversation, 0))  # ended: nobody asks for it again
+        events.sort(key=lambda e: (e[0], e[2] == 0))
+        if not events:
+            return {"mean": systems, "peak": systems}
+        live: dict[int, int] = {}
+        total = area = peak = 0
+        last = events[0][0]
+        for when, conv, blocks in events:
+            area += total * (when - last)
+            last = when
+            total += blocks - live.get(conv, 0)
+            live[conv] = blocks
+            peak = max(peak, total)
+        span = events[-1][0] - events[0][0]
+        return {"mean": systems + (area / span if span else peak), "peak": systems + peak}
+
     def summary(self) -> dict:
         ttfts = sorted(t.ttft for t in self.turns)
         prompt = sum(t.prompt_tokens for t in self.turns)
@@ -106,6 +139,8 @@ class PolicyResult:
             "router_overhead_ms": self.overhead,
             "added_latency_ms": self.hop,
             "routing_reasons": self.reasons,
+            "working_set_blocks": self.working_set_blocks(),
+            "replicas": self.replicas,
         }
 
 
@@ -164,7 +199,7 @@ async def chat_turn(client: httpx.AsyncClient, model: str, messages: list[dict],
     messages.append({"role": "assistant", "content": "".join(text)})
     return TurnResult(ttft or time.perf_counter() - start, usage.get("prompt_tokens", 0),
                       (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-                      usage.get("completion_tokens", 0), backend)
+                      usage.get("completion_tokens", 0), backend, end=time.perf_counter())
 
 
 def overhead_ms(metrics_text: str) -> dict:
@@ -194,6 +229,25 @@ def overhead_ms(metrics_text: str) -> dict:
             break
         lower, below = le, cumulative
     return {"median": 1000 * median, "mean": 1000 * total / count, "count": int(count)}
+
+
+def replica_counters(metrics_text: str) -> dict:
+    """A replica's KV-cache blocks and preemption counts, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"pagoda:kv_cache_total_blocks": "kv_blocks", "pagoda:num_preemptions": "preemptions",
+              "pagoda:num_recomputed": "recomputed", "pagoda:num_swapped_out": "swapped_out"}
+    found = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name in wanted or s.name.removesuffix("_total") in wanted:
+                found[wanted.get(s.name) or wanted[s.name.removesuffix("_total")]] = int(s.value)
+    return found
+
+
+async def scrape_replicas(backends: list[str], headers: dict) -> list[dict]:
+    async with httpx.AsyncClient(timeout=30, headers=headers) as client:
+        return [replica_counters((await client.get(url + "/metrics")).text) for url in backends]
 
 
 def routing_reasons(metrics_text: str) -> dict:
@@ -230,6 +284,8 @@ async def run_policy(router_url: str, model: str, policy: str, args, salt: int) 
     result = PolicyResult(policy)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     system_tokens = await warm_system_prompts(args.backend_urls, model, prompts, headers)
+    result.system_prompt_tokens = system_tokens
+    before = await scrape_replicas(args.backend_urls, headers)
     gate = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     queue = list(range(args.conversations))  # conversations not yet started; `active` run at once
@@ -269,6 +325,10 @@ async def run_policy(router_url: str, model: str, policy: str, args, salt: int) 
         result.duration = time.perf_counter() - start
         metrics = (await client.get("/metrics")).text
         result.overhead, result.reasons = overhead_ms(metrics), routing_reasons(metrics)
+    after = await scrape_replicas(args.backend_urls, headers)
+    result.replicas = {"kv_blocks": [a.get("kv_blocks") for a in after],
+                       **{k: [a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)]
+                          for k in ("preemptions", "recomputed", "swapped_out")}}
     result.hop = await asyncio.to_thread(added_latency, router_url, args.backend_urls, headers, args.probes)
     return result
 
@@ -326,6 +386,9 @@ def parse_args(argv):
     p.add_argument("--replicas", type=int, default=2, help="replicas to start (default: %(default)s)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="an extra `pagoda serve` argument for the replicas (repeatable, e.g. --serve-arg=--dtype=bfloat16)")
+    p.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                   help="each started replica's KV cache (`pagoda serve --kv-cache-memory`); small caches put the "
+                        "replicas under cache pressure: compare its KV blocks with the printed working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: %(default)s)")
     p.add_argument("--conversations", type=int, default=24, help="conversations in all (default: %(default)s)")
     p.add_argument("--active", type=int, default=8,
@@ -353,6 +416,10 @@ def parse_args(argv):
     unknown = set(args.policies.split(",")) - {"round-robin", "least-load", "prefix", "session"}
     if unknown:
         p.error(f"--policies: unknown {sorted(unknown)}")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        p.error(f"--kv-cache-memory must be > 0 GiB; got {args.kv_cache_memory}")
+    if args.kv_cache_memory is not None and args.backend:
+        p.error("--kv-cache-memory sizes the replicas this benchmark starts; it cannot resize --backend ones")
     if args.think_time < 0:
         p.error("--think-time must be >= 0")
     if min(args.replicas, args.conversations, args.active, args.turns, args.concurrency, args.output_len,
@@ -375,6 +442,12 @@ def table(summaries: list[dict]) -> str:
                      f"{o.get('median', 0):>8.3f}/{o.get('mean', 0):.3f}ms "
                      f"{s['added_latency_ms'].get('added_median', 0):>7.3f}ms  "
                      f"{list(s['requests_per_backend'].values())}" + (f"  errors {s['errors']}" if s["errors"] else ""))
+        w, r = s.get("working_set_blocks") or {}, s.get("replicas") or {}
+        if w and r.get("kv_blocks"):
+            pressure = w["mean"] / min(r["kv_blocks"])
+            lines.append(f"{'':<12} KV blocks per replica {r['kv_blocks']}; live working set {w['mean']:.0f} blocks "
+                         f"mean, {w['peak']} peak ({pressure:.2f}x a replica's cache); preemptions "
+                         f"{r.get('preemptions')} (recomputed {r.get('recomputed')}, swapped out {r.get('swapped_out')})")
         if len(s["routing_reasons"]) > 1:
             lines.append(f"{'':<12} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(s["routing_reasons"].items())))
     return "\n".join(lines)
@@ -392,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = free_port()
                 command = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *([args.model] if args.model
                            else []), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                           *(["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory else []),
                            *args.serve_arg]
                 replicas.append(start(command, logs / f"serve-{port}.log",
                                       {"PAGODA_API_KEY": args.api_key} if args.api_key else None))
