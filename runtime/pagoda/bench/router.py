@@ -14,6 +14,11 @@ keeps them together. For each policy the benchmark reports
   - TTFT median and p99, output tokens/s;
   - the router's own overhead per request (its pagoda_router:proxy_overhead_seconds histogram).
 
+Cache pressure: `--kv-cache-memory GIB` sizes each started replica's KV cache, and the benchmark prints
+each replica's KV blocks beside the live working set (the shared system prompts plus every live
+conversation's history, in blocks) and the replicas' preemptions. Round-robin needs the whole working set
+on every replica; a router that partitions conversations needs about 1/replicas of the histories there.
+
 It starts `--replicas` `pagoda serve MODEL` processes (or uses `--backend` URLs) and a fresh `pagoda router`
 per policy. Every policy gets the same conversations (lengths, user messages) behind system prompts that
 open differently, so no policy finds blocks another left in the replicas' caches.
