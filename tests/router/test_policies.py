@@ -1,5 +1,7 @@
 """The routing policies, the prefix index and the router's flags, without a server."""
 
+import json
+
 import pytest
 
 from pagoda.router.backends import Backend, BackendPool, normalize_url
@@ -176,3 +178,75 @@ def test_prefix_balances_a_new_conversation_that_matches_only_a_shared_system_pr
     opener.backend.in_flight = 0
     again = policy.choose(RoutingRequest(system + "user: " + "third document. " * 40), pool)
     assert again.reason == "prefix-short-match" and again.backend is opener.backend
+
+
+def test_answer_tap_reads_choice_zero_from_streams_and_bodies():
+    from pagoda.router.answers import AnswerTap
+
+    def tapped(body: bytes, cut: int = 7) -> AnswerTap:
+        tap = AnswerTap()
+        for i in range(0, len(body), cut):  # chunk boundaries fall anywhere, mid-line included
+            tap.add(body[i:i + cut])
+        return tap
+
+    events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"index": 0, "delta": {"content": "Hello"}}]},
+              {"choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3}}]
+    stream = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    assert tapped(stream).text(is_stream=True) == "Hello there"
+    error = stream.replace(b"data: [DONE]", b'data: {"error": {"message": "backend failed"}}\n\ndata: [DONE]')
+    assert tapped(error).text(is_stream=True) is None
+    chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi!"}}]}
+    assert tapped(json.dumps(chat).encode()).text(is_stream=False) == "Hi!"
+    completion = {"choices": [{"index": 0, "text": " and so on"}]}
+    assert tapped(json.dumps(completion).encode()).text(is_stream=False) == " and so on"
+    assert tapped(b"not json").text(is_stream=False) is None
+
+
+def test_prefix_follows_a_conversation_through_its_recorded_answer():
+    """A short system prompt and a long answer: turn 2's previous prompt is under half of it, so only the
+    recorded answer makes it a match (the engine caches the answer's blocks and turn 2 resends them)."""
+    def chat(*messages):
+        data = {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}
+        return routing_request(json.dumps(data).encode(), {}, "x-session-id")
+
+    turn1 = [("system", "Be brief."), ("user", "Tell me about the sea. " * 4)]
+    answer = "The sea is wide and deep and full of fish. " * 20
+    turn2 = [*turn1, ("assistant", answer), ("user", "And rivers?")]
+    for record in (False, True):
+        policy, pool = Prefix(), backends(3)
+        first = policy.choose(chat(*turn1), pool)
+        policy.routed(chat(*turn1), first)
+        if record:
+            policy.answered(chat(*turn1), first, answer)
+        first.backend.in_flight = 1  # another conversation's turn runs there now
+        second = policy.choose(chat(*turn2), pool)
+        assert (second.reason, second.backend is first.backend) == (
+            ("prefix-match", True) if record else ("prefix-short-match", False))
+    assert chat(*turn1).answer_prefix == "\x1eassistant\x1f"
+    assert routing_request(b'{"prompt": "p", "n": 2}', {}, "x").answer_prefix is None
+    assert routing_request(b'{"prompt": "p"}', {}, "x").answer_prefix == ""
+
+
+def test_prefix_balances_conversations_behind_a_long_shared_system_prompt():
+    """A system prompt that is most of a first turn: the conversations behind it must not all follow the
+    replica that first saw it, while each conversation's own turns (and one edit) still follow it."""
+    policy, pool = Prefix(), backends(3)
+    system = "system: " + "you answer questions about the sea, briefly and kindly. " * 12
+
+    def send(text, load=1):
+        decision = policy.choose(RoutingRequest(text), pool)
+        policy.routed(RoutingRequest(text), decision)
+        decision.backend.in_flight += load  # still running
+        return decision
+
+    openers = [send(system + f"user: question {c} about fish and tides") for c in range(3)]
+    assert [d.reason for d in openers] == ["no-prefix-match", "prefix-match", "prefix-shared"]
+    assert openers[2].backend is not openers[0].backend  # by load: the third continuation of a shared prefix
+    for d in openers:
+        d.backend.in_flight = 0
+    follow = send(system + "user: question 0 about fish and tides" + " assistant: they swim. user: and whales?")
+    assert follow.reason == "prefix-match" and follow.backend is openers[0].backend
+    edit = send(system + "user: question 0 about fish and tides" + " assistant: they float. user: really?")
+    assert edit.reason == "prefix-match" and edit.backend is openers[0].backend

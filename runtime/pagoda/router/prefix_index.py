@@ -6,6 +6,10 @@ so it runs the same chain over fixed-size blocks of the prompt's text: a match o
 first k*BLOCK_CHARS characters were sent to that backend before, and so (unless evicted since) their tokens
 sit in its cache. Each backend keeps its most recently used chain hashes, bounded (LRU), as the engine
 evicts least-recently-used blocks too.
+
+Across backends the index also keeps the forks of the chains: which different blocks followed a block. A
+prefix that several requests continued differently (a system prompt that many conversations open with)
+is a shared prefix, where a conversation's own history continues where its last request ended.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections import OrderedDict
 
 BLOCK_CHARS = 64  # ~16 tokens of English text: the engine's default block size
 MAX_BLOCKS_PER_BACKEND = 1 << 16  # ~4 M characters (~1 M tokens) remembered per backend
+SHARED_AFTER = 2  # a prefix continued differently by this many earlier requests is a shared one
+MAX_FORKS = 1 << 17  # blocks whose continuations are remembered (LRU)
 
 
 def block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> list[int]:
@@ -26,9 +32,11 @@ def block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> list[int]:
 
 
 class PrefixIndex:
-    def __init__(self, max_blocks_per_backend: int = MAX_BLOCKS_PER_BACKEND):
+    def __init__(self, max_blocks_per_backend: int = MAX_BLOCKS_PER_BACKEND, max_forks: int = MAX_FORKS):
         self.max_blocks = max_blocks_per_backend
         self.blocks: dict[str, OrderedDict[int, None]] = {}
+        self.max_forks = max_forks
+        self.forks: OrderedDict[int, set[int]] = OrderedDict()  # block -> the blocks seen after it (a few)
 
     def match(self, url: str, hashes: list[int]) -> int:
         """How many leading blocks of the chain the backend is believed to hold."""
@@ -49,6 +57,21 @@ class PrefixIndex:
             held.move_to_end(h)
         while len(held) > self.max_blocks:
             held.popitem(last=False)
+        for parent, child in zip(hashes, hashes[1:]):
+            after = self.forks.setdefault(parent, set())
+            if len(after) <= SHARED_AFTER:
+                after.add(child)
+            self.forks.move_to_end(parent)
+        while len(self.forks) > self.max_forks:
+            self.forks.popitem(last=False)
+
+    def shared(self, hashes: list[int], n: int) -> bool:
+        """Whether the chain's first n blocks are a shared prefix: at least SHARED_AFTER earlier requests
+        continued it with other blocks than this chain's next (a conversation's later turn continues where
+        its own last request ended, where nothing else did)."""
+        if n == 0 or n >= len(hashes):
+            return False
+        return len(self.forks.get(hashes[n - 1], set()) - {hashes[n]}) >= SHARED_AFTER
 
     def forget(self, url: str) -> None:
         """A backend that left (or restarted: its cache is empty again)."""

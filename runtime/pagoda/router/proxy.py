@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pagoda.entrypoints.openai.errors import APIError, error_body
+from pagoda.router.answers import AnswerTap
 from pagoda.router.backends import Backend, BackendPool
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import Decision, Policy, RoutingRequest
@@ -65,7 +66,7 @@ def routing_request(body: bytes, headers: dict[str, str], session_header: str) -
     model = data.get("model") if isinstance(data.get("model"), str) else None
     user = data.get("user") if isinstance(data.get("user"), str) else None
     return RoutingRequest(prefix_text=prompt_text(data), session_key=headers.get(session_header) or user,
-                          model=model)
+                          model=model, answer_prefix=answer_prefix(data))
 
 
 def _content_text(content) -> str:
@@ -94,6 +95,17 @@ def prompt_text(data: dict) -> str | None:
         if isinstance(first, int):
             return head + ",".join(map(str, prompt))  # token ids
     return None
+
+
+def answer_prefix(data: dict) -> str | None:
+    """How the answer continues prompt_text in the conversation's next request: an assistant message after
+    a chat's messages, the text itself after a completion's prompt. None when choice 0 alone would not be
+    the continuation (several choices, an echoed prompt) or the prompt is not text."""
+    if data.get("n") not in (None, 1) or data.get("echo"):
+        return None
+    if isinstance(data.get("messages"), list):
+        return "\x1eassistant\x1f"
+    return "" if isinstance(data.get("prompt"), str) else None
 
 
 class Router:
@@ -213,13 +225,20 @@ class ProxyResponse(Response):
             if response.status in RETRY_STATUSES and may_retry:
                 raise BackendFailed(backend, f"status-{response.status}", f"it answered {response.status}")
             router.policy.routed(self.request, decision)
-            await self.relay(backend, response, send)
+            tap = (AnswerTap() if router.policy.wants_answers and self.request.answer_prefix is not None
+                   and response.status == 200 else None)
+            if await self.relay(backend, response, send, tap) and tap is not None:
+                text = tap.text(response.headers.get("content-type", "").startswith("text/event-stream"))
+                if text:
+                    router.policy.answered(self.request, decision, text)
         finally:
             backend.in_flight -= 1
             if response is not None:
                 response.close()  # a no-op once fully read; otherwise drops the connection: the backend aborts
 
-    async def relay(self, backend: Backend, response: aiohttp.ClientResponse, send: Send) -> None:
+    async def relay(self, backend: Backend, response: aiohttp.ClientResponse, send: Send,
+                    tap: AnswerTap | None = None) -> bool:
+        """Pass the response on; True when it came through whole (`tap`, if any, saw every byte)."""
         chunks = response.content.iter_any()
         try:
             first = await anext(chunks, b"")
@@ -234,13 +253,17 @@ class ProxyResponse(Response):
         self.overhead += time.perf_counter() - got_first
         self.router.metrics.overhead.observe(self.overhead)
         if not first:
-            return
+            return True
         is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
         tail = first
+        if tap is not None:
+            tap.add(first)
         try:
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = chunk
+                if tap is not None:
+                    tap.add(chunk)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self.router.metrics.stream_errors.labels(backend.url).inc()
             logger.warning("backend %s failed mid-stream: %s: %s", backend.url, type(e).__name__, e)
@@ -251,7 +274,10 @@ class ProxyResponse(Response):
             boundary = b"" if tail.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
             event = boundary + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
 
     async def send_error(self, send: Send, error: APIError) -> None:
         body = json.dumps(error_body(error.status, error.message, error.param, error.code)).encode()
