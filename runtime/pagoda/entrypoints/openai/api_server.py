@@ -344,6 +344,7 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.loop: asyncio.AbstractEventLoop | None = None
         self.failed = False
+        self.first_signal_at = 0.0
         state.on_fatal = self.fail
 
     async def serve(self, sockets=None) -> None:
@@ -354,13 +355,22 @@ class DrainingServer(uvicorn.Server):
         self.failed = True
         self.should_exit = True
 
+    # a second signal sooner than this after the first is the same stop delivered twice (`make serve` stopped
+    # by a signal to its process group: make forwards SIGTERM to the server, which got its own), not a user
+    # asking to skip the drain
+    SAME_STOP_S = 1.0
+
     def handle_exit(self, sig: int, frame) -> None:
         # unlike uvicorn's own handler, don't re-raise the signal at the end: a drained exit is a clean exit 0
+        now = time.monotonic()
+        if self.state.draining and now - self.first_signal_at < self.SAME_STOP_S:
+            return
         if self.state.draining or self.loop is None:
             logger.warning("second %s: stopping now", signal.Signals(sig).name)
             self.should_exit = self.force_exit = True
             return
         self.state.draining = True
+        self.first_signal_at = now
         if self.state.engine is None:  # nothing to drain
             logger.info("%s while the model loads: stopping", signal.Signals(sig).name)
             self.should_exit = True
