@@ -42,6 +42,7 @@ class StepRows:
         self.all = RowGroups(0, [])
         self.kept = RowGroups(0, [])  # the last layer's rows when the model keeps only some (keep_rows)
         self.row_slots: torch.Tensor | None = None  # int32 [T] on the CPU, -1 for the base model; None: no adapter
+        self.cpu_loop_tensors: dict = {}  # cpu_loop_args' tensor lists, per list of the loop's projections
 
     @property
     def active(self) -> bool:
@@ -110,7 +111,7 @@ class LoRALayer:
 
     def cpu_loop_args(self, projections: list[tuple[LinearBase, ...]]) -> tuple | None:
         """What the C++ layer loop needs for this step's adapters (cpu_loop_args), asked through the hook."""
-        return cpu_loop_args(self.rows.row_slots, projections)
+        return cpu_loop_args(self.rows.row_slots, projections, self.rows.cpu_loop_tensors)
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The hook LinearBase.matmul calls: y (this rank's output, before any all-reduce) plus the deltas."""
@@ -127,13 +128,17 @@ class LoRALayer:
         return add_lora_torch(x, y, self.a, self.b, self.rank, self.sub_outputs, groups)
 
 
-def cpu_loop_args(row_slots: torch.Tensor | None, projections: list[tuple[LinearBase, ...]]) -> tuple | None:
+def cpu_loop_args(row_slots: torch.Tensor | None, projections: list[tuple[LinearBase, ...]],
+                  cache: dict | None = None) -> tuple | None:
     """The C++ layer loop's LoRA arguments (models/llama_layers_cpu.cpp) for this step's adapter rows:
-    (row_slots, int32 [T] from StepRows, per layer and projection the stacked packed A and B (None where no adapter can target
-    it), A's rows per projection). projections: per layer of the loop, its (qkv, o, gate_up, down). None when
-    the loop cannot add the deltas (no packed weights: the Python layers' hook adds them)."""
+    (row_slots: int32 [T] from StepRows; per layer and projection the stacked packed A and B, None where no
+    adapter can target it; A's rows per projection). projections: per layer of the loop, its (qkv, o, gate_up,
+    down); cache: where the tensor lists are kept between steps. None when the loop cannot add the deltas (no
+    packed weights: the Python layers' hook adds them)."""
     if row_slots is None:
         return None
+    if cache is not None and (hit := cache.get(id(projections))) is not None and hit[0] is projections:
+        return row_slots, *hit[1:]
     tensors, shrink_sizes = [], [0] * len(projections[0])
     for layer in projections:
         for i, linear in enumerate(layer):
@@ -145,6 +150,8 @@ def cpu_loop_args(row_slots: torch.Tensor | None, projections: list[tuple[Linear
                 return None
             tensors += (lora.packed_a, lora.packed_b)
             shrink_sizes[i] = lora.a.shape[1]
+    if cache is not None:  # the stacked tensors, once allocated, stay for the model's life
+        cache[id(projections)] = (projections, tensors, shrink_sizes)
     return row_slots, tensors, shrink_sizes
 
 
