@@ -4,9 +4,10 @@ passes it does not run."""
 
 import pytest
 import torch
+from checkpoints import write_lora_adapter
 from fp8_checkpoints import write_fp8_model
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.layers import attention
 from pagoda.models import llama_layers_cpu
 
@@ -44,14 +45,14 @@ def loop_calls(monkeypatch) -> Passes:
     return calls
 
 
-def generate(llm: LLM, loop: bool, monkeypatch) -> list[tuple[list[int], list[dict[int, float]]]]:
+def generate(llm: LLM, loop: bool, monkeypatch, lora_request=None) -> list[tuple[list[int], list[dict[int, float]]]]:
     monkeypatch.setattr(llama_layers_cpu, "available", lambda: loop)
     # different lengths: decodes at different positions, contexts crossing blocks (16 tokens each); the last
     # prompt shares the first's start (a prefix-cache hit, when caching is on)
     prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 14, 3] * 5, [7] * 30, list(range(3, 60)),
                                                        [5, 9, 14, 3] * 5 + [8, 1])]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=4, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in outs]
 
@@ -129,6 +130,43 @@ def test_fp8_weights_give_the_python_layers_results_exactly(tiny_model_factory, 
 
     assert not any(loop_calls)
     assert in_one_call == in_python
+
+
+@pytest.fixture(scope="module")
+def lora_adapters(tiny_model_factory, tmp_path_factory):
+    """llama-bias (q/k/v and output biases: the deltas go after them) and two PEFT adapters: rank 8 on every
+    target, rank 4 on q, v and down (the others zero in its slot)."""
+    base = tiny_model_factory("llama-bias")
+    root = tmp_path_factory.mktemp("loop-lora")
+    a = write_lora_adapter(base, root / "a", rank=8, seed=1)
+    b = write_lora_adapter(base, root / "b", rank=4, seed=2, targets=("q_proj", "v_proj", "down_proj"))
+    return base, LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "chunked"])
+def test_lora_deltas_run_in_the_loop_and_give_the_python_layers_results_exactly(lora_adapters, monkeypatch,
+                                                                               loop_calls, chunked):
+    """A batch mixing two adapters and the base model: every pass runs in the loop (none falls back to the
+    Python layers), with the same tokens and logprobs as the Python layers' hook (the same kernel calls on the
+    same rows). Adapter a's rows are not one run (index path), b's are; the prefill keeps only its last rows
+    (keep_rows); chunked: prompt chunks beside decodes. The Python layers equal PeftModel in test_lora.py."""
+    base, a, b = lora_adapters
+    kwargs = dict(max_num_batched_tokens=24, max_num_seqs=4) if chunked else {}
+    llm = LLM(str(base), dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False, enable_lora=True,
+              max_loras=2, max_lora_rank=8, **kwargs)
+    loras = [a, None, b, a]
+
+    in_python = generate(llm, False, monkeypatch, loras)
+    assert loop_calls and not any(loop_calls)
+    loop_calls.clear()
+    in_one_call = generate(llm, True, monkeypatch, loras)
+
+    assert loop_calls and all(loop_calls)
+    if chunked:
+        assert any(1 in lens and max(lens) > 1 for lens in loop_calls.query_lens)  # decodes among prefill chunks
+    assert in_one_call == in_python
+    without = generate(llm, True, monkeypatch)  # the adapters changed their rows' outputs, and no other row's
+    assert [got != plain for got, plain in zip(in_one_call, without)] == [True, False, True, True]
 
 
 def record_kept_rows(runner, monkeypatch) -> list[tuple[int, list[int] | None, int]]:
@@ -216,4 +254,5 @@ def test_a_layer_tensor_missing_from_the_list_is_a_clear_error(tiny_model_factor
         torch.ops.pagoda_cpu.llama_layers(
             torch.zeros(1, 64, dtype=torch.bfloat16), None, torch.zeros(1, dtype=torch.long), tensors,
             stack.cos_sin_cache, torch.tensor([0, 1], dtype=torch.int32), one, torch.zeros(1, 1, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.long), True, None, None, None, None, *stack.sizes, stack.eps, stack.scale)
+            torch.zeros(1, dtype=torch.long), True, None, None, None, None, *stack.sizes, stack.eps, stack.scale,
+            None, [], [])

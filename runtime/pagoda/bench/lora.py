@@ -6,7 +6,9 @@ spread over the same batch, and the time to first token of an adapter the engine
 The adapters are random PEFT LoRA directories written here for the model (rank --rank on q/k/v/o and
 gate/up/down of every layer, as a fine-tune typically targets), so no download is needed. Every run is
 greedy with ignore_eos, so each request makes exactly --max-tokens tokens. Reported per configuration:
-output tokens/s over the batch (and its ratio to the base run), median TPOT ((last token - first token) /
+output tokens/s over the batch (and its ratio to the base run), the process's CPU seconds for the batch
+(and the base's over this: the throughput ratio of one thread, on a machine shared with other jobs, when
+run under `taskset -c N` with OMP_NUM_THREADS=1), median TPOT ((last token - first token) /
 (tokens - 1) per request), and median TTFT; then the time to the first token of one request alone with a new
 adapter (its files checked, read and put in a slot) against one with an adapter already in a slot.
 The base run uses an engine without LoRA; the adapter runs one engine with --max-loras at the largest
@@ -76,15 +78,15 @@ def run_batch(llm: LLM, requests, loras: list) -> dict:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     hits = llm.engine.get_stats().prefix_cache_hits
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     hits = llm.engine.get_stats().prefix_cache_hits - hits
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
              for o in outs if len(o.outputs[0].token_ids) > 1]
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    return {"output_tokens": tokens, "seconds": round(seconds, 3),
+    return {"output_tokens": tokens, "seconds": round(seconds, 3), "cpu_seconds": round(cpu_seconds, 3),
             "output_tokens_per_s": round(tokens / seconds, 1),
             "median_tpot_ms": round(1000 * statistics.median(tpots), 2),
             "median_ttft_ms": round(1000 * statistics.median(ttfts), 1), "prefix_cache_hits": hits}
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
                 result = {"adapters": count, "lora_enabled": True, **run_batch(llm, requests, loras)}
                 result["throughput_ratio_to_base"] = round(result["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
                 result["tpot_ratio_to_base"] = round(result["median_tpot_ms"] / base["median_tpot_ms"], 3)
+                result["cpu_throughput_ratio_to_base"] = round(base["cpu_seconds"] / result["cpu_seconds"], 3)
                 print(json.dumps(result), flush=True)
                 results.append(result)
             loaded = first_token_ms(llm, requests[0], adapters[0])

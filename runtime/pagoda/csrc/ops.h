@@ -121,13 +121,15 @@ std::tuple<at::Tensor, at::Tensor> layers(
     const at::Tensor& slot_mapping, bool all_decode, const std::optional<at::Tensor>& decode_rows,
     const std::optional<at::Tensor>& decode_block_tables, const std::optional<at::Tensor>& decode_seq_lens,
     const std::optional<at::Tensor>& keep_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-    int64_t intermediate_size, double eps, double scale);
+    int64_t intermediate_size, double eps, double scale, const std::optional<at::Tensor>& lora_row_slots,
+    const c10::List<std::optional<at::Tensor>>& lora_tensors, at::IntArrayRef lora_shrink_sizes);
 constexpr const char* kLayersSchema =
     "llama_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, "
     "Tensor cos_sin_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor slot_mapping, "
     "bool all_decode, Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, "
     "Tensor? keep_rows, int num_heads, int num_kv_heads, int head_size, int intermediate_size, float eps, "
-    "float scale) -> (Tensor, Tensor)";
+    "float scale, Tensor? lora_row_slots, Tensor?[] lora_tensors, int[] lora_shrink_sizes) "
+    "-> (Tensor, Tensor)";
 
 std::vector<std::string> layer_slots();  // the names of a layer's tensors in layer_tensors, in order
 constexpr const char* kLayerSlotsSchema = "llama_layer_slots() -> str[]";

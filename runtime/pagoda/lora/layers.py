@@ -41,6 +41,8 @@ class StepRows:
     def __init__(self):
         self.all = RowGroups(0, [])
         self.kept = RowGroups(0, [])  # the last layer's rows when the model keeps only some (keep_rows)
+        self.row_slots: torch.Tensor | None = None  # int32 [T] on the CPU, -1 for the base model; None: no adapter
+        self.cpu_loop_tensors: dict = {}  # cpu_loop_args' tensor lists, per list of the loop's projections
 
     @property
     def active(self) -> bool:
@@ -65,6 +67,10 @@ class LoRALayer:
         # bfloat16 on a CPU with bf16_matmul_cpu's kernel: each slot's A and block-diagonal B packed for it (two
         # kernel calls per adapter group; torch's small bfloat16 matmuls cost ~20 us a call)
         self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        # every slot's packed A and B stacked [max_loras, ...] (packed[slot] are views), as the C++ layer loop
+        # takes them; allocated with the first slot packed
+        self.packed_a: torch.Tensor | None = None
+        self.packed_b: torch.Tensor | None = None
         if (packing_supported(device, dtype) and platform.bf16_matmul_layout() == platform.VNNI
                 and bf16_matmul_cpu.available()):
             self.packed = [None] * max_loras
@@ -95,7 +101,17 @@ class LoRALayer:
         for i, sub in enumerate(self.subs):
             rows = slice(sub.offset, sub.offset + sub.size)
             block_diagonal[rows, i * self.rank : (i + 1) * self.rank] = self.b[slot, rows]
-        self.packed[slot] = (bf16_matmul_cpu.pack(self.a[slot]), bf16_matmul_cpu.pack(block_diagonal))
+        a, b = bf16_matmul_cpu.pack(self.a[slot]), bf16_matmul_cpu.pack(block_diagonal)
+        if self.packed_a is None:
+            self.packed_a = a.new_zeros(len(self.packed), *a.shape)
+            self.packed_b = b.new_zeros(len(self.packed), *b.shape)
+        self.packed_a[slot].copy_(a)
+        self.packed_b[slot].copy_(b)
+        self.packed[slot] = (self.packed_a[slot], self.packed_b[slot])
+
+    def cpu_loop_args(self, projections: list[tuple[LinearBase, ...]]) -> tuple | None:
+        """What the C++ layer loop needs for this step's adapters (cpu_loop_args), asked through the hook."""
+        return cpu_loop_args(self.rows.row_slots, projections, self.rows.cpu_loop_tensors)
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The hook LinearBase.matmul calls: y (this rank's output, before any all-reduce) plus the deltas."""
@@ -110,6 +126,33 @@ class LoRALayer:
         if self.packed is not None and x.dtype == torch.bfloat16:
             return add_lora_packed_cpu(x, y, self.packed, self.a.shape[1], groups)
         return add_lora_torch(x, y, self.a, self.b, self.rank, self.sub_outputs, groups)
+
+
+def cpu_loop_args(row_slots: torch.Tensor | None, projections: list[tuple[LinearBase, ...]],
+                  cache: dict | None = None) -> tuple | None:
+    """The C++ layer loop's LoRA arguments (models/llama_layers_cpu.cpp) for this step's adapter rows:
+    (row_slots: int32 [T] from StepRows; per layer and projection the stacked packed A and B, None where no
+    adapter can target it; A's rows per projection). projections: per layer of the loop, its (qkv, o, gate_up,
+    down); cache: where the tensor lists are kept between steps. None when the loop cannot add the deltas (no
+    packed weights: the Python layers' hook adds them)."""
+    if row_slots is None:
+        return None
+    if cache is not None and (hit := cache.get(id(projections))) is not None and hit[0] is projections:
+        return row_slots, *hit[1:]
+    tensors, shrink_sizes = [], [0] * len(projections[0])
+    for layer in projections:
+        for i, linear in enumerate(layer):
+            lora = linear.lora
+            if lora is None:
+                tensors += (None, None)
+                continue
+            if lora.packed_a is None:  # not packed for the kernel (a slot in use is packed)
+                return None
+            tensors += (lora.packed_a, lora.packed_b)
+            shrink_sizes[i] = lora.a.shape[1]
+    if cache is not None:  # the stacked tensors, once allocated, stay for the model's life
+        cache[id(projections)] = (projections, tensors, shrink_sizes)
+    return row_slots, tensors, shrink_sizes
 
 
 def sub_outputs(linear: LinearBase, targets: list[str]) -> list[SubOutput]:

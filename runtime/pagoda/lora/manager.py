@@ -49,6 +49,8 @@ class LoRAManager:
             ok = adapter is not None and adapter.lora_int_id not in failed
             row_slots += [self.slot_of[adapter.lora_int_id] if ok else -1] * n
         self.rows.all = RowGroups.from_row_slots(row_slots, self.device, self.segments)
+        self.rows.row_slots = (torch.tensor(row_slots, dtype=torch.int32)
+                               if self.rows.all.groups and self.device.type == "cpu" else None)
         if keep_rows is not None and self.rows.all.groups:
             kept = [row_slots[i] for i in keep_rows.tolist()]
             self.rows.kept = RowGroups.from_row_slots(kept, self.device, self.segments)

@@ -6,7 +6,8 @@ same order, so its output is bit for bit that of ``LlamaDecoderLayer.forward``, 
 everything else: other devices, float32 and float16, int8/int4/GPTQ/AWQ or oneDNN-packed weights, tensor parallelism,
 the memory-profiling pass (no KV cache yet), the pass that calibrates an fp8 cache's scales, and machines where
 a kernel library is not built. A bfloat16 or an fp8 cache (with each layer's k_scale and v_scale) is read;
-weights are bfloat16 (bf16_matmul_cpu) or FP8 (fp8_matmul_cpu, with their scales).
+weights are bfloat16 (bf16_matmul_cpu) or FP8 (fp8_matmul_cpu, with their scales). LoRA adapters' deltas are
+added inside the loop, after each projection, from what the LoRA hook's cpu_loop_args gathers.
 """
 
 import functools
@@ -45,6 +46,9 @@ class LayerStack:
         self.sizes = (attn.num_heads, attn.num_kv_heads, attn.head_size, mlp.gate_up_proj.output_size_per_rank // 2)
         self.eps = layers[0].input_layernorm.eps
         self.scale = attn.attn.scale
+        # what adapters may target, for the LoRA hook's cpu_loop_args
+        self.projections = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj) for layer in layers]
 
 
 def _loop_weight(linear) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
@@ -101,8 +105,6 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
             or not available()):
         return None
     first = model.layers[model.start_layer]
-    if first.self_attn.qkv_proj.lora is not None and first.self_attn.qkv_proj.lora.active:
-        return None  # LoRA deltas: the Python layers call the adapters' hook
     if first.self_attn.attn.calculate_kv_scales:
         return None  # the fp8 scales are calibrated on this batch, by the Python layers (all of them at once), so a
         # stack gathered after this pass holds the final scales
@@ -112,6 +114,11 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
         stack = model.cpu_layer_stack = LayerStack(layers)
     if stack.tensors is None:
         return None
+    lora = (None, [], [])  # the op's LoRA arguments: no adapter rows
+    if (hook := first.self_attn.qkv_proj.lora) is not None and hook.active:
+        lora = hook.cpu_loop_args(stack.projections)  # lora/layers.py gathers what the loop needs
+        if lora is None:
+            return None  # adapters the loop cannot run: the Python layers call their hook
     m = context.metadata
     decode_rows = decode_tables = decode_lens = None
     if not m.is_pure_decode and (seqs := m.decode_seqs):  # single-row sequences among prefill chunks
@@ -119,4 +126,4 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
     return torch.ops.pagoda_cpu.llama_layers(
         hidden, residual, positions, stack.tensors, stack.cos_sin_cache, m.query_start_loc, m.seq_lens,
         m.block_tables, m.slot_mapping, m.is_pure_decode, decode_rows, decode_tables, decode_lens, keep_rows,
-        *stack.sizes, stack.eps, stack.scale)
+        *stack.sizes, stack.eps, stack.scale, *lora)
