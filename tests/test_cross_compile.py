@@ -6,9 +6,11 @@ micro-kernels, which need code generation to check intrinsics' lanes and target 
 object code through tests/kernels/neon_kernels_harness.cpp (run under qemu by
 tests/kernels/test_neon_kernels_qemu.py where qemu-user is installed)."""
 
+import os
 import shutil
 import subprocess
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,7 +36,7 @@ def level_dependent(source: str) -> bool:
     return "cpu_isa.h" in (ROOT / source).read_text()
 
 
-# each check is ~10 s of parsing torch's headers: every level for the sources that differ per level, one for
+# each check is 2-8 s of parsing torch's headers: every level for the sources that differ per level, one for
 # the rest (the Graviton3 build differs from neonbf16 only in SVE, which no source uses: object code below)
 SYNTAX_CASES = [(source, level) for source in SOURCES
                 for level in (LEVELS["aarch64"] if level_dependent(source) else ("neon",))]
@@ -55,9 +57,22 @@ def compile_for(target: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def syntax_checks(request):
+    """The selected syntax cases, started at once on a compiler per core: each is one single-threaded compiler
+    run, so one at a time would leave all cores but one idle."""
+    selected = [item.callspec.params for item in request.session.items
+                if getattr(item, "originalname", None) == "test_compiles_for_aarch64"]
+    pool = ThreadPoolExecutor(os.cpu_count() or 1)
+    checks = {(case["source"], case["target"]): pool.submit(compile_for, case["target"], "-fsyntax-only", case["source"])
+              for case in selected}
+    yield checks
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize("source, target", SYNTAX_CASES)
-def test_compiles_for_aarch64(source, target):
-    result = compile_for(target, "-fsyntax-only", source)
+def test_compiles_for_aarch64(source, target, syntax_checks):
+    result = syntax_checks[source, target].result()
     assert result.returncode == 0, f"{source} for {target}:\n{result.stderr[-4000:]}"
 
 

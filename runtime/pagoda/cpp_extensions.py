@@ -4,7 +4,7 @@ compiled apart, in parallel (ninja), and linked into one library.
 
 Builds target the ISA level ``pagoda.platform`` chose (``-march=native`` for native, the level's own flags
 such as ``-mavx2 -mfma`` when ``PAGODA_CPU_ISA`` forces one), so the cache key holds the level (and for a
-native build the CPU's feature flags) as well as the source, the flags and the torch version. A build that
+native build the CPU's feature flags) as well as the source, the flags, the torch version and their paths. A build that
 fails leaves a marker beside its directory: later starts and other ranks skip it (and use torch) instead of
 compiling again; delete ``<build dir>.failed`` to retry. Processes starting together build once,
 one after the other under an flock on ``<build dir>.lock``, which the OS releases when its holder dies.
@@ -71,8 +71,11 @@ def build_name(prefix: str, source: Path | Sequence[Path], cflags: list[str]) ->
     isa = pagoda_platform.cpu_isa()
     headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h*"))]
     host = _cpu_flags() if any("native" in flag for flag in cflags) else ""  # -march=native: this CPU's flags
+    # the paths too: torch's build.ninja holds the sources', csrc/'s and torch's absolute paths, so two checkouts
+    # of the same sources sharing one directory (a clone beside a worktree) rebuilt it in turn at every load
+    paths = [str(s.resolve()) for s in source_list(source)] + [str(INCLUDE_DIR.resolve()), str(Path(torch.__file__).parent)]
     key = "\n".join([*(s.read_text() for s in source_list(source)), *headers, " ".join(cflags), torch.__version__,
-                     platform.machine(), isa.level, host])
+                     platform.machine(), isa.level, host, *paths])
     level = "native" if isa.native else isa.level
     return f"{prefix}{level}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 

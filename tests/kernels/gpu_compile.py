@@ -89,17 +89,19 @@ def cases():
     yield lora_sgmv._expand_kernel, torch.bfloat16, dict(sgmv, R_PAD=16, DOT_PRECISION="tf32"), four_warps
 
 
-def main() -> int:
-    for arch in (80, 86, 90):
-        for kernel, dtype, constexprs, options in cases():
-            compiled = triton.compile(source(kernel, dtype, constexprs), target=GPUTarget("cuda", arch, 32),
-                                      options=options)
-            assert compiled.metadata.shared <= SHARED_MEMORY[arch], f"{kernel.__name__}: too much shared memory"
-            assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
-            print(f"sm_{arch} {kernel.__name__} {TYPES[dtype]}: {len(compiled.asm['cubin'])} bytes of cubin, "
-                  f"{compiled.metadata.shared} bytes of shared memory")
+def main(shard: int = 0, shards: int = 1) -> int:
+    """Compile every ``shards``-th (arch, kernel) pair from ``shard`` on: each compile is single-threaded, so the
+    test runs a shard per core."""
+    pairs = [(arch, case) for arch in (80, 86, 90) for case in cases()]
+    for arch, (kernel, dtype, constexprs, options) in pairs[shard::shards]:
+        compiled = triton.compile(source(kernel, dtype, constexprs), target=GPUTarget("cuda", arch, 32),
+                                  options=options)
+        assert compiled.metadata.shared <= SHARED_MEMORY[arch], f"{kernel.__name__}: too much shared memory"
+        assert compiled.asm.get("cubin"), f"{kernel.__name__}: no cubin"
+        print(f"sm_{arch} {kernel.__name__} {TYPES[dtype]}: {len(compiled.asm['cubin'])} bytes of cubin, "
+              f"{compiled.metadata.shared} bytes of shared memory")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*map(int, sys.argv[1:3])))

@@ -24,6 +24,7 @@ def built():
 
 
 def test_the_kernel_is_built_for_this_processes_level():
+    """The one kernel library's level (the fp8 matmul, attention and fused ops are in the same build)."""
     isa = platform.cpu_isa()
     assert bf16_matmul_cpu.isa_level() == isa.level
 

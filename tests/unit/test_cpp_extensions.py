@@ -52,3 +52,15 @@ def test_the_library_registers_every_op_its_header_declares():
     names = re.findall(r'Schema =\s*"(\w+)\(', header)
     assert len(names) == len(set(names)) >= 13
     assert [name for name in names if not hasattr(torch.ops.pagoda_cpu, name)] == []
+
+
+def test_the_same_sources_in_two_checkouts_get_two_build_directories(tmp_path):
+    """torch's build.ninja holds absolute paths: one shared directory was rebuilt by each checkout in turn."""
+    names = []
+    for checkout in ("a", "b"):
+        (tmp_path / checkout).mkdir()
+        source = tmp_path / checkout / "kernel.cpp"
+        source.write_text("int f() { return 1; }\n")
+        names.append(cpp_extensions.build_name("pagoda_probe_", source, ["-O3"]))
+    assert names[0] != names[1]
+    assert names[0] == cpp_extensions.build_name("pagoda_probe_", tmp_path / "a" / "kernel.cpp", ["-O3"])

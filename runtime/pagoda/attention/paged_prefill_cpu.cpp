@@ -2,7 +2,7 @@
 // straight from the paged KV cache; see paged_attention_cpu.cpp for the library and
 // csrc/paged_attention_common.h for what decode and prefill share.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <array>

@@ -4,7 +4,6 @@
 // other kernels straight through these declarations.
 #pragma once
 
-#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -12,6 +11,14 @@
 #include <string>
 #include <tuple>
 #include <vector>
+
+// c10::List is only named here (the layer loop's argument, by reference): its definition, ATen/core/List.h, is
+// as slow to parse as the rest of this header together, so the two sources that use it (register_ops.cpp
+// through torch/library.h, models/llama_layers_cpu.cpp) include it themselves.
+namespace c10 {
+template <class T>
+class List;
+}  // namespace c10
 
 // attention (attention/paged_decode_cpu.cpp, paged_prefill_cpu.cpp; the fp8 write in paged_attention_cpu.cpp)
 namespace pagoda::attention {

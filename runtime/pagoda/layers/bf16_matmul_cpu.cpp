@@ -11,7 +11,7 @@
 // oneDNN at 1-8 rows); at large batches the same micro-kernel is compute bound and on par. Without bfloat16
 // instructions (AVX2) the weights still stream as bfloat16: half the bytes of float32 weights.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
@@ -64,7 +64,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   }
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = out_features;
-  auto y = at::empty(out_shape, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
+  auto y = x.new_empty(out_shape, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
   // AVX2's and NEON's prefill kernels are float32 ones: x widened once here, not in every task
   at::Tensor x_float;
   if (isa::kWantsFloatX && rows >= isa::kFloatXRows) x_float = x.to(at::kFloat).contiguous();

@@ -3,8 +3,8 @@
 // csrc/fp8_matmul.h. The weight is widened in registers, never to a dequantised copy: a decode step reads one
 // byte a weight instead of the torch path's upcast, write and re-read of every weight.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
@@ -47,7 +47,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::T
   }
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = out_features;
-  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor y = x.new_empty(out_shape);
   const bf16* x_data = x.data_ptr<bf16>();
   const auto* w_data = static_cast<const uint8_t*>(packed.data_ptr());
   const float* s_data = scales.data_ptr<float>();
@@ -73,7 +73,7 @@ at::Tensor pack(const at::Tensor& qweight) {
               qweight.scalar_type());
   const at::Tensor w = qweight.contiguous();
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlockN - 1) / kBlockN;
-  at::Tensor packed = at::zeros({blocks, k / 2, kBlockN, 2}, w.options());
+  at::Tensor packed = w.new_zeros({blocks, k / 2, kBlockN, 2});
   const auto* src = static_cast<const uint8_t*>(w.data_ptr());
   auto* dst = static_cast<uint8_t*>(packed.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
@@ -95,7 +95,7 @@ at::Tensor unpack(const at::Tensor& packed, int64_t out_features) {
                   packed.size(2) == kBlockN && packed.size(3) == 2 && out_features <= packed.size(0) * kBlockN,
               "fp8 unpack: packed must be [N/32, K/2, 32, 2] float8_e4m3fn, got ", packed.sizes());
   const int64_t k_pairs = packed.size(1);
-  at::Tensor w = at::empty({out_features, 2 * k_pairs}, packed.options());
+  at::Tensor w = packed.new_empty({out_features, 2 * k_pairs});
   const auto* src = static_cast<const uint8_t*>(packed.data_ptr());
   auto* dst = static_cast<uint8_t*>(w.data_ptr());
   for (int64_t row = 0; row < out_features; ++row)

@@ -9,8 +9,8 @@
 // The loops are plain C++ the compiler vectorises at every ISA level; the ISA-specific parts are in csrc/:
 // argmax (argmax_row.h: AVX-512, AVX2, NEON) and, on aarch64, SiLU's exp (silu_and_mul_neon.h).
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstring>
@@ -96,7 +96,7 @@ void check_rows(const char* op, const at::Tensor& x, const at::Tensor& weight) {
 // x [rows, hidden] -> [rows, hidden]
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows("rms_norm", x, weight);
-  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor out = x.new_empty(x.sizes());
   const int64_t rows = x.size(0), n = x.size(1), x_stride = x.stride(0);
   DISPATCH_FLOATING(x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -115,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
   check_rows("fused_add_rms_norm", x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual must match x, got ", residual.sizes(), " for x ", x.sizes());
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  at::Tensor residual_out = at::empty(x.sizes(), x.options());
+  at::Tensor out = x.new_empty(x.sizes());
+  at::Tensor residual_out = x.new_empty(x.sizes());
   const int64_t rows = x.size(0), n = x.size(1), x_stride = x.stride(0), r_stride = residual.stride(0);
   DISPATCH_FLOATING(x.scalar_type(), "fused_add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -202,7 +202,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "silu_and_mul: x must be [rows, 2 * intermediate] with contiguous rows");
   const int64_t rows = x.size(0), inter = x.size(1) / 2, x_stride = x.stride(0);
-  at::Tensor out = at::empty({rows, inter}, x.options());
+  at::Tensor out = x.new_empty({rows, inter});
   DISPATCH_FLOATING(x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
@@ -262,7 +262,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
                   x.size(1) > 0,
               "argmax_rows: x must be float32 [rows, n > 0] with contiguous rows");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor out = x.new_empty({rows}, x.options().dtype(at::kLong));
   const float* data = x.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
