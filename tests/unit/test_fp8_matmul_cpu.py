@@ -97,13 +97,13 @@ def test_strided_and_batched_rows():
     (dict(scales=torch.ones(64, 2)), "scales must be"),
     (dict(block_k=3), "block_k must be a positive even number"),
     (dict(x=torch.zeros(1, 96)), "x must be a bfloat16"),
-    (dict(out_features=100), "does not match the packed weight"),
+    (dict(out_features=100), "out_features 100 does not match the packed weight"),
 ])
 def test_bad_arguments_are_refused_with_a_message(change, message):
     args = dict(x=torch.zeros(1, 96, dtype=torch.bfloat16), packed=fp8_matmul_cpu.pack(torch.zeros(64, 96, dtype=E4M3)),
                 scales=torch.ones(64, 1), block_k=96, out_features=64, bias=None)
     args.update(change)
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match=f"fp8_linear: {message}"):  # the op's name, as torch.ops calls it
         fp8_matmul_cpu.linear(**args)
 
 

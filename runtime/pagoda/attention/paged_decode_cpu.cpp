@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "paged_attention_common.h"
+#include "paged_decode_sweep.h"
 #include "parallel_tasks.h"
 
 #if defined(PAGODA_ISA_AVX2)
@@ -33,7 +34,6 @@ namespace decode_isa = pagoda::attention::neon;
 namespace pagoda::attention {
 namespace {
 
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead decode prefetches a block that starts a run
 constexpr int64_t kMaxGroup = 16;
 
 // kHeadSize > 0 fixes the head size at compile time (the common sizes), so the per-row loops unroll into
@@ -239,10 +239,8 @@ void decode_fp8(const scalar_t* q, int64_t q_head_stride, const cache_t* k_cache
 //
 // A work item is a sequence and a range of its KV heads (all of them when there are sequences enough for
 // every thread). Block by block, the K rows of all the item's heads are scored (then their V rows summed)
-// in one sweep in memory order: in the head-major cache a block's heads are contiguous, and a context's
-// blocks mostly follow each other (a prompt's are allocated together), so the item reads long runs that the
-// hardware prefetcher follows while the kernel computes. Software prefetch is only for a block that starts
-// a new run. Per query head the P @ V accumulators stay in memory between blocks.
+// in one sweep in memory order (csrc/paged_decode_sweep.h: why, and the prefetch of a block that starts a new
+// run). Per query head the P @ V accumulators stay in memory between blocks.
 // (One item per (sequence, KV head), reading 2 KB runs 6 KB apart with prefetches 64 keys ahead into L1,
 // took 630-690 us a layer on 40 contexts of 10 MB out of cache; this takes 400-420, ~25 GB/s: what the
 // two cores read.)
@@ -324,17 +322,6 @@ inline void accumulate_block(const uint16_t* p, int64_t padded_len, const c10::B
     for (int i = 0; i < 2 * kVecs; ++i) _mm512_storeu_ps(acc_mem + (g * 2 * kVecs + i) * 16, acc[g][i]);
 }
 
-// Calls visit(std::integral_constant<int, n>) for n in 1..kMax (the query heads a unit takes at once)
-template <int kMax, typename Visit>
-inline void with_unit_size(int64_t n, Visit&& visit) {
-  switch (n) {
-    case 1: visit(std::integral_constant<int, 1>{}); break;
-    case 2: visit(std::integral_constant<int, 2>{}); break;
-    case 3: if constexpr (kMax >= 3) visit(std::integral_constant<int, 3>{}); break;
-    default: if constexpr (kMax >= 4) visit(std::integral_constant<int, 4>{}); break;
-  }
-}
-
 // n rows of one KV head's block (rows pos_stride apart) as bfloat16 rows: a bfloat16 cache's in place (rows
 // pos_stride apart), an fp8 cache's widened into buffer ([n, kHeadSize], rows kHeadSize apart)
 template <int kHeadSize, typename cache_t>
@@ -388,21 +375,6 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
     buffer = reinterpret_cast<c10::BFloat16*>((address + 63) & ~uintptr_t{63});  // whole cache lines
   }
 
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  // a block that does not follow its predecessor in memory starts a run the hardware prefetcher cannot
-  // guess: fetch it into L2 ahead (one real load first: a prefetch that misses the TLB may be dropped).
-  // Prefetching every block, or into L1, was slower: 4 blocks of 3 heads overflow L1, and requests the
-  // hardware would make anyway take the core's miss buffers.
-  auto prefetch_run_start = [&](const cache_t* cache, int64_t b) {
-    if (b >= num_blocks || (b > 0 && block_table[b] == block_table[b - 1] + 1)) return;
-    const char* rows = reinterpret_cast<const char*>(cache + block_table[b] * block_stride);
-    const char first_byte = *reinterpret_cast<const volatile char*>(rows);
-    asm volatile("" : : "r"(first_byte));
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t t = 0; t < block_size; ++t)
-        for (int64_t byte = 0; byte < kHeadSize * int64_t(sizeof(cache_t)); byte += 64)
-          _mm_prefetch(rows + (h * head_stride + t * pos_stride) * sizeof(cache_t) + byte, _MM_HINT_T1);
-  };
   // a unit: KV head h's n rows of a block as bfloat16 (rows stride apart) and query heads [first, first + count)
   // of its group, count <= kUnit
   auto for_each_unit = [&](const cache_t* block, int64_t n, auto&& visit) {
@@ -413,14 +385,8 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
     }
   };
   // one pass over the context's blocks: visit(block's first position, its size, its rows in cache)
-  auto sweep = [&](const cache_t* cache, auto&& visit) {
-    for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_run_start(cache, b);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      prefetch_run_start(cache, b + kPrefetchBlocks);
-      const int64_t t0 = b * block_size;
-      visit(t0, std::min(block_size, seq_len - t0), cache + block_table[b] * block_stride);
-    }
-  };
+  const BlockSweep<cache_t, kHeadSize, PrefetchL2X86> sweep(block_table, seq_len, block_size, block_stride,
+                                                            pos_stride, head_stride, num_kv_heads);
 
   sweep(k_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
     for_each_unit(block, n, [&](const c10::BFloat16* rows, int64_t stride, int64_t first, int64_t count) {
@@ -454,6 +420,18 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
 }
 #endif
 
+// The work items of the kernels that take a sequence and a range of its KV heads (decode_bf16, decode_isa's
+// decode_sequence): all of a sequence's KV heads together when every thread gets a sequence, else one item per
+// KV head. Calls run(sequence, its first KV head, the number of KV heads) once per item, in parallel.
+template <typename Run>
+void for_each_sequence_item(int64_t num_seqs, int64_t num_kv_heads, const Run& run) {
+  const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  pagoda::parallel_tasks(num_seqs * items_per_seq, [&](int64_t item) {
+    run(item / items_per_seq, item % items_per_seq * heads_per_item, heads_per_item);
+  });
+}
+
 template <typename scalar_t, typename cache_t>
 void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const Variant& variant, at::Tensor& out) {
@@ -479,15 +457,11 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
       // the fp8 rows are widened exactly, without upcast_fp8's 1 / kFp8ReadFactor
       const float score_scale = variant.q_scale / pagoda::kFp8ReadFactor<cache_t>;
       const float out_scale = variant.out_scale / pagoda::kFp8ReadFactor<cache_t>;
-      // a sequence's KV heads together when every thread gets a sequence; else one item per KV head
-      const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? num_kv_heads : 1;
-      const int64_t items_per_seq = num_kv_heads / heads_per_item;
-      pagoda::parallel_tasks(num_seqs * items_per_seq, [&](int64_t item) {
+      for_each_sequence_item(num_seqs, num_kv_heads, [&](int64_t i, int64_t h, int64_t heads) {
         thread_local std::vector<float> scratch;
         thread_local std::vector<c10::BFloat16> widened;
-        const int64_t i = item / items_per_seq, h = item % items_per_seq * heads_per_item;
         decode(q + i * q_seq + h * group * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
-               pos_stride, head_stride, heads_per_item, group, tables + i * table_stride, lens[i], block_size,
+               pos_stride, head_stride, heads, group, tables + i * table_stride, lens[i], block_size,
                score_scale, out_scale, o + i * o_seq + h * group * o_head, o_head, scratch, widened);
       });
       return;
@@ -496,17 +470,14 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
 #endif
 #if defined(PAGODA_ISA_AVX2) || defined(PAGODA_ISA_NEON)
   // a bfloat16 cache without AVX512_BF16 (or with an odd block size): csrc/paged_decode_avx2.h or
-  // csrc/paged_decode_neon.h, split as above
+  // csrc/paged_decode_neon.h
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
     if (variant.plain() && (head_size == 64 || head_size == 128)) {
       auto decode = head_size == 64 ? decode_isa::decode_sequence<64> : decode_isa::decode_sequence<128>;
-      const int64_t heads_per_item = num_seqs >= at::get_num_threads() ? num_kv_heads : 1;
-      const int64_t items_per_seq = num_kv_heads / heads_per_item;
-      pagoda::parallel_tasks(num_seqs * items_per_seq, [&](int64_t item) {
+      for_each_sequence_item(num_seqs, num_kv_heads, [&](int64_t i, int64_t h, int64_t heads) {
         thread_local std::vector<float> scratch;
-        const int64_t i = item / items_per_seq, h = item % items_per_seq * heads_per_item;
         decode(q + i * q_seq + h * group * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
-               pos_stride, head_stride, heads_per_item, group, tables + i * table_stride, lens[i], block_size,
+               pos_stride, head_stride, heads, group, tables + i * table_stride, lens[i], block_size,
                variant.q_scale, o + i * o_seq + h * group * o_head, o_head, scratch);
       });
       return;

@@ -8,11 +8,11 @@
 // terms, so the query is kept in the same even/odd order, and so are the P @ V sums until they are written.
 //
 // As the AVX512_BF16 kernel, an item sweeps its context block by block in memory order, every KV head of the
-// block in turn (a block's heads are contiguous in the head-major cache), once for the scores and once for
-// P @ V, and prefetches a block that does not follow its predecessor in memory. Scores: 8 keys widened into a
-// small float buffer, then each query head of the group dots them and the 8 sums are reduced together
-// (sum_each8). Softmax in float32 (unnormalised: 1 / total scales the output). P @ V: per 16 output
-// elements, the group's query heads (up to 4 at once) accumulate in registers over the block's keys.
+// block in turn, once for the scores and once for P @ V (paged_decode_sweep.h's BlockSweep, which prefetches
+// a block that does not follow its predecessor in memory). Scores: 8 keys widened into a small float buffer,
+// then each query head of the group dots them and the 8 sums are reduced together (sum_each8). Softmax in
+// float32 (unnormalised: 1 / total scales the output). P @ V: per 16 output elements, the group's query heads
+// (up to 4 at once) accumulate in registers over the block's keys.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -26,6 +26,7 @@
 
 #include "avx2_math.h"
 #include "bf16_scalar.h"
+#include "paged_decode_sweep.h"
 
 namespace pagoda::attention::avx2 {
 
@@ -36,7 +37,6 @@ using pagoda::avx2::max_of8;
 using pagoda::avx2::sum_each8;
 using pagoda::avx2::sum_of8;
 
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead a block that starts a new run is prefetched
 constexpr int kUnit = 4;                // query heads whose P @ V sums share one pass over a block's values
 
 // 16 bfloat16 at p -> their even elements and their odd ones, in float32
@@ -98,27 +98,8 @@ void decode_sequence(const bf16* q, int64_t q_head_stride, const bf16* k_cache, 
       _mm256_storeu_ps(qf + head * kHeadSize + c + 8, _mm256_mul_ps(odd, _mm256_set1_ps(scale)));
     }
 
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  // a block that does not follow its predecessor in memory starts a run the hardware prefetcher cannot guess:
-  // fetch it into L2 ahead (one real load first: a prefetch that misses the TLB may be dropped)
-  auto prefetch_run_start = [&](const bf16* cache, int64_t b) {
-    if (b >= num_blocks || (b > 0 && block_table[b] == block_table[b - 1] + 1)) return;
-    const char* rows = reinterpret_cast<const char*>(cache + block_table[b] * block_stride);
-    const char first_byte = *reinterpret_cast<const volatile char*>(rows);
-    asm volatile("" : : "r"(first_byte));
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t t = 0; t < block_size; ++t)
-        for (int64_t byte = 0; byte < kHeadSize * 2; byte += 64)
-          _mm_prefetch(rows + (h * head_stride + t * pos_stride) * 2 + byte, _MM_HINT_T1);
-  };
-  auto sweep = [&](const bf16* cache, auto&& visit) {
-    for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_run_start(cache, b);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      prefetch_run_start(cache, b + kPrefetchBlocks);
-      const int64_t t0 = b * block_size;
-      visit(t0, std::min(block_size, seq_len - t0), cache + block_table[b] * block_stride);
-    }
-  };
+  const BlockSweep<bf16, kHeadSize, PrefetchL2X86> sweep(block_table, seq_len, block_size, block_stride,
+                                                      pos_stride, head_stride, num_kv_heads);
 
   // scores: s[head][t] = q . k_t
   sweep(k_cache, [&](int64_t t0, int64_t n, const bf16* block) {
@@ -181,12 +162,9 @@ void decode_sequence(const bf16* q, int64_t q_head_stride, const bf16* k_cache, 
         const bf16* values = block + h * head_stride;
         for (int c = 0; c < kHeadSize; c += 16) {
           float* a = acc + first * kHeadSize + c;
-          switch (count) {
-            case 1: accumulate16<1>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-            case 2: accumulate16<2>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-            case 3: accumulate16<3>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-            default: accumulate16<4>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-          }
+          with_unit_size<kUnit>(count, [&](auto size) {
+            accumulate16<decltype(size)::value>(p, padded_len, values + c, pos_stride, n, a, kHeadSize);
+          });
         }
       }
   });

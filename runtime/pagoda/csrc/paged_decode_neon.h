@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "bf16_scalar.h"
+#include "paged_decode_sweep.h"
 
 namespace pagoda::attention::neon {
 
 using bf16 = c10::BFloat16;
 
-constexpr int64_t kPrefetchBlocks = 2;  // how far ahead a block that starts a new run is prefetched
 constexpr int kUnit = 4;                // query heads whose P @ V sums share one pass over a block's values
 
 // 8 bfloat16 at p -> float32, in order
@@ -102,24 +102,8 @@ void decode_sequence(const bf16* q, int64_t q_head_stride, const bf16* k_cache, 
       vst1q_f32(qf + head * kHeadSize + c + 4, vmulq_n_f32(hi, scale));
     }
 
-  const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-  // a block that does not follow its predecessor in memory starts a run the hardware prefetcher cannot guess
-  auto prefetch_run_start = [&](const bf16* cache, int64_t b) {
-    if (b >= num_blocks || (b > 0 && block_table[b] == block_table[b - 1] + 1)) return;
-    const char* rows = reinterpret_cast<const char*>(cache + block_table[b] * block_stride);
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t t = 0; t < block_size; ++t)
-        for (int64_t byte = 0; byte < kHeadSize * 2; byte += 64)
-          __builtin_prefetch(rows + (h * head_stride + t * pos_stride) * 2 + byte, 0, 2);
-  };
-  auto sweep = [&](const bf16* cache, auto&& visit) {
-    for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_run_start(cache, b);
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      prefetch_run_start(cache, b + kPrefetchBlocks);
-      const int64_t t0 = b * block_size;
-      visit(t0, std::min(block_size, seq_len - t0), cache + block_table[b] * block_stride);
-    }
-  };
+  const BlockSweep<bf16, kHeadSize, PrefetchL2Arm> sweep(block_table, seq_len, block_size, block_stride,
+                                                      pos_stride, head_stride, num_kv_heads);
 
   // scores: s[head][t] = q . k_t
   sweep(k_cache, [&](int64_t t0, int64_t n, const bf16* block) {
@@ -190,12 +174,9 @@ void decode_sequence(const bf16* q, int64_t q_head_stride, const bf16* k_cache, 
         const bf16* values = block + h * head_stride;
         for (int c = 0; c < kHeadSize; c += 16) {
           float* a = acc + first * kHeadSize + c;
-          switch (count) {
-            case 1: accumulate16<1>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-            case 2: accumulate16<2>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-            case 3: accumulate16<3>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-            default: accumulate16<4>(p, padded_len, values + c, pos_stride, n, a, kHeadSize); break;
-          }
+          with_unit_size<kUnit>(count, [&](auto size) {
+            accumulate16<decltype(size)::value>(p, padded_len, values + c, pos_stride, n, a, kHeadSize);
+          });
         }
       }
   });

@@ -23,26 +23,26 @@ constexpr int64_t kRowsPerTask = 64;  // rows of x one task runs against a block
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, const at::Tensor& scales, int64_t block_k,
                   int64_t out_features, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16 && input.dim() >= 1,
-              "fp8 linear: x must be a bfloat16 CPU tensor");
+              "fp8_linear: x must be a bfloat16 CPU tensor");
   at::Tensor x = input.reshape({-1, input.size(-1)});
   if (x.stride(1) != 1 || x.stride(0) % 2 != 0) x = x.contiguous();  // rows read as pairs of elements
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kFloat8_e4m3fn &&
                   packed.size(2) == kBlockN && packed.size(3) == 2,
-              "fp8 linear: packed must be [N/32, K/2, 32, 2] float8_e4m3fn, got ", packed.sizes(), " ",
+              "fp8_linear: packed must be [N/32, K/2, 32, 2] float8_e4m3fn, got ", packed.sizes(), " ",
               packed.scalar_type());
   const int64_t rows = x.size(0), k_pairs = packed.size(1), blocks = packed.size(0), k = 2 * k_pairs;
-  TORCH_CHECK(x.size(1) == k, "fp8 linear: x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(x.size(1) == k, "fp8_linear: x has ", x.size(1), " columns, the weight ", k);
   TORCH_CHECK(out_features > (blocks - 1) * kBlockN && out_features <= blocks * kBlockN,
-              "fp8 linear: out_features ", out_features, " does not match the packed weight ", packed.sizes());
-  TORCH_CHECK(block_k > 0 && block_k % 2 == 0, "fp8 linear: block_k must be a positive even number, got ", block_k);
+              "fp8_linear: out_features ", out_features, " does not match the packed weight ", packed.sizes());
+  TORCH_CHECK(block_k > 0 && block_k % 2 == 0, "fp8_linear: block_k must be a positive even number, got ", block_k);
   const int64_t groups = (k + block_k - 1) / block_k;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == out_features && scales.size(1) == groups,
-              "fp8 linear: scales must be [", out_features, ", ", groups, "] float32, got ", scales.sizes());
+              "fp8_linear: scales must be [", out_features, ", ", groups, "] float32, got ", scales.sizes());
   const bf16* bias_data = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features,
-                "fp8 linear: bias must be [out_features] bfloat16");
+                "fp8_linear: bias must be [out_features] bfloat16");
     bias_data = bias->data_ptr<bf16>();
   }
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());

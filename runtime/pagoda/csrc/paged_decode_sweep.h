@@ -1,0 +1,97 @@
+// What the paged decode kernels share (attention/paged_decode_cpu.cpp's AVX512_BF16 decode, paged_decode_avx2.h,
+// paged_decode_neon.h): the sweep of a sequence's blocks in memory order with a look-ahead prefetch of the block
+// that starts a new run, and the dispatch of a unit of query heads to a kernel fixed at compile time. No ATen:
+// the NEON kernel also builds into tests/kernels/neon_kernels_harness.cpp.
+//
+// A decode work item is a sequence and some of its KV heads. Block by block, the item reads the rows of all its
+// heads (once for the scores, once for P @ V): in the head-major cache a block's heads are contiguous, and a
+// context's blocks mostly follow each other (a prompt's are allocated together), so the item reads long runs
+// that the hardware prefetcher follows while the kernel computes. Software prefetch is only for a block that
+// does not follow its predecessor in memory: a run the hardware prefetcher cannot guess. Prefetching every
+// block, or into L1, was slower (AVX512_BF16, Zen 4): 4 blocks of 3 heads overflow L1, and requests the
+// hardware would make anyway take the core's miss buffers.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace pagoda::attention {
+
+#if defined(__x86_64__) || defined(__i386__)
+// prefetcht1 (into L2), after one real load of the block's first line: a prefetch that misses the TLB may be
+// dropped
+struct PrefetchL2X86 {
+  static constexpr bool kTouchFirst = true;
+  static void line(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+};
+#endif
+
+// PRFM PLDL2KEEP (a prefetch for a read, into L2)
+struct PrefetchL2Arm {
+  static constexpr bool kTouchFirst = false;
+  static void line(const char* p) { __builtin_prefetch(p, 0, 2); }
+};
+
+// One item's pass over its context's blocks: operator()(cache, visit) calls visit(block's first position, its
+// number of positions, the block's rows in cache: its first KV head's first position) for each block in
+// order. cache_t: the cache's element (bfloat16, or fp8 for the AVX512_BF16 kernel); kHeadSize: the elements
+// of a row; Prefetch: PrefetchL2X86 or PrefetchL2Arm.
+template <typename cache_t, int kHeadSize, typename Prefetch>
+class BlockSweep {
+ public:
+  static constexpr int64_t kAheadBlocks = 2;  // how far ahead a block that starts a run is prefetched
+
+  BlockSweep(const int32_t* block_table, int64_t seq_len, int64_t block_size, int64_t block_stride,
+             int64_t pos_stride, int64_t head_stride, int64_t num_kv_heads)
+      : block_table_(block_table), seq_len_(seq_len), block_size_(block_size), block_stride_(block_stride),
+        pos_stride_(pos_stride), head_stride_(head_stride), num_kv_heads_(num_kv_heads),
+        num_blocks_((seq_len + block_size - 1) / block_size) {}
+
+  template <typename Visit>
+  void operator()(const cache_t* cache, Visit&& visit) const {
+    for (int64_t b = 0; b < kAheadBlocks; ++b) prefetch_run_start(cache, b);
+    for (int64_t b = 0; b < num_blocks_; ++b) {
+      prefetch_run_start(cache, b + kAheadBlocks);
+      const int64_t t0 = b * block_size_;
+      visit(t0, std::min(block_size_, seq_len_ - t0), cache + block_table_[b] * block_stride_);
+    }
+  }
+
+ private:
+  // block b's rows of every KV head of the item, unless b follows block b - 1 in memory
+  void prefetch_run_start(const cache_t* cache, int64_t b) const {
+    if (b >= num_blocks_ || (b > 0 && block_table_[b] == block_table_[b - 1] + 1)) return;
+    const char* rows = reinterpret_cast<const char*>(cache + block_table_[b] * block_stride_);
+    if constexpr (Prefetch::kTouchFirst) {
+      const char first_byte = *reinterpret_cast<const volatile char*>(rows);
+      asm volatile("" : : "r"(first_byte));
+    }
+    for (int64_t h = 0; h < num_kv_heads_; ++h)
+      for (int64_t t = 0; t < block_size_; ++t)
+        for (int64_t byte = 0; byte < kHeadSize * int64_t(sizeof(cache_t)); byte += 64)
+          Prefetch::line(rows + (h * head_stride_ + t * pos_stride_) * int64_t(sizeof(cache_t)) + byte);
+  }
+
+  const int32_t* block_table_;
+  int64_t seq_len_, block_size_, block_stride_, pos_stride_, head_stride_, num_kv_heads_, num_blocks_;
+};
+
+// Calls visit(std::integral_constant<int, n>) for n = count in 1..kMax (the query heads a unit of a kernel takes
+// at once, fixed at compile time so that their accumulators live in registers); kMax: 2, 3 or 4
+template <int kMax, typename Visit>
+inline void with_unit_size(int64_t count, Visit&& visit) {
+  static_assert(kMax >= 2 && kMax <= 4, "units of 1 to 2, 3 or 4 query heads");
+  switch (count) {
+    case 1: visit(std::integral_constant<int, 1>{}); break;
+    case 2: visit(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (kMax >= 3) visit(std::integral_constant<int, 3>{}); break;
+    default: if constexpr (kMax >= 4) visit(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+}  // namespace pagoda::attention
