@@ -46,20 +46,20 @@ std::string isa_level() { return kIsaLevel; }  // no tensor: one kernel for ever
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias, bool float32_out) {
   TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16 && input.dim() >= 1,
-              "linear: x must be a bfloat16 CPU tensor");
+              "bf16_linear: x must be a bfloat16 CPU tensor");
   at::Tensor x = input.reshape({-1, input.size(-1)});
   if (x.stride(1) != 1 || x.stride(0) % 2 != 0) x = x.contiguous();  // rows read as pairs of elements
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
                   packed.size(2) == kBlockN && packed.size(3) == 2,
-              "linear: packed must be [N/32, K/2, 32, 2] bfloat16, got ", packed.sizes());
+              "bf16_linear: packed must be [N/32, K/2, 32, 2] bfloat16, got ", packed.sizes());
   const int64_t rows = x.size(0), k_pairs = packed.size(1), blocks = packed.size(0);
-  TORCH_CHECK(x.size(1) == 2 * k_pairs, "linear: x has ", x.size(1), " columns, the weight ", 2 * k_pairs);
+  TORCH_CHECK(x.size(1) == 2 * k_pairs, "bf16_linear: x has ", x.size(1), " columns, the weight ", 2 * k_pairs);
   TORCH_CHECK(out_features > (blocks - 1) * kBlockN && out_features <= blocks * kBlockN,
-              "linear: out_features ", out_features, " does not match the packed weight ", packed.sizes());
+              "bf16_linear: out_features ", out_features, " does not match the packed weight ", packed.sizes());
   const bf16* bias_data = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features,
-                "linear: bias must be [out_features] bfloat16");
+                "bf16_linear: bias must be [out_features] bfloat16");
     bias_data = bias->data_ptr<bf16>();
   }
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
