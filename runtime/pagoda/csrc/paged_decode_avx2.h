@@ -153,21 +153,8 @@ void decode_sequence(const bf16* q, int64_t q_head_stride, const bf16* k_cache, 
   }
 
   // P @ V
-  std::memset(acc, 0, heads * kHeadSize * sizeof(float));
-  sweep(v_cache, [&](int64_t t0, int64_t n, const bf16* block) {
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t g0 = 0; g0 < group; g0 += kUnit) {
-        const int64_t first = h * group + g0, count = std::min<int64_t>(kUnit, group - g0);
-        const float* p = s + first * padded_len + t0;
-        const bf16* values = block + h * head_stride;
-        for (int c = 0; c < kHeadSize; c += 16) {
-          float* a = acc + first * kHeadSize + c;
-          with_unit_size<kUnit>(count, [&](auto size) {
-            accumulate16<decltype(size)::value>(p, padded_len, values + c, pos_stride, n, a, kHeadSize);
-          });
-        }
-      }
-  });
+  values_pass<kUnit, kHeadSize>(sweep, v_cache, num_kv_heads, group, s, padded_len, head_stride, pos_stride, acc,
+                                 [](auto unit, auto... args) { accumulate16<decltype(unit)::value>(args...); });
 
   // back to element order, normalised and rounded
   for (int64_t head = 0; head < heads; ++head) {

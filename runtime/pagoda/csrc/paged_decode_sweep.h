@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -92,6 +93,28 @@ inline void with_unit_size(int64_t count, Visit&& visit) {
     case 3: if constexpr (kMax >= 3) visit(std::integral_constant<int, 3>{}); break;
     default: if constexpr (kMax >= 4) visit(std::integral_constant<int, 4>{}); break;
   }
+}
+
+// P @ V of an item: acc [heads, kHeadSize] = p [heads, padded_len] @ the values, block by block through sweep,
+// kUnit query heads of a KV head's group at a time. accumulate16(unit, p, p_stride, values, pos_stride, rows, acc,
+// acc_stride) is the ISA's kernel for 16 columns of a unit (unit: std::integral_constant of its query heads).
+template <int kUnit, int kHeadSize, typename Sweep, typename cache_t, typename Accumulate16>
+inline void values_pass(Sweep& sweep, const cache_t* v_cache, int64_t num_kv_heads, int64_t group, const float* s,
+                        int64_t padded_len, int64_t head_stride, int64_t pos_stride, float* acc,
+                        Accumulate16&& accumulate16) {
+  std::memset(acc, 0, num_kv_heads * group * kHeadSize * sizeof(float));
+  sweep(v_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t g0 = 0; g0 < group; g0 += kUnit) {
+        const int64_t first = h * group + g0, count = std::min<int64_t>(kUnit, group - g0);
+        const float* p = s + first * padded_len + t0;
+        const cache_t* values = block + h * head_stride;
+        for (int c = 0; c < kHeadSize; c += 16)
+          with_unit_size<kUnit>(count, [&](auto unit) {
+            accumulate16(unit, p, padded_len, values + c, pos_stride, n, acc + first * kHeadSize + c, kHeadSize);
+          });
+      }
+  });
 }
 
 }  // namespace pagoda::attention
