@@ -255,4 +255,4 @@ def test_a_layer_tensor_missing_from_the_list_is_a_clear_error(tiny_model_factor
             torch.zeros(1, 64, dtype=torch.bfloat16), None, torch.zeros(1, dtype=torch.long), tensors,
             stack.cos_sin_cache, torch.tensor([0, 1], dtype=torch.int32), one, torch.zeros(1, 1, dtype=torch.int32),
             torch.zeros(1, dtype=torch.long), True, None, None, None, None, *stack.sizes, stack.eps, stack.scale,
-            None, [], [])
+            None, [])

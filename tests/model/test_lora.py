@@ -189,9 +189,18 @@ def test_async_engine_generates_with_adapters(adapters):
     asyncio.run(asyncio.wait_for(run(), timeout=300))
 
 
-def test_packed_bf16_cpu_path_equals_the_torch_path():
-    """bfloat16 on a CPU with bf16_matmul_cpu: each adapter group is two packed-kernel calls (A, and B as one
-    block-diagonal matrix); its deltas equal the float32 torch path's within bfloat16 rounding."""
+DECODE_ROWS = [0, -1, 2, 2, 1, -1, 0, 0, 0]
+# prefill-sized groups: past AVX2's float32-x threshold (48 rows) and one task's 64 rows, not one run each
+PREFILL_ROWS = [0] * 70 + [-1] * 5 + [1] * 30 + [0] * 3 + [1] * 20 + [2]
+
+
+@pytest.mark.parametrize("row_slots", [DECODE_ROWS, PREFILL_ROWS], ids=["decode", "prefill"])
+@pytest.mark.parametrize("max_rank", [8, 5])
+def test_packed_bf16_cpu_path_equals_the_torch_path(row_slots, max_rank):
+    """bfloat16 on a CPU with bf16_matmul_cpu: every adapter group's shrink and expand in the kernel library's
+    lora_add_ (each sub-output's B packed apart, sizes that are not whole 32-column blocks, an odd max rank
+    padded to an even one); its deltas equal the float32 torch path's within bfloat16 rounding, base rows and
+    the kept rows' path too."""
     import torch
 
     from pagoda.distributed.parallel_state import single_process_state
@@ -210,29 +219,56 @@ def test_packed_bf16_cpu_path_equals_the_torch_path():
             layer = self.model.layers[0]
             layer.qkv_proj = QKVParallelLinear(64, 16, 4, 2)
             layer.o_proj = RowParallelLinear(64, 64)
-            layer.gate_up_proj = MergedColumnParallelLinear(64, [96, 96])
-            layer.down_proj = RowParallelLinear(96, 64)
+            layer.gate_up_proj = MergedColumnParallelLinear(64, [80, 80])
+            layer.down_proj = RowParallelLinear(80, 64)
 
     torch.manual_seed(0)
     with single_process_state():
-        rows, layers = attach(Tiny(), 3, 8, torch.bfloat16, torch.device("cpu"))
-    if any(layer.packed is None for layer in layers.values()):
+        rows, layers = attach(Tiny(), 3, max_rank, torch.bfloat16, torch.device("cpu"))
+    if any(layer.packed_a is None for layer in layers.values()):
         pytest.skip("bf16_matmul_cpu's kernel does not run on this CPU")
-    row_slots = [0, -1, 2, 2, 1, -1, 0, 0, 0]
+    kept = [i for i in range(len(row_slots)) if i % 3 != 1]  # the last layer's rows past attention
     rows.all = RowGroups.from_row_slots(row_slots, torch.device("cpu"), with_segments=False)
+    rows.kept = RowGroups.from_row_slots([row_slots[i] for i in kept], torch.device("cpu"), with_segments=False)
+    rows.row_slots = torch.tensor(row_slots, dtype=torch.int32)
+    rows.kept_row_slots = torch.tensor([row_slots[i] for i in kept], dtype=torch.int32)
     for layer in layers.values():
         for slot in range(3):
-            weights = {sub.target: (torch.randn(8 - 2 * slot, layer.a.shape[2]) * 0.3,
-                                    torch.randn(sub.size, 8 - 2 * slot) * 0.3) for sub in layer.subs}
+            rank = max(max_rank - 2 * slot, 1)
+            weights = {sub.target: (torch.randn(rank, layer.a.shape[2]) * 0.3,
+                                    torch.randn(sub.size, rank) * 0.3) for sub in layer.subs}
             layer.set_slot(slot, weights)
-        x = torch.randn(len(row_slots), layer.a.shape[2]).bfloat16()
-        y = torch.randn(len(row_slots), layer.b.shape[1]).bfloat16()
-        expected = add_lora_torch(x.float(), y.float(), layer.a.float(), layer.b.float(), layer.rank,
-                                  layer.sub_outputs, rows.all)
-        got = layer.add_delta(x, y.clone())
-        torch.testing.assert_close(got.float(), expected, atol=0.15, rtol=0.05)
-        base_rows = [i for i, s in enumerate(row_slots) if s < 0]
-        assert torch.equal(got[base_rows], y[base_rows])
+        for groups, slots in ((rows.all, row_slots), (rows.kept, [row_slots[i] for i in kept])):
+            x = torch.randn(len(slots), layer.a.shape[2]).bfloat16()
+            y = torch.randn(len(slots), layer.b.shape[1]).bfloat16()
+            expected = add_lora_torch(x.float(), y.float(), layer.a.float(), layer.b.float(), layer.rank,
+                                      layer.sub_outputs, groups)
+            got = layer.add_delta(x, y.clone())
+            torch.testing.assert_close(got.float(), expected, atol=0.15, rtol=0.05)
+            base_rows = [i for i, s in enumerate(slots) if s < 0]
+            assert torch.equal(got[base_rows], y[base_rows])
+
+
+def test_lora_add_refuses_what_does_not_fit_with_a_message():
+    import torch
+
+    from pagoda.layers import bf16_matmul_cpu
+    from pagoda.lora.ops import pack_b
+
+    if not bf16_matmul_cpu.available():
+        pytest.skip("no CPU kernel library here")
+    a = torch.stack([bf16_matmul_cpu.pack(torch.randn(16, 64).bfloat16())])  # two sub-outputs of rank 8
+    b = torch.stack([pack_b(torch.randn(96, 8).bfloat16(), [64, 32])])
+    x, y = torch.randn(4, 64).bfloat16(), torch.zeros(4, 96).bfloat16()
+    slots = torch.tensor([0, -1, 0, 0], dtype=torch.int32)
+    torch.ops.pagoda_cpu.lora_add_(y, x, slots, a, b, [64, 32])
+    assert y[1].abs().sum() == 0 and y[0].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="sub-outputs' sizes add up to 64"):
+        torch.ops.pagoda_cpu.lora_add_(y, x, slots, a, b, [32, 32])
+    with pytest.raises(RuntimeError, match="slot 1 past the 1 slots"):
+        torch.ops.pagoda_cpu.lora_add_(y, x, torch.tensor([0, 1, -1, -1], dtype=torch.int32), a, b, [64, 32])
+    with pytest.raises(RuntimeError, match="4 row slots for 3 rows"):
+        torch.ops.pagoda_cpu.lora_add_(y[:3], x[:3], slots, a, b, [64, 32])
 
 
 def test_an_adapter_that_fails_to_load_fails_its_request_alone(adapters, tmp_path):

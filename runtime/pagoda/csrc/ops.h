@@ -118,6 +118,30 @@ constexpr const char* kUnpackSchema = "fp8_unpack(Tensor packed, int out_feature
 
 }  // namespace pagoda::fp8_matmul
 
+// the batched LoRA delta (lora/lora_cpu.cpp)
+namespace pagoda::lora {
+
+// y [T, out] += for each row of a slot s >= 0 (row_slots [T] int32, -1: the base model's row): x[row] [K]
+// through slot s's A (packed_a [slots, ...]: A [n_sub * R, K] packed by bf16_matmul_cpu.pack) and, per
+// sub-output i of sub_sizes (out = their sum), its R columns through its B [size_i, R] (packed_b [slots, ...]:
+// each sub-output's B packed, one after the other); bfloat16
+void add_(at::Tensor y, const at::Tensor& x, const at::Tensor& row_slots, const at::Tensor& packed_a,
+          const at::Tensor& packed_b, at::IntArrayRef sub_sizes);
+constexpr const char* kAddSchema =
+    "lora_add_(Tensor(a!) y, Tensor x, Tensor row_slots, Tensor packed_a, Tensor packed_b, int[] sub_sizes) -> ()";
+
+// the rows of a pass grouped by slot (slots in the order of their first rows), for the layer loop to group once
+struct RowGroups {
+  std::vector<int64_t> rows;    // the adapters' rows, group after group
+  std::vector<int64_t> starts;  // group g: rows[starts[g], starts[g + 1])
+  std::vector<int64_t> slots;   // group g's slot
+};
+RowGroups group_rows(const at::Tensor& row_slots);
+void add_grouped(at::Tensor& y, const at::Tensor& x, const RowGroups& groups, const at::Tensor& packed_a,
+                 const at::Tensor& packed_b, at::IntArrayRef sub_sizes);
+
+}  // namespace pagoda::lora
+
 // the Llama decoder layers in one call (models/llama_layers_cpu.cpp)
 namespace pagoda::llama {
 
@@ -129,13 +153,13 @@ std::tuple<at::Tensor, at::Tensor> layers(
     const std::optional<at::Tensor>& decode_block_tables, const std::optional<at::Tensor>& decode_seq_lens,
     const std::optional<at::Tensor>& keep_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
     int64_t intermediate_size, double eps, double scale, const std::optional<at::Tensor>& lora_row_slots,
-    const c10::List<std::optional<at::Tensor>>& lora_tensors, at::IntArrayRef lora_shrink_sizes);
+    const c10::List<std::optional<at::Tensor>>& lora_tensors);
 constexpr const char* kLayersSchema =
     "llama_layers(Tensor hidden, Tensor? residual, Tensor positions, Tensor?[] layer_tensors, "
     "Tensor cos_sin_cache, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, Tensor slot_mapping, "
     "bool all_decode, Tensor? decode_rows, Tensor? decode_block_tables, Tensor? decode_seq_lens, "
     "Tensor? keep_rows, int num_heads, int num_kv_heads, int head_size, int intermediate_size, float eps, "
-    "float scale, Tensor? lora_row_slots, Tensor?[] lora_tensors, int[] lora_shrink_sizes) "
+    "float scale, Tensor? lora_row_slots, Tensor?[] lora_tensors) "
     "-> (Tensor, Tensor)";
 
 std::vector<std::string> layer_slots();  // the names of a layer's tensors in layer_tensors, in order

@@ -21,6 +21,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(fp8_matmul::kLinearSchema);
   m.def(fp8_matmul::kPackSchema);
   m.def(fp8_matmul::kUnpackSchema);
+  m.def(lora::kAddSchema);
   m.def(llama::kLayersSchema);
   m.def(llama::kLayerSlotsSchema, &llama::layer_slots);
 }
@@ -40,5 +41,6 @@ TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("fp8_linear", &fp8_matmul::linear);
   m.impl("fp8_pack", &fp8_matmul::pack);
   m.impl("fp8_unpack", &fp8_matmul::unpack);
+  m.impl("lora_add_", &lora::add_);
   m.impl("llama_layers", &llama::layers);
 }

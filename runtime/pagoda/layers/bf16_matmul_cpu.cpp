@@ -15,26 +15,9 @@
 
 #include <vector>
 
-#include "cpu_isa.h"
+#include "bf16_matmul_isa.h"
 #include "ops.h"
 #include "parallel_tasks.h"
-
-#if defined(PAGODA_ISA_AVX512BF16)
-#include "bf16_matmul_avx512bf16.h"
-namespace isa = pagoda::bf16_matmul::avx512bf16;
-#elif defined(PAGODA_ISA_AVX2)
-#include "bf16_matmul_avx2.h"
-namespace isa = pagoda::bf16_matmul::avx2;
-#elif defined(PAGODA_ISA_NEONBF16)
-#include "bf16_matmul_neonbf16.h"
-namespace isa = pagoda::bf16_matmul::neonbf16;
-#elif defined(PAGODA_ISA_NEON)
-#include "bf16_matmul_neon.h"
-namespace isa = pagoda::bf16_matmul::neon;
-#else
-#include "bf16_matmul_generic.h"
-namespace isa = pagoda::bf16_matmul::generic;
-#endif
 
 namespace pagoda::bf16_matmul {  // the ops are declared in csrc/ops.h
 

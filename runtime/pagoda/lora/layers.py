@@ -20,7 +20,7 @@ from pagoda.layers.linear import (
 )
 from pagoda.layers.packed_weights import packing_supported
 from pagoda.lora.adapter import SUPPORTED_TARGETS
-from pagoda.lora.ops import RowGroups, add_lora_packed_cpu, add_lora_torch
+from pagoda.lora.ops import RowGroups, add_lora_packed_cpu, add_lora_torch, pack_b
 
 # a decoder layer's own projections; not a mixture of experts' (mlp.experts.N., mlp.shared_expert.): an expert
 # sees only the rows routed to it, and adapters on experts are refused (adapter.check_adapter)
@@ -42,6 +42,7 @@ class StepRows:
         self.all = RowGroups(0, [])
         self.kept = RowGroups(0, [])  # the last layer's rows when the model keeps only some (keep_rows)
         self.row_slots: torch.Tensor | None = None  # int32 [T] on the CPU, -1 for the base model; None: no adapter
+        self.kept_row_slots: torch.Tensor | None = None  # int32 [K]: row_slots of the kept rows
         self.cpu_loop_tensors: dict = {}  # cpu_loop_args' tensor lists, per list of the loop's projections
 
     @property
@@ -51,6 +52,9 @@ class StepRows:
     def for_rows(self, num_rows: int) -> RowGroups:
         return self.all if num_rows == self.all.num_rows else self.kept
 
+    def row_slots_for(self, num_rows: int) -> torch.Tensor:
+        return self.row_slots if num_rows == self.all.num_rows else self.kept_row_slots
+
 
 class LoRALayer:
     def __init__(self, linear: LinearBase, subs: list[SubOutput], input_range: tuple[int, int] | None,
@@ -58,22 +62,22 @@ class LoRALayer:
         self.subs = subs
         self.input_range = input_range  # row-parallel: this rank's slice of A's columns
         self.rows = rows
-        self.rank = max_rank
+        self.rank = max_rank + max_rank % 2  # even: the CPU kernel reads shrunk columns in pairs
         in_size = linear.input_size
         out_size = sum(s.size for s in subs)
-        self.a = torch.zeros(max_loras, len(subs) * max_rank, in_size, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_size, max_rank, dtype=dtype, device=device)
+        self.a = torch.zeros(max_loras, len(subs) * self.rank, in_size, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, out_size, self.rank, dtype=dtype, device=device)
         self.sub_outputs = [(s.offset, s.size) for s in subs]
-        # bfloat16 on a CPU with bf16_matmul_cpu's kernel: each slot's A and block-diagonal B packed for it (two
-        # kernel calls per adapter group; torch's small bfloat16 matmuls cost ~20 us a call)
-        self.packed: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
-        # every slot's packed A and B stacked [max_loras, ...] (packed[slot] are views), as the C++ layer loop
-        # takes them; allocated with the first slot packed
+        self.sub_sizes = [s.size for s in subs]
+        # bfloat16 on a CPU with bf16_matmul_cpu's kernel: every slot's A and B packed for lora_cpu.cpp's op,
+        # stacked [max_loras, ...] as it and the C++ layer loop take them (torch's small bfloat16 matmuls cost
+        # ~20 us a call, per adapter group)
         self.packed_a: torch.Tensor | None = None
         self.packed_b: torch.Tensor | None = None
         if (packing_supported(device, dtype) and platform.bf16_matmul_layout() == platform.VNNI
-                and bf16_matmul_cpu.available()):
-            self.packed = [None] * max_loras
+                and bf16_matmul_cpu.available() and in_size % 2 == 0):
+            self.packed_a = torch.zeros(max_loras, *bf16_matmul_cpu.pack(self.a[0]).shape, dtype=dtype)
+            self.packed_b = torch.zeros(max_loras, *pack_b(self.b[0], self.sub_sizes).shape, dtype=dtype)
 
     @property
     def active(self) -> bool:
@@ -92,22 +96,9 @@ class LoRALayer:
                 a = a[:, self.input_range[0] : self.input_range[1]]
             self.a[slot, i * self.rank : i * self.rank + r].copy_(a)
             self.b[slot, sub.offset : sub.offset + sub.size, :r].copy_(b[sub.full_start : sub.full_start + sub.size])
-        if self.packed is not None:
-            self.pack_slot(slot)
-
-    def pack_slot(self, slot: int) -> None:
-        """The slot's A, and B as one block-diagonal matrix (sub-output i reads shrink columns i*R..), packed."""
-        block_diagonal = torch.zeros(self.b.shape[1], self.a.shape[1], dtype=self.b.dtype)
-        for i, sub in enumerate(self.subs):
-            rows = slice(sub.offset, sub.offset + sub.size)
-            block_diagonal[rows, i * self.rank : (i + 1) * self.rank] = self.b[slot, rows]
-        a, b = bf16_matmul_cpu.pack(self.a[slot]), bf16_matmul_cpu.pack(block_diagonal)
-        if self.packed_a is None:
-            self.packed_a = a.new_zeros(len(self.packed), *a.shape)
-            self.packed_b = b.new_zeros(len(self.packed), *b.shape)
-        self.packed_a[slot].copy_(a)
-        self.packed_b[slot].copy_(b)
-        self.packed[slot] = (self.packed_a[slot], self.packed_b[slot])
+        if self.packed_a is not None:
+            self.packed_a[slot].copy_(bf16_matmul_cpu.pack(self.a[slot]))
+            self.packed_b[slot].copy_(pack_b(self.b[slot], self.sub_sizes))
 
     def cpu_loop_args(self, projections: list[tuple[LinearBase, ...]]) -> tuple | None:
         """What the C++ layer loop needs for this step's adapters (cpu_loop_args), asked through the hook."""
@@ -123,8 +114,9 @@ class LoRALayer:
 
             shrunk = lora_shrink(x.contiguous(), self.a, groups.seg_starts, groups.seg_slots)
             return lora_expand(y, shrunk, self.b, groups.seg_starts, groups.seg_slots, self.rank, self.sub_outputs)
-        if self.packed is not None and x.dtype == torch.bfloat16:
-            return add_lora_packed_cpu(x, y, self.packed, self.a.shape[1], groups)
+        if self.packed_a is not None and x.dtype == torch.bfloat16:
+            return add_lora_packed_cpu(x, y, self.rows.row_slots_for(x.shape[0]), self.packed_a, self.packed_b,
+                                       self.sub_sizes)
         return add_lora_torch(x, y, self.a, self.b, self.rank, self.sub_outputs, groups)
 
 
@@ -132,27 +124,26 @@ def cpu_loop_args(row_slots: torch.Tensor | None, projections: list[tuple[Linear
                   cache: dict | None = None) -> tuple | None:
     """The C++ layer loop's LoRA arguments (models/llama_layers_cpu.cpp) for this step's adapter rows:
     (row_slots: int32 [T] from StepRows; per layer and projection the stacked packed A and B, None where no
-    adapter can target it; A's rows per projection). projections: per layer of the loop, its (qkv, o, gate_up,
-    down); cache: where the tensor lists are kept between steps. None when the loop cannot add the deltas (no
-    packed weights: the Python layers' hook adds them)."""
+    adapter can target it). projections: per layer of the loop, its (qkv, o, gate_up, down), whose sub-outputs
+    the loop knows from the model's sizes; cache: where the tensor lists are kept between steps. None when the
+    loop cannot add the deltas (no packed weights: the Python layers' hook adds them)."""
     if row_slots is None:
         return None
     if cache is not None and (hit := cache.get(id(projections))) is not None and hit[0] is projections:
-        return row_slots, *hit[1:]
-    tensors, shrink_sizes = [], [0] * len(projections[0])
+        return row_slots, hit[1]
+    tensors = []
     for layer in projections:
-        for i, linear in enumerate(layer):
+        for linear in layer:
             lora = linear.lora
             if lora is None:
                 tensors += (None, None)
                 continue
-            if lora.packed_a is None:  # not packed for the kernel (a slot in use is packed)
+            if lora.packed_a is None:  # not packed for the kernel
                 return None
             tensors += (lora.packed_a, lora.packed_b)
-            shrink_sizes[i] = lora.a.shape[1]
-    if cache is not None:  # the stacked tensors, once allocated, stay for the model's life
-        cache[id(projections)] = (projections, tensors, shrink_sizes)
-    return row_slots, tensors, shrink_sizes
+    if cache is not None:  # the stacked tensors stay for the model's life
+        cache[id(projections)] = (projections, tensors)
+    return row_slots, tensors
 
 
 def sub_outputs(linear: LinearBase, targets: list[str]) -> list[SubOutput]:

@@ -51,9 +51,12 @@ class LoRAManager:
         self.rows.all = RowGroups.from_row_slots(row_slots, self.device, self.segments)
         self.rows.row_slots = (torch.tensor(row_slots, dtype=torch.int32)
                                if self.rows.all.groups and self.device.type == "cpu" else None)
+        self.rows.kept_row_slots = None
         if keep_rows is not None and self.rows.all.groups:
             kept = [row_slots[i] for i in keep_rows.tolist()]
             self.rows.kept = RowGroups.from_row_slots(kept, self.device, self.segments)
+            if self.rows.row_slots is not None:
+                self.rows.kept_row_slots = torch.tensor(kept, dtype=torch.int32)
         else:
             self.rows.kept = RowGroups(0, [])
         return failed

@@ -58,17 +58,16 @@ def add_lora_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.T
     return y
 
 
-def add_lora_packed_cpu(x: torch.Tensor, y: torch.Tensor, packed: list, shrink_size: int,
-                        groups: RowGroups) -> torch.Tensor:
-    """add_lora_torch through bf16_matmul_cpu: packed[slot] = (A [n_sub * R, in], B block-diagonal
-    [out, n_sub * R]), so each group is one shrink and one expand call for every sub-output at once."""
-    out_size = y.shape[1]
-    for slot, rows in groups.groups:
-        packed_a, packed_b = packed[slot]
-        shrunk = bf16_matmul_cpu.linear(x[rows].contiguous(), packed_a, shrink_size, None)
-        delta = bf16_matmul_cpu.linear(shrunk, packed_b, out_size, None)
-        if isinstance(rows, slice):
-            y[rows] += delta
-        else:
-            y.index_add_(0, rows, delta)
+def pack_b(b: torch.Tensor, sub_sizes: list[int]) -> torch.Tensor:
+    """B [out, R] as lora_add_ takes it: each sub-output's rows [size, R] packed by bf16_matmul_cpu.pack, their
+    blocks one after the other (a sub-output's last block padded to 32 columns)."""
+    return torch.cat([bf16_matmul_cpu.pack(part) for part in torch.split(b, sub_sizes)])
+
+
+def add_lora_packed_cpu(x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor, packed_a: torch.Tensor,
+                        packed_b: torch.Tensor, sub_sizes: list[int]) -> torch.Tensor:
+    """add_lora_torch through the CPU kernel library's lora_add_ (lora/lora_cpu.cpp), in place: row_slots
+    int32 [T] (-1: the base model's row); packed_a [slots, ...] each slot's A packed by bf16_matmul_cpu.pack,
+    packed_b [slots, ...] each slot's B by pack_b."""
+    torch.ops.pagoda_cpu.lora_add_(y, x, row_slots, packed_a, packed_b, sub_sizes)
     return y

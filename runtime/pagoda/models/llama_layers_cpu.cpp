@@ -9,9 +9,9 @@
 // fp8_matmul_cpu (with their scales), one tensor-parallel rank, a KV cache in the model's dtype or fp8 (with the
 // layer's k_scale and v_scale), the C++ attention and fused kernels.
 //
-// LoRA (lora/layers.py owns the packing; cpu_loop_args gathers it): after each projection, each adapter group's
-// delta, shrink then expand through the same bf16 kernel, as lora/ops.py's add_lora_packed_cpu adds it in the
-// Python layers (the same calls on the same rows, so the same sums).
+// LoRA (lora/layers.py owns the packing; cpu_loop_args gathers it): after each projection, the adapters' deltas
+// through lora/lora_cpu.cpp, the op the Python layers' hook calls (the same calls on the same rows, so the same
+// sums), with the rows grouped once per pass.
 
 #include <ATen/ATen.h>
 
@@ -112,69 +112,24 @@ at::Tensor layer_linear(const c10::List<OptionalTensor>& tensors, int64_t layer,
                             out_features, bias);
 }
 
-// The adapters of a pass: each row's slot (lora_row_slots), grouped per slot, and per layer and projection
-// (qkv, out, gate_up, down) A and block-diagonal B packed for bf16_matmul, stacked over slots.
+// The adapters of a pass (lora/lora_cpu.cpp adds their deltas): each row's slot grouped once per pass, and per
+// layer and projection (qkv, out, gate_up, down) A and B packed as lora_add_ takes them, stacked over slots.
 constexpr int kLoraProjections = 4;  // in layer_linear's `which` order
 constexpr int kLoraTensorsPerLayer = 2 * kLoraProjections;  // (A, B) per projection
 
-struct LoraGroup {
-  int64_t slot;
-  int64_t start, length;  // a run of rows [start, start + length), when index is undefined
-  at::Tensor index;  // [n] int64: the rows, when they are not one run
-};
-
-// lora/ops.py's RowGroups.from_row_slots: rows of slot -1 (the base model) in no group
-std::vector<LoraGroup> lora_groups(const at::Tensor& row_slots) {
-  TORCH_CHECK(row_slots.scalar_type() == at::kInt && row_slots.dim() == 1 && row_slots.is_contiguous(),
-              "llama_layers: lora_row_slots must be int32 [T]");
-  const int32_t* slots = row_slots.data_ptr<int32_t>();
-  const int64_t n = row_slots.numel();
-  std::vector<int64_t> order;  // slots by first row
-  std::vector<std::vector<int64_t>> rows_of;
-  for (int64_t row = 0; row < n; ++row) {
-    const int64_t slot = slots[row];
-    if (slot < 0) continue;
-    if (slot >= static_cast<int64_t>(rows_of.size())) rows_of.resize(slot + 1);
-    if (rows_of[slot].empty()) order.push_back(slot);
-    rows_of[slot].push_back(row);
-  }
-  std::vector<LoraGroup> groups;
-  for (const int64_t slot : order) {
-    std::vector<int64_t>& rows = rows_of[slot];
-    const int64_t count = static_cast<int64_t>(rows.size());
-    if (rows.back() - rows.front() + 1 == count) {
-      groups.push_back({slot, rows.front(), count, at::Tensor()});
-    } else {
-      groups.push_back({slot, 0, 0, at::tensor(rows, at::kLong)});
-    }
-  }
-  return groups;
-}
-
 struct Lora {
   const c10::List<OptionalTensor>& tensors;  // kLoraTensorsPerLayer per layer: [slots, packed A], [slots, packed B]
-  std::vector<int64_t> shrink_sizes;  // per projection: A's rows (sub-outputs x max rank)
-  std::vector<LoraGroup> all, kept;  // kept: the last layer's rows past attention (keep_rows)
+  std::vector<std::vector<int64_t>> sub_sizes;  // per projection: its sub-outputs' sizes (q, k, v; gate, up)
+  lora::RowGroups all, kept;  // kept: the last layer's rows past attention (keep_rows)
 };
 
-// y [n, out] += each group's delta, in place (add_lora_packed_cpu); x [n, in]
-void add_lora(at::Tensor& y, const at::Tensor& x, const Lora& lora, const std::vector<LoraGroup>& groups,
-              int64_t layer, int which) {
+// y [n, out] += each group's delta, in place; x [n, in]
+void add_lora(at::Tensor& y, const at::Tensor& x, const Lora& lora, const lora::RowGroups& groups, int64_t layer,
+              int which) {
   const OptionalTensor a = lora.tensors.get(layer * kLoraTensorsPerLayer + 2 * which);
   const OptionalTensor b = lora.tensors.get(layer * kLoraTensorsPerLayer + 2 * which + 1);
   if (!a.has_value() || !b.has_value()) return;  // no adapter targets this projection
-  const int64_t shrink_size = lora.shrink_sizes[which], out_size = y.size(1);
-  for (const LoraGroup& g : groups) {
-    const bool run = !g.index.defined();
-    const at::Tensor rows = run ? x.narrow(0, g.start, g.length).contiguous() : x.index_select(0, g.index);
-    const at::Tensor shrunk = bf16_matmul::linear(rows, a->select(0, g.slot), shrink_size, std::nullopt, false);
-    const at::Tensor delta = bf16_matmul::linear(shrunk, b->select(0, g.slot), out_size, std::nullopt, false);
-    if (run) {
-      y.narrow(0, g.start, g.length).add_(delta);
-    } else {
-      y.index_add_(0, g.index, delta);
-    }
-  }
+  lora::add_grouped(y, x, groups, *a, *b, lora.sub_sizes[which]);
 }
 
 }  // namespace
@@ -194,8 +149,7 @@ std::tuple<at::Tensor, at::Tensor> layers(
     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size, double eps,
     double scale,
     const OptionalTensor& lora_row_slots,  // [T] int32: each row's adapter slot, -1 for none (None: no adapters)
-    const c10::List<OptionalTensor>& lora_tensors,  // per layer, per projection: A and B, each [slots, packed]
-    at::IntArrayRef lora_shrink_sizes) {  // per projection: A's rows
+    const c10::List<OptionalTensor>& lora_tensors) {  // per layer, per projection: A and B, each [slots, packed]
   const Batch batch{query_start_loc, seq_lens, block_tables, all_decode, decode_rows,
                     decode_block_tables, decode_seq_lens};
   TORCH_CHECK(layer_tensors.size() % kSlots == 0, "llama_layers: ", kSlots, " tensors per layer, got ",
@@ -210,10 +164,11 @@ std::tuple<at::Tensor, at::Tensor> layers(
                 " rows, hidden ", rows);
     TORCH_CHECK(static_cast<int64_t>(lora_tensors.size()) == num_layers * kLoraTensorsPerLayer,
                 "llama_layers: ", kLoraTensorsPerLayer, " LoRA tensors per layer, got ", lora_tensors.size());
-    TORCH_CHECK(lora_shrink_sizes.size() == kLoraProjections, "llama_layers: lora_shrink_sizes must hold ",
-                kLoraProjections, " sizes");
-    lora.emplace(Lora{lora_tensors, lora_shrink_sizes.vec(), lora_groups(*lora_row_slots), {}});
-    if (keep_rows.has_value()) lora->kept = lora_groups(lora_row_slots->index_select(0, *keep_rows));
+    lora.emplace(Lora{lora_tensors,
+                      {{q_size, kv_size, kv_size}, {hidden_size}, {intermediate_size, intermediate_size}, {hidden_size}},
+                      lora::group_rows(*lora_row_slots),
+                      {}});
+    if (keep_rows.has_value()) lora->kept = lora::group_rows(lora_row_slots->index_select(0, *keep_rows));
   }
   // the projection's output plus the adapters' deltas for its rows (the kept ones past the last attention)
   const auto add_deltas = [&](at::Tensor& y, const at::Tensor& x, int64_t layer, int which, bool kept) {

@@ -114,7 +114,7 @@ def run_layers(model, positions: torch.Tensor, hidden: torch.Tensor, residual: t
         stack = model.cpu_layer_stack = LayerStack(layers)
     if stack.tensors is None:
         return None
-    lora = (None, [], [])  # the op's LoRA arguments: no adapter rows
+    lora = (None, [])  # the op's LoRA arguments: no adapter rows
     if (hook := first.self_attn.qkv_proj.lora) is not None and hook.active:
         lora = hook.cpu_loop_args(stack.projections)  # lora/layers.py gathers what the loop needs
         if lora is None:

@@ -1,9 +1,9 @@
 """The C++ CPU kernel library, ``torch.ops.pagoda_cpu``: paged attention (decode, prefill, the fp8 cache write),
 the fused per-layer ops (RMSNorm, rotary, SiLU-and-multiply, the KV-cache write, the sampler's argmax), the
-bfloat16 and FP8-weight matmuls and the Llama layer loop. One extension per ISA level, built once on first use and cached
-(``pagoda.cpp_extensions``): its translation units below are compiled apart, in parallel (ninja), and linked
-into one library; every op's C++ signature and schema is declared in ``csrc/ops.h`` and registered in
-``csrc/register_ops.cpp``.
+bfloat16 and FP8-weight matmuls, the batched LoRA delta and the Llama layer loop. One extension per ISA
+level, built once on first use and cached (``pagoda.cpp_extensions``): its translation units below are
+compiled apart, in parallel (ninja), and linked into one library; every op's C++ signature and schema is
+declared in ``csrc/ops.h`` and registered in ``csrc/register_ops.cpp``.
 
 Off with ``PAGODA_CPU_KERNELS=0``, without a C++ compiler, on a CPU the kernels do not support, or when the
 build fails: every caller then takes its torch path (the kernel modules' ``available()`` all say so).
@@ -29,12 +29,14 @@ SOURCES = [_RUNTIME / path for path in (
     "layers/fused_cpu_ops.cpp",
     "layers/bf16_matmul_cpu.cpp",
     "layers/fp8_matmul_cpu.cpp",
+    "lora/lora_cpu.cpp",
     "models/llama_layers_cpu.cpp",
 )]
 
 _library = cpp_extensions.OptionalExtension(
     "pagoda_cpu_", SOURCES, "PAGODA_CPU_KERNELS",
-    "paged attention, RMSNorm, rotary, SiLU, the KV-cache write, bfloat16 and FP8 matmuls and the Llama layer loop")
+    "paged attention, RMSNorm, rotary, SiLU, the KV-cache write, bfloat16 and FP8 matmuls, LoRA deltas and "
+    "the Llama layer loop")
 
 
 def available() -> bool:
