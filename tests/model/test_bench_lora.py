@@ -37,11 +37,18 @@ def test_bench_lora_reports_each_configuration(tiny_llama_dir, tmp_path):
     # warm-up (the LoRA runs once looked faster than the base for it); the bench runs without one
     assert bench.main(["--model", str(tiny_llama_dir), "--adapters", "1", "2", "--num-requests", "4",
                        "--prompt-len", "20", "--max-tokens", "4", "--rank", "4", "--dtype", "float32",
-                       "--json", str(out)]) == 0
+                       "--repeats", "2", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert [r.get("adapters") for r in results] == [0, 1, 2, None]
     for run in results[:3]:
         assert run["output_tokens"] == 16 and run["output_tokens_per_s"] > 0 and run["median_tpot_ms"] > 0
         assert run["prefix_cache_hits"] == 0
+        assert len(run["runs_tokens_per_s"]) == 2 and run["output_tokens_per_s"] == min(run["runs_tokens_per_s"])
     assert results[0]["lora_enabled"] is False and results[1]["throughput_ratio_to_base"] > 0
     assert results[3]["ttft_new_adapter_ms"] > 0 and results[3]["ttft_loaded_adapter_ms"] > 0
+
+
+def test_bench_lora_refuses_no_repeats(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeats", "0"])
+    assert "--repeats must be at least 1" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """LoRA serving cost: one batch of requests run on the base model, then with 1, 4, 16 ... distinct adapters
 spread over the same batch, and the time to first token of an adapter the engine has never loaded.
 
-    pagoda bench lora [--model PATH] [--adapters 1 4 16] [--num-requests 32] [--rank 16] [--vllm-python PATH]
+    pagoda bench lora [--model PATH] [--adapters 1 4 16] [--num-requests 32] [--rank 16] [--repeats 3]
+                      [--vllm-python PATH]
 
 The adapters are random PEFT LoRA directories written here for the model (rank --rank on q/k/v/o and
 gate/up/down of every layer, as a fine-tune typically targets), so no download is needed. Every run is
@@ -13,12 +14,15 @@ run under `taskset -c N` with OMP_NUM_THREADS=1), median TPOT ((last token - fir
 adapter (its files checked, read and put in a slot) against one with an adapter already in a slot.
 The base run uses an engine without LoRA; the adapter runs one engine with --max-loras at the largest
 count. Each configuration, the base one too, runs the whole batch once as a warm-up (the adapters in their
-slots) before it is measured. Prefix caching is off in both engines, as in the vLLM peer: the warm-up runs
-the same prompts, and a measured run would otherwise find their KV blocks cached and skip most of its
-prefill (a run reports its `prefix_cache_hits`, 0 here).
+slots), then --repeats times; a configuration reports its median run (by throughput) and every run's
+throughput (`runs_tokens_per_s`). The adapter configurations take turns, round after round, so that a slower
+spell of a shared machine falls on all of them, not on one: single runs minutes apart moved the 4-adapter
+ratio from 0.69 to 0.89 on one machine. Prefix caching is off in both engines, as in the vLLM peer: the
+warm-up runs the same prompts, and a measured run would otherwise find their KV blocks cached and skip most
+of its prefill (a run reports its `prefix_cache_hits`, 0 here).
 
 With --vllm-python, the same batches run through vLLM's offline engine (enable_lora, the same adapter
-directories) in that interpreter, as `pagoda bench throughput --vllm-python` runs it.
+directories) in that interpreter, as `pagoda bench throughput --vllm-python` runs it, once per configuration.
 """
 
 import argparse
@@ -46,9 +50,13 @@ def parse_args(argv):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per configuration (the median reported)")
     p.add_argument("--vllm-python", default=None, help="also run the batches through vLLM in this interpreter")
     p.add_argument("--json", dest="json_out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 def write_adapter(out: Path, hf_config, rank: int, seed: int) -> Path:
@@ -92,6 +100,12 @@ def run_batch(llm: LLM, requests, loras: list) -> dict:
             "median_ttft_ms": round(1000 * statistics.median(ttfts), 1), "prefix_cache_hits": hits}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput (the lower middle one of an even count), with every run's throughput."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "runs_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+
+
 def first_token_ms(llm: LLM, request, lora) -> float:
     """Wall time of a one-token request, from the call: for a new adapter this includes the engine's check
     of its files, which happens before the request's arrival time is taken."""
@@ -119,15 +133,21 @@ def main(argv=None) -> int:
                       max_model_len=args.prompt_len + args.max_tokens + 16, enable_prefix_caching=False)
         with LLM(model, **common) as llm:
             run_batch(llm, requests, [None] * len(requests))  # warm-up, the same batch as the adapter runs
-            base = {"adapters": 0, "lora_enabled": False, **run_batch(llm, requests, [None] * len(requests))}
+            runs = [run_batch(llm, requests, [None] * len(requests)) for _ in range(args.repeats)]
+            base = {"adapters": 0, "lora_enabled": False, **median_run(runs)}
         print(json.dumps(base), flush=True)
         results.append(base)
         with LLM(model, enable_lora=True, max_loras=largest, max_lora_rank=args.rank,
                  max_cpu_loras=largest + 2, **common) as llm:
+            loras = {count: [adapters[i % count] for i in range(len(requests))] for count in args.adapters}
             for count in args.adapters:
-                loras = [adapters[i % count] for i in range(len(requests))]
-                run_batch(llm, requests, loras)  # warm-up: every adapter read and put in its slot
-                result = {"adapters": count, "lora_enabled": True, **run_batch(llm, requests, loras)}
+                run_batch(llm, requests, loras[count])  # warm-up: every adapter read and put in its slot
+            runs = {count: [] for count in args.adapters}
+            for _ in range(args.repeats):  # round after round
+                for count in args.adapters:
+                    runs[count].append(run_batch(llm, requests, loras[count]))
+            for count in args.adapters:
+                result = {"adapters": count, "lora_enabled": True, **median_run(runs[count])}
                 result["throughput_ratio_to_base"] = round(result["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
                 result["tpot_ratio_to_base"] = round(result["median_tpot_ms"] / base["median_tpot_ms"], 3)
                 result["cpu_throughput_ratio_to_base"] = round(base["cpu_seconds"] / result["cpu_seconds"], 3)
