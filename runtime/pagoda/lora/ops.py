@@ -69,5 +69,7 @@ def add_lora_packed_cpu(x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tenso
     """add_lora_torch through the CPU kernel library's lora_add_ (lora/lora_cpu.cpp), in place: row_slots
     int32 [T] (-1: the base model's row); packed_a [slots, ...] each slot's A packed by bf16_matmul_cpu.pack,
     packed_b [slots, ...] each slot's B by pack_b."""
+    if x.stride(-1) != 1:  # the op reads rows of contiguous elements
+        x = x.contiguous()
     torch.ops.pagoda_cpu.lora_add_(y, x, row_slots, packed_a, packed_b, sub_sizes)
     return y
