@@ -4,7 +4,7 @@
 //
 // Two parallel regions per projection, whatever the number of adapters: the shrink of every group's rows
 // against its A's blocks, then the expand of every group against its B's blocks, each task adding its
-// [rows, 32] delta into y at once. Calling the matmul per adapter group (two calls, each a parallel region
+// [rows, 8 x 32] delta into y at once. Calling the matmul per adapter group (two calls, each a parallel region
 // and an allocation, plus a gather and an index_add) cost ~25 % of a decode step's projections at 4
 // adapters of 8 rows. B is not padded to a block-diagonal [out, n_sub * R]: each sub-output's blocks read
 // only its R columns of the shrunk rows, a third of the block-diagonal's bytes for q/k/v.
@@ -181,7 +181,8 @@ void add_grouped(at::Tensor& y, const at::Tensor& x, const RowGroups& groups, co
       const int64_t column = expand_blocks[first_block + j].sub * rank;  // the sub-output's shrunk columns
       const BlockTask t{shrunk.get() + run.first * shrink_size + column,
                         float_rows(shrunk_float, groups, run, shrink_size, column), shrink_size, shrink_size,
-                        run.rows, b_data + groups.slots[run.group] * b_slot_size + (first_block + j) * rank * kBlockN,
+                        run.rows,
+                        b_data + groups.slots[run.group] * b_slot_size + (first_block + j) * rank * kBlockN,
                         rank / 2, ld_delta, expand_blocks[first_block + j].ncols, nullptr};
       isa::rows_against_block(t, delta + j * kBlockN);
     }
@@ -190,8 +191,9 @@ void add_grouped(at::Tensor& y, const at::Tensor& x, const RowGroups& groups, co
       const bf16* d = delta + m * ld_delta;
       for (int64_t j = 0; j < num_blocks; ++j) {
         const ExpandBlock& block = expand_blocks[first_block + j];
+        bf16* out = y_row + block.column;
         for (int64_t c = 0; c < block.ncols; ++c)
-          y_row[block.column + c] = float_to_bf16(bf16_to_float(y_row[block.column + c]) + bf16_to_float(d[j * kBlockN + c]));
+          out[c] = float_to_bf16(bf16_to_float(out[c]) + bf16_to_float(d[j * kBlockN + c]));
       }
     }
   });

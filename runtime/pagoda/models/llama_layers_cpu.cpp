@@ -164,10 +164,10 @@ std::tuple<at::Tensor, at::Tensor> layers(
                 " rows, hidden ", rows);
     TORCH_CHECK(static_cast<int64_t>(lora_tensors.size()) == num_layers * kLoraTensorsPerLayer,
                 "llama_layers: ", kLoraTensorsPerLayer, " LoRA tensors per layer, got ", lora_tensors.size());
-    lora.emplace(Lora{lora_tensors,
-                      {{q_size, kv_size, kv_size}, {hidden_size}, {intermediate_size, intermediate_size}, {hidden_size}},
-                      lora::group_rows(*lora_row_slots),
-                      {}});
+    // each projection's sub-outputs: q, k, v; o; gate, up; down
+    const std::vector<std::vector<int64_t>> sub_sizes = {
+        {q_size, kv_size, kv_size}, {hidden_size}, {intermediate_size, intermediate_size}, {hidden_size}};
+    lora.emplace(Lora{lora_tensors, sub_sizes, lora::group_rows(*lora_row_slots), {}});
     if (keep_rows.has_value()) lora->kept = lora::group_rows(lora_row_slots->index_select(0, *keep_rows));
   }
   // the projection's output plus the adapters' deltas for its rows (the kept ones past the last attention)
