@@ -10,7 +10,7 @@ PORT ?= 8000
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast fuzz bench lint images e2e-kind clean
+.PHONY: setup serve test test-fast fuzz bench lint wheelhouse images e2e-containers e2e-kind clean
 
 setup: $(STAMP)
 
@@ -47,7 +47,17 @@ IMAGE_TAG ?= 0.1.0
 RUNTIME_VARIANT ?= cpu
 RUNTIME_IMAGE ?= pagoda-runtime:$(IMAGE_TAG)$(if $(filter cuda,$(RUNTIME_VARIANT)),-cuda,)
 OPERATOR_IMAGE ?= pagoda-operator:$(IMAGE_TAG)
-DOCKER ?= docker
+TORCH_VERSION ?= 2.13.0
+# Docker when its daemon answers, else podman (which needs no daemon)
+DOCKER ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo podman)
+# A base image, e.g. one that scripts/local-base-image.sh made on a machine that cannot pull
+PYTHON_BASE ?=
+TORCH_INDEX_URL ?=
+# podman: Docker image format (it keeps SHELL), runc with explicit rlimits (crun cannot set them on some hosts),
+# RUN steps on the host's network
+PODMAN_FLAGS = $(if $(filter podman,$(notdir $(DOCKER))),--format docker --runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 --network host,)
+BUILD_ARGS = $(if $(PYTHON_BASE),--build-arg PYTHON_BASE=$(PYTHON_BASE),) \
+	$(if $(TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL),) --build-arg TORCH_VERSION=$(TORCH_VERSION)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -56,10 +66,24 @@ lint: setup
 	$(VENV)/bin/yamllint crds charts .yamllint.yaml
 	$(VENV)/bin/helm lint --strict charts/pagoda
 
-images:
-	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found; install Docker (or set DOCKER=podman)" >&2; exit 3; }
-	$(DOCKER) build --target runtime --build-arg RUNTIME_VARIANT=$(RUNTIME_VARIANT) -t $(RUNTIME_IMAGE) .
-	$(DOCKER) build --target operator -t $(OPERATOR_IMAGE) .
+# torch's CPU wheel into the build context when pip finds one (a find-links or a mirror with +cpu builds);
+# otherwise the image installs it from TORCH_INDEX_URL.
+wheelhouse:
+	@mkdir -p wheelhouse
+	@ls wheelhouse/torch-$(TORCH_VERSION)+cpu-*.whl >/dev/null 2>&1 \
+		|| python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+			--platform manylinux_2_28_$(shell uname -m) -d wheelhouse "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
+		|| echo "make images: no local torch $(TORCH_VERSION)+cpu wheel; the image installs it from its index"
+
+images: wheelhouse
+	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found; install Docker or podman (DOCKER=...)" >&2; exit 3; }
+	$(DOCKER) build $(PODMAN_FLAGS) $(BUILD_ARGS) --target runtime --build-arg RUNTIME_VARIANT=$(RUNTIME_VARIANT) -t $(RUNTIME_IMAGE) .
+	$(DOCKER) build $(PODMAN_FLAGS) $(BUILD_ARGS) --target operator -t $(OPERATOR_IMAGE) .
+
+# The operator on KMock, the pods it describes as podman containers of the built images (a test harness plays
+# the controllers and the kubelet): runs anywhere podman does, no cluster needed. Opt-in, not in `make test`.
+e2e-containers: setup
+	RUNTIME_IMAGE=$(RUNTIME_IMAGE) $(PY) -m pytest tests/e2e -m e2e -v $(PYTEST_ARGS)
 
 # Exit code 3: Docker engine, kind, kubectl or helm missing (nothing was created).
 e2e-kind:

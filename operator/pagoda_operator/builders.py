@@ -46,6 +46,10 @@ RUNTIME_UID = 10001  # the runtime image's user (Dockerfile)
 CACHE_ENV = {"XDG_CACHE_HOME": "/tmp/cache", "TRITON_CACHE_DIR": "/tmp/triton",
              "TORCH_EXTENSIONS_DIR": "/tmp/torch_extensions", "CUDA_CACHE_PATH": "/tmp/cuda"}
 CONTAINER = "pagoda"
+# Every pod the operator makes: Kubernetes' service links would give it NAME_PORT=tcp://... for each Service in the
+# namespace, and a Service named pagoda or pagoda-router would then set PAGODA_PORT or PAGODA_ROUTER_PORT, which
+# the runtime reads as its flags (found by make e2e-containers).
+NO_SERVICE_LINKS = {"enableServiceLinks": False}
 # Shutdown: the head keeps serving for PRESTOP_SECONDS after it is told to stop, while the endpoints
 # controller and kube-proxy take it out of the Service; then SIGTERM starts the runtime's drain, which
 # gets the rest of the grace period minus a margin for the engine to stop.
@@ -278,6 +282,7 @@ def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: s
     group_pods = {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group)}
     pod_spec: dict[str, Any] = {
         "containers": [build_container(spec, group, cluster_domain, role)],
+        **NO_SERVICE_LINKS,
         "volumes": build_volumes(spec),
         # PP stages belong on different nodes; on GPUs this is a hard rule (each pod fills a node),
         # on CPU a preference so that a one-node cluster can still run a group.

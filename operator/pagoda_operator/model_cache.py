@@ -19,6 +19,7 @@ from typing import Any
 from .builders import (
     ANNOTATION_APPLIED_HASH,
     MODEL_VOLUME,
+    NO_SERVICE_LINKS,
     RUNTIME_UID,
     TMP_VOLUME,
     container_security_context,
@@ -134,6 +135,7 @@ def build_download_job(spec: DeploymentSpec, owner: dict[str, Any], hub: HubMode
         "volumes": [{"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": hub.claim_name}},
                     {"name": TMP_VOLUME, "emptyDir": {}}],
         "securityContext": download_pod_security_context(spec),
+        **NO_SERVICE_LINKS,
     }
     # A private registry, a cloud identity, tainted nodes; not the GPU node selection (no GPU needed).
     for key, value in (("imagePullSecrets", spec.image_pull_secrets), ("serviceAccountName", spec.service_account_name),

@@ -16,6 +16,7 @@ from typing import Any
 
 from .builders import (
     HTTP_PORT,
+    NO_SERVICE_LINKS,
     RUNTIME_UID,
     deployment_labels,
     head_selector,
@@ -118,6 +119,7 @@ def build_router_deployment(spec: DeploymentSpec, owner: dict[str, Any]) -> dict
                 "spec": {
                     "serviceAccountName": router_name(spec),
                     "containers": [container],
+                    **NO_SERVICE_LINKS,
                     "securityContext": {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "terminationGracePeriodSeconds": 40,  # uvicorn's 30 s graceful shutdown, plus a margin

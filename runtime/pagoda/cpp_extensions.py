@@ -8,13 +8,18 @@ native build the CPU's feature flags) as well as the source, the flags, the torc
 fails leaves a marker beside its directory: later starts and other ranks skip it (and use torch) instead of
 compiling again; delete ``<build dir>.failed`` to retry. Processes starting together build once,
 one after the other under an flock on ``<build dir>.lock``, which the OS releases when its holder dies.
+An image ships its libraries built ahead of time, one per ISA level (``pagoda.ops.prebuild``, into the directory
+``PAGODA_PREBUILT_KERNELS`` names): a process whose level has one there loads it and compiles nothing, so a
+pod starts without a compiler.
 torch's builder also keeps a lock file of its own in the build directory, which it waits on with no
 deadline; one left behind by a process killed mid-build (OOM, a pod deleted, Ctrl-C) would hang every later
 start, so whoever holds the flock removes it first.
 """
 
+import dataclasses
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -33,10 +38,20 @@ logger = logging.getLogger(__name__)
 BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 
-def kernel_cflags(fast_math: bool = True) -> list[str]:
-    """The flags of a kernel build at this process's ISA level."""
+# a directory of libraries built ahead of time per ISA level (pagoda.ops.prebuild), e.g. in the runtime image
+PREBUILT_ENV = pagoda_platform.PREBUILT_ENV
+
+
+def kernel_cflags(fast_math: bool = True, isa: pagoda_platform.CpuIsa | None = None) -> list[str]:
+    """The flags of a kernel build at ``isa``'s level (default: this process's)."""
     base = BASE_CFLAGS if fast_math else [f for f in BASE_CFLAGS if f != "-ffast-math"]
-    return base + pagoda_platform.compile_flags()
+    return base + (isa or pagoda_platform.cpu_isa()).compile_flags()
+
+
+def level_build(isa: pagoda_platform.CpuIsa, level: str | None = None) -> pagoda_platform.CpuIsa:
+    """``isa`` built for ``level`` (default: its own) with the level's flags rather than -march=native: what
+    a prebuilt library targets. The level need not run on this host (an image builds every level)."""
+    return dataclasses.replace(isa, level=level or isa.level, forced=True)
 
 
 class PreviousBuildFailed(RuntimeError):
@@ -66,9 +81,10 @@ def source_list(source: Path | Sequence[Path]) -> list[Path]:
     return [source] if isinstance(source, Path) else list(source)
 
 
-def build_name(prefix: str, source: Path | Sequence[Path], cflags: list[str]) -> str:
+def build_name(prefix: str, source: Path | Sequence[Path], cflags: list[str],
+               isa: pagoda_platform.CpuIsa | None = None) -> str:
     """``prefix`` + the ISA level + a hash of everything the binary depends on."""
-    isa = pagoda_platform.cpu_isa()
+    isa = isa or pagoda_platform.cpu_isa()
     headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h*"))]
     host = _cpu_flags() if any("native" in flag for flag in cflags) else ""  # -march=native: this CPU's flags
     # the paths too: torch's build.ninja holds the sources', csrc/'s and torch's absolute paths, so two checkouts
@@ -84,22 +100,67 @@ def failure_marker(build_dir: Path) -> Path:
     return build_dir.with_name(build_dir.name + ".failed")
 
 
-def build_and_load(prefix: str, source: Path | Sequence[Path], cflags: list[str] | None = None,
-                   is_python_module: bool = False):
-    """Compile ``source`` (one file or several, linked into one library) once per (sources, flags, torch, ISA
-    level) and load it: the module when
-    ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. Raises on failure,
-    PreviousBuildFailed without compiling when this build failed before."""
-    cflags = kernel_cflags() if cflags is None else cflags
-    from torch.utils import cpp_extension
-
-    from pagoda.config.paths import cache_dir
-
+def ensure_ninja_on_path() -> None:
     if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the wheel's may not be on it
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def prebuilt_dir() -> Path | None:
+    """The directory of prebuilt libraries, when PAGODA_PREBUILT_KERNELS names one."""
+    value = os.environ.get(PREBUILT_ENV, "")
+    return Path(value) if value and Path(value).is_dir() else None
+
+
+def prebuilt_library(prefix: str, sources: list[Path], cflags: list[str]) -> Path | None:
+    """The prebuilt library that stands for a build of ``sources`` with ``cflags`` at this process's level:
+    the same sources, torch and paths built with the level's flags (a native build's level is the CPU's best)."""
+    root = prebuilt_dir()
+    if root is None:
+        return None
+    isa = pagoda_platform.cpu_isa()
+    level_isa = level_build(isa)
+    isa_flags = set(isa.compile_flags())
+    level_cflags = [f for f in cflags if f not in isa_flags] + level_isa.compile_flags()
+    name = build_name(prefix, sources, level_cflags, level_isa)
+    library = root / name / f"{name}.so"
+    return library if library.is_file() else None
+
+
+def load_library(library: Path, is_python_module: bool):
+    """Load a built library: as the Python module it defines, or for the ``torch.ops`` it registers."""
+    if not is_python_module:
+        torch.ops.load_library(str(library))
+        return library
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_and_load(prefix: str, source: Path | Sequence[Path], cflags: list[str] | None = None,
+                   is_python_module: bool = False):
+    """Compile ``source`` (one file or several, linked into one library) once per (sources, flags, torch, ISA
+    level) and load it: the module when
+    ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. A prebuilt library
+    of this process's level (PAGODA_PREBUILT_KERNELS) is loaded instead of compiling. Raises on failure,
+    PreviousBuildFailed without compiling when this build failed before."""
+    cflags = kernel_cflags() if cflags is None else cflags
     sources = source_list(source)
+    prebuilt = prebuilt_library(prefix, sources, cflags)
+    if prebuilt is not None:
+        logger.info("Loading %s (prebuilt)", prebuilt)
+        return load_library(prebuilt, is_python_module)
+    if not compiler_available():
+        where = f"none for ISA level {pagoda_platform.cpu_isa().level} in {prebuilt_dir()}" if prebuilt_dir() \
+            else f"{PREBUILT_ENV} not set"
+        raise RuntimeError(f"no C++ compiler found and no prebuilt library ({where})")
+    from torch.utils import cpp_extension
+
+    from pagoda.config.paths import cache_dir
+
+    ensure_ninja_on_path()
     what = ", ".join(s.name for s in sources)
     name = build_name(prefix, sources, cflags)
     build_dir = cache_dir() / "cpu_kernels" / name

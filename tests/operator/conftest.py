@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 import yaml
-from operator_harness import VERBS, FakeCluster, OperatorProcess
+from operator_harness import FakeCluster, OperatorProcess, register_resources
 
 from pagoda_operator.settings import OperatorSettings
 
@@ -20,30 +20,7 @@ def operator_settings() -> OperatorSettings:
 
 @pytest.fixture
 async def cluster(kmock, tmp_path, monkeypatch) -> AsyncIterator[FakeCluster]:
-    info = kmock.ResourceInfo
-    kmock.resources["pagoda.dev/v1alpha1/llmdeployments"] = info(
-        kind="LLMDeployment", namespaced=True, verbs=VERBS, subresources={"status", "scale"})
-    kmock.resources["apps/v1/statefulsets"] = info(kind="StatefulSet", namespaced=True, verbs=VERBS)
-    kmock.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
-    kmock.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=VERBS)
-    kmock.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
-    kmock.resources["batch/v1/jobs"] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
-    kmock.resources["v1/persistentvolumeclaims"] = info(kind="PersistentVolumeClaim", namespaced=True, verbs=VERBS)
-    kmock.resources["autoscaling/v2/horizontalpodautoscalers"] = info(
-        kind="HorizontalPodAutoscaler", namespaced=True, verbs=VERBS)
-    kmock.resources["coordination.k8s.io/v1/leases"] = info(kind="Lease", namespaced=True, verbs=VERBS)
-    kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
-    kmock.resources["v1/secrets"] = info(kind="Secret", namespaced=True, verbs=VERBS)
-    kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"})
-    # KMock serves GET/POST/PATCH/DELETE; the Lease-based leader election also replaces (PUT) its Lease.
-    def replace_lease(request):
-        stored = kmock.objects[(request.resource, request.namespace, request.name)]
-        stored.patch({"spec": None})  # a replace, not a merge: fields left out are cleared
-        stored.patch(request.data)
-        return stored.raw
-    kmock["put", "/apis/coordination.k8s.io/v1/namespaces/*/leases/*"] << replace_lease
+    register_resources(kmock)
     url = str(kmock.url).rstrip("/")
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({

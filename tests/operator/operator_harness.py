@@ -41,6 +41,34 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0,
     raise AssertionError(f"timed out waiting for {what or check}: last={last!r}")
 
 
+def register_resources(kmock) -> None:
+    """The kinds the operator reads and writes, served by KMock as an API server serves them."""
+    info = kmock.ResourceInfo
+    kmock.resources["pagoda.dev/v1alpha1/llmdeployments"] = info(
+        kind="LLMDeployment", namespaced=True, verbs=VERBS, subresources={"status", "scale"})
+    kmock.resources["apps/v1/statefulsets"] = info(kind="StatefulSet", namespaced=True, verbs=VERBS)
+    kmock.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
+    kmock.resources["v1/services"] = info(kind="Service", namespaced=True, verbs=VERBS)
+    kmock.resources["policy/v1/poddisruptionbudgets"] = info(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS)
+    kmock.resources["batch/v1/jobs"] = info(kind="Job", namespaced=True, verbs=VERBS, subresources={"status"})
+    kmock.resources["v1/persistentvolumeclaims"] = info(kind="PersistentVolumeClaim", namespaced=True, verbs=VERBS)
+    kmock.resources["autoscaling/v2/horizontalpodautoscalers"] = info(
+        kind="HorizontalPodAutoscaler", namespaced=True, verbs=VERBS)
+    kmock.resources["coordination.k8s.io/v1/leases"] = info(kind="Lease", namespaced=True, verbs=VERBS)
+    kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
+    kmock.resources["v1/secrets"] = info(kind="Secret", namespaced=True, verbs=VERBS)
+    kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs={"list", "watch", "get"})
+    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch", "get"})
+    # KMock serves GET/POST/PATCH/DELETE; the Lease-based leader election also replaces (PUT) its Lease.
+    def replace_lease(request):
+        stored = kmock.objects[(request.resource, request.namespace, request.name)]
+        stored.patch({"spec": None})  # a replace, not a merge: fields left out are cleared
+        stored.patch(request.data)
+        return stored.raw
+    kmock["put", "/apis/coordination.k8s.io/v1/namespaces/*/leases/*"] << replace_lease
+
+
 def labels(obj: dict[str, Any]) -> dict[str, str]:
     return (obj.get("metadata") or {}).get("labels") or {}
 

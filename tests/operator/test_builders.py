@@ -148,12 +148,24 @@ def test_pods_meet_the_restricted_pod_security_standard_by_default():
 def test_the_runtime_image_runs_as_the_user_the_pods_ask_for():
     """Both runtime variants (cpu, cuda) come from one stage whose last USER is the pods' runAsUser."""
     dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
-    stage = dockerfile.split("AS runtime", 1)[1]
+    stage = dockerfile.split("AS runtime\n", 1)[1]
     users = [line.split()[1] for line in stage.splitlines() if line.startswith("USER ")]
     assert users and users[-1] == str(b.RUNTIME_UID) != "0"
     assert "FROM" not in stage  # the runtime stage is the last: nothing switches the user back
     spec, _ = build({})
     assert b.pod_security_context(spec)["runAsUser"] == b.RUNTIME_UID
+
+
+def test_no_pod_gets_service_links():
+    """A Service named pagoda would give pods PAGODA_PORT=tcp://..., which the runtime reads as --port."""
+    from pagoda_operator import model_cache, router
+
+    spec, manifests = build({"pipelineParallelSize": 2, "router": {"enabled": True},
+                             "model": {"name": "org/m", "cache": {"size": "1Gi"}}})
+    templates = [m["spec"]["template"]["spec"] for m in manifests if m["kind"] == "StatefulSet"]
+    templates.append(router.build_router_deployment(spec, llmd({}))["spec"]["template"]["spec"])
+    templates.append(model_cache.build_download_job(spec, llmd({}))["spec"]["template"]["spec"])
+    assert len(templates) == 4 and all(t["enableServiceLinks"] is False for t in templates)
 
 
 def test_security_contexts_can_be_relaxed_and_cache_env_overridden():

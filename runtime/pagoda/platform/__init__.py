@@ -30,6 +30,7 @@ __all__ = ["ISA_ENV", "KERNELS_ENV", "CpuIsa", "CpuKernelPlan", "UnsupportedIsa"
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "PAGODA_CPU_KERNELS"
+PREBUILT_ENV = "PAGODA_PREBUILT_KERNELS"  # libraries built ahead of time (pagoda.cpp_extensions loads them)
 # levels where bf16_matmul_cpu's packed kernel runs at the CPU's speed: bfloat16 dot products in hardware
 # (AVX512_BF16, ARM BF16), or bf16 weights widened to float32 inside the AVX2/AVX-512/NEON FMA micro-kernel
 # (half the bytes of float32 weights)
@@ -62,8 +63,8 @@ def cpu_kernels_enabled() -> tuple[bool, str]:
     """Whether the C++ CPU kernels are to be built, and why not when they are not."""
     if os.environ.get(KERNELS_ENV, "1") == "0":
         return False, f"{KERNELS_ENV}=0"
-    if not compiler_available():
-        return False, "no C++ compiler found"
+    if not compiler_available() and not os.path.isdir(os.environ.get(PREBUILT_ENV, "")):
+        return False, f"no C++ compiler found (and no {PREBUILT_ENV} directory of prebuilt kernels)"
     return True, ""
 
 

@@ -164,6 +164,17 @@ for _fn, _name in [(positive_int, "positive integer"), (non_negative_int, "non-n
     _fn.__name__ = _name
 
 
+class InvalidEnvValue:
+    """The default of a flag whose PAGODA_<FLAG> variable holds no valid value: an error unless the flag is given
+    (a Kubernetes Service named pagoda, say, gives every pod PAGODA_PORT=tcp://...)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"InvalidEnvValue({self.message!r})"
+
+
 class _EnvParser:
     """Adds flags whose defaults come from the environment, converting and checking them like argv."""
 
@@ -174,7 +185,10 @@ class _EnvParser:
         env = env_name(flag)
         raw = os.environ.get(env)
         if raw is not None and raw != "":
-            default = self._convert_env(flag, env, raw, type, choices, boolean)
+            try:
+                default = self._convert_env(flag, env, raw, type, choices, boolean)
+            except ValueError as e:  # an error only if the flag is not given: flags win
+                default = InvalidEnvValue(str(e))
         help = f"{help} [env {env}]" if help else f"[env {env}]"
         if boolean:
             self.parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
@@ -188,14 +202,15 @@ class _EnvParser:
                 return True
             if raw.lower() in _FALSE:
                 return False
-            self.parser.error(f"argument {flag}: invalid boolean {raw!r} in {env} (use true or false)")
+            raise ValueError(f"argument {flag}: invalid boolean {raw!r} in {env} (use true or false)")
         try:
             value = type(raw)
         except (TypeError, ValueError):
-            self.parser.error(f"argument {flag}: invalid {getattr(type, '__name__', 'value')} {raw!r} in {env}")
+            raise ValueError(f"argument {flag}: invalid {getattr(type, '__name__', 'value')} {raw!r} in {env}") \
+                from None
         if choices is not None and value not in choices:
-            self.parser.error(f"argument {flag}: invalid choice {raw!r} in {env} "
-                              f"(choose from {', '.join(map(str, choices))})")
+            raise ValueError(f"argument {flag}: invalid choice {raw!r} in {env} "
+                             f"(choose from {', '.join(map(str, choices))})")
         return value
 
 
@@ -323,6 +338,9 @@ _SERVER_FIELDS = frozenset(f.name for f in dataclasses.fields(ServerArgs))
 def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
     """The parsed flags, each to the arguments that own it (a flag's name is its field's name)."""
     values = vars(ns)
+    invalid = [value.message for value in values.values() if isinstance(value, InvalidEnvValue)]
+    if invalid:
+        raise ValueError(invalid[0])
     engine = EngineArgs(**{name: value for name, value in values.items() if name in _ENGINE_FIELDS})
     server = ServerArgs(**{name: value for name, value in values.items() if name in _SERVER_FIELDS})
     if server.lora_modules and not engine.enable_lora:
