@@ -58,13 +58,21 @@ class E2E:
         status: dict[str, Any] = {}
         while time.monotonic() < deadline:
             status = await self.cluster.status(name)
-            if status.get("phase") == "Ready" and status.get("readyReplicas") == groups:
+            if status.get("phase") == "Ready" and status.get("readyReplicas") == groups \
+                    and status.get("observedGeneration") == self.cluster.generations[name]:
                 return status
             assert not self.runner.errors, self.runner.errors
             await asyncio.sleep(1)
         logs = {pod: (await self.runner.logs(pod, 30))[-3000:] for pod in self.runner.pods}
         raise AssertionError(f"{name} not Ready with {groups} groups in {timeout:.0f} s: {json.dumps(status)}\n"
                              f"pods: {logs}")
+
+    async def until(self, check, what: str, timeout: float = STARTUP_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not await check():
+            assert not self.runner.errors, self.runner.errors
+            assert time.monotonic() < deadline, f"timed out: {what}"
+            await asyncio.sleep(1)
 
     async def resolve(self, host: str) -> list[str]:
         """What the container network's DNS answers for a name, asked from a container on it (as a client pod)."""

@@ -52,9 +52,11 @@ class UnsupportedPodSpec(ValueError):
     """The pod spec uses something this harness does not emulate (it says what)."""
 
 
-async def podman(*args: str, check: bool = True, timeout: float = 300) -> str:
+async def podman(*args: str, check: bool = True, timeout: float = 300, merge_stderr: bool = False) -> str:
+    """Run podman; its stdout (with its stderr where merge_stderr: a container's log has both)."""
     proc = await asyncio.create_subprocess_exec(
-        "podman", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        "podman", *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except asyncio.TimeoutError:
@@ -62,7 +64,7 @@ async def podman(*args: str, check: bool = True, timeout: float = 300) -> str:
         await proc.wait()
         raise RuntimeError(f"podman {' '.join(args[:3])}... timed out after {timeout} s") from None
     if check and proc.returncode != 0:
-        raise RuntimeError(f"podman {' '.join(args)} failed ({proc.returncode}): {err.decode()[-2000:]}")
+        raise RuntimeError(f"podman {' '.join(args)} failed ({proc.returncode}): {(err or out).decode()[-2000:]}")
     return out.decode()
 
 
@@ -182,7 +184,7 @@ class PodRunner:
         state = self.pods.get(pod_name)
         if state is None:
             return ""
-        return await podman("logs", "--tail", str(tail), state.container_name, check=False)
+        return await podman("logs", "--tail", str(tail), state.container_name, check=False, merge_stderr=True)
 
     async def kill_container(self, pod_name: str) -> None:
         """What a crashed process or an OOM kill looks like to the kubelet."""
@@ -233,7 +235,7 @@ class PodRunner:
         wanted = self._wanted_pods(statefulsets, deployments)
         for name, (pod, _) in wanted.items():
             if name not in pods and name not in self.terminating:
-                pods[name] = await self._json("POST", "/api/v1/namespaces/{ns}/pods".format(ns=self.ns), pod)
+                pods[name] = await self._json("POST", f"/api/v1/namespaces/{self.ns}/pods", pod)
         for name, pod in pods.items():
             owner = (pod["metadata"].get("annotations") or {}).get("pagoda-e2e/owner")
             if owner and name not in wanted:

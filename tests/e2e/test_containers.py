@@ -7,6 +7,8 @@ container of the built runtime image by pod_runner.py, clients over the containe
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 from conftest import E2E
@@ -43,3 +45,120 @@ async def test_one_replica_answers_through_its_service(e2e: E2E):
     addresses = await e2e.resolve("pagoda.serving.svc.cluster.local")
     assert addresses == [e2e.runner.pod_ip("pagoda-g0-head-0")]
     assert "Paris" in await chat(addresses[0], "pagoda")
+
+    # (e) an engine edit rolls the group: new pods, started with the new flag
+    old = (await e2e.pods("pagoda"))["pagoda-g0-head-0"]["metadata"]["uid"]
+    await e2e.cluster.update_spec("pagoda", {"engine": {**CPU["engine"], "maxNumSeqs": 4}})
+    await e2e.until(lambda: _replaced(e2e, "pagoda", "pagoda-g0-head-0", old), "the group rolled")
+    await e2e.ready("pagoda")
+    assert "max_num_seqs=4" in await e2e.runner.logs("pagoda-g0-head-0", 400)
+    assert "Paris" in await chat(e2e.runner.pod_ip("pagoda-g0-head-0"), "pagoda")
+
+
+async def _replaced(e2e: E2E, name: str, pod: str, old_uid: str) -> bool:
+    current = (await e2e.pods(name)).get(pod)
+    return current is not None and current["metadata"]["uid"] != old_uid
+
+
+async def single_process_reference(image: str) -> list[str]:
+    """The same prompts through one process of the same image (LLM, no server), for greedy equality."""
+    from pod_runner import podman
+
+    code = ("import json; from pagoda import LLM, SamplingParams; "
+            f"llm = LLM(dtype='float32', max_model_len=1024); outs = llm.generate({PROMPTS!r}, "
+            "SamplingParams(temperature=0, max_tokens=24)); print(json.dumps([o.outputs[0].text for o in outs]))")
+    out = await podman("run", "--rm", "--runtime", "runc", "--ulimit", "nofile=1024:1024", "--ulimit",
+                       "nproc=1024:1024", "--entrypoint", "python", image, "-c", code, timeout=600)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+async def test_tensor_and_pipeline_parallel_groups_form_over_the_container_network(e2e: E2E):
+    await e2e.cluster.create("tp", {**CPU, "tensorParallelSize": 2})
+    await e2e.cluster.create("pp", {**CPU, "pipelineParallelSize": 2})
+    reference = await single_process_reference(e2e.image)
+    await e2e.ready("tp")
+    await e2e.ready("pp")
+    assert sorted(await e2e.pods("pp")) == ["pp-g0-head-0", "pp-g0-worker-1"]
+    assert await greedy(e2e.runner.pod_ip("tp-g0-head-0"), "tp") == reference
+    assert await greedy(e2e.runner.pod_ip("pp-g0-head-0"), "pp") == reference
+    head_log = await e2e.runner.logs("pp-g0-head-0", 400)
+    assert "pipeline_parallel_size=2" in head_log
+
+    # (c) a worker dies: the head's group fails, the operator recreates the whole group, it serves again
+    await e2e.runner.kill_container("pp-g0-worker-1")
+    old_head = (await e2e.pods("pp"))["pp-g0-head-0"]["metadata"]["uid"]
+
+    await e2e.until(lambda: _replaced(e2e, "pp", "pp-g0-head-0", old_head), "the group recreated")
+    await e2e.ready("pp")
+    assert await greedy(e2e.runner.pod_ip("pp-g0-head-0"), "pp") == reference
+    reasons = await e2e.cluster.event_reasons("pp")
+    assert "RecreatingGroup" in reasons, reasons
+    status = await e2e.cluster.status("pp")
+    assert status["phase"] == "Ready" and status["readyReplicas"] == 1
+
+
+async def test_the_router_discovers_both_heads_and_keeps_a_conversation_on_one(e2e: E2E):
+    await e2e.cluster.create("chat", {**CPU, "replicas": 2, "router": {"enabled": True, "policy": "prefix"}})
+    await e2e.ready("chat", groups=2)
+    status = await e2e.cluster.status("chat")
+    assert status["endpoint"] == "http://chat-router.serving.svc:8000/v1"
+    [router] = await e2e.resolve("chat-router.serving.svc.cluster.local")
+    heads = {e2e.runner.pod_ip("chat-g0-head-0"), e2e.runner.pod_ip("chat-g1-head-0")}
+    router_client = client(router)
+
+    async def served_by(messages) -> str:
+        raw = await router_client.chat.completions.with_raw_response.create(
+            model="chat", messages=messages, temperature=0, max_tokens=8)
+        return raw.headers["x-pagoda-backend"]
+    # the router has both heads once their EndpointSlice says Ready; a conversation grows turn by turn
+    backends: set[str] = set()
+    for i in range(8):
+        backends.add(await served_by([{"role": "user", "content": f"Conversation {i}: tell me about towers."}]))
+    assert {b.split("//")[1].split(":")[0] for b in backends} == heads
+    system = {"role": "system", "content": "You are a helpful assistant who answers in one sentence. " * 8}
+    conversation = [system, {"role": "user", "content": "Name a tall building."}]
+    first = await served_by(conversation)
+    for turn in range(3):
+        conversation += [{"role": "assistant", "content": "The tower is tall."},
+                         {"role": "user", "content": f"And another one ({turn})?"}]
+        assert await served_by(conversation) == first
+
+
+async def test_an_adapter_edit_reaches_running_pods_without_a_restart(e2e: E2E, tmp_path):
+    claim = e2e.runner.base_dir / "claims" / "weights"
+    write_weights_and_adapter(claim)
+    spec = {**CPU, "model": {"path": "/models", "volume": {"persistentVolumeClaim": {"claimName": "weights"}}},
+            "adapters": []}
+    await e2e.cluster.create("lora", spec)
+    await e2e.ready("lora")
+    before = (await e2e.pods("lora"))["lora-g0-head-0"]["metadata"]["uid"]
+    await e2e.cluster.update_spec("lora", {"adapters": [{"name": "sql", "model": {"path": "/models/adapters/sql"}}]})
+
+    async def loaded():
+        return (await e2e.cluster.status("lora")).get("adaptersReady") == "1/1"
+    await e2e.until(loaded, "adapter sql Ready in status")
+    head = e2e.runner.pod_ip("lora-g0-head-0")
+    reply = await client(head).completions.create(model="sql", prompt="SELECT", max_tokens=8, temperature=0)
+    assert reply.model == "sql" and reply.choices[0].text
+    pods = await e2e.pods("lora")
+    assert pods["lora-g0-head-0"]["metadata"]["uid"] == before  # loaded into the running pod
+    assert pods["lora-g0-head-0"]["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def write_weights_and_adapter(claim: Path) -> None:
+    """The default model's Hugging Face directory at the claim's root, and a PEFT adapter written by peft."""
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.worker.loader.default_model import default_model_path
+
+    shutil.copytree(default_model_path(), claim, dirs_exist_ok=True)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(claim, torch_dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(claim / "adapters" / "sql")
+    for path in [claim, *claim.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
