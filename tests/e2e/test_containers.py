@@ -60,34 +60,48 @@ async def _replaced(e2e: E2E, name: str, pod: str, old_uid: str) -> bool:
     return current is not None and current["metadata"]["uid"] != old_uid
 
 
-async def single_process_reference(image: str) -> list[str]:
+def write_tiny_claim(e2e: E2E, claim: str) -> dict:
+    """A tiny random Llama (4 heads, 4 layers: TP=2 and PP=2 both divide it) on a claim; its spec fields."""
+    from checkpoints import write_tiny_model
+
+    directory = e2e.runner.base_dir / "claims" / claim
+    write_tiny_model(directory, "llama", num_layers=4)
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return {"model": {"path": "/models/tiny", "volume": {"persistentVolumeClaim": {"claimName": claim}}},
+            "engine": {"dtype": "float32", "maxModelLen": 256, "maxNumSeqs": 8}}
+
+
+async def single_process_reference(e2e: E2E, claim: str) -> list[str]:
     """The same prompts through one process of the same image (LLM, no server), for greedy equality."""
     from pod_runner import podman
 
     code = ("import json; from pagoda import LLM, SamplingParams; "
-            f"llm = LLM(dtype='float32', max_model_len=1024); outs = llm.generate({PROMPTS!r}, "
-            "SamplingParams(temperature=0, max_tokens=24)); print(json.dumps([o.outputs[0].text for o in outs]))")
+            "llm = LLM('/models/tiny', dtype='float32', max_model_len=256); "
+            f"outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0, max_tokens=24)); "
+            "print(json.dumps([o.outputs[0].text for o in outs]))")
     out = await podman("run", "--rm", "--runtime", "runc", "--ulimit", "nofile=1024:1024", "--ulimit",
-                       "nproc=1024:1024", "--entrypoint", "python", image, "-c", code, timeout=600)
+                       "nproc=1024:1024", "--volume", f"{e2e.runner.base_dir / 'claims' / claim}:/models/tiny:ro",
+                       "--entrypoint", "python", e2e.image, "-c", code, timeout=600)
     return json.loads(out.strip().splitlines()[-1])
 
 
 async def test_tensor_and_pipeline_parallel_groups_form_over_the_container_network(e2e: E2E):
-    await e2e.cluster.create("tp", {**CPU, "tensorParallelSize": 2})
-    await e2e.cluster.create("pp", {**CPU, "pipelineParallelSize": 2})
-    reference = await single_process_reference(e2e.image)
+    tiny = write_tiny_claim(e2e, "tiny")
+    reference = await single_process_reference(e2e, "tiny")
+    await e2e.cluster.create("tp", {**CPU, **tiny, "tensorParallelSize": 2})
+    await e2e.cluster.create("pp", {**CPU, **tiny, "pipelineParallelSize": 2})
     await e2e.ready("tp")
     await e2e.ready("pp")
     assert sorted(await e2e.pods("pp")) == ["pp-g0-head-0", "pp-g0-worker-1"]
+    assert "tensor_parallel_size=2" in await e2e.runner.logs("tp-g0-head-0", 400)
+    assert "pipeline_parallel_size=2" in await e2e.runner.logs("pp-g0-head-0", 400)
     assert await greedy(e2e.runner.pod_ip("tp-g0-head-0"), "tp") == reference
     assert await greedy(e2e.runner.pod_ip("pp-g0-head-0"), "pp") == reference
-    head_log = await e2e.runner.logs("pp-g0-head-0", 400)
-    assert "pipeline_parallel_size=2" in head_log
 
     # (c) a worker dies: the head's group fails, the operator recreates the whole group, it serves again
-    await e2e.runner.kill_container("pp-g0-worker-1")
     old_head = (await e2e.pods("pp"))["pp-g0-head-0"]["metadata"]["uid"]
-
+    await e2e.runner.kill_container("pp-g0-worker-1")
     await e2e.until(lambda: _replaced(e2e, "pp", "pp-g0-head-0", old_head), "the group recreated")
     await e2e.ready("pp")
     assert await greedy(e2e.runner.pod_ip("pp-g0-head-0"), "pp") == reference
