@@ -31,17 +31,15 @@ USER 10001
 EXPOSE 8080
 ENTRYPOINT ["pagoda-operator"]
 
-# ---- runtime-deps: torch (CPU or CUDA build), the engine and the default model; no compiler ----
-FROM ${RUNTIME_BASE} AS runtime-deps
+# ---- torch: the base with torch's CPU or CUDA build ----
+FROM ${RUNTIME_BASE} AS torch
 ARG RUNTIME_VARIANT=cpu
 ARG TORCH_VERSION=2.13.0
 # torch's CPU build: a torch-${TORCH_VERSION}+cpu wheel in the context's wheelhouse/ (make images puts one
 # there when pip can find it locally) wins; otherwise this index. The pin to "+cpu" keeps PyPI's CUDA build out.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PAGODA_CACHE_DIR=/var/cache/pagoda HOME=/home/pagoda
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-# torch first and from the right place, so the [runtime] extra never pulls another build.
 RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
     case "${RUNTIME_VARIANT}" in \
       cpu)  if ls /wheelhouse/torch-"${TORCH_VERSION}"+cpu-*.whl >/dev/null 2>&1; then \
@@ -52,6 +50,37 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
       cuda) pip install --no-cache-dir "torch==${TORCH_VERSION}" ;; \
       *)    echo "RUNTIME_VARIANT must be cpu or cuda, got ${RUNTIME_VARIANT}" >&2; exit 1 ;; \
     esac
+
+# ---- cpu-kernels: the C++ kernel libraries, one per ISA level, built where a compiler is ----
+FROM torch AS cpu-kernels
+ARG RUNTIME_VARIANT=cpu
+# vLLM ships its CPU build per level the same way. A node whose level is not here compiles at start when the
+# image has a compiler (this one has not: the torch path then runs, with a warning).
+ARG CPU_KERNEL_LEVELS="avx2 avx512 avx512bf16"
+# bookworm's (the slim image's Python has its headers; a Debian Python needs python3-dev for them)
+ARG GXX_VERSION=4:12.2.0-3
+ARG PYTHON3_DEV_VERSION=3.11.2-1+b1
+RUN if [ "${RUNTIME_VARIANT}" = cpu ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends "g++=${GXX_VERSION}" \
+      && if ! python -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path('include'), 'Python.h')))"; then \
+           apt-get install -y --no-install-recommends "python3-dev=${PYTHON3_DEV_VERSION}"; fi \
+      && rm -rf /var/lib/apt/lists/* \
+      && pip install --no-cache-dir "ninja==1.13.2"; \
+    fi
+COPY runtime /src/runtime
+# The cache mount keeps the libraries of unchanged sources from one build to the next (their names are hashes).
+RUN --mount=type=cache,target=/var/cache/pagoda-kernels \
+    mkdir -p /opt/pagoda/kernels \
+    && if [ "${RUNTIME_VARIANT}" = cpu ]; then \
+      PYTHONPATH=/src/runtime python -m pagoda.ops.prebuild --levels ${CPU_KERNEL_LEVELS} \
+        --cache /var/cache/pagoda-kernels --into /opt/pagoda/kernels; \
+    fi
+
+# ---- runtime: what pods run. The engine and the default model; no compiler ----
+FROM torch AS runtime
+ARG RUNTIME_VARIANT=cpu
+ENV PAGODA_CACHE_DIR=/var/cache/pagoda HOME=/home/pagoda
 COPY --from=wheel /wheels /wheels
 # Triton compiles GPU kernels only: the CPU image leaves it out (hundreds of MB).
 RUN WHEEL="$(ls /wheels/pagoda-*.whl)" \
@@ -62,33 +91,13 @@ RUN WHEEL="$(ls /wheels/pagoda-*.whl)" \
     && useradd --uid 10001 --create-home --home-dir /home/pagoda --shell /usr/sbin/nologin pagoda \
     && mkdir -p "${PAGODA_CACHE_DIR}" \
     && chown -R 10001:10001 "${PAGODA_CACHE_DIR}"
-# Convert the default model at build time: pods start serving it without writing anything.
-USER 10001
-RUN python -c "from pagoda.worker.loader.default_model import default_model_path; print(default_model_path())"
-
-# ---- cpu-kernels: the C++ kernel libraries, one per ISA level, built where a compiler is ----
-FROM runtime-deps AS cpu-kernels
-ARG RUNTIME_VARIANT=cpu
-# vLLM ships its CPU build per level the same way; a node whose level is not here compiles at start when
-# the image has a compiler (it has not: then the torch path runs, with a warning).
-ARG CPU_KERNEL_LEVELS="avx2 avx512 avx512bf16"
-USER root
-RUN mkdir -p /opt/pagoda/kernels \
-    && if [ "${RUNTIME_VARIANT}" = cpu ]; then \
-      apt-get update \
-      && apt-get install -y --no-install-recommends g++ \
-      && if ! python -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_path('include'), 'Python.h')))"; then \
-           apt-get install -y --no-install-recommends python3-dev; fi \
-      && python -m pagoda.ops.prebuild --levels ${CPU_KERNEL_LEVELS} --into /opt/pagoda/kernels; \
-    fi
-
-# ---- runtime: what pods run ----
-FROM runtime-deps AS runtime
 COPY --from=cpu-kernels /opt/pagoda/kernels /opt/pagoda/kernels
 ENV PAGODA_PREBUILT_KERNELS=/opt/pagoda/kernels
 # Both variants (cpu and cuda) run as this numeric non-root user: the operator's pods default to
 # runAsNonRoot with runAsUser 10001 (the restricted Pod Security Standard).
 USER 10001
+# Convert the default model at build time: pods start serving it without writing anything.
+RUN python -c "from pagoda.worker.loader.default_model import default_model_path; print(default_model_path())"
 EXPOSE 8000 29500
 ENTRYPOINT ["pagoda"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

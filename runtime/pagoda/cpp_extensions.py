@@ -82,14 +82,16 @@ def source_list(source: Path | Sequence[Path]) -> list[Path]:
 
 
 def build_name(prefix: str, source: Path | Sequence[Path], cflags: list[str],
-               isa: pagoda_platform.CpuIsa | None = None) -> str:
-    """``prefix`` + the ISA level + a hash of everything the binary depends on."""
+               isa: pagoda_platform.CpuIsa | None = None, with_paths: bool = True) -> str:
+    """``prefix`` + the ISA level + a hash of everything the binary depends on. A prebuilt library's name
+    (``with_paths=False``) leaves out where the sources and torch lie: it is built in one place, loaded in another."""
     isa = isa or pagoda_platform.cpu_isa()
     headers = [h.read_text() for h in sorted(INCLUDE_DIR.glob("*.h*"))]
     host = _cpu_flags() if any("native" in flag for flag in cflags) else ""  # -march=native: this CPU's flags
     # the paths too: torch's build.ninja holds the sources', csrc/'s and torch's absolute paths, so two checkouts
     # of the same sources sharing one directory (a clone beside a worktree) rebuilt it in turn at every load
-    paths = [str(s.resolve()) for s in source_list(source)] + [str(INCLUDE_DIR.resolve()), str(Path(torch.__file__).parent)]
+    paths = [str(s.resolve()) for s in source_list(source)] + [str(INCLUDE_DIR.resolve()), str(Path(torch.__file__).parent)] \
+        if with_paths else []
     key = "\n".join([*(s.read_text() for s in source_list(source)), *headers, " ".join(cflags), torch.__version__,
                      platform.machine(), isa.level, host, *paths])
     level = "native" if isa.native else isa.level
@@ -115,7 +117,7 @@ def prebuilt_dir() -> Path | None:
 
 def prebuilt_library(prefix: str, sources: list[Path], cflags: list[str]) -> Path | None:
     """The prebuilt library that stands for a build of ``sources`` with ``cflags`` at this process's level:
-    the same sources, torch and paths built with the level's flags (a native build's level is the CPU's best)."""
+    the same sources and torch version built with the level's flags (a native build's level is the CPU's best)."""
     root = prebuilt_dir()
     if root is None:
         return None
@@ -123,7 +125,7 @@ def prebuilt_library(prefix: str, sources: list[Path], cflags: list[str]) -> Pat
     level_isa = level_build(isa)
     isa_flags = set(isa.compile_flags())
     level_cflags = [f for f in cflags if f not in isa_flags] + level_isa.compile_flags()
-    name = build_name(prefix, sources, level_cflags, level_isa)
+    name = build_name(prefix, sources, level_cflags, level_isa, with_paths=False)
     library = root / name / f"{name}.so"
     return library if library.is_file() else None
 

@@ -63,6 +63,7 @@ def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
     chat_answer = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0)
     assert chat_answer.choices[0].message.content is not None
+    assert chat_answer.model == "sql"  # a response names the adapter asked for, as vLLM's
     with pytest.raises(openai.NotFoundError) as err:
         complete("nope")
     assert "`sql`" in str(err.value) and "`chat`" in str(err.value)
@@ -85,6 +86,8 @@ def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
     for model, expected in zip((base, "sql", "chat"), offline_answers.embeddings):
         assert client.embeddings.create(model=model, input=PROMPT).data[0].embedding == pytest.approx(expected, abs=1e-5)
     assert offline_answers.embeddings[0] != offline_answers.embeddings[1] != offline_answers.embeddings[2]
+    assert client.completions.create(model="chat", prompt=PROMPT, max_tokens=1).model == "chat"
+    assert client.completions.create(model=base, prompt=PROMPT, max_tokens=1).model == base
 
 
 @pytest.mark.parametrize("flags,named", [

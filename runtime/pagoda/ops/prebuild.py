@@ -5,8 +5,10 @@ compiling at every start, and the image needs no compiler.
     python -m pagoda.ops.prebuild --levels avx2 avx512 avx512bf16 --into /opt/pagoda/kernels
 
 Each level is built with its own flags whether or not this host can run it, and nothing is loaded here (a
-library built for AVX-512 must not be loaded on an AVX2 builder). The libraries' names hold the same key as a
-start-up build's (sources, flags, torch, paths), so a library built from other sources is never loaded.
+library built for AVX-512 must not be loaded on an AVX2 builder). A library's name is the hash of what it is
+built from (sources, headers, flags, torch's version), so one built from other sources is never loaded, and
+``--cache DIR`` (a build cache mount) keeps the libraries whose sources did not change from one image build
+to the next.
 """
 
 import argparse
@@ -20,12 +22,13 @@ from pagoda import platform as pagoda_platform
 from pagoda.platform.isa import LEVELS
 
 
-def _libraries() -> list[tuple[str, list[Path], bool]]:
-    """(name prefix, sources, -ffast-math) of every library the runtime builds with build_and_load."""
+def _libraries() -> dict[str, tuple[str, list[Path], bool]]:
+    """name -> (name prefix, sources, -ffast-math) of every library the runtime builds with build_and_load:
+    the kernel library, and the shared-memory all-reduce of tensor-parallel ranks."""
     from pagoda.distributed import shm_allreduce
     from pagoda.ops import cpu_library
 
-    return [("pagoda_cpu_", cpu_library.SOURCES, True), ("pagoda_shm_", [shm_allreduce.SOURCE], False)]
+    return {"cpu": ("pagoda_cpu_", cpu_library.SOURCES, True), "shm": ("pagoda_shm_", [shm_allreduce.SOURCE], False)}
 
 
 def _build(name: str, sources: list[Path], cflags: list[str], build_dir: Path) -> Path:
@@ -40,8 +43,10 @@ def _build(name: str, sources: list[Path], cflags: list[str], build_dir: Path) -
     return build_dir / f"{name}.so"
 
 
-def prebuild(levels: list[str], into: Path) -> list[Path]:
-    """Build every library at each of ``levels`` into ``into``/NAME/NAME.so; returns the libraries."""
+def prebuild(levels: list[str], into: Path, cache: Path | None = None,
+             libraries: tuple[str, ...] = ("cpu", "shm")) -> list[Path]:
+    """Build every library at each of ``levels`` into ``into``/NAME/NAME.so (copied from ``cache`` when built
+    there before); returns the libraries."""
     isa = pagoda_platform.cpu_isa()
     known = LEVELS.get(isa.arch, ("generic",))
     unknown = [level for level in levels if level not in known]
@@ -51,13 +56,21 @@ def prebuild(levels: list[str], into: Path) -> list[Path]:
     built = []
     for level in levels:
         level_isa = cpp_extensions.level_build(isa, level)
-        for prefix, sources, fast_math in _libraries():
-            name = cpp_extensions.build_name(prefix, sources, cpp_extensions.kernel_cflags(fast_math, level_isa),
-                                             level_isa)
+        for prefix, sources, fast_math in (_libraries()[name] for name in libraries):
+            cflags = cpp_extensions.kernel_cflags(fast_math, level_isa)
+            name = cpp_extensions.build_name(prefix, sources, cflags, level_isa, with_paths=False)
+            cached = cache / name / f"{name}.so" if cache else None
+            (into / name).mkdir(parents=True, exist_ok=True)
+            if cached is not None and cached.is_file():
+                built.append(Path(shutil.copy2(cached, into / name)))
+                print(f"{level}: {built[-1]} (cached)", flush=True)
+                continue
             with tempfile.TemporaryDirectory() as tmp:
-                library = _build(name, sources, cpp_extensions.kernel_cflags(fast_math, level_isa), Path(tmp))
-                (into / name).mkdir(parents=True, exist_ok=True)
+                library = _build(name, sources, cflags, Path(tmp))
                 built.append(Path(shutil.copy2(library, into / name / library.name)))
+                if cached is not None:
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(library, cached)
             print(f"{level}: {built[-1]}", flush=True)
     return built
 
@@ -66,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagoda.ops.prebuild", description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", nargs="+", required=True, help="ISA levels to build (e.g. avx2 avx512 avx512bf16)")
     parser.add_argument("--into", type=Path, required=True, help="the directory PAGODA_PREBUILT_KERNELS will name")
+    parser.add_argument("--cache", type=Path, help="libraries built before, reused when their sources are the same")
+    parser.add_argument("--libraries", nargs="+", choices=("cpu", "shm"), default=("cpu", "shm"),
+                        help="the kernel library (cpu) and the tensor-parallel shared-memory all-reduce (shm)")
     args = parser.parse_args(argv)
     if not cpp_extensions.compiler_available():
         parser.error("no C++ compiler found (install g++)")
     try:
-        prebuild(args.levels, args.into)
+        prebuild(args.levels, args.into, args.cache, tuple(args.libraries))
     except ValueError as e:
         parser.error(str(e))
     return 0

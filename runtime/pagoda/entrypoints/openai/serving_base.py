@@ -71,6 +71,10 @@ class OpenAIServing:
         raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                        param="model", code="model_not_found")
 
+    def response_model(self, model: str | None) -> str:
+        """A response's `model`: the adapter a request named, else the base model's served name (as vLLM)."""
+        return model if model in self.lora_modules else self.model_name
+
     def make_params(self, request, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
         try:

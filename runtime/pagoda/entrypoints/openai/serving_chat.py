@@ -212,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
             message = ResponseMessage(content=content, tool_calls=[_tool_call(call) for call in calls] or None)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason="tool_calls" if calls else reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices,
                                       usage=_usage(final), prompt_logprobs=_prompt_logprobs(request, final))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream: AsyncIterator[RequestOutput],
@@ -220,7 +220,7 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.response_model(request.model),
                                            choices=choices, usage=usage))
 
         try:
@@ -238,7 +238,7 @@ class OpenAIServingChat(OpenAIServing):
                 final = out
                 if not scored_sent and request.prompt_logprobs is not None and out.prompt_logprobs is not None:
                     scored_sent = True
-                    yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
+                    yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.response_model(request.model), choices=[],
                                                   prompt_logprobs=_prompt_logprobs(request, out)))
                 choices = []
                 for c in out.outputs:

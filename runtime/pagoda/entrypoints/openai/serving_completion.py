@@ -156,7 +156,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 stop_reason=c.stop_reason, prompt_logprobs=scored))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         usage.prompt_tokens_details = usage_of(finals).prompt_tokens_details
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[dict],
                       streams, release) -> AsyncIterator[str]:
@@ -167,7 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens: dict[tuple[int, int], int] = {}
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            return sse(CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+            return sse(CompletionResponse(id=request_id, created=created, model=self.response_model(request.model), choices=choices,
                                           usage=usage))
 
         try:
