@@ -26,17 +26,46 @@ from pod_runner import PodRunner, podman  # noqa: E402
 from pagoda_operator.settings import OperatorSettings  # noqa: E402
 
 NS = "serving"
+OPERATOR_NS = "pagoda-system"
+ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_IMAGE = os.environ.get("RUNTIME_IMAGE", "pagoda-runtime:0.1.0")
+OPERATOR_IMAGE = os.environ.get("OPERATOR_IMAGE", "pagoda-operator:0.1.0")
+# chart: the operator image installed from the Helm chart, its pod run by the harness as any other;
+# process: kopf in this test process (no operator image needed)
+OPERATOR_FROM = os.environ.get("PAGODA_E2E_OPERATOR", "chart")
 STARTUP_TIMEOUT = float(os.environ.get("PAGODA_E2E_STARTUP_TIMEOUT", "420"))
 
 
 def _image_present() -> tuple[bool, str]:
     if shutil.which("podman") is None:
         return False, "podman not found (apt-get install podman buildah runc)"
-    found = subprocess.run(["podman", "image", "exists", RUNTIME_IMAGE], capture_output=True)
-    if found.returncode != 0:
-        return False, f"image {RUNTIME_IMAGE} not built (make images)"
+    for image in (RUNTIME_IMAGE, OPERATOR_IMAGE) if OPERATOR_FROM == "chart" else (RUNTIME_IMAGE,):
+        if subprocess.run(["podman", "image", "exists", image], capture_output=True).returncode != 0:
+            return False, f"image {image} not built (make images)"
     return True, ""
+
+
+def chart_manifests() -> list[dict[str, Any]]:
+    """`helm template` of the chart as a user installs it, with this run's images and a short resync."""
+    helm = shutil.which("helm") or str(ROOT / ".venv" / "bin" / "helm")
+    repository, tag = OPERATOR_IMAGE.rsplit(":", 1)
+    rendered = subprocess.run(
+        [helm, "template", "pagoda", str(ROOT / "charts" / "pagoda"), "--namespace", OPERATOR_NS,
+         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+         "--set", f"runtimeImage={RUNTIME_IMAGE}", "--set", "resyncSeconds=2",
+         "--set", "leaderElection.enabled=false"], capture_output=True, text=True, check=True)
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+async def install_chart(session: aiohttp.ClientSession) -> None:
+    """What `helm install` creates that the operator's pod needs here: its ServiceAccount and Deployment
+    (KMock checks no RBAC, and the CRD is served already)."""
+    paths = {"ServiceAccount": "/api/v1/namespaces/{ns}/serviceaccounts",
+             "Deployment": "/apis/apps/v1/namespaces/{ns}/deployments"}
+    for doc in chart_manifests():
+        if doc["kind"] in paths:
+            async with session.post(paths[doc["kind"]].format(ns=OPERATOR_NS), json=doc) as resp:
+                assert resp.status < 300, (doc["kind"], resp.status, await resp.text())
 
 
 @pytest.fixture(scope="session")
@@ -50,8 +79,8 @@ def runtime_image() -> str:
 class E2E:
     """The cluster (KMock + the operator + the pod runner) as a test drives it."""
 
-    def __init__(self, cluster: FakeCluster, runner: PodRunner, image: str):
-        self.cluster, self.runner, self.image = cluster, runner, image
+    def __init__(self, cluster: FakeCluster, runner: PodRunner, image: str, operator_runner: PodRunner):
+        self.cluster, self.runner, self.image, self.operator_runner = cluster, runner, image, operator_runner
 
     async def ready(self, name: str, groups: int = 1, timeout: float = STARTUP_TIMEOUT) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -61,9 +90,10 @@ class E2E:
             if status.get("phase") == "Ready" and status.get("readyReplicas") == groups \
                     and status.get("observedGeneration") == self.cluster.generations[name]:
                 return status
-            assert not self.runner.errors, self.runner.errors
+            assert not self.runner.errors + self.operator_runner.errors, self.runner.errors
             await asyncio.sleep(1)
-        logs = {pod: (await self.runner.logs(pod, 30))[-3000:] for pod in self.runner.pods}
+        logs = {pod: (await runner.logs(pod, 30))[-3000:] for runner in (self.runner, self.operator_runner)
+                for pod in runner.pods}
         raise AssertionError(f"{name} not Ready with {groups} groups in {timeout:.0f} s: {json.dumps(status)}\n"
                              f"pods: {logs}")
 
@@ -109,13 +139,24 @@ async def e2e(kmock, runtime_image, tmp_path, monkeypatch, operator_settings) ->
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    runner = PodRunner(url, NS, base_dir=tmp_path / "runner", kube_api_port=int(url.rsplit(":", 1)[1]))
+    port = int(url.rsplit(":", 1)[1])
+    runner = PodRunner(url, NS, base_dir=tmp_path / "runner", kube_api_port=port)
     await runner.start()
+    # the operator's namespace: its own runner on the same network, so the operator reaches the pods
+    operator_runner = PodRunner(url, OPERATOR_NS, base_dir=tmp_path / "operator-runner", network=runner.network,
+                                kube_api_port=port)
     operator = OperatorProcess(operator_settings)
     try:
-        await operator.start()
         async with aiohttp.ClientSession(base_url=url) as session:
-            yield E2E(FakeCluster(session), runner, runtime_image)
+            if OPERATOR_FROM == "chart":
+                await operator_runner.start()
+                await install_chart(session)
+            else:
+                await operator.start()
+            yield E2E(FakeCluster(session), runner, runtime_image, operator_runner)
     finally:
-        await operator.stop()
+        if OPERATOR_FROM == "chart":
+            await operator_runner.stop()
+        else:
+            await operator.stop()
         await runner.stop()

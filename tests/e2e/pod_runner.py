@@ -143,6 +143,7 @@ class PodRunner:
         self.image_aliases = image_aliases or {}
         self.base_dir = base_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"pagoda-e2e-{uuid.uuid4().hex[:8]}"
         self.network = network or f"pagoda-e2e-{uuid.uuid4().hex[:6]}"
+        self.owns_network = network is None  # another runner's network (another namespace) is shared
         self.kube_api_port = kube_api_port
         self.pods: dict[str, PodState] = {}
         self.terminating: dict[str, asyncio.Task] = {}
@@ -156,7 +157,8 @@ class PodRunner:
 
     async def start(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        await podman("network", "create", self.network)
+        if self.owns_network:
+            await podman("network", "create", self.network)
         info = json.loads(await podman("network", "inspect", self.network))[0]
         self.gateway = info["subnets"][0]["gateway"]
         self.http = aiohttp.ClientSession(base_url=self.api_url)
@@ -170,12 +172,13 @@ class PodRunner:
         for task in list(self.terminating.values()):
             task.cancel()
         names = [state.container_name for state in self.pods.values()]
-        out = await podman("ps", "-a", "--filter", f"label=pagoda-e2e={self.network}", "--format", "{{.Names}}",
-                           check=False)
+        out = await podman("ps", "-a", "--filter", f"label=pagoda-e2e={self.network}/{self.ns}", "--format",
+                           "{{.Names}}", check=False)
         names += out.split()
         if names:
             await podman("rm", "-f", "-t", "0", *sorted(set(names)), check=False)
-        await podman("network", "rm", "-f", self.network, check=False)
+        if self.owns_network:
+            await podman("network", "rm", "-f", self.network, check=False)
         if self.http:
             await self.http.close()
         shutil.rmtree(self.base_dir, ignore_errors=True)
@@ -372,7 +375,7 @@ class PodRunner:
             else:
                 raise UnsupportedPodSpec(f"env {var['name']}: {var.get('valueFrom')}")
         args = ["run", "-d", *PODMAN_RUN_FLAGS, *ULIMITS, "--name", container_name,
-                "--label", f"pagoda-e2e={self.network}", "--network", self.network,
+                "--label", f"pagoda-e2e={self.network}/{self.ns}", "--network", self.network,
                 "--hostname", spec.get("hostname") or pod["metadata"]["name"][:63]]
         for alias in self._aliases(pod, governing, services):
             args += ["--network-alias", alias]
