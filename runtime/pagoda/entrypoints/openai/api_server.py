@@ -136,7 +136,8 @@ def _attach_engine(state: ServerState, engine) -> None:
                                    trust_request_chat_template=state.server_args.trust_request_chat_template,
                                    tool_call_parser=(state.server_args.tool_call_parser
                                                      if state.server_args.enable_auto_tool_choice else None),
-                                   chat_template=state.server_args.chat_template)
+                                   chat_template=state.server_args.chat_template,
+                                   reasoning_parser=state.server_args.reasoning_parser)
     state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
     adapters = lora_requests(state.server_args.lora_modules or [], engine)
     for serving in (state.completion, state.chat, state.embedding):
@@ -191,7 +192,13 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
             state.load_error = e
             state.on_fatal()
             return
-        _attach_engine(state, engine)
+        try:
+            _attach_engine(state, engine)
+        except ValueError as e:  # a flag the loaded model cannot honour (e.g. --reasoning-parser's tags)
+            logger.error("%s", e)
+            state.load_error = e
+            await asyncio.to_thread(engine.shutdown)
+            state.on_fatal()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
