@@ -47,6 +47,8 @@ from pagoda.entrypoints.openai.serving_base import (
 from pagoda.entrypoints.openai.serving_completion import finish_reason, prompt_logprobs_field
 from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from pagoda.lora.request import LoRARequest
+from pagoda.sampling_params import SamplingParams
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -153,6 +155,24 @@ class OpenAIServingChat(OpenAIServing):
         return text, []
 
     async def create(self, request: ChatCompletionRequest, raw: Request):
+        prompt, params, lora_request, top_k = await self.prepare(request)
+        request_id = self.request_id(raw, "chatcmpl")
+        release = self.admission.acquire()
+        stream = self.generate(prompt, params, request_id, lora_request)
+        if request.stream:
+            return EventStreamResponse(self._stream(request, request_id, stream, top_k, release,
+                                                    prompt["prompt_token_ids"]), release)
+        try:
+            final = await cancel_on_disconnect(raw, self._last(stream))
+        finally:
+            release()
+        return self._response(request, request_id, final, top_k)
+
+    async def prepare(self, request: ChatCompletionRequest) -> tuple[dict, SamplingParams, LoRARequest | None,
+                                                                       int | None]:
+        """A chat request checked and rendered: (the engine's prompt, sampling params, adapter, top
+        logprobs). Errors are APIErrors naming the field, raised before anything runs (the Responses and
+        Messages APIs render through here too)."""
         lora_request = self.check_model(request.model)
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise invalid_request("a chat_template in the request is refused: the server runs the model's own "
@@ -187,17 +207,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
         params = grammar_after_reasoning(params, self.reasoning_parser, prompt["prompt_token_ids"],
                                          request.chat_template_kwargs)
-        request_id = self.request_id(raw, "chatcmpl")
-        release = self.admission.acquire()
-        stream = self.generate(prompt, params, request_id, lora_request)
-        if request.stream:
-            return EventStreamResponse(self._stream(request, request_id, stream, top_k, release,
-                                                    prompt["prompt_token_ids"]), release)
-        try:
-            final = await cancel_on_disconnect(raw, self._last(stream))
-        finally:
-            release()
-        return self._response(request, request_id, final, top_k)
+        return prompt, params, lora_request, top_k
 
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
