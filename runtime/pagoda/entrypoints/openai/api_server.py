@@ -43,10 +43,12 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagoda.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagoda.lora.request import LoRARequest
 from pagoda.process.startup_heap import frozen_when_loaded
 
@@ -65,6 +67,7 @@ class ServerState:
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     embedding: OpenAIServingEmbedding | None = None
+    responses: OpenAIServingResponses | None = None
     metrics: ServerMetrics | None = None
     admission: Admission | None = None
     on_fatal: Callable[[], None] = lambda: None
@@ -139,6 +142,7 @@ def _attach_engine(state: ServerState, engine) -> None:
                                    chat_template=state.server_args.chat_template,
                                    reasoning_parser=state.server_args.reasoning_parser)
     state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
+    state.responses = OpenAIServingResponses(state.chat, state.server_args.max_stored_responses)
     adapters = lora_requests(state.server_args.lora_modules or [], engine)
     for serving in (state.completion, state.chat, state.embedding):
         serving.lora_modules = adapters  # one dict: loading and unloading at runtime reach all three
@@ -241,6 +245,18 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     @v1.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         return await state.embedding.create(body, raw)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, raw: Request):
+        return await state.responses.create(body, raw)
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return JSONResponse(state.responses.retrieve(response_id))
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return JSONResponse(state.responses.cancel(response_id))
 
     def model_card(adapter: LoRARequest | None = None) -> ModelCard:
         config = state.engine.config

@@ -47,6 +47,7 @@ class ServerArgs:
     tool_call_parser: str | None = None  # which format (tool_parsers.TOOL_PARSERS)
     reasoning_parser: str | None = None  # split thinking models' <think> text out (reasoning_parsers)
     enable_reasoning: bool = False  # older vLLM's switch for the above: accepted, implied by the parser
+    max_stored_responses: int = 1024  # /v1/responses kept for GET and previous_response_id (LRU beyond)
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the model's
     # CORS, as vLLM's flags and defaults (any origin, method and header; no credentials)
     allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
@@ -307,6 +308,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--reasoning-parser", choices=REASONING_PARSERS,
           help="thinking models (DeepSeek-R1 and its distills, Qwen3): move the <think> text out of `content` "
                "into `reasoning`; tool calls and structured outputs apply to the text after it")
+    p.add("--max-stored-responses", default=ServerArgs.max_stored_responses, type=non_negative_int,
+          help="Responses API: responses kept in memory for GET /v1/responses/{id} and previous_response_id; "
+               "beyond it the least recently used is dropped (0: none kept)")
     p.add("--enable-reasoning", default=ServerArgs.enable_reasoning, boolean=True,
           help="accepted for older vLLM command lines: --reasoning-parser alone turns reasoning on")
     p.add("--chat-template", type=chat_template_arg,
