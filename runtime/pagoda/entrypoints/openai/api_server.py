@@ -43,11 +43,13 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagoda.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest
 from pagoda.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.entrypoints.openai.serving_messages import AnthropicServingMessages, handle
 from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagoda.lora.request import LoRARequest
 from pagoda.process.startup_heap import frozen_when_loaded
@@ -68,6 +70,7 @@ class ServerState:
     chat: OpenAIServingChat | None = None
     embedding: OpenAIServingEmbedding | None = None
     responses: OpenAIServingResponses | None = None
+    messages: AnthropicServingMessages | None = None
     metrics: ServerMetrics | None = None
     admission: Admission | None = None
     on_fatal: Callable[[], None] = lambda: None
@@ -143,6 +146,7 @@ def _attach_engine(state: ServerState, engine) -> None:
                                    reasoning_parser=state.server_args.reasoning_parser)
     state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
     state.responses = OpenAIServingResponses(state.chat, state.server_args.max_stored_responses)
+    state.messages = AnthropicServingMessages(state.chat)
     adapters = lora_requests(state.server_args.lora_modules or [], engine)
     for serving in (state.completion, state.chat, state.embedding):
         serving.lora_modules = adapters  # one dict: loading and unloading at runtime reach all three
@@ -228,6 +232,8 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
         if not key:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            scheme, token = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
                            code="invalid_api_key")
@@ -300,6 +306,17 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
                             media_type="text/plain")
 
     app.include_router(v1)
+
+    # Anthropic's Messages API: its own error shape, so its checks run inside the handler
+    @app.post("/v1/messages")
+    async def anthropic_messages(raw: Request):
+        return await handle(raw, MessagesRequest, lambda: (require_api_key(raw), require_ready()),
+                            lambda body: state.messages.create(body, raw))
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(raw: Request):
+        return await handle(raw, CountTokensRequest, lambda: (require_api_key(raw), require_ready()),
+                            lambda body: state.messages.count_tokens(body))
 
     @app.post("/tokenize", dependencies=[Depends(require_ready)])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

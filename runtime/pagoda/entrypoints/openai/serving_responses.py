@@ -116,7 +116,28 @@ class Turn:
     content: str | None
     calls: list[ParsedToolCall]
     status: str  # completed | incomplete | cancelled
-    usage: dict
+    usage: dict | None
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+
+def split_turn(chat: OpenAIServingChat, chat_request: ChatCompletionRequest, final: RequestOutput,
+               cancelled: bool = False) -> Turn:
+    """A finished (n=1) output as reasoning, content and tool calls, with its status and usage (the
+    Responses API's names; the Messages API renames them)."""
+    c = final.outputs[0]
+    parser = chat.reasoning_parser
+    reasoning, content = parser.split(c.text, final.prompt_token_ids) if parser is not None else (None, c.text)
+    reason = finish_reason(c)
+    calls = []
+    if reason == "stop" and chat_request.tool_mode[0] != "none" and not cancelled:
+        content, calls = chat._tool_calls(chat_request, content or "")
+    status = "cancelled" if cancelled else ("incomplete" if reason == "length" else "completed")
+    thinking = reasoning_tokens(parser, c, final.prompt_token_ids) if parser is not None else 0
+    prompt, output = len(final.prompt_token_ids), len(c.token_ids)
+    usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": thinking},
+             "total_tokens": prompt + output}
+    return Turn(reasoning, content or None, calls, status, usage, c.stop_reason)
 
 
 class OpenAIServingResponses:
@@ -216,23 +237,6 @@ class OpenAIServingResponses:
             "usage": None, "user": request.user, "metadata": request.metadata or {},
         }
 
-    def turn(self, chat_request: ChatCompletionRequest, final: RequestOutput, cancelled: bool) -> Turn:
-        c = final.outputs[0]
-        parser = self.chat.reasoning_parser
-        reasoning, content = (parser.split(c.text, final.prompt_token_ids) if parser is not None
-                              else (None, c.text))
-        reason = finish_reason(c)
-        calls = []
-        if reason == "stop" and chat_request.tool_mode[0] != "none" and not cancelled:
-            content, calls = self.chat._tool_calls(chat_request, content or "")
-        status = "cancelled" if cancelled else ("incomplete" if reason == "length" else "completed")
-        thinking = reasoning_tokens(parser, c, final.prompt_token_ids) if parser is not None else 0
-        prompt, output = len(final.prompt_token_ids), len(c.token_ids)
-        usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                 "output_tokens": output, "output_tokens_details": {"reasoning_tokens": thinking},
-                 "total_tokens": prompt + output}
-        return Turn(reasoning, content or None, calls, status, usage)
-
     # --- streaming ---------------------------------------------------------------------------------
 
     async def _events(self, base: dict, finish: "_Finisher", stream: AsyncIterator[RequestOutput],
@@ -309,7 +313,7 @@ class _Finisher:
         if final is None:  # cancelled before any output
             turn = Turn(None, None, [], "cancelled", None)
         else:
-            turn = self.serving.turn(self.chat_request, final, cancelled)
+            turn = split_turn(self.serving.chat, self.chat_request, final, cancelled)
         self.last_turn = turn
         response = {**self.stored.response, "status": turn.status, "output": output_items(turn, self.ids),
                     "usage": turn.usage}
