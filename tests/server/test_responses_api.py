@@ -168,3 +168,22 @@ def test_unsupported_or_invalid_fields_are_refused_by_name(client, fields, param
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, **{"input": "Hi", **fields})
     assert e.value.body["param"] == param
+
+
+def test_cancel_stops_a_running_response(client):
+    """json_object steers this model into a string it never closes: it runs until cancelled."""
+    stream = create(client, stream=True, text={"format": {"type": "json_object"}}, max_output_tokens=400)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.type == "response.output_text.delta":
+            cancelled = client.responses.cancel(events[0].response.id)
+            assert cancelled.status == "cancelled"
+            break
+    events += list(stream)
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.status == "cancelled"
+    assert final.response.usage.output_tokens < 400
+    assert client.responses.retrieve(final.response.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(final.response.id)

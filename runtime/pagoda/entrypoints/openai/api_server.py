@@ -43,7 +43,7 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest
+from pagoda.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest, openapi_extra
 from pagoda.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
@@ -308,12 +308,12 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     app.include_router(v1)
 
     # Anthropic's Messages API: its own error shape, so its checks run inside the handler
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", openapi_extra=openapi_extra(MessagesRequest, streams=True))
     async def anthropic_messages(raw: Request):
         return await handle(raw, MessagesRequest, lambda: (require_api_key(raw), require_ready()),
                             lambda body: state.messages.create(body, raw))
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", openapi_extra=openapi_extra(CountTokensRequest, streams=False))
     async def anthropic_count_tokens(raw: Request):
         return await handle(raw, CountTokensRequest, lambda: (require_api_key(raw), require_ready()),
                             lambda body: state.messages.count_tokens(body))
@@ -364,7 +364,7 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
                                                                           "whole group has joined (empty body)"}
             paths["/metrics"]["get"]["responses"]["200"] = {
                 "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
-            for path in ("/v1/completions", "/v1/chat/completions"):  # `stream: true` answers server-sent events
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):  # `stream: true`: events
                 ok = paths[path]["post"]["responses"]["200"]
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": {
                     "type": "object", "required": ["data"],

@@ -14,6 +14,40 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 529: "overloaded_error"}
 
 
+ERROR_SCHEMA = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"},
+    "error": {"type": "object", "required": ["type", "message"],
+              "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
+
+
+def openapi_extra(request_model: type[BaseModel], streams: bool) -> dict:
+    """What the OpenAPI document says of an Anthropic route (its body is parsed in the handler, so that
+    errors keep Anthropic's shape): the body's schema, and every status in Anthropic's error shape."""
+    schema = request_model.model_json_schema()
+    schema = _inline(schema, schema.pop("$defs", {}))
+    error = {"content": {"application/json": {"schema": ERROR_SCHEMA}}}
+    ok = {"application/json": {"schema": {"type": "object"}}}
+    if streams:
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    responses = {"200": {"description": "OK", "content": ok}}
+    for status, phrase in ((400, "Bad Request"), (401, "Unauthorized"), (404, "Not Found"),
+                           (429, "Too Many Requests"), (500, "Internal Server Error"), (503, "Service Unavailable")):
+        responses[str(status)] = {"description": phrase, **error}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": responses}
+
+
+def _inline(schema, defs: dict):
+    """The schema with its `$defs` references replaced by the definitions (these models nest, never recur)."""
+    if isinstance(schema, list):
+        return [_inline(s, defs) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if "$ref" in schema:
+        return _inline(defs[schema["$ref"].rsplit("/", 1)[-1]], defs)
+    return {k: _inline(v, defs) for k, v in schema.items()}
+
+
 def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """`{"type": "error", "error": {"type", "message"}}`, Anthropic's shape."""
     body = {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
@@ -21,7 +55,7 @@ def anthropic_error(status: int, message: str, headers: dict[str, str] | None = 
 
 
 class AnthropicModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class Tool(AnthropicModel):
@@ -79,8 +113,8 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
 
 
-def block_text(block: dict, where: str) -> str:
-    if block.get("type") != "text" or not isinstance(block.get("text"), str):
+def block_text(block, where: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
         raise InvalidParam(f"{where}.type", f"{where}: content block type {block.get('type')!r} is not supported "
                                             "here (text only)")
     return block["text"]

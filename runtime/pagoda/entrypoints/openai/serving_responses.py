@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from pagoda.engine.outputs import RequestOutput
 from pagoda.entrypoints.openai.errors import APIError, invalid_request
@@ -214,10 +215,14 @@ class OpenAIServingResponses:
             name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)) for t in tools]
         if not messages:
             raise InvalidParam("input", "input is empty")
-        return ChatCompletionRequest(
-            model=request.model, messages=messages, max_completion_tokens=request.max_output_tokens,
-            temperature=request.temperature, top_p=request.top_p, tools=chat_tools or None, tool_choice=choice,
-            parallel_tool_calls=request.parallel_tool_calls, response_format=request.response_format())
+        try:
+            return ChatCompletionRequest(
+                model=request.model, messages=messages, max_completion_tokens=request.max_output_tokens,
+                temperature=request.temperature, top_p=request.top_p, tools=chat_tools or None, tool_choice=choice,
+                parallel_tool_calls=request.parallel_tool_calls, response_format=request.response_format())
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise InvalidParam("input", f"invalid request: {first.get('msg')}") from None
 
     def _base_object(self, request: ResponsesRequest, response_id: str) -> dict:
         """The Response object before any output: what response.created carries."""
