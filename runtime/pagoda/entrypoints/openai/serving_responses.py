@@ -188,9 +188,9 @@ class OpenAIServingResponses:
         ids = ItemIds()
         base = self._base_object(request, response_id)
         stored = StoredResponse(base, history + new_messages)
+        release = self.chat.admission.acquire()
         if request.store:
             self.store.put(response_id, stored)
-        release = self.chat.admission.acquire()
         stream = until(self.chat.generate(prompt, params, response_id, lora_request), stored.cancelled)
         finish = _Finisher(self, chat_request, stored, ids, prompt["prompt_token_ids"])
         if request.stream:
