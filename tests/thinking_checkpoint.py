@@ -17,6 +17,8 @@ THINKING_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"
 )
 REASONING = "Hello, my name"  # what the model thinks (tokens of the BPE all distinct)
+SERVED_NAME = "thinker"  # its name in the tests' shared server (tests/server/conftest.py)
+MAX_STORED_RESPONSES = 4  # that server's --max-stored-responses, small enough for a test to run past it
 ANSWER = "San Francisco"  # what it answers after the thinking
 
 

@@ -9,12 +9,12 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from live_server import API_KEY, start_server
-from thinking_checkpoint import ANSWER, REASONING, write_thinking_model
+from live_server import API_KEY
+from thinking_checkpoint import ANSWER, REASONING
+from thinking_checkpoint import SERVED_NAME as MODEL
 
 pytestmark = pytest.mark.server
 
-MODEL = "thinker"
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}}, "required": ["city"],
           "additionalProperties": False}
 TOOLS = [{"name": "locate", "description": "Where a landmark is", "input_schema": SCHEMA}]
@@ -23,13 +23,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = write_thinking_model(tmp_path_factory.mktemp("thinker"))
-    server = start_server(model, tmp_path_factory.mktemp("serve"), "--served-model-name", MODEL,
-                          "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                          env={"PAGODA_API_KEY": API_KEY})
-    yield server
-    server.stop()
+def server(thinking_server):
+    return thinking_server
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +45,7 @@ def test_a_message_thinks_then_answers(server, client):
     assert (m.content[0].thinking, m.content[1].text) == (REASONING, ANSWER)
     assert (m.stop_reason, m.stop_sequence) == ("end_turn", None)
     counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=USER).input_tokens
-    tokenized = httpx.post(server.url + "/tokenize", json={
+    tokenized = httpx.post(server.url + "/tokenize", headers={"x-api-key": API_KEY}, json={
         "messages": [{"role": "system", "content": "Be brief."}, *USER]}).json()["count"]
     assert m.usage.input_tokens == counted == tokenized
     assert m.usage.output_tokens > 0

@@ -5,39 +5,25 @@ apply after it; `chat_template_kwargs` turns Qwen3's thinking off."""
 
 import json
 
-import httpx
 import jsonschema
 import pytest
-from live_server import start_server
-from thinking_checkpoint import ANSWER, REASONING, write_thinking_model
+from live_server import API_KEY
+from thinking_checkpoint import ANSWER, REASONING
+from thinking_checkpoint import SERVED_NAME as MODEL
 from transformers import AutoTokenizer
 
 from pagoda.entrypoints.openai.reasoning_parsers import ReasoningSplitter, reasoning_parser
 
 pytestmark = pytest.mark.server
 
-MODEL = "thinker"
 USER = [{"role": "user", "content": "Where is the Golden Gate?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}}, "required": ["city"],
           "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
-def thinking_dir(tmp_path_factory):
-    return write_thinking_model(tmp_path_factory.mktemp("thinker"))
-
-
-@pytest.fixture(scope="module")
-def server(thinking_dir, tmp_path_factory):
-    server = start_server(thinking_dir, tmp_path_factory.mktemp("serve"), "--served-model-name", MODEL,
-                          "--reasoning-parser", "qwen3", "--enable-reasoning")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client("unused", timeout=120)
+def client(thinking_server):
+    return thinking_server.client(API_KEY, timeout=120)
 
 
 def chat(client, max_tokens=40, **kwargs):
@@ -77,7 +63,7 @@ def test_streamed_deltas_add_up_to_the_same_split(client):
     assert usage.completion_tokens_details.reasoning_tokens > 0
 
 
-def test_the_split_is_the_same_at_every_cut_of_the_real_output(server, client, thinking_dir):
+def test_the_split_is_the_same_at_every_cut_of_the_real_output(client, thinking_dir):
     """The engine's raw text (completions do not parse reasoning) cut into three deltas at every pair of
     positions splits as the chat API split it whole."""
     tokenizer = AutoTokenizer.from_pretrained(thinking_dir)
@@ -112,8 +98,8 @@ def test_structured_output_starts_after_the_thinking(client):
 
 def test_forced_tool_call_after_the_thinking(client):
     tools = [{"type": "function", "function": {"name": "locate", "parameters": SCHEMA}}]
-    for stream in (False, True):
-        kwargs = dict(tools=tools, tool_choice="required", max_tokens=150)  # the JSON is about a token a character
+    for stream, choice in ((False, "required"), (True, {"type": "function", "function": {"name": "locate"}})):
+        kwargs = dict(tools=tools, tool_choice=choice, max_tokens=100)  # the JSON is about a token a character
         if not stream:
             message = chat(client, **kwargs).choices[0].message
             reasoning, calls = message.reasoning, message.tool_calls
@@ -156,12 +142,8 @@ def test_streaming_holds_back_a_split_tag():
     assert (splitter.reasoning, splitter.content) == ("abc", "d")
 
 
-def test_a_model_without_the_tags_is_refused_naming_the_flag(tiny_llama_dir, tmp_path):
-    server = start_server(tiny_llama_dir, tmp_path, "--reasoning-parser", "deepseek_r1", wait=False)
-    try:
-        assert server.process.wait(180) != 0
-    finally:
-        server.stop()
-    assert "--reasoning-parser deepseek_r1: the model's tokenizer has no <think> or </think> token" in server.log()
-    with pytest.raises(httpx.TransportError):
-        httpx.get(server.url + "/health", timeout=2)
+def test_a_tokenizer_without_the_tags_is_refused_naming_the_flag(tiny_llama_dir):
+    """The server builds its parser as the model loads and exits non-zero with this message."""
+    with pytest.raises(ValueError, match="--reasoning-parser deepseek_r1: the model's tokenizer has no <think> "
+                                         "or </think> token"):
+        reasoning_parser("deepseek_r1", AutoTokenizer.from_pretrained(tiny_llama_dir))

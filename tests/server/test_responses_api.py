@@ -9,36 +9,27 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live_server import start_server
-from thinking_checkpoint import ANSWER, REASONING, write_thinking_model
+from live_server import API_KEY
+from thinking_checkpoint import ANSWER, REASONING
+from thinking_checkpoint import MAX_STORED_RESPONSES as MAX_STORED
+from thinking_checkpoint import SERVED_NAME as MODEL
 from transformers import AutoTokenizer
 
 pytestmark = pytest.mark.server
 
-MODEL = "thinker"
-MAX_STORED = 4
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}}, "required": ["city"],
           "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "locate", "description": "Where a landmark is", "parameters": SCHEMA}]
 
 
 @pytest.fixture(scope="module")
-def thinking_dir(tmp_path_factory):
-    return write_thinking_model(tmp_path_factory.mktemp("thinker"))
-
-
-@pytest.fixture(scope="module")
-def server(thinking_dir, tmp_path_factory):
-    server = start_server(thinking_dir, tmp_path_factory.mktemp("serve"), "--served-model-name", MODEL,
-                          "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
-                          "--tool-call-parser", "hermes", "--max-stored-responses", str(MAX_STORED))
-    yield server
-    server.stop()
+def server(thinking_server):
+    return thinking_server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return server.client("unused", timeout=120)
+    return server.client(API_KEY, timeout=120)
 
 
 def create(client, **kwargs):
@@ -48,7 +39,8 @@ def create(client, **kwargs):
 
 
 def prompt_tokens(server, messages) -> int:
-    return httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["count"]
+    return httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages},
+                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["count"]
 
 
 def test_a_plain_response_has_reasoning_then_the_answer(client, thinking_dir):
@@ -122,7 +114,7 @@ def test_a_streamed_function_call(client):
 @pytest.mark.parametrize("fmt", [{"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True},
                                  {"type": "json_object"}])
 def test_text_formats_apply_after_the_reasoning(client, fmt):
-    r = create(client, text={"format": fmt}, max_output_tokens=100)
+    r = create(client, text={"format": fmt}, max_output_tokens=60 if fmt["type"] == "json_schema" else 30)
     assert r.output[0].content[0].text == REASONING
     if fmt["type"] == "json_schema":
         jsonschema.validate(json.loads(r.output_text), SCHEMA)

@@ -8,21 +8,17 @@ import asyncio
 from typing import Literal
 
 import pytest
-from live_server import start_server
-from thinking_checkpoint import ANSWER, write_thinking_model
+from live_server import API_KEY
+from thinking_checkpoint import ANSWER
+from thinking_checkpoint import SERVED_NAME as MODEL
 
 pytestmark = pytest.mark.server
 
-MODEL = "thinker"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = write_thinking_model(tmp_path_factory.mktemp("thinker"))
-    server = start_server(model, tmp_path_factory.mktemp("serve"), "--served-model-name", MODEL,
-                          "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield server
-    server.stop()
+def server(thinking_server):
+    return thinking_server
 
 
 def test_an_agents_sdk_agent_calls_its_tool_and_finishes(server):
@@ -39,7 +35,7 @@ def test_an_agents_sdk_agent_calls_its_tool_and_finishes(server):
         return f"It is not in {city}."
 
     async def run():
-        client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
         model = OpenAIResponsesModel(model=MODEL, openai_client=client)
         agent = Agent(name="guide", instructions="Find landmarks.", tools=[locate], model=model,
                       model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=150))
@@ -61,7 +57,7 @@ def test_langchain_chat_openai_on_the_responses_api(server):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="unused", use_responses_api=True,
+    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key=API_KEY, use_responses_api=True,
                      temperature=0, max_tokens=150, max_retries=0)
     answer = llm.invoke("Where is the Golden Gate?")
     assert answer.text == ANSWER
