@@ -80,6 +80,15 @@ def test_the_split_is_the_same_at_every_cut_of_the_real_output(client, thinking_
             assert (streamed, splitter.content) == (whole.reasoning, whole.content), (i, j)
 
 
+def test_include_reasoning_false_leaves_the_thinking_out(client):
+    message = chat(client, extra_body={"include_reasoning": False}).choices[0].message
+    assert (message.content, message.reasoning, message.model_extra["reasoning_content"]) == (ANSWER, None, None)
+    deltas = [c.choices[0].delta for c in chat(client, stream=True, extra_body={"include_reasoning": False})
+              if c.choices]
+    assert not any((d.model_extra or {}).get("reasoning") for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+
+
 def test_enable_thinking_false_reaches_the_template(client):
     out = chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     message = out.choices[0].message

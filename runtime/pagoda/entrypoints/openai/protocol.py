@@ -360,6 +360,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's extra: false leaves the thinking out (it still leaves `content`)
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (enforced for "required")

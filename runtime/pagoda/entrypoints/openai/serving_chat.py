@@ -234,7 +234,7 @@ class OpenAIServingChat(OpenAIServing):
             if reasoning is not None and not content:
                 content = None  # vLLM's: an answer that is all thinking has null content
             message = ResponseMessage(content=content, tool_calls=[_tool_call(call) for call in calls] or None,
-                                      reasoning=reasoning, reasoning_content=reasoning)
+                                      **_reasoning_fields(request, reasoning))
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason="tool_calls" if calls else reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -282,7 +282,7 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     if splitters is not None:  # the thinking goes out as it comes; the rest sees the content
                         reasoning = splitters[c.index].feed(c.text, final=c.finish_reason is not None)
-                        if reasoning:
+                        if reasoning and request.include_reasoning:
                             yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(
                                 reasoning=reasoning, reasoning_content=reasoning))])
                         c = dataclasses.replace(c, text=splitters[c.index].content)
@@ -354,6 +354,13 @@ def _prompt_logprobs(request: ChatCompletionRequest, out: RequestOutput):
     if request.prompt_logprobs is None:
         return None
     return prompt_logprobs_field(out.prompt_logprobs, out.prompt_token_ids, request.prompt_logprobs)
+
+
+def _reasoning_fields(request: ChatCompletionRequest, reasoning: str | None) -> dict:
+    """The message's thinking under both of vLLM's names, unless the request asked it left out."""
+    if not request.include_reasoning:
+        reasoning = None
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def grammar_after_reasoning(params, parser: ReasoningParser | None, prompt_token_ids: list[int],
