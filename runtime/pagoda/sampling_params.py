@@ -26,6 +26,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     field: str = "structured_outputs"
+    # a reasoning model's output: the grammar starts after this token (its end-of-thinking tag), as vLLM's
+    # structured outputs do with a reasoning parser; None: from the first output token
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]

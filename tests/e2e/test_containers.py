@@ -45,6 +45,9 @@ async def test_one_replica_answers_through_its_service(e2e: E2E):
     addresses = await e2e.resolve("pagoda.serving.svc.cluster.local")
     assert addresses == [e2e.runner.pod_ip("pagoda-g0-head-0")]
     assert "Paris" in await chat(addresses[0], "pagoda")
+    if e2e.operator_runner.pods:  # the operator from its image, installed by the chart (PAGODA_E2E_OPERATOR=chart)
+        [operator] = e2e.operator_runner.pods.values()
+        assert operator.pod["spec"]["containers"][0]["image"].startswith("pagoda-operator:") and operator.ready
 
     # (e) an engine edit rolls the group: new pods, started with the new flag
     old = (await e2e.pods("pagoda"))["pagoda-g0-head-0"]["metadata"]["uid"]

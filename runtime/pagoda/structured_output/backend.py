@@ -34,6 +34,32 @@ class GrammarMatcher:
         return self._matcher.is_terminated()
 
 
+class AfterReasoningMatcher:
+    """A grammar that starts once the reasoning ends: every token is allowed up to and including the end
+    token, then the grammar's matcher follows the rest."""
+
+    def __init__(self, matcher: GrammarMatcher, end_token_id: int):
+        self._matcher = matcher
+        self._end = end_token_id
+        self.reasoning_ended = False
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        self.num_accepted += 1
+        if self.reasoning_ended:
+            return self._matcher.accept(token_id)
+        self.reasoning_ended = token_id == self._end
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.reasoning_ended:  # else the row keeps its allocation's all-allowed bits
+            self._matcher.fill_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.reasoning_ended and self._matcher.is_terminated
+
+
 class GrammarBackend:
     """Compiles constraints for one tokenizer (compiled grammars cached by their text) and makes matchers.
     Thread-safe: the server compiles in worker threads while the engine thread makes matchers."""
@@ -64,8 +90,11 @@ class GrammarBackend:
             first_line = _LOG_PREFIX.sub("", first_line)  # xgrammar's "[time] file.cc:line: " says nothing to clients
             raise InvalidParam(spec.field, f"invalid {kind} for structured outputs: {first_line}") from None
 
-    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
-        return GrammarMatcher(xgr.GrammarMatcher(self.compile(spec)))
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher | AfterReasoningMatcher:
+        matcher = GrammarMatcher(xgr.GrammarMatcher(self.compile(spec)))
+        if spec.reasoning_end_token_id is not None:
+            return AfterReasoningMatcher(matcher, spec.reasoning_end_token_id)
+        return matcher
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)  # [num_rows, ceil(vocab / 32)] int32

@@ -43,10 +43,14 @@ from pagoda.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagoda.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest, openapi_extra
+from pagoda.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagoda.entrypoints.openai.serving_base import Admission
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagoda.entrypoints.openai.serving_messages import AnthropicServingMessages, handle
+from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagoda.lora.request import LoRARequest
 from pagoda.process.startup_heap import frozen_when_loaded
 
@@ -65,6 +69,8 @@ class ServerState:
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     embedding: OpenAIServingEmbedding | None = None
+    responses: OpenAIServingResponses | None = None
+    messages: AnthropicServingMessages | None = None
     metrics: ServerMetrics | None = None
     admission: Admission | None = None
     on_fatal: Callable[[], None] = lambda: None
@@ -136,8 +142,11 @@ def _attach_engine(state: ServerState, engine) -> None:
                                    trust_request_chat_template=state.server_args.trust_request_chat_template,
                                    tool_call_parser=(state.server_args.tool_call_parser
                                                      if state.server_args.enable_auto_tool_choice else None),
-                                   chat_template=state.server_args.chat_template)
+                                   chat_template=state.server_args.chat_template,
+                                   reasoning_parser=state.server_args.reasoning_parser)
     state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
+    state.responses = OpenAIServingResponses(state.chat, state.server_args.max_stored_responses)
+    state.messages = AnthropicServingMessages(state.chat)
     adapters = lora_requests(state.server_args.lora_modules or [], engine)
     for serving in (state.completion, state.chat, state.embedding):
         serving.lora_modules = adapters  # one dict: loading and unloading at runtime reach all three
@@ -191,7 +200,13 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
             state.load_error = e
             state.on_fatal()
             return
-        _attach_engine(state, engine)
+        try:
+            _attach_engine(state, engine)
+        except ValueError as e:  # a flag the loaded model cannot honour (e.g. --reasoning-parser's tags)
+            logger.error("%s", e)
+            state.load_error = e
+            await asyncio.to_thread(engine.shutdown)
+            state.on_fatal()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -217,6 +232,8 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
         if not key:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            scheme, token = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
                            code="invalid_api_key")
@@ -234,6 +251,18 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
     @v1.post("/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         return await state.embedding.create(body, raw)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, raw: Request):
+        return await state.responses.create(body, raw)
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return JSONResponse(state.responses.retrieve(response_id))
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return JSONResponse(state.responses.cancel(response_id))
 
     def model_card(adapter: LoRARequest | None = None) -> ModelCard:
         config = state.engine.config
@@ -277,6 +306,17 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
                             media_type="text/plain")
 
     app.include_router(v1)
+
+    # Anthropic's Messages API: its own error shape, so its checks run inside the handler
+    @app.post("/v1/messages", openapi_extra=openapi_extra(MessagesRequest, streams=True))
+    async def anthropic_messages(raw: Request):
+        return await handle(raw, MessagesRequest, lambda: (require_api_key(raw), require_ready()),
+                            lambda body: state.messages.create(body, raw))
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=openapi_extra(CountTokensRequest, streams=False))
+    async def anthropic_count_tokens(raw: Request):
+        return await handle(raw, CountTokensRequest, lambda: (require_api_key(raw), require_ready()),
+                            lambda body: state.messages.count_tokens(body))
 
     @app.post("/tokenize", dependencies=[Depends(require_ready)])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -324,7 +364,7 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
                                                                           "whole group has joined (empty body)"}
             paths["/metrics"]["get"]["responses"]["200"] = {
                 "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
-            for path in ("/v1/completions", "/v1/chat/completions"):  # `stream: true` answers server-sent events
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):  # `stream: true`: events
                 ok = paths[path]["post"]["responses"]["200"]
                 ok.setdefault("content", {})["text/event-stream"] = {"schema": {
                     "type": "object", "required": ["data"],

@@ -21,6 +21,7 @@ from pagoda.config import (
     choose_dtype,
 )
 from pagoda.config.quantization import GROUP_SIZES, METHODS
+from pagoda.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagoda.worker.loader.default_model import DEFAULT_MODEL_NAME
 
@@ -44,6 +45,9 @@ class ServerArgs:
     trust_request_chat_template: bool = False  # let requests bring their own chat_template (runs on the server)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse the model's text for tool calls
     tool_call_parser: str | None = None  # which format (tool_parsers.TOOL_PARSERS)
+    reasoning_parser: str | None = None  # split thinking models' <think> text out (reasoning_parsers)
+    enable_reasoning: bool = False  # older vLLM's switch for the above: accepted, implied by the parser
+    max_stored_responses: int = 1024  # /v1/responses kept for GET and previous_response_id (LRU beyond)
     chat_template: str | None = None  # a Jinja file or the template itself, instead of the model's
     # CORS, as vLLM's flags and defaults (any origin, method and header; no credentials)
     allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
@@ -57,6 +61,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.enable_reasoning and self.reasoning_parser is None:
+            raise ValueError("--enable-reasoning needs --reasoning-parser")
 
 
 @dataclass(frozen=True)
@@ -314,6 +320,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--enable-auto-tool-choice", default=ServerArgs.enable_auto_tool_choice, boolean=True,
           help='answer tool_choice "auto" by parsing the model\'s output for tool calls (needs --tool-call-parser)')
     p.add("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="the model's tool-call format")
+    p.add("--reasoning-parser", choices=REASONING_PARSERS,
+          help="thinking models (DeepSeek-R1 and its distills, Qwen3): move the <think> text out of `content` "
+               "into `reasoning`; tool calls and structured outputs apply to the text after it")
+    p.add("--max-stored-responses", default=ServerArgs.max_stored_responses, type=non_negative_int,
+          help="Responses API: responses kept in memory for GET /v1/responses/{id} and previous_response_id; "
+               "beyond it the least recently used is dropped (0: none kept)")
+    p.add("--enable-reasoning", default=ServerArgs.enable_reasoning, boolean=True,
+          help="accepted for older vLLM command lines: --reasoning-parser alone turns reasoning on")
     p.add("--chat-template", type=chat_template_arg,
           help="the chat template to use instead of the model's (for models without one): a Jinja file, or "
                "the template itself")

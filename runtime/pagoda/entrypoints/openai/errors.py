@@ -113,8 +113,10 @@ def document_errors(schema: dict) -> dict:
                 statuses.add(400)
             if path.startswith("/v1/"):
                 statuses |= {401, 503}
-            if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+            if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"):
                 statuses |= {404, 429}
+            if path.startswith("/v1/responses/"):
+                statuses.add(404)
             if path.startswith("/v1/models/") or path in ("/tokenize", "/detokenize"):
                 statuses |= {404, 503}
             if path == "/health":

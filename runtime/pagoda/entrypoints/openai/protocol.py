@@ -234,11 +234,16 @@ class PromptTokensDetails(OpenAIModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(OpenAIModel):
+    reasoning_tokens: int = 0  # output tokens inside the thinking (with --reasoning-parser)
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 # --- completions ---------------------------------------------------------------------------------
@@ -355,6 +360,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's extra: false leaves the thinking out (it still leaves `content`)
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (enforced for "required")
@@ -408,6 +414,9 @@ class ResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # --reasoning-parser: the thinking; vLLM sends it under both names (reasoning_content before v0.11)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -444,6 +453,8 @@ class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

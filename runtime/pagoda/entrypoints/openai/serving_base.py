@@ -198,8 +198,10 @@ class EventStreamResponse(StreamingResponse):
     generator releases it in its `finally`, but a client that disconnects before the body starts can get
     the generator cancelled before it ever ran, and then its `finally` never runs: release here too."""
 
-    def __init__(self, events: AsyncIterator[str], release: Callable[[], None]):
-        super().__init__(sse_stream(events), media_type="text/event-stream")
+    def __init__(self, events: AsyncIterator, release: Callable[[], None],
+                 framing: Callable[[AsyncIterator], AsyncIterator[str]] | None = None):
+        """framing: events -> the body's text (default: chat's `data:` lines ending in [DONE])."""
+        super().__init__((framing or sse_stream)(events), media_type="text/event-stream")
         self.release = release
 
     async def __call__(self, scope, receive, send) -> None:

@@ -23,6 +23,7 @@ from pagoda.entrypoints.openai.protocol import (
     ChatMessage,
     ChatStreamChoice,
     ChatTool,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -34,6 +35,8 @@ from pagoda.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagoda.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagoda.entrypoints.openai.reasoning_parsers import reasoning_parser as reasoning_parser_for
 from pagoda.entrypoints.openai.serving_base import (
     EventStreamResponse,
     OpenAIServing,
@@ -44,6 +47,8 @@ from pagoda.entrypoints.openai.serving_base import (
 from pagoda.entrypoints.openai.serving_completion import finish_reason, prompt_logprobs_field
 from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from pagoda.lora.request import LoRARequest
+from pagoda.sampling_params import SamplingParams
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
@@ -132,8 +137,9 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_k
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, trust_request_chat_template: bool = False, tool_call_parser: str | None = None,
-                 chat_template: str | None = None, **kwargs):
+                 chat_template: str | None = None, reasoning_parser: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.reasoning_parser = reasoning_parser_for(reasoning_parser, self.tokenizer) if reasoning_parser else None
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template  # --chat-template: used instead of the model's
         self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
@@ -149,6 +155,24 @@ class OpenAIServingChat(OpenAIServing):
         return text, []
 
     async def create(self, request: ChatCompletionRequest, raw: Request):
+        prompt, params, lora_request, top_k = await self.prepare(request)
+        request_id = self.request_id(raw, "chatcmpl")
+        release = self.admission.acquire()
+        stream = self.generate(prompt, params, request_id, lora_request)
+        if request.stream:
+            return EventStreamResponse(self._stream(request, request_id, stream, top_k, release,
+                                                    prompt["prompt_token_ids"]), release)
+        try:
+            final = await cancel_on_disconnect(raw, self._last(stream))
+        finally:
+            release()
+        return self._response(request, request_id, final, top_k)
+
+    async def prepare(self, request: ChatCompletionRequest) -> tuple[dict, SamplingParams, LoRARequest | None,
+                                                                       int | None]:
+        """A chat request checked and rendered: (the engine's prompt, sampling params, adapter, top
+        logprobs). Errors are APIErrors naming the field, raised before anything runs (the Responses and
+        Messages APIs render through here too)."""
         lora_request = self.check_model(request.model)
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise invalid_request("a chat_template in the request is refused: the server runs the model's own "
@@ -181,16 +205,9 @@ class OpenAIServingChat(OpenAIServing):
             # the model's max_new_tokens, as far as the context leaves room (vLLM's)
             params = dataclasses.replace(params, max_tokens=max(1, min(default_max, self.max_model_len - len(token_ids))))
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
-        request_id = self.request_id(raw, "chatcmpl")
-        release = self.admission.acquire()
-        stream = self.generate(prompt, params, request_id, lora_request)
-        if request.stream:
-            return EventStreamResponse(self._stream(request, request_id, stream, top_k, release), release)
-        try:
-            final = await cancel_on_disconnect(raw, self._last(stream))
-        finally:
-            release()
-        return self._response(request, request_id, final, top_k)
+        params = grammar_after_reasoning(params, self.reasoning_parser, prompt["prompt_token_ids"],
+                                         request.chat_template_kwargs)
+        return prompt, params, lora_request, top_k
 
     @staticmethod
     async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -207,16 +224,33 @@ class OpenAIServingChat(OpenAIServing):
             if top_k is not None and c.logprobs is not None:
                 logprobs = chat_logprobs(c.logprobs, c.token_ids, top_k)
             reason = finish_reason(c)
-            content, calls = (self._tool_calls(request, c.text) if reason == "stop" and request.tool_mode[0] != "none"
-                              else (c.text, []))
-            message = ResponseMessage(content=content, tool_calls=[_tool_call(call) for call in calls] or None)
+            reasoning, text = None, c.text
+            if self.reasoning_parser is not None:
+                reasoning, text = self.reasoning_parser.split(c.text, final.prompt_token_ids,
+                                                              request.chat_template_kwargs)
+                text = text or ""
+            content, calls = (self._tool_calls(request, text) if reason == "stop" and request.tool_mode[0] != "none"
+                              else (text, []))
+            if reasoning is not None and not content:
+                content = None  # vLLM's: an answer that is all thinking has null content
+            message = ResponseMessage(content=content, tool_calls=[_tool_call(call) for call in calls] or None,
+                                      **_reasoning_fields(request, reasoning))
             choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
                                       finish_reason="tool_calls" if calls else reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices,
-                                      usage=_usage(final), prompt_logprobs=_prompt_logprobs(request, final))
+                                      usage=self._usage(request, final),
+                                      prompt_logprobs=_prompt_logprobs(request, final))
+
+    def _usage(self, request: ChatCompletionRequest, final: RequestOutput) -> UsageInfo:
+        usage = usage_of([final])
+        if self.reasoning_parser is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+                reasoning_tokens(self.reasoning_parser, c, final.prompt_token_ids, request.chat_template_kwargs)
+                for c in final.outputs))
+        return usage
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, stream: AsyncIterator[RequestOutput],
-                      top_k: int | None, release) -> AsyncIterator[str]:
+                      top_k: int | None, release, prompt_token_ids: list[int]) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -232,6 +266,8 @@ class OpenAIServingChat(OpenAIServing):
             finished = [False] * request.n
             mode, name = request.tool_mode
             call_ids: dict[int, str] = {}  # choice -> its call's id (a named function: streamed as it grows)
+            splitters = ([self.reasoning_parser.splitter(prompt_token_ids, request.chat_template_kwargs)
+                          for _ in range(request.n)] if self.reasoning_parser is not None else None)
             final = None
             scored_sent = False
             async for out in stream:
@@ -244,6 +280,12 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if finished[c.index]:
                         continue
+                    if splitters is not None:  # the thinking goes out as it comes; the rest sees the content
+                        reasoning = splitters[c.index].feed(c.text, final=c.finish_reason is not None)
+                        if reasoning and request.include_reasoning:
+                            yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(
+                                reasoning=reasoning, reasoning_content=reasoning))])
+                        c = dataclasses.replace(c, text=splitters[c.index].content)
                     already = sent_text[c.index]
                     text = c.text[already:]
                     reason = finish_reason(c)
@@ -292,7 +334,7 @@ class OpenAIServingChat(OpenAIServing):
                 if choices:
                     yield chunk(choices)
             if request.include_usage_in_stream and final is not None:
-                yield chunk([], _usage(final))
+                yield chunk([], self._usage(request, final))
         finally:
             release()
 
@@ -314,5 +356,27 @@ def _prompt_logprobs(request: ChatCompletionRequest, out: RequestOutput):
     return prompt_logprobs_field(out.prompt_logprobs, out.prompt_token_ids, request.prompt_logprobs)
 
 
-def _usage(final: RequestOutput) -> UsageInfo:
-    return usage_of([final])
+def _reasoning_fields(request: ChatCompletionRequest, reasoning: str | None) -> dict:
+    """The message's thinking under both of vLLM's names, unless the request asked it left out."""
+    if not request.include_reasoning:
+        reasoning = None
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def grammar_after_reasoning(params, parser: ReasoningParser | None, prompt_token_ids: list[int],
+                            chat_template_kwargs: dict | None = None):
+    """A structured output (or forced tool call) of a thinking model starts after its thinking: the grammar
+    waits for the end tag's token, as vLLM's structured outputs with a reasoning parser."""
+    spec = params.structured_outputs
+    if parser is None or spec is None or not parser.grammar_waits(prompt_token_ids, chat_template_kwargs):
+        return params
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(
+        spec, reasoning_end_token_id=parser.end_token_id))
+
+
+def reasoning_tokens(parser: ReasoningParser, output, prompt_token_ids: list[int],
+                     chat_template_kwargs: dict | None = None) -> int:
+    """One output's thinking tokens (0 when the split found no thinking)."""
+    if parser.split(output.text, prompt_token_ids, chat_template_kwargs)[0] is None:
+        return 0
+    return parser.count_reasoning_tokens(output.token_ids, prompt_token_ids)
