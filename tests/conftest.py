@@ -33,7 +33,7 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
 # Each folder is a tier: its tests carry the tier's marker whatever the file says, so no file can fall out of
 # `make test-fast` (-m unit) or any other tier by forgetting its pytestmark.
 TIER_OF_FOLDER = {"unit": "unit", "model": "model", "kernels": "kernels", "distributed": "distributed",
-                  "server": "server", "operator": "operator", "hub": "server", "router": "server"}
+                  "server": "server", "operator": "operator", "hub": "server", "router": "server", "gpu": "gpu"}
 
 
 def pytest_collection_modifyitems(config, items):
