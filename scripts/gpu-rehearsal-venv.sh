@@ -18,7 +18,8 @@ if [ -n "${PAGODA_GPU_REHEARSAL_PYTHON:-}" ]; then
 else
     for v in 3.12 3.11; do
         for p in "python$v" "$HOME"/.pyenv/versions/"$v"*/bin/"python$v"; do
-            command -v "$p" >/dev/null 2>&1 && candidates+=("$(command -v "$p")")
+            # (a pyenv shim is on PATH even where its version is not selected: it must run)
+            "$p" -V >/dev/null 2>&1 && candidates+=("$(command -v "$p")")
         done
     done
 fi

@@ -57,6 +57,7 @@ DEFAULT_MODEL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_l
 SCRATCH = Path(tempfile.gettempdir()) / "pagoda-gpu-check"
 
 DEFAULT_BUDGET_S = 450  # the issue's 8 minutes, less the install and the machine's own overhead
+DRY_RUN_SLOWER = 4  # the rehearsal's limits and budget: the interpreter on two shared CPU cores
 
 
 # ---- the wheel list ----
@@ -148,6 +149,7 @@ def plan(out: Path, dry_run: bool, workers: int) -> list[Step]:
     """The steps in order of value. The dry run (a CPU through Triton's interpreter) takes the same paths
     with smaller selections: it proves the imports, the wheels and the files, not the kernels' speed."""
     kernel_dir = ROOT / "tests" / "kernels"
+    slower = DRY_RUN_SLOWER if dry_run else 1
     ignore = [f"--ignore={kernel_dir / name}" for name in CPU_ONLY_KERNEL_TESTS]
     if dry_run:
         kernel_paths = [str(kernel_dir / f) for f in ("test_kv_cache.py", "test_paged_attention.py")]
@@ -162,15 +164,16 @@ def plan(out: Path, dry_run: bool, workers: int) -> list[Step]:
     bench_kernels = ["--batch-sizes", "1", "16", "64", "--context-lens", "1024", "8192", "32768",
                      "--iters", "10", "--warmup", "2"]
     here = str(Path(__file__).resolve())
-    return [
+    steps = [
         Step("environment", "nvidia-smi; Python, torch, triton, CUDA; the torch names the runtime uses",
              [sys.executable, here, "environment", "--out", str(out)], 60, json_file="environment.json"),
         Step("kernels", "the kernel tier on the device (compiled Triton kernels vs the torch references)",
-             pytest_argv(kernel_paths, out, "junit-kernels.xml", 90, workers, ignore), 200,
+             pytest_argv(kernel_paths, out, "junit-kernels.xml", 90 * slower, workers, ignore), 200,
              junit="junit-kernels.xml"),
         Step("engine", "the engine on the Triton backend vs transformers: Llama, Qwen3, MoE, sliding window, "
                        "chunked prefill + prefix cache, fp8 KV cache, LoRA",
-             pytest_argv([str(ROOT / "tests" / "gpu")], out, "junit-engine.xml", 150, 1, engine_extra), 150,
+             pytest_argv([str(ROOT / "tests" / "gpu")], out, "junit-engine.xml", 150 * slower, 1, engine_extra),
+             150,
              junit="junit-engine.xml"),
         Step("bench-kernels", "pagoda bench kernels, short: decode GB/s vs HBM, prefill TFLOP/s",
              cli_argv("bench", "kernels", *bench_kernels, "--json", str(out / "bench-kernels.json")), 100,
@@ -182,6 +185,10 @@ def plan(out: Path, dry_run: bool, workers: int) -> list[Step]:
         Step("serve", "pagoda serve on the device (engine core process), one completion over HTTP",
              [sys.executable, here, "serve-smoke", "--out", str(out)], 60),
     ]
+    if dry_run:  # the interpreter on a shared CPU: the same steps, slower
+        for step in steps:
+            step.limit_s *= DRY_RUN_SLOWER
+    return steps
 
 
 # ---- the run ----
@@ -387,15 +394,38 @@ def git_describe() -> str:
 
 # ---- step bodies that run in their own process ----
 
-# Torch names the runtime's source mentions that torch 2.11 might lack: each is looked up on this torch.
-TORCH_NAME = re.compile(r"\btorch(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
-
-
+# The torch names the runtime's source uses (torch.x.y, and through aliases: `import torch.nn.functional as F`,
+# `from torch import nn`), each looked up on this torch: the APIs newer than the machine's torch 2.11 show.
 def torch_names_used() -> list[str]:
+    import ast
+
     names = set()
     for path in (ROOT / "runtime" / "pagoda").rglob("*.py"):
-        names.update(TORCH_NAME.findall(path.read_text()))
-    return sorted(names)
+        tree = ast.parse(path.read_text())
+        aliases = {"torch": "torch"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "torch":
+                        names.add(a.name)
+                        if a.asname:
+                            aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" \
+                    and not node.level:
+                for a in node.names:
+                    names.add(f"{node.module}.{a.name}")
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                chain = []
+                inner = node
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                if isinstance(inner, ast.Name) and inner.id in aliases:
+                    names.add(".".join([aliases[inner.id], *reversed(chain)]))
+    # custom ops (torch.ops.NS.op) exist once their library loads; not torch's API
+    return sorted(n for n in names if not n.startswith("torch.ops."))
 
 
 def missing_torch_names(names: list[str]) -> list[str]:
@@ -559,7 +589,9 @@ def parse_args(argv):
         r.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "build" / "gpu-check"))
         r.add_argument("--dry-run", action="store_true",
                        default=os.environ.get("PAGODA_GPU_CHECK_DRY_RUN", "") not in ("", "0"))
-        r.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S, help="seconds for all the steps")
+        r.add_argument("--budget", type=float, default=None,
+                       help=f"seconds for all the steps (default {DEFAULT_BUDGET_S}; the dry run's "
+                            f"{DRY_RUN_SLOWER} times that)")
         r.add_argument("--workers", type=int, default=None, help="pytest-xdist workers for the kernel tier")
         r.add_argument("--only", nargs="+", default=None, metavar="STEP", help="run only these steps")
         r.add_argument("--wheels", default=None, help="first unpack the wheels of this folder that this Python lacks")
@@ -574,6 +606,8 @@ def parse_args(argv):
     s.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.command in ("run", "plan", "check-args"):
+        if args.budget is None:
+            args.budget = DEFAULT_BUDGET_S * (DRY_RUN_SLOWER if args.dry_run else 1)
         if args.budget < 60:
             p.error("--budget must be at least 60 seconds")
         if args.workers is None:

@@ -1,7 +1,8 @@
 """The engine with attention_backend="triton" on CUDA (compiled kernels, not the interpreter) produces
 transformers' greedy tokens (float32, tiny random checkpoints) for a dense Llama, Qwen3, a mixture of experts
 and a sliding-window model; then chunked prefill with prefix-cache hits, an fp8 KV cache (against
-transformers with its keys and values rounded through fp8) and LoRA (against peft)."""
+transformers with its keys and values rounded through fp8) and LoRA (against peft); FP8 weights through
+torch._scaled_mm."""
 
 import pytest
 from checkpoints import hf_greedy, peft_greedy, write_lora_adapter
@@ -87,3 +88,45 @@ def test_lora_mixed_batch_equals_peft(tiny_model_factory, tmp_path, device):
     with triton_llm(base, device, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
         got = greedy(llm, prompts, lora_request=[loras[name] for _ in PROMPTS for name in loras])
         assert got == [reference[name][i] for i in range(len(PROMPTS)) for name in loras]
+
+
+def fp8_tensor_cores(device) -> bool:
+    import torch
+
+    return device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def test_fp8_scaled_mm_is_close_to_the_dequantized_matmul(device):
+    """W8A8 through torch._scaled_mm (FP8 tensor cores, sm_89+): activations quantized per token, weights per
+    channel; within fp8's rounding of the float32 product of the dequantized weights."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagoda.layers.quantization import fp8
+
+    if not fp8_tensor_cores(device):
+        pytest.skip("torch._scaled_mm needs FP8 tensor cores (sm_89+)")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 512, generator=g)
+    qweight, scales = fp8.quantize_rows(weight, weight.abs().amax(dim=1))
+    x = torch.randn(37, 512, generator=g).to(torch.bfloat16)
+    qweight, scales, x = qweight.to(device), scales.to(device), x.to(device)
+    assert fp8.scaled_mm_supported(x, qweight, scales)
+    got = fp8.scaled_mm(x, qweight, scales).float()
+    expected = F.linear(x.float(), fp8.dequantize(qweight, scales))
+    assert (got - expected).norm() / expected.norm() < 0.06  # e4m3 activations: ~2**-4 per element, averaged
+
+
+def test_online_fp8_weights_in_the_engine_use_scaled_mm(tiny_model_factory, device, monkeypatch):
+    """quantization="fp8" in bfloat16 on an FP8-capable GPU: the linear layers go through torch._scaled_mm."""
+    from pagoda.layers.quantization import fp8
+
+    if not fp8_tensor_cores(device):
+        pytest.skip("torch._scaled_mm needs FP8 tensor cores (sm_89+)")
+    calls = []
+    real = fp8.scaled_mm
+    monkeypatch.setattr(fp8, "scaled_mm", lambda *a: calls.append(a[0].shape) or real(*a))
+    with LLM(str(tiny_model_factory("llama")), dtype="bfloat16", quantization="fp8", attention_backend="triton",
+             device=device, kv_cache_memory=0.02) as llm:
+        outs = greedy(llm)
+    assert calls and all(len(tokens) == MAX_TOKENS for tokens in outs)
