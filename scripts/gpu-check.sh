@@ -46,8 +46,6 @@ elif [ "$DRY_RUN" != 0 ]; then
         WHEEL_ARGS=(--wheels "$WHEELS" --target "$(dirname "$VENV")/site")
         rm -rf "$(dirname "$VENV")/site"
     fi
-    # the CPU's C++ kernels need ninja and a build, which the GPU machine's Python lacks: torch's ops stand in
-    export PAGODA_CPU_KERNELS=0
 else
     PYTHON=${PYTHON:-python3}
     WHEEL_ARGS=(--wheels "$ROOT/.whl" --target "${TMPDIR:-/tmp}/pagoda-gpu-check-site")
