@@ -58,6 +58,7 @@ DEFAULT_MODEL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_l
 SCRATCH = Path(tempfile.gettempdir()) / "pagoda-gpu-check"
 
 DEFAULT_BUDGET_S = 450  # the issue's 8 minutes, less the install and the machine's own overhead
+LOG_CAP = 12 << 20  # bytes of step output kept in gpu-check.log
 DRY_RUN_SLOWER = 4  # the rehearsal's limits and budget: the interpreter on two shared CPU cores
 
 
@@ -219,18 +220,32 @@ class Results:
 
 
 class Log:
+    """gpu-check.log, and stdout. A file over 16 MiB would not come back: past LOG_CAP only the check's own
+    lines (steps, totals) go on into the file."""
+
     def __init__(self, path: Path):
         self.file = path.open("a", buffering=1)
+        self.lock = threading.Lock()
+        self.written = 0
+        self.capped = False
 
-    def write(self, text: str):
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        self.file.write(text)
+    def write(self, text: str, own: bool = False):
+        with self.lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if self.written + len(text) > LOG_CAP and not own:
+                if not self.capped:
+                    self.file.write(f"\n[gpu-check.log: over {LOG_CAP >> 20} MiB; steps' output goes on to "
+                                    "stdout only]\n")
+                    self.capped = True
+                return
+            self.file.write(text)
+            self.written += len(text)
 
 
 def run_step(step: Step, limit_s: float, log: Log, env: dict) -> tuple[int | None, float, bool]:
     """Runs one step in its own process group, its output into the log; (exit code, seconds, timed out)."""
-    log.write(f"\n==== {step.name}: {step.what} (limit {limit_s:.0f} s)\n$ {shlex.join(step.argv)}\n")
+    log.write(f"\n==== {step.name}: {step.what} (limit {limit_s:.0f} s)\n$ {shlex.join(step.argv)}\n", own=True)
     start = time.monotonic()
     proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**env, **step.env}, start_new_session=True, text=True, errors="replace")
@@ -253,7 +268,7 @@ def run_step(step: Step, limit_s: float, log: Log, env: dict) -> tuple[int | Non
         pass
     reader.join(10)
     if timed_out:
-        log.write(f"\n[{step.name}: stopped after {limit_s:.0f} s]\n")
+        log.write(f"\n[{step.name}: stopped after {limit_s:.0f} s]\n", own=True)
     seconds = time.monotonic() - start
     return proc.returncode, seconds, timed_out
 
@@ -375,7 +390,7 @@ def run(args) -> int:
         results.step(step.name, **fields)
         if status != "passed":
             failed.append(step.name)
-        log.write(f"==== {step.name}: {status} in {seconds:.0f} s\n")
+        log.write(f"==== {step.name}: {status} in {seconds:.0f} s\n", own=True)
         if step.name == "environment" and not args.dry_run and not fields.get("cuda_available"):
             log.write("gpu-check: no CUDA device: the kernels would run interpreted and time nothing; stopping\n")
             for later in steps[steps.index(step) + 1:]:
@@ -387,9 +402,9 @@ def run(args) -> int:
                         failed_steps=failed)
     results.save()
     log.write(f"\ngpu-check: {len(steps) - len(failed)} of {len(steps)} steps passed in {total:.0f} s"
-              + (f"; not passed: {', '.join(failed)}" if failed else "") + f"; files in {out}:\n")
+              + (f"; not passed: {', '.join(failed)}" if failed else "") + f"; files in {out}:\n", own=True)
     for path in sorted(p for p in out.rglob("*") if p.is_file()):
-        log.write(f"  {path.relative_to(out)}  {path.stat().st_size} bytes\n")
+        log.write(f"  {path.relative_to(out)}  {path.stat().st_size} bytes\n", own=True)
     return 1 if failed else 0
 
 
