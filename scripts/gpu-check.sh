@@ -33,15 +33,18 @@ elif [ "$DRY_RUN" != 0 ]; then
     # the rehearsal's venv and the same pins built for its Python (a CPU torch for 3.12 is not at hand)
     VENV=${PAGODA_GPU_REHEARSAL_VENV:-$ROOT/build/gpu-rehearsal/venv}
     PYTHON=$VENV/bin/python
+    [ "$MODE" = run ] || [ -x "$PYTHON" ] || PYTHON=python3  # --plan, --check-args: any Python will do
     if [ "$MODE" = run ]; then
         VENV=$VENV bash "$ROOT/scripts/gpu-rehearsal-venv.sh"
         WHEELS=$(dirname "$VENV")/wheels
         PYTHON_VERSION=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+        LIST_SUM=$(cksum < "$ROOT/scripts/gpu-wheels.txt")
         if [ "$PYTHON_VERSION" = 3.12 ]; then
             WHEELS=$ROOT/.whl
-        elif [ ! -f "$WHEELS/.done" ]; then
+        elif [ "$(cat "$WHEELS/.list-cksum" 2>/dev/null)" != "$LIST_SUM" ]; then
+            rm -rf "$WHEELS"
             PYTHON_VERSION=$PYTHON_VERSION PYTHON=$PYTHON bash "$ROOT/scripts/gpu-wheels.sh" "$WHEELS"
-            touch "$WHEELS/.done"
+            echo "$LIST_SUM" > "$WHEELS/.list-cksum"
         fi
         WHEEL_ARGS=(--wheels "$WHEELS" --target "$(dirname "$VENV")/site")
         rm -rf "$(dirname "$VENV")/site"

@@ -488,10 +488,15 @@ def environment(args) -> int:
     except (OSError, subprocess.SubprocessError) as e:
         info["nvidia_smi"] = f"not available: {e}"
         print(f"nvidia-smi: {info['nvidia_smi']}")
+    import shutil
+
     import torch
     import transformers
     import triton
 
+    # Triton builds its launcher with the host's C compiler (CC, else cc/gcc/clang): none, and no kernel runs
+    info["c_compiler"] = next((shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc", "clang")
+                               if c and shutil.which(c)), "none found")
     info.update(torch=torch.__version__, torch_cuda=torch.version.cuda, triton=triton.__version__,
                 transformers=transformers.__version__, cuda_available=torch.cuda.is_available())
     if torch.cuda.is_available():
