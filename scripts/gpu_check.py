@@ -515,6 +515,9 @@ def environment(args) -> int:
     for key, value in info.items():
         print(f"{key}: {value}")
     (out / "environment.json").write_text(json.dumps(info))
+    if os.environ.get("PAGODA_GPU_CHECK_DRY_RUN", "") in ("", "0") and not torch.cuda.is_available():
+        print("environment: no CUDA device (nvidia-smi above; CUDA_VISIBLE_DEVICES, the driver, a CPU build of torch?)")
+        return 1
     # the interpreter on a GPU machine would time nothing real: a finding, not a pass
     return 1 if torch.cuda.is_available() and info["kernels_interpreted"] else 0
 
