@@ -10,7 +10,7 @@ PORT ?= 8000
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast fuzz bench lint wheelhouse images e2e-containers e2e-kind clean
+.PHONY: setup serve test test-fast fuzz bench lint wheelhouse images e2e-containers e2e-kind clean gpu-wheels test-gpu
 
 setup: $(STAMP)
 
@@ -41,6 +41,19 @@ bench: setup
 	$(VENV)/bin/pagoda bench throughput
 	$(VENV)/bin/pagoda bench parallel
 	$(VENV)/bin/pagoda bench kernels
+
+# ---- A borrowed GPU (docs/gpu.md) ----
+# The cp312 wheels the GPU machine lacks, into .whl/ (the device tool carries it with the tree).
+gpu-wheels:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),python3) bash scripts/gpu-wheels.sh .whl
+
+# The GPU check from this venv, on a machine with a CUDA GPU: the kernel tier on the device, the gpu tier
+# (pytest -m gpu: the engine's Triton backend vs transformers), bench kernels and bench throughput.
+# GPU_CHECK_ARGS: e.g. --only kernels engine, --budget 900.
+GPU_CHECK_OUT ?= build/gpu-check
+GPU_CHECK_ARGS ?=
+test-gpu: setup
+	PAGODA_GPU_CHECK_PYTHON=$(PY) OUT=$(GPU_CHECK_OUT) bash scripts/gpu-check.sh $(GPU_CHECK_ARGS)
 
 # ---- Kubernetes side: lint, container images, kind end-to-end ----
 IMAGE_TAG ?= 0.1.0

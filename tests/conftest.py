@@ -34,7 +34,7 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
 # `make test-fast` (-m unit) or any other tier by forgetting its pytestmark.
 TIER_OF_FOLDER = {"unit": "unit", "model": "model", "kernels": "kernels", "distributed": "distributed",
                   "server": "server", "operator": "operator", "hub": "server", "router": "server",
-                  "e2e": "e2e"}
+                  "e2e": "e2e", "gpu": "gpu"}
 
 
 def pytest_collection_modifyitems(config, items):

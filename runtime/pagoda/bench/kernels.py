@@ -449,17 +449,26 @@ def run(args, peaks: Peaks) -> list[Result]:
                 result = measure(case, peaks, args, flush)
                 results.append(result)
                 print(format_row(result), flush=True)
+                write_json(args, peaks, results)  # after every row: a run stopped early keeps what it measured
                 del case
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
     summary = summarize_decode(results)
     if summary:
         print(f"\n{summary}")
+    write_json(args, peaks, results)
+    return results
+
+
+def write_json(args, peaks: Peaks, results: list[Result]) -> None:
+    """The whole file each time, written aside and renamed, so a reader never sees half of it."""
     if args.json_out:
-        with open(args.json_out, "w") as f:
+        import os
+
+        with open(f"{args.json_out}.tmp", "w") as f:
             json.dump({"device": asdict(peaks), "dtype": args.dtype, "block_size": args.block_size,
                        "results": [asdict(r) for r in results]}, f, indent=2)
-    return results
+        os.replace(f"{args.json_out}.tmp", args.json_out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,700 @@
+"""The body of scripts/gpu-check.sh: Pagoda's GPU path checked in one run of a few minutes (docs/gpu.md).
+
+Standard library only at the top, so that it starts on any Python: every step that needs torch runs in a
+child process with its own time limit, and a step that fails, hangs or crashes is named in the results
+without stopping the steps after it. Steps go in order of value; the JSON of figures is rewritten after each
+one, so a run cut short still returns what it measured.
+
+    gpu_check.py install --wheels DIR --target DIR   the wheels whose modules this Python lacks, unpacked
+    gpu_check.py run --out DIR [--wheels DIR --target DIR] [--dry-run]
+                                                     (install, then) every step, results under DIR
+    gpu_check.py plan [--dry-run]                    the steps and their commands, without running them
+    gpu_check.py check-args [...]                    the arguments parsed and checked, nothing run
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEEL_LIST = ROOT / "scripts" / "gpu-wheels.txt"
+
+# What the lent GPU machine has (Python 3.12.3, no network): its packages' top-level modules, with those of
+# their own dependencies. The check brings everything else it imports as wheels (scripts/gpu-wheels.txt);
+# tests/unit/test_gpu_check.py holds the two lists against the modules the check imports.
+MACHINE_HAS = {
+    "torch", "torchgen", "functorch", "triton", "transformers", "safetensors", "tokenizers", "huggingface_hub",
+    "accelerate", "peft", "numpy", "jinja2", "prometheus_client", "httpx", "aiohttp", "psutil", "yaml",
+    "pytest", "_pytest", "pytest_timeout", "xdist",
+    # their dependencies
+    "typing_extensions", "filelock", "fsspec", "packaging", "regex", "tqdm", "markupsafe", "httpcore",
+    "certifi", "sympy", "networkx", "mpmath", "multidict", "yarl", "aiosignal", "frozenlist", "attr",
+    "aiohappyeyeballs", "propcache", "pluggy", "iniconfig", "execnet", "pygments", "typer", "hf_xet",
+    "httpx2", "httpcore2", "truststore", "setuptools", "pkg_resources",
+}
+
+# the kernel tier's files that test the CPU's C++ kernels, not Triton's (they need a compiler, ninja, qemu)
+CPU_ONLY_KERNEL_TESTS = ["test_cpu_attention_variants.py", "test_cpu_isa_levels.py", "test_neon_kernels_qemu.py"]
+
+# SmolLM2-135M-Instruct's shape (the default model): its GGUF file (98 MB) cannot travel to the GPU machine
+# within the 64 MiB the tree may carry, so the throughput step writes random weights of the same shape.
+DEFAULT_MODEL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                           num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                           rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+# checkpoints the steps write (a 270 MB one among them) stay out of OUT, whose every file comes back
+SCRATCH = Path(tempfile.gettempdir()) / "pagoda-gpu-check"
+
+DEFAULT_BUDGET_S = 450  # the issue's 8 minutes, less the install and the machine's own overhead
+LOG_CAP = 12 << 20  # bytes of step output kept in gpu-check.log
+DRY_RUN_SLOWER = 4  # the rehearsal's limits and budget: the interpreter on two shared CPU cores
+
+
+# ---- the wheel list ----
+
+@dataclass
+class WheelSpec:
+    requirement: str  # name==version
+    modules: list[str]
+
+    @property
+    def name(self) -> str:
+        return self.requirement.split("==")[0]
+
+    @property
+    def version(self) -> str:
+        return self.requirement.split("==")[1]
+
+    def file_prefix(self) -> str:
+        """A wheel file name's start: the name normalised as wheels spell it (PEP 427), then the version."""
+        return f"{re.sub(r'[-_.]+', '_', self.name).lower()}-{self.version}-"
+
+
+def read_wheel_list(path: Path = WHEEL_LIST) -> list[WheelSpec]:
+    specs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        requirement, _, comment = line.partition("#")
+        requirement = requirement.strip()
+        if not requirement:
+            continue
+        modules = comment.split("modules:", 1)[1].replace(",", " ").split() if "modules:" in comment else []
+        if "==" not in requirement or not modules:
+            raise ValueError(f"{path}:{number}: expected 'name==version  # modules: module ...', got {line!r}")
+        specs.append(WheelSpec(requirement, modules))
+    return specs
+
+
+def find_wheel(spec: WheelSpec, wheels: Path) -> Path | None:
+    found = sorted(p for p in wheels.glob("*.whl") if p.name.lower().startswith(spec.file_prefix()))
+    return found[0] if found else None
+
+
+def install(wheels: Path, target: Path, specs: list[WheelSpec] | None = None) -> list[dict]:
+    """Unpacks into target each listed wheel one of whose modules this Python cannot find (a wheel is a zip
+    of its files as they lie in site-packages): nothing the machine has is shadowed, and no pip is needed."""
+    target.mkdir(parents=True, exist_ok=True)
+    report = []
+    for spec in read_wheel_list() if specs is None else specs:
+        missing = [m for m in spec.modules if importlib.util.find_spec(m) is None]
+        wheel = find_wheel(spec, wheels)
+        if not missing:
+            report.append({"wheel": spec.requirement, "action": "present on this machine"})
+        elif wheel is None:
+            report.append({"wheel": spec.requirement, "action": f"MISSING from {wheels} (run make gpu-wheels)"})
+        else:
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(target)
+            report.append({"wheel": spec.requirement, "action": f"installed ({', '.join(missing)} missing)",
+                           "file": wheel.name})
+    importlib.invalidate_caches()
+    return report
+
+
+# ---- the steps ----
+
+@dataclass
+class Step:
+    name: str
+    what: str
+    argv: list[str]
+    limit_s: int
+    env: dict[str, str] = field(default_factory=dict)
+    junit: str | None = None  # a junit XML file under OUT the step writes
+    json_file: str | None = None  # a JSON file under OUT the step writes
+
+
+def pytest_argv(paths: list[str], out: Path, junit: str, per_test_s: int, workers: int, extra=()) -> list[str]:
+    argv = [sys.executable, "-m", "pytest", *paths, "-p", "no:cacheprovider", "-q", "-rfE",
+            f"--timeout={per_test_s}", f"--junitxml={out / junit}", "-o", "addopts=", *extra]
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:  # pytest-xdist: the GPU machine's, or not
+        argv += ["-n", str(workers)]
+    return argv
+
+
+def cli_argv(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from pagoda.entrypoints.cli import main; sys.exit(main())", *args]
+
+
+def plan(out: Path, dry_run: bool, workers: int) -> list[Step]:
+    """The steps in order of value. The dry run (a CPU through Triton's interpreter) takes the same paths
+    with smaller selections: it proves the imports, the wheels and the files, not the kernels' speed."""
+    kernel_dir = ROOT / "tests" / "kernels"
+    slower = DRY_RUN_SLOWER if dry_run else 1
+    ignore = [f"--ignore={kernel_dir / name}" for name in CPU_ONLY_KERNEL_TESTS]
+    engine_env = {}
+    if dry_run:
+        # Triton 3.6's interpreter (the GPU machine's Triton) cannot run the attention kernels (a loop bound
+        # of shape [1], which 3.9's interpreter and every compiler take): the rehearsal compiles every kernel
+        # for sm_80/86/90 with it instead, and runs the engine tier on the torch backend (docs/gpu.md)
+        kernel_paths = [str(kernel_dir / f) for f in ("test_kv_cache.py", "test_gpu_compile.py")]
+        per_test_s = 900
+        engine_env = {"PAGODA_GPU_TEST_BACKEND": "torch"}
+    else:
+        # on the device the kernels compile for it as they run: the compile-only check adds nothing but time
+        kernel_paths, per_test_s = [str(kernel_dir)], 90
+        ignore.append(f"--ignore={kernel_dir / 'test_gpu_compile.py'}")
+    model_dir = SCRATCH / "default-shape-model"
+    throughput = ["--num-requests", "64", "--hf-sequential-requests", "4", "--hf-batch-size", "16"]
+    if dry_run:  # the default shape on two CPU cores: a few short requests
+        throughput = ["--num-requests", "4", "--prompt-len", "16", "32", "--output-len", "8", "8",
+                      "--hf-sequential-requests", "1", "--hf-batch-size", "4"]
+    # decode first (the JSON grows row by row): batch 1 and 64 at 1k, 8k and 32k of context, both layouts
+    bench_kernels = ["--batch-sizes", "1", "64", "--context-lens", "1024", "8192", "32768",
+                     "--iters", "10", "--warmup", "2"]
+    here = str(Path(__file__).resolve())
+    steps = [
+        Step("environment", "nvidia-smi; Python, torch, triton, CUDA; the torch names the runtime uses",
+             [sys.executable, here, "environment", "--out", str(out)], 60, json_file="environment.json"),
+        Step("kernels", "the kernel tier on the device (compiled Triton kernels vs the torch references)",
+             pytest_argv(kernel_paths, out, "junit-kernels.xml", per_test_s, workers, ignore), 200,
+             junit="junit-kernels.xml"),
+        Step("engine", "the engine on the Triton backend vs transformers: Llama, Qwen3, MoE, sliding window, "
+                       "chunked prefill + prefix cache, fp8 KV cache, LoRA",
+             pytest_argv([str(ROOT / "tests" / "gpu")], out, "junit-engine.xml", 150 * slower, 1), 150,
+             env=engine_env, junit="junit-engine.xml"),
+        Step("bench-kernels", "pagoda bench kernels, short: decode GB/s vs HBM, prefill TFLOP/s",
+             cli_argv("bench", "kernels", *bench_kernels, "--json", str(out / "bench-kernels.json")), 120,
+             json_file="bench-kernels.json"),
+        Step("bench-throughput", "pagoda bench throughput, the default model's shape in bf16, with "
+                                 "transformers' generate as the floor",
+             [sys.executable, here, "throughput", "--model-dir", str(model_dir), "--out", str(out), "--",
+              *throughput], 150, json_file="bench-throughput.json"),
+        Step("serve", "pagoda serve on the device (engine core process), one completion over HTTP",
+             [sys.executable, here, "serve-smoke", "--out", str(out)], 60),
+    ]
+    if dry_run:  # the interpreter on a shared CPU: the same steps, slower
+        for step in steps:
+            step.limit_s *= DRY_RUN_SLOWER
+    return steps
+
+
+# ---- the run ----
+
+class Results:
+    """gpu-check.json: rewritten whole after every change, so a cut-short run still leaves valid JSON."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path = path
+        self.data = {**header, "steps": {}}
+        self.save()
+
+    def save(self):
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+    def step(self, name: str, **fields):
+        self.data["steps"].setdefault(name, {}).update(fields)
+        self.save()
+
+
+class Log:
+    """gpu-check.log, and stdout. A file over 16 MiB would not come back: past LOG_CAP only the check's own
+    lines (steps, totals) go on into the file."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a", buffering=1)
+        self.lock = threading.Lock()
+        self.written = 0
+        self.capped = False
+
+    def write(self, text: str, own: bool = False):
+        with self.lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if self.written + len(text) > LOG_CAP and not own:
+                if not self.capped:
+                    self.file.write(f"\n[gpu-check.log: over {LOG_CAP >> 20} MiB; steps' output goes on to "
+                                    "stdout only]\n")
+                    self.capped = True
+                return
+            self.file.write(text)
+            self.written += len(text)
+
+
+def run_step(step: Step, limit_s: float, log: Log, env: dict) -> tuple[int | None, float, bool]:
+    """Runs one step in its own process group, its output into the log; (exit code, seconds, timed out)."""
+    log.write(f"\n==== {step.name}: {step.what} (limit {limit_s:.0f} s)\n$ {shlex.join(step.argv)}\n", own=True)
+    start = time.monotonic()
+    proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**env, **step.env}, start_new_session=True, text=True, errors="replace")
+    reader = threading.Thread(target=lambda: [log.write(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(limit_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever the step left running in its group
+    except (ProcessLookupError, PermissionError):
+        pass
+    reader.join(10)
+    if timed_out:
+        log.write(f"\n[{step.name}: stopped after {limit_s:.0f} s]\n", own=True)
+    seconds = time.monotonic() - start
+    return proc.returncode, seconds, timed_out
+
+
+def junit_counts(path: Path) -> dict:
+    """Totals and the failed tests' ids from pytest's junit XML."""
+    import xml.etree.ElementTree as ET
+
+    if not path.exists():
+        return {"error": f"{path.name} not written"}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = []
+    for case in root.iter("testcase"):
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is not None:
+            message = (problem.get("message") or "").splitlines()[:1]
+            failed.append(f"{case.get('classname')}::{case.get('name')}: {message[0][:300] if message else ''}")
+    counts["failed_tests"] = failed[:40]
+    return counts
+
+
+def summarize_bench_kernels(path: Path) -> dict:
+    if not path.exists():
+        return {"note": "no JSON written (no CUDA device: the benchmark skips)"}
+    data = json.loads(path.read_text())
+    results = data["results"]
+
+    def best(kernel, key):
+        rows = [r for r in results if r["kernel"] == kernel]
+        return max(rows, key=lambda r: r[key]) if rows else None
+
+    out = {"device": data["device"], "dtype": data["dtype"], "cases": len(results)}
+    long_decode = [r for r in results if r["kernel"] == "decode" and r["note"] == "dispatch"
+                   and int(r["shape"].split("ctx")[1]) >= 8192]
+    if long_decode:
+        out["decode_long_context_pct_peak_gbs"] = [min(r["pct_peak_gbs"] for r in long_decode),
+                                                   max(r["pct_peak_gbs"] for r in long_decode)]
+    for kernel, key in (("decode", "gbs"), ("prefill", "tflops"), ("mixed", "tflops"), ("kv-write", "gbs")):
+        row = best(kernel, key)
+        if row:
+            out[f"best_{kernel}"] = {k: row[k] for k in ("layout", "variant", "shape", "microseconds", "gbs",
+                                                        "pct_peak_gbs", "tflops", "pct_peak_tflops",
+                                                        "torch_microseconds")}
+    return out
+
+
+def summarize_throughput(path: Path) -> dict:
+    if not path.exists():
+        return {"note": "no JSON written"}
+    data = json.loads(path.read_text())
+    rows = {r["name"]: r for r in data["results"]}
+    out = {"model": data.get("model"), "rows": {name: {k: r.get(k) for k in ("output_tokens_per_s", "seconds",
+                                                                             "requests", "peak_memory_gib")}
+                                                for name, r in rows.items()}}
+    pagoda = data["results"][0]
+    floor = [r for r in data["results"][1:] if r["name"].startswith("transformers")]
+    if floor:
+        best_hf = max(r["output_tokens_per_s"] for r in floor)
+        out["pagoda_over_best_transformers"] = pagoda["output_tokens_per_s"] / best_hf
+        out["above_the_floor"] = pagoda["output_tokens_per_s"] > best_hf
+    for key in ("tpot_ms", "decode_step_ms", "decode_flops_per_s", "dtype", "device"):
+        out[key] = pagoda.get(key)
+    return out
+
+
+def run(args) -> int:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / "gpu-check.log")
+    started = time.monotonic()
+    report = install(Path(args.wheels), Path(args.target)) if args.wheels else "not asked (--wheels not given)"
+    results = Results(out / "gpu-check.json", {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "dry_run": args.dry_run, "budget_s": args.budget,
+        "git": git_describe(), "python": sys.version.split()[0], "install": report,
+    })
+    log.write(f"gpu-check: Python {sys.version.split()[0]} at {sys.executable}; wheels: "
+              + (json.dumps(report, indent=1) if isinstance(report, list) else report) + "\n")
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    # the C++ CPU kernels are no part of the GPU path, and their first build takes minutes (and ninja, which
+    # the GPU machine lacks): the CPU-side references use torch's ops
+    env.setdefault("PAGODA_CPU_KERNELS", "0")
+    # Pagoda from the source tree, then the unpacked wheels (which hold only what this Python lacks)
+    paths = [str(ROOT / "runtime"), str(ROOT / "operator")] + ([str(Path(args.target).resolve())]
+                                                               if args.wheels else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if args.dry_run:  # Triton's interpreter stands in for the GPU
+        env["PAGODA_GPU_CHECK_DRY_RUN"] = "1"
+        env["TRITON_INTERPRET"] = "1"
+    steps = [s for s in plan(out, args.dry_run, args.workers) if not args.only or s.name in args.only]
+    failed = []
+    for step in steps:
+        left = args.budget - (time.monotonic() - started)
+        if left < 15:
+            results.step(step.name, status="not run: out of time", what=step.what)
+            failed.append(step.name)
+            continue
+        results.step(step.name, status="running", what=step.what)
+        rc, seconds, timed_out = run_step(step, min(step.limit_s, left), log, env)
+        status = "timed out" if timed_out else ("passed" if rc == 0 else f"failed (exit {rc})")
+        fields = {"status": status, "seconds": round(seconds, 1)}
+        try:
+            if step.junit:
+                fields["tests"] = junit_counts(out / step.junit)
+            if step.name == "environment" and (out / "environment.json").exists():
+                fields.update(json.loads((out / "environment.json").read_text()))
+                (out / "environment.json").unlink()  # folded into gpu-check.json: fewer files come back
+            if step.name == "bench-kernels":
+                fields["summary"] = summarize_bench_kernels(out / "bench-kernels.json")
+            if step.name == "bench-throughput":
+                fields["summary"] = summarize_throughput(out / "bench-throughput.json")
+        except Exception as e:  # a summary that cannot be read is itself a finding
+            fields["summary_error"] = f"{type(e).__name__}: {e}"
+        results.step(step.name, **fields)
+        if status != "passed":
+            failed.append(step.name)
+        log.write(f"==== {step.name}: {status} in {seconds:.0f} s\n", own=True)
+        if step.name == "environment" and not args.dry_run and not fields.get("cuda_available"):
+            log.write("gpu-check: no CUDA device: the kernels would run interpreted and time nothing; stopping\n")
+            for later in steps[steps.index(step) + 1:]:
+                results.step(later.name, status="not run: no CUDA device", what=later.what)
+                failed.append(later.name)
+            break
+    total = time.monotonic() - started
+    results.data.update(finished=time.strftime("%Y-%m-%d %H:%M:%S %Z"), seconds=round(total, 1),
+                        failed_steps=failed)
+    results.save()
+    log.write(f"\ngpu-check: {len(steps) - len(failed)} of {len(steps)} steps passed in {total:.0f} s"
+              + (f"; not passed: {', '.join(failed)}" if failed else "") + f"; files in {out}:\n", own=True)
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        log.write(f"  {path.relative_to(out)}  {path.stat().st_size} bytes\n", own=True)
+    return 1 if failed else 0
+
+
+def git_describe() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %cs %s"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown (no git)"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+
+
+# ---- step bodies that run in their own process ----
+
+# The torch names the runtime's source uses (torch.x.y, and through aliases: `import torch.nn.functional as F`,
+# `from torch import nn`), each looked up on this torch: the APIs newer than the machine's torch 2.11 show.
+def torch_names_used() -> list[str]:
+    import ast
+
+    names = set()
+    for path in (ROOT / "runtime" / "pagoda").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        aliases = {"torch": "torch"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "torch":
+                        names.add(a.name)
+                        if a.asname:
+                            aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" \
+                    and not node.level:
+                for a in node.names:
+                    names.add(f"{node.module}.{a.name}")
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                chain = []
+                inner = node
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                if isinstance(inner, ast.Name) and inner.id in aliases:
+                    names.add(".".join([aliases[inner.id], *reversed(chain)]))
+    # custom ops (torch.ops.NS.op) exist once their library loads; not torch's API
+    return sorted(n for n in names if not n.startswith("torch.ops."))
+
+
+def missing_torch_names(names: list[str]) -> list[str]:
+    """The dotted names that do not resolve on this torch (submodules imported as needed)."""
+    import importlib
+
+    import torch
+
+    missing = []
+    for name in names:
+        parts = name.split(".")
+        obj = torch
+        for i, part in enumerate(parts[1:], 1):
+            if hasattr(obj, part):
+                obj = getattr(obj, part)
+                continue
+            try:
+                obj = importlib.import_module(".".join(parts[: i + 1]))
+            except Exception:
+                # a method or attribute of an instance (torch.Tensor.x, torch.cuda.Event.y) is not a module
+                missing.append(name)
+                break
+    return missing
+
+
+def environment(args) -> int:
+    out = Path(args.out)
+    info: dict = {}
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
+        print(smi.stdout or smi.stderr)
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.sm,"
+                                "clocks.max.memory", "--format=csv,noheader"], capture_output=True, text=True,
+                               timeout=30)
+        info["nvidia_smi"] = query.stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        info["nvidia_smi"] = f"not available: {e}"
+        print(f"nvidia-smi: {info['nvidia_smi']}")
+    import shutil
+
+    import torch
+    import transformers
+    import triton
+
+    # Triton builds its launcher with the host's C compiler (CC, else cc/gcc/clang): none, and no kernel runs
+    info["c_compiler"] = next((shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc", "clang")
+                               if c and shutil.which(c)), "none found")
+    info.update(torch=torch.__version__, torch_cuda=torch.version.cuda, triton=triton.__version__,
+                transformers=transformers.__version__, cuda_available=torch.cuda.is_available())
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, capability=f"sm_{props.major}{props.minor}",
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1), sms=props.multi_processor_count)
+    names = torch_names_used()
+    missing = missing_torch_names(names)
+    info["torch_names_checked"] = len(names)
+    info["torch_names_missing"] = missing
+    from pagoda.kernels import paged_attention
+    from pagoda.kernels._checks import is_interpreted
+
+    info["kernels_interpreted"] = is_interpreted(paged_attention._mixed_batch_kernel)
+    for key, value in info.items():
+        print(f"{key}: {value}")
+    (out / "environment.json").write_text(json.dumps(info))
+    if os.environ.get("PAGODA_GPU_CHECK_DRY_RUN", "") in ("", "0") and not torch.cuda.is_available():
+        print("environment: no CUDA device (nvidia-smi above; CUDA_VISIBLE_DEVICES, the driver, a CPU build of torch?)")
+        return 1
+    # the interpreter on a GPU machine would time nothing real: a finding, not a pass
+    return 1 if torch.cuda.is_available() and info["kernels_interpreted"] else 0
+
+
+def write_default_shape_model(path: Path) -> Path:
+    """Random bfloat16 weights in the default model's shape, with a word-level tokenizer over its whole
+    vocabulary (so every id the synthetic workload draws detokenizes)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = DEFAULT_MODEL_SHAPE["vocab_size"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[2],
+                            pad_token=specials[0], unk_token=specials[0]).save_pretrained(path)
+    config = LlamaConfig(**DEFAULT_MODEL_SHAPE, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+                         initializer_range=0.02)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def throughput(args) -> int:
+    from pagoda.entrypoints.cli import main
+
+    model = write_default_shape_model(Path(args.model_dir))
+    out = Path(args.out) / "bench-throughput.json"
+    code = main(["bench", "throughput", "--model", str(model), "--dtype", "bfloat16", "--json", str(out),
+                 *args.bench_args]) or 0
+    if not out.exists():
+        return code or 1
+    data = json.loads(out.read_text())
+    data["model"] = ("random weights in SmolLM2-135M-Instruct's shape (the default model's GGUF cannot "
+                     "travel within the tree's 64 MiB)")
+    out.write_text(json.dumps(data, indent=2))
+    pagoda, floor = data["results"][0], [r for r in data["results"][1:] if r["name"].startswith("transformers")]
+    if pagoda["device"].startswith("cuda") and floor:
+        best = max(r["output_tokens_per_s"] for r in floor)
+        if pagoda["output_tokens_per_s"] <= best:
+            print(f"bench throughput: Pagoda's {pagoda['output_tokens_per_s']:.0f} output tokens/s do not clear "
+                  f"transformers' {best:.0f}: below the floor")
+            return 1
+    return code
+
+
+def serve_smoke(args) -> int:
+    """pagoda serve on a tiny checkpoint (the device's default backend), /health, one completion."""
+    import socket
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from checkpoints import write_tiny_model
+
+    model = write_tiny_model(SCRATCH / "serve-model", "llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # in this step's process group: a step stopped at its limit takes the server with it
+    server = subprocess.Popen(cli_argv("serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+                                       "--kv-cache-memory", "0.05", "--max-model-len", "256"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 40
+        while True:
+            if server.poll() is not None:
+                print(f"serve-smoke: the server exited with {server.returncode}")
+                return 1
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                print("serve-smoke: /health not 200 within 40 s")
+                return 1
+            time.sleep(0.5)
+        name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "model": name, "prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0})
+        print(f"serve-smoke: {reply.status_code} {reply.text[:400]}")
+        return 0 if reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8 else 1
+    finally:
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+# ---- the command line ----
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("install", help="unpack the wheels whose modules are missing into --target")
+    i.add_argument("--wheels", required=True)
+    i.add_argument("--target", required=True)
+    for name in ("run", "plan", "check-args"):
+        r = sub.add_parser(name)
+        r.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "build" / "gpu-check"))
+        r.add_argument("--dry-run", action="store_true",
+                       default=os.environ.get("PAGODA_GPU_CHECK_DRY_RUN", "") not in ("", "0"))
+        r.add_argument("--budget", type=float, default=None,
+                       help=f"seconds for all the steps (default {DEFAULT_BUDGET_S}; the dry run's "
+                            f"{DRY_RUN_SLOWER} times that)")
+        r.add_argument("--workers", type=int, default=None, help="pytest-xdist workers for the kernel tier")
+        r.add_argument("--only", nargs="+", default=None, metavar="STEP", help="run only these steps")
+        r.add_argument("--wheels", default=None, help="first unpack the wheels of this folder that this Python lacks")
+        r.add_argument("--target", default=None, help="... into this folder, put on PYTHONPATH")
+    e = sub.add_parser("environment")
+    e.add_argument("--out", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--model-dir", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("bench_args", nargs="*")
+    s = sub.add_parser("serve-smoke")
+    s.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.command in ("run", "plan", "check-args"):
+        if args.budget is None:
+            args.budget = DEFAULT_BUDGET_S * (DRY_RUN_SLOWER if args.dry_run else 1)
+        if args.budget < 60:
+            p.error("--budget must be at least 60 seconds")
+        if args.workers is None:
+            args.workers = 1 if args.dry_run else 8
+        if args.workers < 1:
+            p.error("--workers must be >= 1")
+        if args.wheels and not args.target:
+            p.error("--wheels needs --target")
+        if args.wheels and not Path(args.wheels).is_dir():
+            p.error(f"--wheels: no folder {args.wheels} (run make gpu-wheels)")
+        names = [s.name for s in plan(Path(args.out), args.dry_run, args.workers)]
+        unknown = sorted(set(args.only or []) - set(names))
+        if unknown:
+            p.error(f"--only: unknown step(s) {', '.join(unknown)}; the steps are {', '.join(names)}")
+    return args
+
+
+def check_args(args) -> int:
+    """What the rehearsal's fast test runs: the wheel list parses and covers the check's imports (see
+    tests/unit/test_gpu_check.py), the steps are planned, and the output folder can be written."""
+    specs = read_wheel_list()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = plan(out, args.dry_run, args.workers)
+    print(f"gpu-check: {len(specs)} wheels listed; {len(steps)} steps: {', '.join(s.name for s in steps)}; "
+          f"budget {args.budget:.0f} s; results in {out}" + (" (dry run)" if args.dry_run else ""))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "install":
+        report = install(Path(args.wheels), Path(args.target))
+        print(json.dumps(report))
+        return 1 if any(r["action"].startswith("MISSING") for r in report) else 0
+    if args.command == "plan":
+        for step in plan(Path(args.out), args.dry_run, args.workers):
+            if args.only and step.name not in args.only:
+                continue
+            print(f"{step.name} (limit {step.limit_s} s): {step.what}\n  $ {shlex.join(step.argv)}")
+        return 0
+    if args.command == "check-args":
+        return check_args(args)
+    return {"run": run, "environment": environment, "throughput": throughput,
+            "serve-smoke": serve_smoke}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
