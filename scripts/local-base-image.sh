@@ -30,5 +30,7 @@ tar -C "$root" -c . | "$DOCKER" import \
   --change 'ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
   --change 'CMD ["python3"]' - "$image" >/dev/null
-echo "$image: $("$DOCKER" run --rm $([ "$DOCKER" = podman ] && echo --runtime runc) \
-  --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 "$image" python --version 2>&1)"
+runtime=()
+[ "$DOCKER" = podman ] && runtime=(--runtime runc)  # crun cannot set the rlimits on some hosts
+echo "$image: $("$DOCKER" run --rm "${runtime[@]}" --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 \
+  "$image" python --version 2>&1)"
