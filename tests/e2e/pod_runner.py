@@ -189,6 +189,11 @@ class PodRunner:
             return ""
         return await podman("logs", "--tail", str(tail), state.container_name, check=False, merge_stderr=True)
 
+    async def env(self, pod_name: str) -> dict[str, str]:
+        """The environment the pod's container was started with."""
+        out = await podman("inspect", "--format", "{{json .Config.Env}}", self.pods[pod_name].container_name)
+        return dict(item.split("=", 1) for item in json.loads(out))
+
     async def kill_container(self, pod_name: str) -> None:
         """What a crashed process or an OOM kill looks like to the kubelet."""
         await podman("kill", "-s", "KILL", self.pods[pod_name].container_name)

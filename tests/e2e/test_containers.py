@@ -45,6 +45,9 @@ async def test_one_replica_answers_through_its_service(e2e: E2E):
     addresses = await e2e.resolve("pagoda.serving.svc.cluster.local")
     assert addresses == [e2e.runner.pod_ip("pagoda-g0-head-0")]
     assert "Paris" in await chat(addresses[0], "pagoda")
+    # the operator turns service links off: no PAGODA_PORT=tcp://... from the Service named pagoda
+    assert "PAGODA_PORT" not in await e2e.runner.env("pagoda-g0-head-0")
+    assert "PAGODA_PORT" in e2e.runner.service_links(list((await e2e.cluster.services()).values()))
     if e2e.operator_runner.pods:  # the operator from its image, installed by the chart (PAGODA_E2E_OPERATOR=chart)
         [operator] = e2e.operator_runner.pods.values()
         assert operator.pod["spec"]["containers"][0]["image"].startswith("pagoda-operator:") and operator.ready
