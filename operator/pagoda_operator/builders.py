@@ -38,8 +38,8 @@ MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
 TMP_VOLUME = "tmp"
 KERNELS_VOLUME = "kernels"
-# The runtime image's cache: the default model (converted at build time, read-only here) and the CPU
-# attention kernel, compiled at start for the node's CPU, which needs a writable directory.
+# The runtime image's cache: the default model (converted at build time, read-only here) and the CPU kernels,
+# which the image ships prebuilt per ISA level; a node whose level it lacks compiles them here at start.
 KERNELS_DIR = "/var/cache/pagoda/cpu_kernels"
 RUNTIME_UID = 10001  # the runtime image's user (Dockerfile)
 # Caches the libraries write at run time, moved under /tmp: the root filesystem is read-only.

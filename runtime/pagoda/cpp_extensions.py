@@ -8,12 +8,13 @@ native build the CPU's feature flags) as well as the source, the flags, the torc
 fails leaves a marker beside its directory: later starts and other ranks skip it (and use torch) instead of
 compiling again; delete ``<build dir>.failed`` to retry. Processes starting together build once,
 one after the other under an flock on ``<build dir>.lock``, which the OS releases when its holder dies.
-An image ships its libraries built ahead of time, one per ISA level (``pagoda.ops.prebuild``, into the directory
-``PAGODA_PREBUILT_KERNELS`` names): a process whose level has one there loads it and compiles nothing, so a
-pod starts without a compiler.
 torch's builder also keeps a lock file of its own in the build directory, which it waits on with no
 deadline; one left behind by a process killed mid-build (OOM, a pod deleted, Ctrl-C) would hang every later
 start, so whoever holds the flock removes it first.
+
+An image ships its libraries built ahead of time, one per ISA level (``pagoda.ops.prebuild``, into the directory
+``PAGODA_PREBUILT_KERNELS`` names): a process whose level has one there loads it and compiles nothing, so a
+pod starts without a compiler.
 """
 
 import dataclasses
@@ -38,7 +39,6 @@ logger = logging.getLogger(__name__)
 BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 
 
-# a directory of libraries built ahead of time per ISA level (pagoda.ops.prebuild), e.g. in the runtime image
 PREBUILT_ENV = pagoda_platform.PREBUILT_ENV
 
 
@@ -109,16 +109,10 @@ def ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def prebuilt_dir() -> Path | None:
-    """The directory of prebuilt libraries, when PAGODA_PREBUILT_KERNELS names one."""
-    value = os.environ.get(PREBUILT_ENV, "")
-    return Path(value) if value and Path(value).is_dir() else None
-
-
 def prebuilt_library(prefix: str, sources: list[Path], cflags: list[str]) -> Path | None:
     """The prebuilt library that stands for a build of ``sources`` with ``cflags`` at this process's level:
     the same sources and torch version built with the level's flags (a native build's level is the CPU's best)."""
-    root = prebuilt_dir()
+    root = pagoda_platform.prebuilt_kernels_dir()
     if root is None:
         return None
     isa = pagoda_platform.cpu_isa()
@@ -155,8 +149,8 @@ def build_and_load(prefix: str, source: Path | Sequence[Path], cflags: list[str]
         logger.info("Loading %s (prebuilt)", prebuilt)
         return load_library(prebuilt, is_python_module)
     if not compiler_available():
-        where = f"none for ISA level {pagoda_platform.cpu_isa().level} in {prebuilt_dir()}" if prebuilt_dir() \
-            else f"{PREBUILT_ENV} not set"
+        root = pagoda_platform.prebuilt_kernels_dir()
+        where = f"none for ISA level {pagoda_platform.cpu_isa().level} in {root}" if root else f"{PREBUILT_ENV} not set"
         raise RuntimeError(f"no C++ compiler found and no prebuilt library ({where})")
     from torch.utils import cpp_extension
 

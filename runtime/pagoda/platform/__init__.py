@@ -20,12 +20,14 @@ import shutil
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from pagoda.platform.isa import ENV as ISA_ENV
 from pagoda.platform.isa import CpuIsa, UnsupportedIsa, detect
 
 __all__ = ["ISA_ENV", "KERNELS_ENV", "CpuIsa", "CpuKernelPlan", "UnsupportedIsa", "bf16_matmul_layout",
-           "choose_dtype", "compile_flags", "onednn_bf16_supported", "cpu_isa", "cpu_kernel_plan", "cpu_kernels_enabled", "log_cpu_plan"]
+           "choose_dtype", "compile_flags", "onednn_bf16_supported", "cpu_isa", "cpu_kernel_plan", "cpu_kernels_enabled", "log_cpu_plan",
+           "prebuilt_kernels_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +61,18 @@ def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
+def prebuilt_kernels_dir() -> Path | None:
+    """The directory of kernel libraries built ahead of time (the runtime image's), when PAGODA_PREBUILT_KERNELS
+    names one."""
+    value = os.environ.get(PREBUILT_ENV, "")
+    return Path(value) if value and Path(value).is_dir() else None
+
+
 def cpu_kernels_enabled() -> tuple[bool, str]:
     """Whether the C++ CPU kernels are to be built, and why not when they are not."""
     if os.environ.get(KERNELS_ENV, "1") == "0":
         return False, f"{KERNELS_ENV}=0"
-    if not compiler_available() and not os.path.isdir(os.environ.get(PREBUILT_ENV, "")):
+    if not compiler_available() and prebuilt_kernels_dir() is None:
         return False, f"no C++ compiler found (and no {PREBUILT_ENV} directory of prebuilt kernels)"
     return True, ""
 
