@@ -73,7 +73,7 @@ COPY runtime /src/runtime
 RUN --mount=type=cache,target=/var/cache/pagoda-kernels \
     mkdir -p /opt/pagoda/kernels \
     && if [ "${RUNTIME_VARIANT}" = cpu ]; then \
-      PYTHONPATH=/src/runtime python -m pagoda.ops.prebuild --levels ${CPU_KERNEL_LEVELS} \
+      PYTHONPATH=/src/runtime python -m pagoda.entrypoints.prebuild_kernels --levels ${CPU_KERNEL_LEVELS} \
         --cache /var/cache/pagoda-kernels --into /opt/pagoda/kernels; \
     fi
 

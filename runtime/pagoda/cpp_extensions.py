@@ -12,9 +12,9 @@ torch's builder also keeps a lock file of its own in the build directory, which 
 deadline; one left behind by a process killed mid-build (OOM, a pod deleted, Ctrl-C) would hang every later
 start, so whoever holds the flock removes it first.
 
-An image ships its libraries built ahead of time, one per ISA level (``pagoda.ops.prebuild``, into the directory
-``PAGODA_PREBUILT_KERNELS`` names): a process whose level has one there loads it and compiles nothing, so a
-pod starts without a compiler.
+An image ships its libraries built ahead of time, one per ISA level (``pagoda.entrypoints.prebuild_kernels``,
+into the directory ``PAGODA_PREBUILT_KERNELS`` names): a process whose level has one there loads it and compiles
+nothing, so a pod starts without a compiler.
 """
 
 import dataclasses

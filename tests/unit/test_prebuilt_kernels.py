@@ -1,6 +1,6 @@
-"""Libraries built ahead of time (python -m pagoda.ops.prebuild), as the runtime image ships them: a process whose
-ISA level has one in PAGODA_PREBUILT_KERNELS loads it with no compiler, and one built from other sources is
-never taken for it."""
+"""Libraries built ahead of time (python -m pagoda.entrypoints.prebuild_kernels), as the runtime image ships
+them: a process whose ISA level has one in PAGODA_PREBUILT_KERNELS loads it with no compiler, and one built from
+other sources is never taken for it."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from pagoda import cpp_extensions, platform
-from pagoda.ops import prebuild
+from pagoda.entrypoints import prebuild_kernels as prebuild
 
 pytestmark = [
     pytest.mark.unit,

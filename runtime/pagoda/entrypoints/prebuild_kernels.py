@@ -2,7 +2,7 @@
 names in ``PAGODA_PREBUILT_KERNELS``: a pod then loads its node's level (``pagoda.cpp_extensions``) instead of
 compiling at every start, and the image needs no compiler.
 
-    python -m pagoda.ops.prebuild --levels avx2 avx512 avx512bf16 --into /opt/pagoda/kernels
+    python -m pagoda.entrypoints.prebuild_kernels --levels avx2 avx512 avx512bf16 --into /opt/pagoda/kernels
 
 Each level is built with its own flags whether or not this host can run it, and nothing is loaded here (a
 library built for AVX-512 must not be loaded on an AVX2 builder). A library's name is the hash of what it is
@@ -76,7 +76,8 @@ def prebuild(levels: list[str], into: Path, cache: Path | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagoda.ops.prebuild", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pagoda.entrypoints.prebuild_kernels",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", nargs="+", required=True, help="ISA levels to build (e.g. avx2 avx512 avx512bf16)")
     parser.add_argument("--into", type=Path, required=True, help="the directory PAGODA_PREBUILT_KERNELS will name")
     parser.add_argument("--cache", type=Path, help="libraries built before, reused when their sources are the same")
