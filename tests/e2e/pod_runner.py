@@ -82,12 +82,12 @@ def expand(text: str, env: dict[str, str]) -> str:
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
-def field_ref(pod: dict[str, Any], path: str, pod_ip: str = "") -> str:
+def field_ref(pod: dict[str, Any], path: str) -> str:
+    """The downward API's value (the pod's address is not known before its container starts)."""
     meta = pod["metadata"]
     simple = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
               "metadata.uid": meta.get("uid", ""), "spec.nodeName": NODE_NAME,
-              "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default"),
-              "status.hostIP": "", "status.podIP": pod_ip}
+              "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "default")}
     if path in simple:
         return simple[path]
     match = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
