@@ -38,7 +38,7 @@ NOT_RUN = re.compile(r"<!-- not run by tests: (.+?) -->\s*$")
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
 SERVER_STARTS = ("make serve", "pagoda serve --port 8000 &")
 SUBSTITUTIONS = {"/models/small-draft": "{default_model}"}
-CONTINUES_ABOVE = {("docs/server.md", "out = client.embeddings.create(")}
+CONTINUES_ABOVE: set[tuple[str, str]] = set()  # (file, a block's start): blocks that run after the one above
 
 
 @dataclass
