@@ -71,6 +71,11 @@ class AsyncLLMEngine:
         return cls(lambda: LLMEngine.from_engine_args(args))
 
     @property
+    def loras(self):
+        """The engine's adapter registry: LoRARequests are checked with it before they are queued."""
+        return self.engine.loras
+
+    @property
     def errored(self) -> bool:
         return self._dead_error is not None
 

@@ -157,10 +157,14 @@ class LLMEngine:
             return []
         outputs = []
         for state in observer.changed.values():
-            outputs.append(state.to_output())
+            outputs.append(self._make_output(state))
             if state.finished:
                 self.requests.remove(state.request_id)
         return outputs
+
+    def _make_output(self, state: RequestState):
+        """What a step hands back for a request whose output moved (the core process: a token delta)."""
+        return state.to_output()
 
     def log_stats_if_due(self) -> None:
         """The periodic stats line: each step calls it, and an idle engine loop too, so that the last
