@@ -31,7 +31,7 @@ from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine import EngineDeadError, wire
 from pagoda.engine.core_proc import run_engine_core
-from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.input_processor import InputProcessor, check_priority
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from pagoda.engine.request_state import RequestState
@@ -160,12 +160,13 @@ class AsyncMPEngine:
         processed = await asyncio.to_thread(self.input_processor.process, prompt, params)
         return processed.text, processed.token_ids
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None
+    async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs until the request finishes; aborts it if the caller stops listening."""
         await self.check_health()
         if request_id in self._tracked:
             raise ValueError(f"request_id {request_id!r} is already running")
+        check_priority(priority, self.config.scheduler.scheduling_policy)
         text, token_ids = await self.process_prompt(prompt, params)
         if lora_request is not None:  # checked (a Hub id downloaded) before the request is queued
             lora_request = await asyncio.to_thread(self.loras.resolve, lora_request)
@@ -181,7 +182,8 @@ class AsyncMPEngine:
         finished = False
         try:
             self._send(wire.AddRequest(request_id, text, token_ids, wire.dumps(params),
-                                       None if lora_request is None else wire.dumps(lora_request), arrival))
+                                       None if lora_request is None else wire.dumps(lora_request), arrival,
+                                       priority))
             if self._dead_error is not None:  # died between the health check and the add
                 raise EngineDeadError(f"engine core died: {self._dead_error!r}")
             while True:

@@ -98,7 +98,7 @@ class CoreEngine(LLMEngine):
     def _add(self, message: wire.AddRequest) -> wire.RequestDelta | None:
         try:
             self.add_request(message.request_id, message.prompt, wire.loads(message.params), message.arrival_time,
-                             message.prompt_token_ids, wire.loads(message.lora_request))
+                             message.prompt_token_ids, wire.loads(message.lora_request), message.priority)
             return None
         except ValueError as e:  # the server checked it already: only what the core alone knows
             return wire.RequestDelta(message.request_id, [], RequestMetrics(message.arrival_time), error=str(e),
@@ -131,9 +131,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # started as a daemon (it dies with the server); its own worker ranks are daemons of its own
     multiprocessing.current_process()._config["daemon"] = False
-    from pagoda.entrypoints.cli import configure_logging
-
-    configure_logging(logging.getLevelName(log_level))
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s core %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)

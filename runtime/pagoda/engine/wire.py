@@ -27,6 +27,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: bytes  # pickled SamplingParams | PoolingParams
     lora_request: bytes | None  # pickled LoRARequest
     arrival_time: float
+    priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):

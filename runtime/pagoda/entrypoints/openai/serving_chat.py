@@ -183,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
         request_id = self.request_id(raw, "chatcmpl")
         release = self.admission.acquire()
-        stream = self.generate(prompt, params, request_id, lora_request)
+        stream = self.generate(prompt, params, request_id, lora_request, request.priority)
         if request.stream:
             return EventStreamResponse(self._stream(request, request_id, stream, top_k, release), release)
         try:
