@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "PAGODA_ENABLE_ENGINE_CORE_PROCESS"
 POLL_MS = 200  # the output thread looks at the core's liveness at least this often
+SEND_TIMEOUT_MS = 2000  # a request the core does not take within this is refused: the core is gone
 
 
 def engine_core_process_enabled() -> bool:
@@ -94,6 +95,8 @@ class AsyncMPEngine:
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        # a core that is gone leaves the socket without a peer, where a send would wait for ever
+        self._input.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self._input.bind(input_address)
         self._output = self._context.socket(zmq.PULL)
         self._output.bind(output_address)
@@ -128,7 +131,10 @@ class AsyncMPEngine:
                     return message.stats
                 if isinstance(message, wire.CoreFailed):
                     self.process.join(10)
-                    error = wire.loads(message.error)
+                    try:
+                        error = wire.loads(message.error)
+                    except Exception:  # noqa: BLE001 - an exception that does not unpickle: its text
+                        error = None
                     raise error if isinstance(error, BaseException) else RuntimeError(message.message)
             elif not self.process.is_alive():
                 raise RuntimeError(f"the engine core process exited with code {self.process.exitcode} "
@@ -231,7 +237,7 @@ class AsyncMPEngine:
         if self.process.is_alive():
             try:
                 self._send(wire.Shutdown())
-            except zmq.ZMQError:
+            except (zmq.ZMQError, EngineDeadError):
                 pass
             self.process.join(timeout)
         thread = getattr(self, "_thread", None)
@@ -278,7 +284,10 @@ class AsyncMPEngine:
     def _send(self, message) -> None:
         data = self._encoder.encode(message)
         with self._send_lock:
-            self._input.send(data, copy=False)
+            try:
+                self._input.send(data, copy=False)
+            except zmq.Again:
+                raise EngineDeadError("the engine core does not take requests (its process is gone)") from None
 
     def _fail_all(self, error: BaseException) -> None:
         if self._dead_error is None:

@@ -28,6 +28,7 @@ from pagoda.process.startup_heap import frozen_when_loaded
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000  # an idle core wakes this often to see whether the server is still there
+SEND_TIMEOUT_MS = 1000  # a blocked send looks this often whether the server is still there
 
 
 class TokenOutputProcessor:
@@ -110,17 +111,26 @@ class CoreEngine(LLMEngine):
 
 
 class Outbox:
-    """The socket to the server; the executor's failure callback sends from its watcher thread too."""
+    """The socket to the server; the executor's failure callback sends from its watcher thread too. A send
+    that cannot go out (the server is gone, or not reading) retries while the server process lives."""
 
-    def __init__(self, socket: zmq.Socket):
+    def __init__(self, socket: zmq.Socket, parent_pid: int):
         self.socket = socket
+        self.parent_pid = parent_pid
         self.encoder = wire.encoder()
         self.lock = threading.Lock()
+        socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
 
     def send(self, message) -> None:
         data = self.encoder.encode(message)
         with self.lock:
-            self.socket.send(data, copy=False)
+            while True:
+                try:
+                    self.socket.send(data, copy=False)
+                    return
+                except zmq.Again:
+                    if os.getppid() != self.parent_pid:
+                        raise SystemExit("the server process is gone") from None
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
@@ -139,7 +149,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     outbox_socket = context.socket(zmq.PUSH)
     outbox_socket.setsockopt(zmq.LINGER, 5000)
     outbox_socket.connect(output_address)
-    outbox = Outbox(outbox_socket)
+    outbox = Outbox(outbox_socket, parent_pid)
     engine = None
     try:
         try:
