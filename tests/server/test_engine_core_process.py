@@ -64,8 +64,17 @@ def test_the_engine_core_runs_in_a_child_process_and_stop_strings_free_its_block
         model=MODEL, prompt="Hello", max_tokens=12, temperature=0.0, stop=[stop], stream=True,
         extra_body={"ignore_eos": True}))
     assert streamed == choice.text
-    # the final output came once the core had freed the sequence's blocks
+    # the final output came once the core had freed the sequence's blocks; the core's stats cross too
     assert metric(server, "pagoda:kv_cache_used_blocks") == 0.0
+    assert metric(server, "pagoda:engine_steps_total") >= 12  # the first request alone ran 12 steps
+
+
+def test_a_priority_needs_the_priority_policy(server):
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client("none", timeout=60).completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                                             extra_body={"priority": 3})
+    error = refused.value.response.json()["error"]
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
 
 
 def test_killing_the_engine_core_is_a_500_and_health_503_not_a_hang(server):
@@ -117,8 +126,12 @@ def test_killing_the_engine_core_is_a_500_and_health_503_not_a_hang(server):
 
 
 def test_the_switch_keeps_the_engine_in_the_server_process(server_factory):
-    server = server_factory("--served-model-name", MODEL, env={"PAGODA_ENABLE_ENGINE_CORE_PROCESS": "0"})
+    # with the latency target and the priority policy, which the in-process engine honours alike
+    server = server_factory("--served-model-name", MODEL, "--target-itl-ms", "50", "--scheduling-policy", "priority",
+                            env={"PAGODA_ENABLE_ENGINE_CORE_PROCESS": "0"})
     assert engine_core_pid(server) is None
-    out = server.client("none", timeout=60).completions.create(model=MODEL, prompt="Hello", max_tokens=3,
-                                                               extra_body={"ignore_eos": True})
+    client = server.client("none", timeout=60)
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True,
+                                                                                          "priority": -1})
     assert out.usage.completion_tokens == 3
+    assert metric(server, "pagoda:engine_steps_total") >= 3  # the engine's step timer

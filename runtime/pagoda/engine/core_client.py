@@ -226,7 +226,10 @@ class AsyncMPEngine:
                 _finish(seq, "abort")
             _publish({tracked.loop: [(tracked.stream, state.to_output())]})
         if self._dead_error is None:
-            self._send(wire.AbortRequest(request_id))
+            try:
+                self._send(wire.AbortRequest(request_id))
+            except EngineDeadError:  # the output thread is about to find the core gone
+                pass
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (its workers with it) and the output thread; requests still waiting get
