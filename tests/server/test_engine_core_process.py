@@ -1,7 +1,7 @@
 """The engine core in its own process (engine/core_proc.py): the server's child runs the model, the server
 streams; stop strings found by the server free the core's blocks; the core's death is a 500 for the
-request in flight and /health 503 at once, never a hang; PAGODA_ENABLE_ENGINE_CORE_PROCESS=0 keeps the
-engine in the server process."""
+request in flight and /health 503 at once, never a hang. PAGODA_ENABLE_ENGINE_CORE_PROCESS=1 turns it on
+(on a CPU it is off by default); 0 keeps the engine in the server process."""
 
 import os
 import signal
@@ -45,7 +45,7 @@ def server(server_factory):
     """Steps of 10 ms or more (the tiny model's own take ~0.3 ms): a long request stays in flight for seconds.
     The hook is patched_serve's, in the core process (spawn runs the launcher's top level there too)."""
     return server_factory("--served-model-name", MODEL, launcher=PATCHED_LAUNCHER,
-                          env={"TEST_SERVE_STEP_DELAY": "0.01"})
+                          env={"TEST_SERVE_STEP_DELAY": "0.01", "PAGODA_ENABLE_ENGINE_CORE_PROCESS": "1"})
 
 
 def test_the_engine_core_runs_in_a_child_process_and_stop_strings_free_its_blocks(server):

@@ -5,7 +5,9 @@ decodes are counted, so a long prompt is cut into as many chunks as the budget n
 
 from collections import deque
 
-MIN_STEPS = 4  # steps seen before the model is trusted (the first ones also pay warm-up)
+# steps seen before the model answers: one is enough for the pessimistic line (all its time is the tokens'),
+# and the first steps matter most: a burst of requests would otherwise run whole-budget steps over decodes
+MIN_STEPS = 1
 
 
 class StepCostModel:

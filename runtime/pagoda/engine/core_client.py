@@ -10,8 +10,8 @@ a thread here reads the deltas, turns them into cumulative RequestOutputs and ha
 The core's death (a crash, a kill) fails every waiting request with EngineDeadError at once (the server
 answers 500) and `is_running` turns False (its /health 503): nothing waits on a process that is gone.
 
-PAGODA_ENABLE_ENGINE_CORE_PROCESS=0 keeps the engine in the server process (`AsyncLLMEngine`), as vLLM's
-VLLM_ENABLE_V1_MULTIPROCESSING=0."""
+PAGODA_ENABLE_ENGINE_CORE_PROCESS=1|0 turns it on or off, as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING; unset,
+it is on with a GPU and off on a CPU (engine_core_process_enabled says why)."""
 
 import asyncio
 import logging
@@ -46,10 +46,15 @@ POLL_MS = 200  # the output thread looks at the core's liveness at least this of
 SEND_TIMEOUT_MS = 2000  # a request the core does not take within this is refused: the core is gone
 
 
-def engine_core_process_enabled() -> bool:
-    """PAGODA_ENABLE_ENGINE_CORE_PROCESS: 1 (default) or 0; anything else is an error naming it."""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
+def engine_core_process_enabled(device: str) -> bool:
+    """PAGODA_ENABLE_ENGINE_CORE_PROCESS: 1 or 0 (anything else is an error naming it). Unset: on with a GPU
+    (vLLM's default: the forward pass runs on the device, the host's cores are free for the server), off on
+    a CPU, where the forward pass's threads take every core and the server's work beside them slowed each
+    step more than taking it out of the step saved (docs/benchmarks.md: 2 shared cores, 9-17 %)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value == "":
+        return device != "cpu"
+    if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False

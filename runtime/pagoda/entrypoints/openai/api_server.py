@@ -87,11 +87,12 @@ class ServerState:
 
 
 def default_engine_factory(args: EngineArgs):
-    """The engine core in a process of its own (PAGODA_ENABLE_ENGINE_CORE_PROCESS=0: in this one)."""
+    """The engine core in a process of its own, or in this one (PAGODA_ENABLE_ENGINE_CORE_PROCESS)."""
     from pagoda import AsyncLLMEngine
+    from pagoda.config import resolve_device
     from pagoda.engine.core_client import AsyncMPEngine, engine_core_process_enabled
 
-    if engine_core_process_enabled():
+    if engine_core_process_enabled(resolve_device(args.device)):
         return AsyncMPEngine.from_engine_args(args)
     return AsyncLLMEngine.from_engine_args(args)
 
