@@ -53,7 +53,7 @@ class EngineArgs:
     # a step's prefill share sized so running decodes keep this inter-token latency (docs/server.md); None: off
     target_itl_ms: float | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (a request's `priority`, lower first), as vLLM's
-    # accepted for vLLM compatibility (its default since early 2026): the step loop overlaps what it can
+    # accepted for vLLM compatibility (its default since early 2026), without effect yet (docs/server.md)
     async_scheduling: bool = False
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: float | None = None  # GiB; default on CPU: DEFAULT_CPU_KV_CACHE_GIB
