@@ -22,7 +22,10 @@ MODEL = "tiny"
 def children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # that thread ended meanwhile
+            pass
     return found
 
 
