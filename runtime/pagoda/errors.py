@@ -9,6 +9,9 @@ class InvalidParam(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # it crosses processes (the engine core's load errors)
+        return type(self), (self.param, str(self))
+
 
 class RequestFailed(RuntimeError):
     """One request failed inside the engine (and only it): the engine goes on serving the others."""

@@ -304,6 +304,11 @@ def test_disconnect_aborts_non_streaming_request(slow_http):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         slow_http.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    # the engine may not have seen the request yet when the client gives up: wait for the abort, then idle
+    deadline = time.monotonic() + 20
+    while metrics(slow_http)["pagoda:request_success_total{finished_reason=abort}"] == aborted:
+        assert time.monotonic() < deadline, "the abandoned request was never aborted"
+        time.sleep(0.05)
     m = wait_idle(slow_http)
     assert m["pagoda:request_success_total{finished_reason=abort}"] == aborted + 1
 

@@ -17,6 +17,7 @@ LOAD_FORMATS = ("auto", "safetensors")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 # vLLM engine arguments Pagoda does not implement yet: refused by name unless left at vLLM's default.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
     "cpu_offload_gb": 0.0,
     "num_scheduler_steps": 1,
@@ -49,6 +50,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # default: 2048 with chunked prefill, else max_model_len
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # a step's prefill share sized so running decodes keep this inter-token latency (docs/server.md); None: off
+    target_itl_ms: float | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (a request's `priority`, lower first), as vLLM's
+    # accepted for vLLM compatibility (its default since early 2026), without effect yet (docs/server.md)
+    async_scheduling: bool = False
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: float | None = None  # GiB; default on CPU: DEFAULT_CPU_KV_CACHE_GIB
     attention_backend: str = "auto"
@@ -108,6 +114,11 @@ class EngineArgs:
                                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidParam("kv_cache_memory", f"kv_cache_memory must be > 0 GiB; got {self.kv_cache_memory}")
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise InvalidParam("target_itl_ms", f"target_itl_ms must be > 0 milliseconds; got {self.target_itl_ms}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidParam("scheduling_policy", f"scheduling_policy must be one of "
+                                                    f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise InvalidParam("max_num_batched_tokens",
                                f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")

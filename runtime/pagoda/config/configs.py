@@ -52,6 +52,9 @@ class SchedulerConfig:
     max_model_len: int
     preemption_mode: str = "recompute"
     max_loras: int | None = None  # LoRA: the distinct adapters running sequences may use at once
+    # a step's prefill share is sized so running decodes keep this inter-token latency (None: no cap)
+    target_itl_ms: float | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival), as vLLM's
 
 
 @dataclass(frozen=True)

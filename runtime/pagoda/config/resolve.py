@@ -91,7 +91,8 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   max_model_len=max_model_len, preemption_mode=mode,
-                                  max_loras=args.max_loras if args.enable_lora else None),
+                                  max_loras=args.max_loras if args.enable_lora else None,
+                                  target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,

@@ -8,6 +8,12 @@ running sequence is preempted: with preemption_mode "swap" its blocks are copied
 and back when it resumes (swapped sequences resume before waiting ones are admitted); with "recompute",
 or when the swap space is full, its KV is dropped and its tokens recomputed later.
 
+With a latency target (`target_itl_ms`) and decodes running, a step's prefill share is what the learnt
+step costs (core.step_cost) leave within the target once the decodes are counted, at least a block: a long
+prompt is cut into as many chunks as that needs, instead of one step that stalls every decode. With
+`scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
+sequence is the least urgent running one, as vLLM's.
+
 Speculative decoding: a decoding sequence that takes drafts is scheduled like a chunk of 1 + k tokens
 (its last token and k drafts, proposed here by prompt lookup or later by the runner's draft model), with
 KV slots for all of them; when the step is done the slots of rejected drafts are released.
@@ -23,14 +29,17 @@ from pagoda.core.block_manager import BlockManager
 from pagoda.core.runner_output import ModelRunnerOutput
 from pagoda.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagoda.core.sequence import Sequence, SequenceStatus
+from pagoda.core.step_cost import StepCostModel
 from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagoda.spec_decode.stats import SpecDecodeStats
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, step_costs: StepCostModel | None = None):
         self.config = config
+        self.step_costs = step_costs if step_costs is not None else StepCostModel()
+        self.by_priority = config.scheduling_policy == "priority"
         self.block_manager = block_manager
         self.speculative = speculative
         self.ngram = None
@@ -52,8 +61,33 @@ class Scheduler:
         self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq)
         self._live[seq.seq_id] = seq
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the waiting queue: at its end (a preempted one at its front), or in priority order."""
+        if self.by_priority:
+            key = _priority_key(seq)
+            index = next((i for i, q in enumerate(self.waiting) if _priority_key(q) > key), len(self.waiting))
+            self.waiting.insert(index, seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def prefill_budget(self) -> int | None:
+        """The prompt tokens this step may compute under the latency target (None: no cap)."""
+        target = self.config.target_itl_ms
+        if not target or not self.config.enable_chunked_prefill:
+            return None
+        decodes = sum(1 for q in self.running
+                      if q.seq_id not in self.in_flight and q.num_tokens - q.num_computed_tokens == 1)
+        if not decodes:  # no token is waited for: prompts go at full speed
+            return None
+        fit = self.step_costs.tokens_within(target / 1000)
+        if fit is None:  # no step measured yet
+            return None
+        return max(fit - decodes, self.block_manager.block_size)
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """Output `index` of an n > 1 request, forked from `parent` at the end of its prompt: it shares the
@@ -80,14 +114,21 @@ class Scheduler:
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
         budget = self.config.max_num_batched_tokens
+        prefill_left = self.prefill_budget()
+        if self.by_priority:  # the most urgent first: they get the blocks, the least urgent are preempted
+            self.running.sort(key=_priority_key)
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.seq_id in self.in_flight:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if seq.seq_id in self.in_flight or (remaining > 1 and prefill_left == 0):
                 i += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(remaining, budget)
+            if remaining > 1 and prefill_left is not None:
+                num_new = min(num_new, prefill_left)
+                prefill_left -= num_new
             drafts, num_drafts = self._propose(seq, budget - num_new)
             copies = self.block_manager.allocate(seq, num_new + num_drafts)
             if copies is None and num_drafts:  # no room for the drafts: decode one token
@@ -115,6 +156,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
+            if remaining > 1 and prefill_left is not None:
+                if prefill_left == 0:
+                    break
+                num_new = min(num_new, prefill_left)
             pairs = self.block_manager.swap_in(seq, num_new)
             if pairs is None:
                 break
@@ -126,6 +171,8 @@ class Scheduler:
             out.scheduled.append(self._schedule_seq(seq, num_new, False))
             self.num_swapped_in += 1
             budget -= num_new
+            if remaining > 1 and prefill_left is not None:
+                prefill_left -= num_new
 
         while (self.waiting and not self.swapped and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
@@ -140,6 +187,10 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
+            if remaining > 1 and prefill_left is not None:
+                if prefill_left == 0:
+                    break
+                num_new = min(num_new, prefill_left)
             copies = self.block_manager.allocate(seq, num_new, cached)
             if copies is None:
                 break
@@ -155,6 +206,8 @@ class Scheduler:
             out.blocks_to_copy += copies
             out.scheduled.append(self._schedule_seq(seq, num_new, False))
             budget -= num_new
+            if remaining > 1 and prefill_left is not None:
+                prefill_left -= num_new
         for s in out.scheduled:
             self.in_flight.add(s.seq_id)
         return out
@@ -184,6 +237,7 @@ class Scheduler:
         return (drafts, len(drafts)) if drafts else (None, 0)
 
     def _newest_preemptible(self) -> Sequence:
+        """The last of the running (the newest admitted; with the priority policy, the least urgent)."""
         for seq in reversed(self.running):
             if seq.seq_id not in self.in_flight:
                 return seq
@@ -232,7 +286,7 @@ class Scheduler:
             return
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_recomputed += 1
 
     def step_done(self, out: SchedulerOutput, result: ModelRunnerOutput | None = None) -> None:
@@ -269,3 +323,7 @@ class Scheduler:
         seq.stop_reason = stop_reason
         self._finished_seq_ids.append(seq.seq_id)
         self.in_flight.discard(seq.seq_id)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.priority, seq.arrival_time, seq.seq_id

@@ -37,6 +37,7 @@ class Sequence:
         self.lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
         self.status = SequenceStatus.WAITING
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = 0  # --scheduling-policy priority: lower first (then earlier arrival), as vLLM's
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # forked from a parent that finished prefill: n samples are drawn at the end of the prompt
@@ -77,6 +78,7 @@ class Sequence:
         child.status = self.status
         child.pending_forks = 0
         child.lora_request = self.lora_request
+        child.priority = self.priority
         return child
 
     def __repr__(self) -> str:

@@ -71,6 +71,11 @@ class AsyncLLMEngine:
         return cls(lambda: LLMEngine.from_engine_args(args))
 
     @property
+    def loras(self):
+        """The engine's adapter registry: LoRARequests are checked with it before they are queued."""
+        return self.engine.loras
+
+    @property
     def errored(self) -> bool:
         return self._dead_error is not None
 
@@ -89,19 +94,20 @@ class AsyncLLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None
+    async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs until the request finishes; aborts it if the caller stops listening.
         lora_request: a LoRARequest, the adapter the request runs with."""
         await self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
+        self.engine.check_priority(priority)
         text, token_ids = await asyncio.to_thread(self.engine.process_prompt, prompt, params)
         if lora_request is not None:  # checked (a Hub id downloaded) before the request is queued
             lora_request = await asyncio.to_thread(self.engine.loras.resolve, lora_request)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(("add", request_id, text, token_ids, params, lora_request))
+        self._commands.put(("add", request_id, text, token_ids, params, lora_request, priority))
         finished = False
         try:
             while True:
@@ -216,12 +222,12 @@ class AsyncLLMEngine:
             block = False
             kind = command[0]
             if kind == "add":
-                _, request_id, text, token_ids, params, lora_request = command
+                _, request_id, text, token_ids, params, lora_request, priority = command
                 if request_id not in self._streams:  # cancelled before it reached the engine
                     continue
                 try:
                     self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
-                                            lora_request=lora_request)
+                                            lora_request=lora_request, priority=priority)
                 except ValueError as e:
                     self._send(request_id, e)
                 except Exception as e:  # noqa: BLE001 - this request failed, not the engine

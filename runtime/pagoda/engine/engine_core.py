@@ -18,6 +18,7 @@ from pagoda.core.kv_window import droppable_window
 from pagoda.core.runner_output import SampledToken
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.sequence import Sequence
+from pagoda.core.step_cost import StepCostModel
 from pagoda.models.family import layer_windows
 
 
@@ -61,6 +62,35 @@ def droppable_kv_window(config: EngineConfig) -> int | None:
     return droppable_window(layer_windows(config.model.hf_config))
 
 
+class StepTimer:
+    """The engine's own step timer: seconds in the executor (a batch's submit to its result), and the gaps
+    between one batch's result and the next batch's submit while work was waiting (the update, output
+    processing, new requests, scheduling: what async scheduling would hide)."""
+
+    def __init__(self):
+        self.forward_seconds = 0.0
+        self.gap_seconds = 0.0
+        self.num_steps = 0
+        self.num_gaps = 0
+        self.busy = False  # work was left when the last batch ended: the time until the next is a gap
+        self._last_done: float | None = None
+
+    def submitted(self) -> float:
+        now = time.perf_counter()
+        if self.busy and self._last_done is not None:
+            self.gap_seconds += now - self._last_done
+            self.num_gaps += 1
+        self.busy = False
+        return now
+
+    def done(self, submitted: float) -> float:
+        self._last_done = time.perf_counter()
+        self.num_steps += 1
+        elapsed = self._last_done - submitted
+        self.forward_seconds += elapsed
+        return elapsed
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor, num_blocks: int):
         self.executor = executor
@@ -69,9 +99,13 @@ class EngineCore:
                                           cache.num_swap_blocks, droppable_kv_window(config))
         depth = executor.pipeline_depth
         per_batch = dataclasses.replace(config.scheduler, max_num_seqs=-(-config.scheduler.max_num_seqs // depth))
-        self.schedulers = [Scheduler(per_batch, self.block_manager, config.speculative) for _ in range(depth)]
-        self.in_flight: deque = deque()  # (scheduler, its output, executor handle), oldest first
+        self.step_costs = StepCostModel()  # every batch's tokens and time: the latency target's chunk sizes
+        self.schedulers = [Scheduler(per_batch, self.block_manager, config.speculative, self.step_costs)
+                           for _ in range(depth)]
+        # (scheduler, its output, when it was submitted, executor handle), oldest first
+        self.in_flight: deque = deque()
         self.schedule_seconds = 0.0  # time spent scheduling (for the benchmarks' overhead figures)
+        self.timer = StepTimer()
 
     def add(self, seq: Sequence) -> None:
         min(self.schedulers, key=lambda sc: sc.num_unfinished).add(seq)
@@ -100,13 +134,17 @@ class EngineCore:
                 continue
             if on_scheduled is not None:
                 on_scheduled(sched_out)
-            self.in_flight.append((scheduler, sched_out, self.executor.submit(sched_out)))
+            submitted = self.timer.submitted()
+            self.in_flight.append((scheduler, sched_out, submitted, self.executor.submit(sched_out)))
         if not self.in_flight:
             return None
-        scheduler, sched_out, handle = self.in_flight.popleft()
+        scheduler, sched_out, submitted, handle = self.in_flight.popleft()
         result = self.executor.wait(handle)
+        self.step_costs.observe(sched_out.num_batched_tokens, self.timer.done(submitted))
         scheduler.step_done(sched_out, result)
-        return self._update(scheduler, result, observer)
+        step = self._update(scheduler, result, observer)
+        self.timer.busy = self.has_unfinished()
+        return step
 
     @staticmethod
     def _update(scheduler: Scheduler, result, observer: StepObserver | None = None) -> CoreStep:

@@ -106,3 +106,12 @@ class InputProcessor:
                 "prompt" if num_prompt_tokens >= limit else "max_tokens",
                 f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
                 f"({num_prompt_tokens} in the prompt, {params.max_tokens or 1} for the completion).")
+
+
+def check_priority(priority, policy: str) -> None:
+    """A request's `priority` (vLLM's): an integer, other than 0 only under the priority policy."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidParam("priority", f"priority must be an integer; got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise InvalidParam("priority", f"priority {priority} needs the priority scheduling policy "
+                                       "(--scheduling-policy priority); this engine schedules first come, first served")

@@ -19,7 +19,7 @@ from pagoda.core.kv_window import blocks_per_sequence
 from pagoda.core.request_kind import RequestParams
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine.engine_core import EngineCore, StepObserver, droppable_kv_window
-from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.input_processor import InputProcessor, check_priority
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from pagoda.engine.request_state import RequestState, RequestTable
@@ -107,13 +107,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: RequestParams | None = None,
                     arrival_time: float | None = None, prompt_token_ids: list[int] | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         """A request of any kind (core.request_kind), named by its params: a generation (SamplingParams), or
         an embedding (PoolingParams), whose prompt runs through the model like any prefill and whose output's
-        `embedding` is the pooled final hidden state. lora_request: the adapter it runs with (enable_lora)."""
+        `embedding` is the pooled final hidden state. lora_request: the adapter it runs with (enable_lora). priority:
+        with scheduling_policy "priority", lower runs first (vLLM's)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already running")
+        self.check_priority(priority)
         lora_request = self.loras.resolve(lora_request)
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.process_prompt(prompt, params)
@@ -123,6 +125,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, 0, arrival)
         state = RequestState(request_id, prompt, prompt_token_ids, seq.params, RequestMetrics(arrival), seq.kind)
         seq.lora_request = lora_request
+        seq.priority = priority
         if lora_request is not None:
             counts = self.stats.lora_requests
             counts[lora_request.lora_name] = counts.get(lora_request.lora_name, 0) + 1
@@ -130,6 +133,9 @@ class LLMEngine:
         self.requests.add(state)
         self.stats.prompt_tokens += len(prompt_token_ids)
         self.core.add(seq)
+
+    def check_priority(self, priority: int) -> None:
+        check_priority(priority, self.config.scheduler.scheduling_policy)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self.requests.remove(request_id)
@@ -157,10 +163,14 @@ class LLMEngine:
             return []
         outputs = []
         for state in observer.changed.values():
-            outputs.append(state.to_output())
+            outputs.append(self._make_output(state))
             if state.finished:
                 self.requests.remove(state.request_id)
         return outputs
+
+    def _make_output(self, state: RequestState):
+        """What a step hands back for a request whose output moved (the core process: a token delta)."""
+        return state.to_output()
 
     def log_stats_if_due(self) -> None:
         """The periodic stats line: each step calls it, and an idle engine loop too, so that the last
@@ -223,6 +233,9 @@ class LLMEngine:
                 is_running = any(q.status == SequenceStatus.RUNNING for q in state.seqs)
                 (running if is_running else waiting).add(lora.lora_name)
         s.running_lora_adapters, s.waiting_lora_adapters = sorted(running), sorted(waiting)
+        timer = self.core.timer
+        s.num_steps, s.step_forward_seconds = timer.num_steps, timer.forward_seconds
+        s.num_step_gaps, s.step_gap_seconds = timer.num_gaps, timer.gap_seconds
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
                               "iteration_tokens_counts": list(s.iteration_tokens_counts),
                               "expert_tokens": {layer: list(c) for layer, c in s.expert_tokens.items()},

@@ -112,6 +112,12 @@ class EngineStats:
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     lora_requests: dict[str, int] = field(default_factory=dict)  # requests added, by adapter name
+    # the engine's step timer (engine_core.StepTimer, counters): seconds in the executor, and the gaps
+    # between one batch's result and the next batch's submit while work was waiting
+    num_steps: int = 0
+    step_forward_seconds: float = 0.0
+    num_step_gaps: int = 0
+    step_gap_seconds: float = 0.0
 
     def add_expert_tokens(self, step: dict[int, list[int]]) -> None:
         for layer, counts in step.items():

@@ -30,3 +30,26 @@ def score_prompt_tokens(compute_logits: Callable[[torch.Tensor], torch.Tensor], 
             scored.append(SampledToken(token, lp, rank, top_ids[i].tolist() if k else [],
                                        top_lp[i].tolist() if k else []))
     return scored
+
+
+def score_scheduled_prompts(out, seqs, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                            score: bool) -> dict[int, tuple[int, list[SampledToken]]]:
+    """The logprobs of the prompt tokens a step's chunks predict (out: its SchedulerOutput, seqs: the
+    runner's sequences by id, hidden: the step's rows), for sequences that asked: seq id -> (position of
+    the first scored token, scores). Hidden row of position p predicts the token at p + 1; a chunk ending
+    mid-prompt leaves its last token's score to the next chunk, which starts with it. Every TP rank
+    computes the logits (a collective gather); only the one that samples (`score`) keeps them."""
+    result: dict[int, tuple[int, list[SampledToken]]] = {}
+    row = 0
+    for s in out.scheduled:
+        seq = seqs[s.seq_id]
+        k = seq.params.prompt_logprobs
+        start = s.num_computed_tokens
+        stop = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # the last prompt row predicts output
+        if k is not None and stop > start:
+            targets = seq.token_ids[start + 1 : stop + 1]
+            scored = score_prompt_tokens(compute_logits, hidden[row : row + stop - start], targets, k, score)
+            if score:
+                result[s.seq_id] = (start + 1, scored)
+        row += s.num_new_tokens
+    return result

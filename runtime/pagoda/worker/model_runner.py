@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda import platform as pagoda_platform
-from pagoda.attention import AttentionMetadata, get_backend
+from pagoda.attention import get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.config.kv_cache import storage_dtype_name
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
@@ -16,20 +16,20 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
 from pagoda.layers.attention import forward_context
 from pagoda.layers.moe import take_expert_tokens
-from pagoda.layers.packed_weights import pack_weights, packing_supported
 from pagoda.lora.manager import LoRAManager
-from pagoda.models import get_model_class
 from pagoda.ops import cpu_library
 from pagoda.process.cpu_allocator import keep_freed_memory
 from pagoda.sample.logits_processors import apply_logits_processors
-from pagoda.sample.prompt_logprobs import score_prompt_tokens
+from pagoda.sample.prompt_logprobs import score_scheduled_prompts
 from pagoda.sample.rejection_sampler import RejectionSampler, target_probs
 from pagoda.sample.sampler import Sampler, SamplingTensors
 from pagoda.spec_decode.draft_model import DraftModelProposer
-from pagoda.structured_output import apply_bitmask, get_grammar_backend
+from pagoda.structured_output import get_grammar_backend
+from pagoda.worker.gpu_memory import profile_free_gpu_memory
+from pagoda.worker.grammars import advance_matchers, mask_grammars
 from pagoda.worker.input_batch import InputBatch, RunnerSeq
 from pagoda.worker.kv_cache import PagedKVCache
-from pagoda.worker.loader.model_loader import load_weights
+from pagoda.worker.loader.model_loader import build_model
 from pagoda.worker.request_kinds import prompt_readers
 
 logger = logging.getLogger(__name__)
@@ -67,8 +67,8 @@ class ModelRunner:
             if config.attention_backend == "torch" and plan.cpp_kernels:  # built now, not in the first request
                 cpu_library.available()
         torch.manual_seed(config.seed)
-        self.model = self._load_model(hf, config.model.path, config.model.quantization,
-                                      config.parallel.pp_layer_partition, config.parallel.enable_expert_parallel)
+        self.model = build_model(hf, config.model.path, config.model.quantization, self.dtype, self.device,
+                                 config.parallel.pp_layer_partition, config.parallel.enable_expert_parallel)
         self.attention_layers = self.model.attention_layers()
         # LoRA: the adapters' device slots and host copies; each step tells it which rows use which adapter
         self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
@@ -87,26 +87,11 @@ class ModelRunner:
         if config.draft_model is not None and state.is_first_stage and state.tp_rank == 0:
             draft = config.draft_model
             with single_process_state():
-                model = self._load_model(draft.hf_config, draft.path, None, None)
+                model = build_model(draft.hf_config, draft.path, None, self.dtype, self.device)
             # the target's kv_cache_dtype applies to the draft's cache too
             draft_cache = PagedKVCache(model.attention_layers(), self.block_size, self.kv_dtype, self.device,
                                        config.cache.calculate_kv_scales)
             self.drafter = DraftModelProposer(self, model, draft_cache, config.seed)
-
-    def _load_model(self, hf_config, path: str, quantization, pp_layer_partition, expert_parallel=False):
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model_class = get_model_class(hf_config.architectures[0])
-                model = model_class(hf_config, pp_layer_partition, expert_parallel=expert_parallel)
-        finally:
-            torch.set_default_dtype(previous)
-        load_weights(model, path, quantization)
-        model.eval()
-        if packing_supported(self.device, self.dtype):
-            pack_weights(model)
-        return model
 
     # --- KV cache -------------------------------------------------------------------------------
 
@@ -122,39 +107,10 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
         if self.device.type == "cuda" and cache.kv_cache_memory_gib is None:
-            budget = self._profile_free_gpu_memory()
+            budget = profile_free_gpu_memory(self)
         else:
             budget = int((cache.kv_cache_memory_gib or DEFAULT_CPU_KV_CACHE_GIB) * 2**30)
         return max(budget // self.kv_cache_bytes_per_block(), 0)
-
-    def _profile_free_gpu_memory(self) -> int:
-        """gpu_memory_utilization of the device minus the peak of a forward pass at the full budget."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        sched = self.config.scheduler
-        num_tokens = min(sched.max_num_batched_tokens, sched.max_model_len * sched.max_num_seqs)
-        seq_len = min(num_tokens, sched.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        metadata = AttentionMetadata.build(lens, lens, [[]] * len(lens), torch.full((num_tokens,), -1), self.device)
-        hidden_in = residual_in = None
-        if not self.model.model.is_first:  # a later pipeline stage starts from hidden states
-            hidden_in = torch.zeros(num_tokens, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
-            residual_in = torch.zeros_like(hidden_in)
-        with torch.inference_mode(), forward_context(metadata, self.attn_backend, self.triton_ops):
-            hidden = self.model(input_ids, positions, hidden_in, residual_in)
-            if self.is_last_stage:
-                self.model.compute_logits(hidden[-sched.max_num_seqs :])
-        take_expert_tokens(self.model)  # not a request's routing
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
-        logger.info("GPU memory: %.2f GiB total, %.2f GiB peak in the profiling pass, %.2f GiB for the KV cache",
-                    total / 2**30, peak / 2**30, budget / 2**30)
-        torch.cuda.empty_cache()
-        return max(budget, 0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache.allocate(num_blocks)
@@ -230,7 +186,8 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, hidden_in, residual_in, keep_rows=keep_rows)
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
-        prompt_logprobs = self._prompt_logprobs(out, hidden)
+        prompt_logprobs = score_scheduled_prompts(out, self.seqs, hidden, self.model.compute_logits,
+                                                  self.samples)
         results = {}
         sample_seq_ids = step.sample_seq_ids
         if self._reading():  # kinds that do not sample are read where they would sample (every rank alike)
@@ -246,7 +203,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         result = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, results=results, failed=lora_failed)
         generators = self._generators(sample_seq_ids, result.failed)
-        self._advance_matchers(sample_seq_ids, result.failed)
+        advance_matchers(self.seqs, sample_seq_ids, result.failed, self._grammar_backend)
         # one pass over the rows: a failed sequence's are dropped, a drafting one's verified, the rest sampled
         verify, plain = [], []
         for i, seq_id in enumerate(sample_seq_ids):
@@ -260,7 +217,7 @@ class ModelRunner:
         if len(plain) < len(sample_seq_ids):
             logits, generators = logits[plain], [generators[i] for i in plain]
             sample_seq_ids = [sample_seq_ids[i] for i in plain]
-        masked = self._mask_grammars(logits, sample_seq_ids)
+        masked = mask_grammars(logits, self.seqs, sample_seq_ids, self._grammar_backend)
         seqs = [self.seqs[i] for i in sample_seq_ids]
         # the model's logits stay untouched only while some row still needs them for its logprobs
         writable = masked is not logits or all(q.params.logprobs is None for q in seqs)
@@ -288,26 +245,6 @@ class ModelRunner:
 
     def _reading(self) -> bool:
         return any(reader.active for reader in self.readers.values())
-
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, tuple[int, list]]:
-        """The logprobs of the prompt tokens this step's chunks predict, for sequences that asked. Hidden row
-        of position p predicts the token at p + 1; a chunk ending mid-prompt leaves its last token's score
-        to the next chunk, which starts with it. Every TP rank computes the logits (a collective gather)."""
-        result: dict[int, tuple[int, list]] = {}
-        row = 0
-        for s in out.scheduled:
-            seq = self.seqs[s.seq_id]
-            k = seq.params.prompt_logprobs
-            start = s.num_computed_tokens
-            stop = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # the last prompt row predicts output
-            if k is not None and stop > start:
-                targets = seq.token_ids[start + 1 : stop + 1]
-                scored = score_prompt_tokens(self.model.compute_logits, hidden[row : row + stop - start], targets, k,
-                                             self.samples)
-                if self.samples:
-                    result[s.seq_id] = (start + 1, scored)
-            row += s.num_new_tokens
-        return result
 
     def _verify(self, logits: torch.Tensor, seq_ids: list[int], generators: list, out: SchedulerOutput,
                 result: ModelRunnerOutput) -> None:
@@ -359,38 +296,6 @@ class ModelRunner:
                         self.seq_generators[seq_id] = gen
             generators.append(gen)
         return generators
-
-    def _advance_matchers(self, seq_ids: list[int], failed: dict[int, str]) -> None:
-        """Bring each constrained sequence's matcher up to its tokens. A matcher is made fresh when the runner
-        (re)learns a sequence (new, resumed after preemption, or a fork) and replays its output tokens, so
-        it always follows the sequence's own tokens."""
-        for seq_id in dict.fromkeys(seq_ids):
-            seq = self.seqs[seq_id]
-            spec = seq.params.structured_outputs
-            if spec is None or seq_id in failed:
-                continue
-            try:
-                if seq.matcher is None:
-                    seq.matcher = self._grammar_backend().matcher(spec)
-                for token in seq.token_ids[seq.num_prompt_tokens + seq.matcher.num_accepted:]:
-                    if not seq.matcher.accept(token):
-                        failed[seq_id] = f"token {token} does not follow its grammar"
-                        break
-            except Exception as e:  # noqa: BLE001 - handed to the engine as this sequence's failure
-                failed[seq_id] = f"following its grammar failed: {e!r}"
-
-    def _mask_grammars(self, logits: torch.Tensor, seq_ids: list[int]) -> torch.Tensor:
-        """logits [N, V] -> float32 [N, V] with the constrained rows masked by their grammars in one operation
-        (a copy: the raw logits still give logprobs); the same tensor when no row is constrained."""
-        rows = [i for i, seq_id in enumerate(seq_ids) if self.seqs[seq_id].matcher is not None]
-        if not rows:
-            return logits
-        bitmask = self._grammar_backend().allocate_bitmask(len(seq_ids))  # [N, ceil(V / 32)] int32
-        for row in rows:
-            self.seqs[seq_ids[row]].matcher.fill_bitmask(bitmask, row)
-        masked = logits.float().clone()
-        apply_bitmask(masked, bitmask, rows)
-        return masked
 
     def _grammar_backend(self):
         eos = tuple(sorted(self.eos_token_ids))

@@ -93,8 +93,13 @@ class ServerState:
 
 
 def default_engine_factory(args: EngineArgs):
+    """The engine core in a process of its own, or in this one (PAGODA_ENABLE_ENGINE_CORE_PROCESS)."""
     from pagoda import AsyncLLMEngine
+    from pagoda.config import resolve_device
+    from pagoda.engine.core_client import AsyncMPEngine, engine_core_process_enabled
 
+    if engine_core_process_enabled(resolve_device(args.device)):
+        return AsyncMPEngine.from_engine_args(args)
     return AsyncLLMEngine.from_engine_args(args)
 
 
@@ -115,7 +120,7 @@ def lora_requests(modules: list, engine) -> dict[str, LoRARequest]:
     for i, module in enumerate(modules, start=1):
         request = LoRARequest(module.name, i, module.path, module.base_model_name)
         try:
-            engine.engine.loras.resolve(request)
+            engine.loras.resolve(request)
         except ValueError as e:
             raise ValueError(f"--lora-modules {module.name}: {e}") from None
         requests[module.name] = request
@@ -290,7 +295,7 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
             state.last_lora_id += 1  # an unloaded adapter's id is never reused
             request = LoRARequest(body.lora_name, state.last_lora_id, body.lora_path)
             try:  # read and checked off the event loop; a bad adapter is this request's error alone
-                await asyncio.to_thread(state.engine.engine.loras.resolve, request)
+                await asyncio.to_thread(state.engine.loras.resolve, request)
             except ValueError as e:
                 raise APIError(400, str(e), param="lora_path", code="invalid_value") from None
             adapters[body.lora_name] = request

@@ -20,6 +20,7 @@ from pagoda.config import (
     EngineArgs,
     choose_dtype,
 )
+from pagoda.config.args import SCHEDULING_POLICIES
 from pagoda.config.quantization import GROUP_SIZES, METHODS
 from pagoda.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -253,6 +254,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--block-size", default=d["block_size"], type=positive_int)
     p.add("--max-num-seqs", default=d["max_num_seqs"], type=positive_int)
     p.add("--max-num-batched-tokens", type=positive_int)
+    p.add("--target-itl-ms", type=positive_float,
+          help="inter-token latency to keep for running requests: each step's prompt tokens are sized from "
+               "measured step costs, long prompts cut into as many chunks as that needs (default: off; "
+               "docs/server.md)")
+    p.add("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
+          help="fcfs: first come, first served; priority: by each request's `priority` (lower first), then "
+               "arrival")
+    p.add("--async-scheduling", default=d["async_scheduling"], boolean=True,
+          help="accepted for vLLM compatibility, without effect yet: a step is scheduled once the previous "
+               "one's tokens are known (docs/server.md)")
     p.add("--enable-prefix-caching", default=d["enable_prefix_caching"], boolean=True)
     p.add("--enable-chunked-prefill", default=d["enable_chunked_prefill"], boolean=True)
     p.add("--gpu-memory-utilization", default=d["gpu_memory_utilization"], type=positive_float)

@@ -109,6 +109,14 @@ class EngineStatsCollector(Collector):
             success.add_metric([self.model_name, reason], stats.finished_reasons.get(reason, 0))
         yield success
         yield self._iteration_tokens(stats)
+        # the engine's step timer: forward passes, and the gaps between them while work waited
+        yield counter("engine_steps", "Batches run by the executor.", stats.num_steps)
+        yield counter("engine_forward_seconds", "Seconds in the executor (submit to result).",
+                      stats.step_forward_seconds)
+        yield counter("engine_step_gaps", "Gaps between a batch's result and the next submit, work waiting.",
+                      stats.num_step_gaps)
+        yield counter("engine_step_gap_seconds", "Seconds between a batch's result and the next submit, work "
+                                                 "waiting (update, outputs, scheduling).", stats.step_gap_seconds)
         if stats.expert_tokens:  # a mixture-of-experts model: load balance per expert
             experts = CounterMetricFamily(PREFIX + "moe_expert_tokens", "Rows routed to each expert (a row per "
                                           "token and choice), by MoE layer.", labels=["model_name", "layer", "expert"])

@@ -106,6 +106,7 @@ class SamplingFields(OpenAIModel):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's)
     min_tokens: NonNegativeInt64 = 0
     stop_token_ids: list[NonNegativeInt64] | None = None
     skip_special_tokens: bool = True

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from pagoda.engine import EngineDeadError
+from pagoda.engine.input_processor import check_priority
 from pagoda.engine.outputs import RequestOutput
 from pagoda.entrypoints.openai.errors import APIError, invalid_request, sse_error
 from pagoda.entrypoints.openai.metrics import ServerMetrics
@@ -56,6 +57,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
         self.max_model_len = engine.config.model.max_model_len
+        self.scheduling_policy = engine.config.scheduler.scheduling_policy
         self.metrics = metrics
         self.admission = admission
         self.sampling_defaults = default_sampling_params(engine.config.model)  # the model's generation config
@@ -78,6 +80,7 @@ class OpenAIServing:
     def make_params(self, request, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
         try:
+            check_priority(getattr(request, "priority", 0), self.scheduling_policy)
             return request.sampling_params(max_tokens, logprobs, self.sampling_defaults, prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise invalid_request(str(e), getattr(e, "param", None)) from None
@@ -97,11 +100,12 @@ class OpenAIServing:
         return f"{prefix}-{request_id_of(raw)}"
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The engine's cumulative outputs, with metrics observed and engine errors as APIError."""
         tracker = self.metrics.tracker(params)
         try:
-            async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request):
+            async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request,
+                                                  priority=priority):
                 tracker.observe(out)
                 yield out
         except EngineDeadError as e:

@@ -158,7 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt, params, lora_request, top_k = await self.prepare(request)
         request_id = self.request_id(raw, "chatcmpl")
         release = self.admission.acquire()
-        stream = self.generate(prompt, params, request_id, lora_request)
+        stream = self.generate(prompt, params, request_id, lora_request, request.priority)
         if request.stream:
             return EventStreamResponse(self._stream(request, request_id, stream, top_k, release,
                                                     prompt["prompt_token_ids"]), release)

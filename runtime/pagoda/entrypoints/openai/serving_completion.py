@@ -103,7 +103,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [await self.validate_prompt(p, params) for p in raw_prompts]
         request_id = self.request_id(raw, "cmpl")
         release = self.admission.acquire(len(prompts))
-        streams = [self.generate(p, params, f"{request_id}-{i}", lora_request) for i, p in enumerate(prompts)]
+        streams = [self.generate(p, params, f"{request_id}-{i}", lora_request, request.priority)
+                   for i, p in enumerate(prompts)]
         if request.stream:
             events = self._stream(request, request_id, prompts, streams, release)
             return EventStreamResponse(events, release)

@@ -165,3 +165,27 @@ def load_weights(model, path: str, quantization: QuantizationConfig | None = Non
                     kv_scales.assign_checkpoint_scales(model, found_kv_scales))
     if method is not None:
         methods.process_after_loading(model)
+
+
+def build_model(hf_config, path: str, quantization, dtype, device, pp_layer_partition=None,
+                expert_parallel: bool = False):
+    """The model of `hf_config` on `device` in `dtype`, with the checkpoint at `path` loaded (and its
+    weights packed for the CPU kernels where they apply), in eval mode."""
+    import torch
+
+    from pagoda.layers.packed_weights import pack_weights, packing_supported
+    from pagoda.models import get_model_class
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model_class = get_model_class(hf_config.architectures[0])
+            model = model_class(hf_config, pp_layer_partition, expert_parallel=expert_parallel)
+    finally:
+        torch.set_default_dtype(previous)
+    load_weights(model, path, quantization)
+    model.eval()
+    if packing_supported(device, dtype):
+        pack_weights(model)
+    return model

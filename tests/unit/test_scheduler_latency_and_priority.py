@@ -1,0 +1,142 @@
+"""The scheduler's latency budget (--target-itl-ms: a step's prefill share from learnt step costs) and the
+priority policy (--scheduling-policy priority), with fake step costs: no model, no clock."""
+
+import math
+
+import pytest
+
+from pagoda.config import SchedulerConfig
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.scheduler import Scheduler
+from pagoda.core.sequence import Sequence
+from pagoda.core.step_cost import StepCostModel
+from pagoda.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+FIXED_S, PER_TOKEN_S = 0.005, 0.0001  # a fake machine: 5 ms a step plus 0.1 ms a token
+
+
+def fake_cost(tokens: int) -> float:
+    return FIXED_S + PER_TOKEN_S * tokens
+
+
+def make(target_itl_ms=None, policy="fcfs", budget=2048, num_blocks=512, max_seqs=16):
+    config = SchedulerConfig(max_seqs, budget, True, 10_000, target_itl_ms=target_itl_ms,
+                             scheduling_policy=policy)
+    return Scheduler(config, BlockManager(num_blocks, 16, False))
+
+
+def seq(n, start=0, req="r", priority=0, arrival=0.0):
+    s = Sequence(req, list(range(start, start + n)), SamplingParams(max_tokens=1000), 0, arrival)
+    s.priority = priority
+    return s
+
+
+def run_step(sched):
+    """Play the runner and the engine core: finish the step, charge its fake cost, sample where due."""
+    out = sched.schedule()
+    sched.step_done(out)
+    sched.step_costs.observe(out.num_batched_tokens, fake_cost(out.num_batched_tokens))
+    for s in out.scheduled:
+        if s.num_samples:
+            sched._live[s.seq_id].append_token(7)
+    return out
+
+
+def test_the_cost_model_learns_the_line_and_the_tokens_a_budget_holds():
+    model = StepCostModel()
+    assert model.tokens_within(0.02) is None  # nothing measured yet
+    for tokens in (4, 200, 4, 512, 37, 4):
+        model.observe(tokens, fake_cost(tokens))
+    fixed, per_token = model.line()
+    assert fixed == pytest.approx(FIXED_S) and per_token == pytest.approx(PER_TOKEN_S)
+    assert model.tokens_within(0.020) == 150  # (20 ms - 5 ms) / 0.1 ms
+
+
+def test_a_long_prompt_is_cut_into_as_many_chunks_as_the_itl_target_needs():
+    target_ms = 20.0
+    sched = make(target_itl_ms=target_ms)
+    decodes = [seq(8, start=1000 * i, req=f"d{i}") for i in range(4)]
+    for d in decodes:
+        sched.add(d)
+    for _ in range(6):  # the decodes prefill and run; their steps teach the cost model (one size, then two)
+        run_step(sched)
+    for tokens in (300, 40):  # two more sizes seen (as a real engine's mixed steps would show)
+        sched.step_costs.observe(tokens, fake_cost(tokens))
+    fit = sched.step_costs.tokens_within(target_ms / 1000)
+    assert fit == 150
+    long_prompt = seq(1000, start=50_000, req="long")
+    sched.add(long_prompt)
+    chunks = []
+    while not chunks or long_prompt.num_computed_tokens < long_prompt.num_prompt_tokens:
+        out = run_step(sched)
+        by_id = {s.seq_id: s.num_new_tokens for s in out.scheduled}
+        assert all(by_id[d.seq_id] == 1 for d in decodes)  # every decode runs every step
+        assert fake_cost(out.num_batched_tokens) <= target_ms / 1000 + 1e-12
+        chunks.append(by_id[long_prompt.seq_id])
+    assert sum(chunks) == 1000
+    assert len(chunks) == math.ceil(1000 / (fit - len(decodes)))  # 146 prompt tokens a step: 7 chunks
+
+
+def test_without_a_target_or_without_decodes_a_prompt_takes_the_whole_budget():
+    sched = make(target_itl_ms=None, budget=512)
+    sched.add(seq(1000))
+    assert run_step(sched).num_batched_tokens == 512
+    sched = make(target_itl_ms=20.0, budget=512)
+    for tokens in (1, 100, 200, 300):
+        sched.step_costs.observe(tokens, fake_cost(tokens))
+    sched.add(seq(1000))  # no decode waits on this step: the prompt goes at full speed
+    assert run_step(sched).num_batched_tokens == 512
+
+
+def test_a_target_tighter_than_the_decodes_still_moves_prompts_a_block_a_step():
+    sched = make(target_itl_ms=5.5)  # 5 tokens' worth: the 4 decodes alone nearly fill it
+    for i in range(4):
+        sched.add(seq(8, start=1000 * i, req=f"d{i}"))
+    for tokens in (1, 100, 200, 300):
+        sched.step_costs.observe(tokens, fake_cost(tokens))
+    for _ in range(2):
+        run_step(sched)
+    long_prompt = seq(100, start=50_000, req="long")
+    sched.add(long_prompt)
+    out = run_step(sched)
+    assert {s.seq_id: s.num_new_tokens for s in out.scheduled}[long_prompt.seq_id] == 16  # one block
+
+
+def test_priority_policy_admits_lower_priority_values_first_then_by_arrival():
+    sched = make(policy="priority", max_seqs=1)
+    late_urgent = seq(4, req="late-urgent", priority=-1, arrival=3.0)
+    early_normal = seq(4, start=100, req="early-normal", priority=0, arrival=1.0)
+    early_urgent = seq(4, start=200, req="early-urgent", priority=-1, arrival=2.0)
+    for s in (early_normal, late_urgent, early_urgent):
+        sched.add(s)
+    assert [s.request_id for s in sched.waiting] == ["early-urgent", "late-urgent", "early-normal"]
+    out = run_step(sched)
+    assert [s.seq_id for s in out.scheduled] == [early_urgent.seq_id]
+
+
+def test_fcfs_policy_keeps_arrival_order():
+    sched = make(policy="fcfs")
+    first, second = seq(4, req="a"), seq(4, start=100, req="b")
+    second.priority = -5  # not consulted under fcfs (the engine refuses a priority here)
+    for s in (first, second):
+        sched.add(s)
+    assert [s.request_id for s in sched.waiting] == ["a", "b"]
+
+
+def test_priority_policy_preempts_the_least_urgent_running_sequence():
+    # 7 blocks of 16 tokens. The relaxed request comes first: its 48-token prompt takes 3 blocks, its first
+    # decode a fourth; then the urgent one's prompt the last 3. The urgent one's first decode needs an eighth
+    # block: first come, first served would preempt the newest (the urgent one itself); priority the relaxed.
+    sched = make(policy="priority", num_blocks=7)
+    relaxed = seq(48, start=100, req="relaxed", priority=5, arrival=1.0)
+    urgent = seq(48, req="urgent", priority=0, arrival=2.0)
+    sched.add(relaxed)
+    run_step(sched)
+    sched.add(urgent)
+    run_step(sched)
+    assert sched.num_preemptions == 0
+    out = run_step(sched)
+    assert [s.seq_id for s in out.scheduled] == [urgent.seq_id]
+    assert sched.num_preemptions == 1 and relaxed not in sched.running
