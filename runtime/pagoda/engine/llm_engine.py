@@ -232,6 +232,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.shutdown()
         executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.shutdown()
