@@ -8,6 +8,7 @@ from collections import Counter
 import msgspec
 import pytest
 
+from pagoda.config.kv_events import KVEventsConfig
 from pagoda.core.block_hash import chain_hashes, lora_root
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.kv_events import (
@@ -16,7 +17,6 @@ from pagoda.core.kv_events import (
     BlockStored,
     EventBatch,
     KVEventRecorder,
-    KVEventsConfig,
 )
 from pagoda.core.sequence import Sequence
 from pagoda.errors import InvalidParam

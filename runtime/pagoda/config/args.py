@@ -124,7 +124,7 @@ class EngineArgs:
         check_lora_args(self)
         check_generation_config_arg(self.generation_config)
         if self.kv_events_config is not None:
-            from pagoda.core.kv_events import KVEventsConfig
+            from pagoda.config.kv_events import KVEventsConfig
 
             KVEventsConfig.parse(self.kv_events_config)
         backend = self.distributed_executor_backend

@@ -115,7 +115,7 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
 def _kv_events(raw):
     if raw is None:
         return None
-    from pagoda.core.kv_events import KVEventsConfig
+    from pagoda.config.kv_events import KVEventsConfig
 
     config = KVEventsConfig.parse(raw)
     return config if config.enabled else None
