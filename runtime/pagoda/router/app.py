@@ -62,10 +62,21 @@ def build_app(args: RouterArgs) -> FastAPI:
             loops.append(KVEventSubscriber(pool, router.policy.index, args.kv_events_endpoint,
                                            args.kv_events_replay_endpoint, args.kv_events_topic).run())
         tasks = [asyncio.create_task(loop) for loop in loops]
+        epp = None
+        if args.epp:
+            from pagoda.router.epp import EPPServer
+
+            epp = EPPServer(router, args.host, args.epp_port, args.epp_max_queue, args.session_header)
+            await epp.set_serving(False)
+            await epp.start()
         await monitor_first_round(monitor)
+        if epp is not None:
+            await epp.set_serving(True)  # backends known (readiness: the picker's view is synced)
         try:
             yield
         finally:
+            if epp is not None:
+                await epp.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
