@@ -3,7 +3,9 @@ consumers read them: msgspec structs written here after vLLM 0.32's ``vllm.distr
 Pagoda's own), the frames (topic, sequence number, payload), the replay socket. Every event of the run is
 accounted for: replaying them gives exactly the engine's cached blocks; the hashes are the token ids' chain."""
 
+import os
 import socket
+import subprocess
 from typing import Any
 
 import msgspec
@@ -165,3 +167,32 @@ def test_published_hashes_are_computable_from_token_ids(run):
     for ids in run["prompt_ids"]:
         expected = chain_hashes(ids, BLOCK_SIZE)[: (len(ids) - 1) // BLOCK_SIZE]
         assert expected and set(expected) <= stored
+
+
+VLLM_PEER_PYTHON = os.environ.get("PAGODA_VLLM_PEER_PYTHON", "/tmp/vllm-cpu-peer/bin/python")
+DECODE_WITH_VLLM = """
+import sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
+decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+data = open(sys.argv[1], "rb").read()
+kinds = {BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}
+while data:
+    n = int.from_bytes(data[:4], "big")
+    batch = decoder.decode(data[4:4 + n])
+    data = data[4 + n:]
+    print(" ".join(kinds[type(e)] + ":" + str(len(getattr(e, "block_hashes", []))) for e in batch.events))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(VLLM_PEER_PYTHON), reason="no vLLM to decode with (PAGODA_VLLM_PEER_PYTHON, "
+                    "or the venv of the vllm-cpu peer script)")
+def test_vllms_own_classes_read_every_event(run, tmp_path):
+    frames = tmp_path / "batches"
+    frames.write_bytes(b"".join(len(p).to_bytes(4, "big") + p for _, p in run["replay"]))
+    done = subprocess.run([VLLM_PEER_PYTHON, "-c", DECODE_WITH_VLLM, str(frames)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kinds = {BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}
+    ours = [" ".join(kinds[type(e)] + ":" + str(len(getattr(e, "block_hashes", []))) for e in DECODER.decode(p).events)
+            for _, p in run["replay"]]
+    assert done.stdout.splitlines() == ours

@@ -89,6 +89,7 @@ class EngineCore:
         for scheduler in self.schedulers:
             if scheduler.owns(seq.seq_id):
                 scheduler.finish(seq, reason, stop_reason)
+                self._flush_kv_events()  # (a swapped-out sequence's host blocks: gone now, not at the next step)
                 return
 
     def has_unfinished(self) -> bool:
