@@ -30,7 +30,22 @@ if ENVOY is None:
 UPSTREAM = "x-upstream-host"  # Envoy adds the upstream it connected to, so a test sees where a request went
 
 
-def listener(name: str, port: int, fail_open: bool, default_endpoint: str) -> str:
+BUFFERED = """request_header_mode: SEND
+                request_body_mode: BUFFERED
+                request_trailer_mode: SKIP
+                response_header_mode: SKIP
+                response_body_mode: NONE
+                response_trailer_mode: SKIP"""
+# as the Inference Extension's gateways configure ext_proc: both bodies stream through the picker
+DUPLEX = """request_header_mode: SEND
+                request_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_header_mode: SEND
+                response_body_mode: FULL_DUPLEX_STREAMED
+                response_trailer_mode: SEND"""
+
+
+def listener(name: str, port: int, fail_open: bool, default_endpoint: str, mode: str = BUFFERED) -> str:
     # fail-open: without the picker's header the request goes to a default endpoint of the pool
     fallback = f"""
                 request_headers_to_add:
@@ -62,20 +77,16 @@ def listener(name: str, port: int, fail_open: bool, default_endpoint: str) -> st
               failure_mode_allow: {str(fail_open).lower()}
               message_timeout: 10s
               processing_mode:
-                request_header_mode: SEND
-                request_body_mode: BUFFERED
-                request_trailer_mode: SKIP
-                response_header_mode: SKIP
-                response_body_mode: NONE
-                response_trailer_mode: SKIP
+                {mode}
           - name: envoy.filters.http.router
             typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}"""
 
 
-def envoy_config(closed: int, open_: int, epp_port: int, default_endpoint: str) -> str:
+def envoy_config(closed: int, open_: int, duplex: int, epp_port: int, default_endpoint: str) -> str:
     return f"""
 static_resources:
-  listeners:{listener("closed", closed, False, default_endpoint)}{listener("open", open_, True, default_endpoint)}
+  listeners:{listener("closed", closed, False, default_endpoint)}{listener("open", open_, True, default_endpoint)}\
+{listener("duplex", duplex, False, default_endpoint, DUPLEX)}
   clusters:
   - name: pool
     type: ORIGINAL_DST
@@ -101,7 +112,7 @@ static_resources:
 def gateway(tiny_llama_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("epp")
     replicas = [start_replica(tiny_llama_dir, log_dir) for _ in range(2)]
-    epp_port, closed, open_ = free_port(), free_port(), free_port()
+    epp_port, closed, open_, duplex = free_port(), free_port(), free_port(), free_port()
     router = envoy = None
     try:
         for r in replicas:
@@ -110,7 +121,7 @@ def gateway(tiny_llama_dir, tmp_path_factory):
                               *[a for r in replicas for a in ("--backend", r.url)], env={"PAGODA_API_KEY": API_KEY})
         router.wait_ready(2)
         config = log_dir / "envoy.yaml"
-        config.write_text(envoy_config(closed, open_, epp_port, f"127.0.0.1:{replicas[0].port}"))
+        config.write_text(envoy_config(closed, open_, duplex, epp_port, f"127.0.0.1:{replicas[0].port}"))
         envoy_log = open(log_dir / "envoy.log", "wb")
         envoy = subprocess.Popen([ENVOY, "-c", str(config), "--base-id", str(epp_port), "-l", "warning",
                                   "--concurrency", "1"], stdout=envoy_log, stderr=subprocess.STDOUT)
@@ -126,7 +137,8 @@ def gateway(tiny_llama_dir, tmp_path_factory):
             assert time.monotonic() < deadline, (log_dir / "envoy.log").read_text()[-3000:]
             time.sleep(0.2)
         yield {"replicas": replicas, "router": router, "epp": f"127.0.0.1:{epp_port}",
-               "closed": f"http://127.0.0.1:{closed}", "open": f"http://127.0.0.1:{open_}"}
+               "closed": f"http://127.0.0.1:{closed}", "open": f"http://127.0.0.1:{open_}",
+               "duplex": f"http://127.0.0.1:{duplex}"}
     finally:
         if envoy is not None:
             envoy.terminate()
@@ -147,18 +159,23 @@ def ask(url: str, messages, **kwargs):
     return raw.headers.get(UPSTREAM), raw.parse()
 
 
-def test_answers_through_envoy_equal_direct_streaming_included(gateway):
+@pytest.mark.parametrize("listener", ["closed", "duplex"], ids=["buffered", "full-duplex-streamed"])
+def test_answers_through_envoy_equal_direct_streaming_included(gateway, listener):
     direct = client(gateway["replicas"][0].url)
     for prompt in ("Once upon a time", "The capital of France is"):
         want = direct.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
-        got = client(gateway["closed"]).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+        got = client(gateway[listener]).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                                            extra_body={"ignore_eos": True}).choices[0].text
         assert got == want
-        stream = client(gateway["closed"]).completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+        stream = client(gateway[listener]).completions.create(model=MODEL, prompt=prompt, max_tokens=12,
                                                               temperature=0, stream=True,
                                                               extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    chat = [{"role": "user", "content": "Say something."}]
+    want = direct.chat.completions.create(model=MODEL, messages=chat, max_tokens=8, temperature=0)
+    host, got = ask(gateway[listener], chat)
+    assert got.choices[0].message.content == want.choices[0].message.content
 
 
 def test_conversations_stay_on_their_replica(gateway):

@@ -1,8 +1,9 @@
 """`pagoda router --epp`: the router's choice served as a Gateway API Inference Extension Endpoint Picker.
 
 The gateway (Envoy, or an Envoy-based one) calls this over Envoy's ext_proc gRPC protocol, one stream per
-HTTP request. The picker reads the request's headers and (buffered) body, chooses a backend with the
-router's policy among the healthy backends, and answers as the Endpoint Picker protocol says:
+HTTP request. The picker reads the request's headers and body (buffered, streamed, or FULL_DUPLEX_STREAMED as
+the extension's gateways configure it: then the bodies pass back through the picker), chooses a backend with
+the router's policy among the healthy backends, and answers as the Endpoint Picker protocol says:
 
 - the chosen ``ip:port`` in the ``x-gateway-destination-endpoint`` header and in the dynamic metadata
   ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the same value), for an ORIGINAL_DST cluster;
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from envoy.type.v3 import http_status_pb2
@@ -38,6 +40,7 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+FULL_DUPLEX_STREAMED = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 def endpoint_of(backend: Backend) -> str:
@@ -86,29 +89,50 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         headers: dict[str, str] = {}
         body = b""
         subset = None
+        duplex_request = duplex_response = False  # FULL_DUPLEX_STREAMED: bodies come back through the picker
+        headers_pending = False  # duplex: the headers' answer waits for the whole body (it carries the choice)
         async for message in request_iterator:
+            if message.HasField("protocol_config"):
+                config = message.protocol_config
+                duplex_request = config.request_body_mode == FULL_DUPLEX_STREAMED
+                duplex_response = config.response_body_mode == FULL_DUPLEX_STREAMED
+            if message.HasField("metadata_context") and subset is None:
+                subset = _subset(message.metadata_context)
             kind = message.WhichOneof("request")
-            if message.HasField("metadata_context"):
-                subset = _subset(message.metadata_context) if subset is None else subset
             if kind == "request_headers":
                 for h in message.request_headers.headers.headers:
                     headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
                 if message.request_headers.end_of_stream:
                     yield await self._answer("request_headers", headers, b"", subset)
+                elif duplex_request:
+                    headers_pending = True
                 else:
                     yield ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
             elif kind == "request_body":
-                body += message.request_body.body
-                if message.request_body.end_of_stream:
+                chunk = message.request_body
+                body += chunk.body
+                if not chunk.end_of_stream:
+                    if not duplex_request:  # (streamed: each chunk passes on; the choice comes with the last)
+                        yield ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
+                    continue
+                if headers_pending:  # the headers with the choice, then the body back to Envoy
+                    headers_pending = False
+                    answer = await self._answer("request_headers", headers, body, subset)
+                    yield answer
+                    if answer.HasField("immediate_response"):
+                        return
+                    yield _streamed("request_body", body, True)
+                else:
                     yield await self._answer("request_body", headers, body, subset)
-                else:  # (a streamed body: pass each chunk on; the choice comes with the last)
-                    yield ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse())
             elif kind == "request_trailers":
                 yield ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
             elif kind == "response_headers":
                 yield ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
             elif kind == "response_body":
-                yield ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
+                if duplex_response:  # every chunk as it comes: a stream's events are not held back
+                    yield _streamed("response_body", message.response_body.body, message.response_body.end_of_stream)
+                else:
+                    yield ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
             elif kind == "response_trailers":
                 yield ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
 
@@ -133,6 +157,14 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                                                dynamic_metadata=metadata)
         return ext_proc.ProcessingResponse(request_body=ext_proc.BodyResponse(response=common),
                                            dynamic_metadata=metadata)
+
+
+def _streamed(phase: str, data: bytes, end_of_stream: bool) -> ext_proc.ProcessingResponse:
+    """A body chunk handed back to Envoy (FULL_DUPLEX_STREAMED: it forwards only what the picker returns)."""
+    mutation = ext_proc.BodyMutation(streamed_response=ext_proc.StreamedBodyResponse(body=data,
+                                                                                    end_of_stream=end_of_stream))
+    return ext_proc.ProcessingResponse(**{phase: ext_proc.BodyResponse(
+        response=ext_proc.CommonResponse(body_mutation=mutation))})
 
 
 def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
