@@ -32,6 +32,10 @@ INFERENCE_POOL_API = ("inference.networking.k8s.io", "v1", "inferencepools")
 INFERENCE_POOL = "InferencePool"
 ENDPOINT_PICKER_PORT = 9002  # the Inference Extension's default for the endpoint picker's ext-proc port
 ROLE_ROUTER = "router"
+# where `--policy precise` reads each head's KV events: the heads publish on these ports (engine.extraArgs:
+# --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}')
+KV_EVENTS_ENDPOINT = "tcp://{host}:5557"
+KV_EVENTS_REPLAY = "tcp://{host}:5558"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 # The kinds of the router's children, in the order they are applied (the Deployment last: its pods
 # need their account and permission first)
@@ -62,6 +66,8 @@ def router_args(spec: DeploymentSpec) -> list[str]:
     assert spec.router is not None
     args = ["router", "--k8s-service", head_service_name(spec), "--namespace", spec.namespace,
             "--policy", spec.router.policy, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    if spec.router.policy == "precise":  # the heads' KV events (their --kv-events-config): pod IP, fixed ports
+        args += ["--kv-events-endpoint", KV_EVENTS_ENDPOINT, "--kv-events-replay-endpoint", KV_EVENTS_REPLAY]
     if spec.router.mode == "epp":
         args += ["--epp", "--epp-port", str(ENDPOINT_PICKER_PORT)]
     return args

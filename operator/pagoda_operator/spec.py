@@ -480,7 +480,7 @@ def check_scheduling(spec: DeploymentSpec) -> None:
 # ----- spec.router -----
 
 # `pagoda router --policy` (DESIGN.md); the operator passes the value through
-ROUTER_POLICIES = ("round-robin", "least-load", "prefix", "session")
+ROUTER_POLICIES = ("round-robin", "least-load", "prefix", "session", "precise")
 
 
 ROUTER_MODES = ("proxy", "epp")

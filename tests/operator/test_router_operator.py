@@ -132,6 +132,11 @@ def test_epp_mode_is_the_pools_endpoint_picker(version, monkeypatch):
     assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
     ns = cli.build_parser().parse_args(container["args"])
     assert ns.epp and ns.epp_port == 9002 and ns.k8s_service == "llama"
+    precise = parse({**CPU, "router": {"enabled": True, "policy": "precise"}})
+    container = r.build_router_deployment(precise, OWNER)["spec"]["template"]["spec"]["containers"][0]
+    ns = cli.build_parser().parse_args(container["args"])
+    assert (ns.policy, ns.kv_events_endpoint, ns.kv_events_replay_endpoint) == \
+        ("precise", "tcp://{host}:5557", "tcp://{host}:5558")
     pool = r.build_inference_pool(spec, OWNER)
     POOL_SCHEMA.validate(pool)
     assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "llama-epp", "port": {"number": 9002},
