@@ -76,6 +76,7 @@ async def test_without_replay_a_late_join_keeps_what_it_saw(tmp_path):
     index = KVIndex()
     pub = publisher(tmp_path, replay=False)
     missed = store(pub, [1, 2, 3, 4])
+    await until(lambda: len(pub.buffer) == 1, "the first batch sent (to nobody)")
     subscriber = KVEventSubscriber(BackendPool([URL]), index, f"ipc://{tmp_path}/kv-{{port}}")
     task = asyncio.create_task(subscriber.run())
     try:
@@ -89,4 +90,50 @@ async def test_without_replay_a_late_join_keeps_what_it_saw(tmp_path):
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        pub.shutdown()
+
+
+def replayed(tmp_path, start: int) -> list[tuple[int, bytes]]:
+    import zmq
+
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(f"ipc://{tmp_path}/replay-8000")
+    dealer.send_multipart((b"", start.to_bytes(8, "big")))
+    got = []
+    while True:
+        assert dealer.poll(10_000)
+        _, seq, payload = dealer.recv_multipart()
+        seq = int.from_bytes(seq, "big", signed=True)
+        if seq == -1:
+            break
+        got.append((seq, payload))
+    dealer.close(linger=0)
+    context.term()
+    return got
+
+
+async def test_a_gap_is_filled_from_replay_or_clears_the_entry(tmp_path):
+    pub = publisher(tmp_path)
+    try:
+        chains = [store(pub, [3, i, 3, 3]) for i in range(5)]
+        batches = []
+        while len(batches) < 5:  # (the publisher thread sends them in the background)
+            batches = replayed(tmp_path, 0)
+        with_replay = KVIndex()
+        subscriber = KVEventSubscriber(BackendPool([URL]), with_replay, f"ipc://{tmp_path}/kv-{{port}}",
+                                       f"ipc://{tmp_path}/replay-{{port}}")
+        await subscriber.receive(URL, *batches[0])
+        await subscriber.receive(URL, *batches[3])  # 1 and 2 were missed
+        entry = with_replay.replicas[URL]
+        assert entry.gaps == 1 and entry.last_seq == 3
+        assert entry.device == {h for c in chains[:4] for h in c}
+        without = KVIndex()
+        subscriber = KVEventSubscriber(BackendPool([URL]), without, f"ipc://{tmp_path}/kv-{{port}}")
+        await subscriber.receive(URL, *batches[0])
+        await subscriber.receive(URL, *batches[3])
+        entry = without.replicas[URL]  # what it knew may be stale: it starts over from batch 3
+        assert entry.gaps == 1 and entry.clears == 1 and entry.device == set(chains[3])
+        subscriber.context.destroy(linger=0)
+    finally:
         pub.shutdown()
