@@ -86,8 +86,10 @@ def router_service_name(spec: DeploymentSpec) -> str:
 
 
 def endpoint(spec: DeploymentSpec) -> str:
-    """The in-cluster OpenAI base URL: the router's Service when spec.router is on (router.py), else X."""
-    host = router_service_name(spec) if spec.router is not None else head_service_name(spec)
+    """The in-cluster OpenAI base URL: the router's Service when spec.router is on as a proxy (router.py), else
+    X (with mode epp the router is the gateway's endpoint picker, not an endpoint)."""
+    proxy = spec.router is not None and spec.router.mode == "proxy"
+    host = router_service_name(spec) if proxy else head_service_name(spec)
     return f"http://{host}.{spec.namespace}.svc:{spec.service_port}/v1"
 
 

@@ -616,8 +616,16 @@ class Reconciler:
             self.cluster.apply(manifest)
         before = previous.get("router")
         if wanted and before != router_name(spec):
-            self._event(body, "Normal", "RouterCreated", f"Deployment {router_name(spec)} ({spec.router.policy}) "
-                        f"routes over the groups; the endpoint is now Service {router_name(spec)}")
+            if spec.router.mode == "epp":
+                self._event(body, "Normal", "RouterCreated", f"Deployment {router_name(spec)} ({spec.router.policy}) "
+                            f"is InferencePool {spec.name}'s endpoint picker (Service {router_name(spec)}, gRPC "
+                            "port 9002)")
+            else:
+                self._event(body, "Normal", "RouterCreated", f"Deployment {router_name(spec)} ({spec.router.policy}) "
+                            f"routes over the groups; the endpoint is now Service {router_name(spec)}")
+        if wanted and before and before != router_name(spec):  # the mode changed: the other name's children go
+            for kind in reversed(ROUTER_KINDS):
+                self.cluster.delete(kind, spec.namespace, before)
         if not wanted and before:
             for kind in reversed(ROUTER_KINDS):
                 self.cluster.delete(kind, spec.namespace, before)

@@ -1,5 +1,7 @@
 """spec.router: a `pagoda router` Deployment X-router in front of the groups' head pods, and the Service
-X-router that becomes the in-cluster OpenAI endpoint. Pure builders.
+X-router that becomes the in-cluster OpenAI endpoint; or, with mode epp, Deployment and Service X-epp: the
+same router serving the Gateway API Inference Extension's endpoint picker protocol on gRPC port 9002, which
+InferencePool X names. Pure builders.
 
 The router discovers the heads from the EndpointSlices of Service X (which selects Ready heads), so
 groups joining, restarting or leaving change its rotation without a restart. Its pods run as
@@ -8,7 +10,7 @@ namespace, nothing more.
 
 When the Gateway API Inference Extension is installed (inference.networking.k8s.io InferencePool is
 served) the operator also emits InferencePool X selecting the same head pods, so a conformant gateway's
-endpoint picker (Service X-epp, port 9002, which the user deploys) can route to them instead."""
+endpoint picker (Service X-epp, port 9002: spec.router with mode epp, or the user's own) can route to them."""
 
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ INFERENCE_POOL_API = ("inference.networking.k8s.io", "v1", "inferencepools")
 INFERENCE_POOL = "InferencePool"
 ENDPOINT_PICKER_PORT = 9002  # the Inference Extension's default for the endpoint picker's ext-proc port
 ROLE_ROUTER = "router"
+# where `--policy precise` reads each head's KV events: the heads publish on these ports (engine.extraArgs:
+# --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}')
+KV_EVENTS_ENDPOINT = "tcp://{host}:5557"
+KV_EVENTS_REPLAY = "tcp://{host}:5558"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 # The kinds of the router's children, in the order they are applied (the Deployment last: its pods
 # need their account and permission first)
@@ -38,8 +44,13 @@ ROUTER_KINDS = ("ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"
 DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
+def epp_name(spec: DeploymentSpec) -> str:
+    return f"{spec.name}-epp"
+
+
 def router_name(spec: DeploymentSpec) -> str:
-    return router_service_name(spec)
+    """The name of the router's children: X-epp in mode epp, else X-router."""
+    return epp_name(spec) if spec.router is not None and spec.router.mode == "epp" else router_service_name(spec)
 
 
 def router_selector(spec: DeploymentSpec) -> dict[str, str]:
@@ -54,8 +65,13 @@ def _metadata(spec: DeploymentSpec, owner: dict[str, Any], name: str | None = No
 
 def router_args(spec: DeploymentSpec) -> list[str]:
     assert spec.router is not None
-    return ["router", "--k8s-service", head_service_name(spec), "--namespace", spec.namespace,
+    args = ["router", "--k8s-service", head_service_name(spec), "--namespace", spec.namespace,
             "--policy", spec.router.policy, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    if spec.router.policy == "precise":  # the heads' KV events (their --kv-events-config): pod IP, fixed ports
+        args += ["--kv-events-endpoint", KV_EVENTS_ENDPOINT, "--kv-events-replay-endpoint", KV_EVENTS_REPLAY]
+    if spec.router.mode == "epp":
+        args += ["--epp", "--epp-port", str(ENDPOINT_PICKER_PORT)]
+    return args
 
 
 def build_router_service_account(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
@@ -80,11 +96,19 @@ def build_router_role_binding(spec: DeploymentSpec, owner: dict[str, Any]) -> di
 
 
 def build_router_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI endpoint when the router is on: spec.service's type and port, to the router pods."""
+    """The OpenAI endpoint when the router is a proxy: spec.service's type and port, to the router pods. The
+    endpoint picker's (mode epp): ClusterIP, its gRPC port for the gateway and the HTTP port (metrics)."""
+    if spec.router is not None and spec.router.mode == "epp":
+        ports = [{"name": "grpc-ext-proc", "port": ENDPOINT_PICKER_PORT, "targetPort": "grpc", "protocol": "TCP",
+                  "appProtocol": "http2"},
+                 {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
+        kind = "ClusterIP"
+    else:
+        ports = [{"name": "http", "port": spec.service_port, "targetPort": "http", "protocol": "TCP"}]
+        kind = spec.service_type
     return with_applied_hash({
         "apiVersion": "v1", "kind": "Service", "metadata": _metadata(spec, owner),
-        "spec": {"type": spec.service_type, "selector": router_selector(spec),
-                 "ports": [{"name": "http", "port": spec.service_port, "targetPort": "http", "protocol": "TCP"}]},
+        "spec": {"type": kind, "selector": router_selector(spec), "ports": ports},
     })
 
 
@@ -93,6 +117,11 @@ def build_router_deployment(spec: DeploymentSpec, owner: dict[str, Any]) -> dict
     assert router is not None
     health = {"httpGet": {"path": "/metrics", "port": "http"}}  # /health is 503 while no head is Ready
     ready = {"httpGet": {"path": "/health", "port": "http"}}
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if router.mode == "epp":  # the picker's own gRPC health services (the Endpoint Picker protocol)
+        health = {"grpc": {"port": ENDPOINT_PICKER_PORT, "service": "liveness"}}
+        ready = {"grpc": {"port": ENDPOINT_PICKER_PORT, "service": "readiness"}}
+        ports.append({"name": "grpc", "containerPort": ENDPOINT_PICKER_PORT, "protocol": "TCP"})
     container = {
         "name": "router",
         "image": spec.image,
@@ -100,7 +129,7 @@ def build_router_deployment(spec: DeploymentSpec, owner: dict[str, Any]) -> dict
         "args": router_args(spec),
         "env": [{"name": "PAGODA_ROUTER_BACKEND_API_KEY", "valueFrom": {"secretKeyRef": ref, "optional": True}}
                 for ref in _api_key_refs(spec)],
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": router.resources or DEFAULT_RESOURCES,
         "readinessProbe": {**ready, "periodSeconds": 2, "timeoutSeconds": 2, "failureThreshold": 2},
         "livenessProbe": {**health, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
@@ -159,7 +188,7 @@ def build_inference_pool(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[st
         "spec": {
             "selector": {"matchLabels": head_selector(spec)},
             "targetPorts": [{"number": HTTP_PORT}],
-            "endpointPickerRef": {"kind": "Service", "name": f"{spec.name}-epp",
-                                  "port": {"number": ENDPOINT_PICKER_PORT}, "failureMode": "FailOpen"},
+            "endpointPickerRef": {"kind": "Service", "name": epp_name(spec), "port": {"number": ENDPOINT_PICKER_PORT},
+                                  "failureMode": spec.router.failure_mode if spec.router else "FailOpen"},
         },
     })

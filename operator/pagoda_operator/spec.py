@@ -480,7 +480,11 @@ def check_scheduling(spec: DeploymentSpec) -> None:
 # ----- spec.router -----
 
 # `pagoda router --policy` (DESIGN.md); the operator passes the value through
-ROUTER_POLICIES = ("round-robin", "least-load", "prefix", "session")
+ROUTER_POLICIES = ("round-robin", "least-load", "prefix", "session", "precise")
+
+
+ROUTER_MODES = ("proxy", "epp")
+FAILURE_MODES = ("FailOpen", "FailClose")  # the InferencePool's endpointPickerRef.failureMode
 
 
 @dataclass(frozen=True)
@@ -488,6 +492,8 @@ class RouterSpec:
     policy: str = "prefix"
     replicas: int = 1
     resources: dict[str, Any] | None = None
+    mode: str = "proxy"  # proxy: Service X-router, the OpenAI endpoint; epp: Service X-epp, the endpoint picker
+    failure_mode: str = "FailOpen"
 
 
 def parse_router(raw: Any) -> RouterSpec | None:
@@ -501,7 +507,13 @@ def parse_router(raw: Any) -> RouterSpec | None:
     resources = raw.get("resources") or None
     if resources is not None and not isinstance(resources, dict):
         raise InvalidSpec(f"router.resources must be a resources block (requests, limits), got {resources!r}")
-    return RouterSpec(policy=policy, replicas=replicas, resources=resources)
+    mode = raw.get("mode", "proxy")
+    if mode not in ROUTER_MODES:
+        raise InvalidSpec(f"router.mode must be one of {', '.join(ROUTER_MODES)}, got {mode!r}")
+    failure_mode = raw.get("failureMode", "FailOpen")
+    if failure_mode not in FAILURE_MODES:
+        raise InvalidSpec(f"router.failureMode must be one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}")
+    return RouterSpec(policy=policy, replicas=replicas, resources=resources, mode=mode, failure_mode=failure_mode)
 
 
 # ----- spec.adapters (LoRA) -----

@@ -108,6 +108,45 @@ def test_inference_pool_selects_the_heads_and_matches_its_schema():
         POOL_SCHEMA.validate(broken)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_epp_mode_is_the_pools_endpoint_picker(version, monkeypatch):
+    for var in [v for v in os.environ if v.startswith("PAGODA_")]:
+        monkeypatch.delenv(var)
+    body = {"apiVersion": b.API_VERSION, "kind": b.KIND, "metadata": {"name": "llama", "namespace": NS}}
+    schema = jsonschema.Draft4Validator(crd_schema())
+    schema.validate({**body, "spec": {"router": {"enabled": True, "mode": "epp", "failureMode": "FailClose"}}})
+    for bad in ({"mode": "sidecar"}, {"failureMode": "Open"}):
+        with pytest.raises(jsonschema.ValidationError):
+            schema.validate({**body, "spec": {"router": {"enabled": True, **bad}}})
+    with pytest.raises(InvalidSpec, match="router.mode"):
+        parse({**CPU, "router": {"enabled": True, "mode": "sidecar"}})
+    spec = parse({**CPU, "router": {"enabled": True, "mode": "epp", "failureMode": "FailClose"}})
+    manifests = r.build_router(spec, OWNER)
+    assert {m["metadata"]["name"] for m in manifests} == {"llama-epp"}
+    for manifest in manifests:
+        validate(manifest, version)
+    service, deployment = manifests[3], manifests[4]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc-ext-proc": 9002, "http": b.HTTP_PORT}
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    ns = cli.build_parser().parse_args(container["args"])
+    assert ns.epp and ns.epp_port == 9002 and ns.k8s_service == "llama"
+    precise = parse({**CPU, "router": {"enabled": True, "policy": "precise"}})
+    container = r.build_router_deployment(precise, OWNER)["spec"]["template"]["spec"]["containers"][0]
+    ns = cli.build_parser().parse_args(container["args"])
+    assert (ns.policy, ns.kv_events_endpoint, ns.kv_events_replay_endpoint) == \
+        ("precise", "tcp://{host}:5557", "tcp://{host}:5558")
+    pool = r.build_inference_pool(spec, OWNER)
+    POOL_SCHEMA.validate(pool)
+    assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "llama-epp", "port": {"number": 9002},
+                                                 "failureMode": "FailClose"}
+    # clients go through the gateway: the LLMDeployment's own endpoint stays Service X
+    assert build_status(spec, [], generation=1)["endpoint"] == f"http://llama.{NS}.svc:8000/v1"
+    # without spec.router the pool still names X-epp (a picker of the user's own), failing open
+    assert r.build_inference_pool(parse(CPU), OWNER)["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+
+
 # ----- kopf against KMock -----
 
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
@@ -148,3 +187,16 @@ async def test_router_comes_and_goes_with_spec_router(router_apis, cluster, oper
     await eventually(has(cluster, ROLES, set()), what="its Role gone")
     await eventually(lambda: status_says(None, f"http://llama.{NS}.svc:8000/v1"))
     assert "llama-router" not in await cluster.services()
+
+
+async def test_switching_the_mode_replaces_the_children(router_apis, cluster, operator):
+    await cluster.create("llama", {**CPU, "replicas": 1, "router": {"enabled": True}})
+    await cluster.converge_groups("llama", 1)
+    await eventually(has(cluster, DEPLOYMENTS, {"llama-router"}), what="the proxy's Deployment")
+    await cluster.update_spec("llama", {"router": {"enabled": True, "mode": "epp"}})
+    await eventually(has(cluster, DEPLOYMENTS, {"llama-epp"}), what="the picker's Deployment, the proxy's gone")
+    await eventually(has(cluster, ROLES, {"llama-epp"}), what="its Role")
+    services = await cluster.services()
+    assert "llama-epp" in services and "llama-router" not in services
+    status = await cluster.status("llama")
+    assert status["router"] == "llama-epp" and status["endpoint"] == f"http://llama.{NS}.svc:8000/v1"

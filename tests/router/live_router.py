@@ -15,12 +15,13 @@ MODEL = "tiny"
 STEP_DELAY = "0.01"  # 10 ms steps: a 400-token request stays in flight for ~4 s (the tiny model's takes 0.2 s)
 
 
-def start_replica(model: Path, log_dir: Path, port: int | None = None) -> LiveServer:
+def start_replica(model: Path, log_dir: Path, port: int | None = None, *flags: str,
+                  kv_cache_memory: str = "0.02") -> LiveServer:
     port = port or free_port()
     log_path = log_dir / f"serve-{port}.log"
     command = PATCHED_LAUNCHER + ["serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-                                  "--served-model-name", MODEL, "--kv-cache-memory", "0.02",
-                                  "--log-level", os.environ.get("TEST_ROUTER_LOG", "warning")]
+                                  "--served-model-name", MODEL, "--kv-cache-memory", kv_cache_memory,
+                                  "--log-level", os.environ.get("TEST_ROUTER_LOG", "warning"), *flags]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PAGODA_API_KEY": API_KEY,
            "TEST_SERVE_STEP_DELAY": STEP_DELAY, "OMP_NUM_THREADS": "1",
            "PAGODA_CPU_KERNELS": "0"}  # the torch path: no C++ build at start-up (routing is what is tested)

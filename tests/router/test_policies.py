@@ -250,3 +250,13 @@ def test_prefix_balances_conversations_behind_a_long_shared_system_prompt():
     assert follow.reason == "prefix-match" and follow.backend is openers[0].backend
     edit = send(system + "user: question 0 about fish and tides" + " assistant: they float. user: really?")
     assert edit.reason == "prefix-match" and edit.backend is openers[0].backend
+
+
+def test_load_is_read_from_vllm_names_where_pagodas_are_missing():
+    from pagoda.router.health import parse_load
+
+    vllm = ("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 3.0\n"
+            "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n")
+    assert parse_load(vllm) == {"waiting": 3.0, "kv_usage": 0.5}
+    both = "# TYPE pagoda:num_requests_waiting gauge\npagoda:num_requests_waiting 2.0\n" + vllm
+    assert parse_load(both) == {"waiting": 2.0}  # not counted twice under --metrics-vllm-names

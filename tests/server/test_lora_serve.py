@@ -12,6 +12,8 @@ import pytest
 from checkpoints import write_lora_adapter
 from live_server import API_KEY
 
+from pagoda.router.model_server_metrics import read_model_server_metrics
+
 pytestmark = pytest.mark.server
 
 PROMPT = "Hello, my name is"
@@ -47,7 +49,7 @@ class Answers(list):
 def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
     sql, chat = adapters
     server = server_factory("--api-key", API_KEY, "--dtype", "float32", "--enable-lora", "--max-loras", "2",
-                            "--max-lora-rank", "8", "--lora-modules", f"sql={sql}",
+                            "--max-lora-rank", "8", "--metrics-vllm-names", "--lora-modules", f"sql={sql}",
                             f'{{"name": "chat", "path": "{chat}", "base_model_name": "tiny"}}')
     client = server.client(API_KEY, timeout=120)
     models = client.models.list().data
@@ -78,6 +80,10 @@ def test_model_chooses_the_adapter(server_factory, adapters, offline_answers):
         if i == 3:
             seen.append(httpx.get(server.url + "/metrics").text)
     assert 'running_lora_adapters="chat"' in seen[0]
+    # the same, under vLLM's names, read as the Gateway API Inference Extension's model-server protocol says
+    gie = read_model_server_metrics(seen[0])
+    assert (gie.max_lora, gie.running_lora_adapters, gie.waiting_lora_adapters) == (2, ["chat"], [])
+    assert gie.waiting == 0 and 0 < gie.kv_usage <= 1
     metrics = httpx.get(server.url + "/metrics").text
     counts = sorted(line for line in metrics.splitlines() if line.startswith("pagoda:lora_requests_total"))
     assert counts == [f'pagoda:lora_requests_total{{lora_name="{name}",model_name="{base}"}} 2.0'

@@ -20,7 +20,8 @@ conversation's history, in blocks) and the replicas' preemptions. Round-robin ne
 on every replica; a router that partitions conversations needs about 1/replicas of the histories there.
 
 It starts `--replicas` `pagoda serve MODEL` processes (or uses `--backend` URLs) and a fresh `pagoda router`
-per policy. Every policy gets the same conversations (lengths, user messages) behind system prompts that
+per policy. The replicas it starts publish KV events (`--kv-events-config`, on ipc sockets in the log folder)
+for the `precise` policy; `--backend` replicas must publish them at `--kv-events-endpoint`. Every policy gets the same conversations (lengths, user messages) behind system prompts that
 open differently, so no policy finds blocks another left in the replicas' caches.
 """
 
@@ -44,7 +45,7 @@ import httpx
 
 from pagoda.bench.serve import _WORDS
 
-POLICIES = ("round-robin", "least-load", "prefix")
+POLICIES = ("round-robin", "least-load", "prefix", "precise")
 
 
 @dataclass
@@ -395,6 +396,9 @@ def parse_args(argv):
                    help="each started replica's KV cache (`pagoda serve --kv-cache-memory`); small caches put the "
                         "replicas under cache pressure: compare its KV blocks with the printed working set")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--kv-events-endpoint", metavar="TEMPLATE",
+                   help="precise with --backend: the replicas' KV events endpoint, as `pagoda router "
+                        "--kv-events-endpoint` (default: its default; the replicas started here publish on ipc)")
     p.add_argument("--conversations", type=int, default=24, help="conversations in all (default: %(default)s)")
     p.add_argument("--active", type=int, default=8,
                    help="conversations open at once (users online); a new one starts when one ends (default: %(default)s)")
@@ -418,7 +422,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", help="write the summaries here")
     args = p.parse_args(argv)
-    unknown = set(args.policies.split(",")) - {"round-robin", "least-load", "prefix", "session"}
+    unknown = set(args.policies.split(",")) - {"round-robin", "least-load", "prefix", "session", "precise"}
     if unknown:
         p.error(f"--policies: unknown {sorted(unknown)}")
     if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
@@ -464,14 +468,19 @@ def main(argv: list[str] | None = None) -> int:
     replicas: list[subprocess.Popen] = []
     urls = list(args.backend or [])
     summaries = []
+    events_flags = ["--kv-events-endpoint", args.kv_events_endpoint] if args.kv_events_endpoint else []
     try:
         if not urls:
+            events_flags = ["--kv-events-endpoint", f"ipc://{logs}/kv-{{port}}",
+                            "--kv-events-replay-endpoint", f"ipc://{logs}/replay-{{port}}"]
             for _ in range(args.replicas):
                 port = free_port()
+                events = {"enable_kv_cache_events": True, "endpoint": f"ipc://{logs}/kv-{port}",
+                          "replay_endpoint": f"ipc://{logs}/replay-{port}"}
                 command = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *([args.model] if args.model
                            else []), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                            *(["--kv-cache-memory", str(args.kv_cache_memory)] if args.kv_cache_memory else []),
-                           *args.serve_arg]
+                           "--kv-events-config", json.dumps(events), *args.serve_arg]
                 replicas.append(start(command, logs / f"serve-{port}.log",
                                       {"PAGODA_API_KEY": args.api_key} if args.api_key else None))
                 urls.append(f"http://127.0.0.1:{port}")
@@ -489,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             router = start([sys.executable, "-m", "pagoda.entrypoints.cli", "router", "--policy", policy,
                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                            *[a for u in urls for a in ("--backend", u)]], logs / f"router-{policy}.log")
+                            *[a for u in urls for a in ("--backend", u)],
+                            *(events_flags if policy == "precise" else [])], logs / f"router-{policy}.log")
             try:
                 wait_healthy(f"http://127.0.0.1:{port}", router, 60, "pagoda router")
                 time.sleep(1.0)  # every backend probed at least once

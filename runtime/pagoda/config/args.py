@@ -100,6 +100,9 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     quantization: str | None = None  # int8 | int4 | gptq / awq (found from the checkpoint) | None
     quantization_group_size: int | None = None  # int4: 32 (default) | 64 | 128
+    # KV cache events as vLLM's dict (or its JSON text): {"enable_kv_cache_events": true, "publisher": "zmq",
+    # "endpoint": "tcp://*:5557", "replay_endpoint": ..., "buffer_steps", "hwm", "topic"} (docs/router.md)
+    kv_events_config: dict | str | None = None
 
     def validate(self) -> None:
         """The checks that need only the arguments, in the order a user meets them; InvalidParam names the field."""
@@ -131,6 +134,10 @@ class EngineArgs:
         check_quantization_args(self.quantization, self.quantization_group_size)
         check_lora_args(self)
         check_generation_config_arg(self.generation_config)
+        if self.kv_events_config is not None:
+            from pagoda.config.kv_events import KVEventsConfig
+
+            KVEventsConfig.parse(self.kv_events_config)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise InvalidParam("distributed_executor_backend", "distributed_executor_backend must be one of "

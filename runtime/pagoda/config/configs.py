@@ -166,3 +166,4 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None  # speculative method draft_model: the draft checkpoint
     lora: LoRAConfig | None = None  # enable_lora
+    kv_events: object = None  # a core.kv_events.KVEventsConfig that publishes, or None

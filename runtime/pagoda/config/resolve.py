@@ -109,7 +109,17 @@ def create_engine_config(args: "EngineArgs") -> EngineConfig:
         draft_model=draft_model,
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, max(args.max_cpu_loras or 0, args.max_loras))
         if args.enable_lora else None,
+        kv_events=_kv_events(args.kv_events_config),
     )
+
+
+def _kv_events(raw):
+    if raw is None:
+        return None
+    from pagoda.config.kv_events import KVEventsConfig
+
+    config = KVEventsConfig.parse(raw)
+    return config if config.enabled else None
 
 
 def _draft_model_config(spec: SpeculativeConfig, target_hf_config, dtype: str, max_model_len: int,

@@ -10,6 +10,8 @@
 - Swap space: a second pool of host blocks. A preempted sequence's blocks can be swapped out (each to
   its own host block, shared or not) and swapped back in to fresh device blocks; the runner does the
   copies from the (device, host) / (host, device) pairs returned here.
+- KV events (``kv_events``): when ``events`` is set, each change of the prefix cache (a block hashed, a cached
+  block evicted, the cache reset, hashed blocks swapped out and dropped from swap) is told to it as it happens.
 - Sliding window (``kv_window``): when every layer slides, the blocks wholly behind a sequence's window are
   released before each allocation; their table entries become NULL_BLOCK and own nothing. A prefix hit
   then needs only its last window's blocks cached (the lookup searches from the end).
@@ -17,17 +19,16 @@
 
 from collections import OrderedDict
 
+from pagoda.core.block_hash import block_hash, lora_root
 from pagoda.core.kv_window import NULL_BLOCK, num_blocks_behind_window
 from pagoda.core.sequence import Sequence
 
-
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+__all__ = ["BlockManager", "block_hash", "chain_root"]
 
 
 def chain_root(seq: Sequence) -> int | None:
     """The parent of a sequence's first block: its LoRA adapter's (one adapter's KV is never another's)."""
-    return None if seq.lora_request is None else hash(("lora", seq.lora_request.lora_int_id))
+    return None if seq.lora_request is None else lora_root(seq.lora_request.lora_name)
 
 
 class BlockManager:
@@ -50,6 +51,8 @@ class BlockManager:
         self.num_swap_blocks = num_swap_blocks
         self.free_swap_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))  # pop() takes the lowest
         self.swap_tables: dict[int, list[int]] = {}  # seq id -> host block ids, in table order
+        self.events = None  # a kv_events.KVEventRecorder, or None (no events)
+        self.swap_hashes: dict[int, list[int]] = {}  # with events: seq id -> hashes its host blocks hold
 
     @property
     def num_free_blocks(self) -> int:
@@ -174,6 +177,8 @@ class BlockManager:
         if h is not None:  # evict it from the prefix cache
             if self.cached_blocks.get(h) == block:
                 del self.cached_blocks[h]
+                if self.events is not None:
+                    self.events.removed([h])
             self.hash_of_block[block] = None
         self.ref_counts[block] = 1
         return block
@@ -183,7 +188,9 @@ class BlockManager:
         written in this step's forward pass before any other sequence's attention reads it."""
         bs = self.block_size
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
-        for i in range(len(hashes), num_tokens // bs):
+        first = len(hashes)
+        stored = [] if self.events is not None else None  # indexes of the blocks this call made findable
+        for i in range(first, num_tokens // bs):
             parent = hashes[-1] if hashes else chain_root(seq)
             h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             hashes.append(h)
@@ -191,6 +198,20 @@ class BlockManager:
             if block != NULL_BLOCK and h not in self.cached_blocks and self.hash_of_block[block] is None:
                 self.cached_blocks[h] = block
                 self.hash_of_block[block] = h
+                if stored is not None:
+                    stored.append(i)
+        if stored:
+            self._tell_stored(seq, hashes, stored)
+
+    def _tell_stored(self, seq: Sequence, hashes: list[int], indexes: list[int], medium: str = "GPU") -> None:
+        """One BlockStored per run of consecutive blocks (a chain: each names its parent)."""
+        bs, start = self.block_size, 0
+        for k in range(1, len(indexes) + 1):
+            if k == len(indexes) or indexes[k] != indexes[k - 1] + 1:
+                lo, hi = indexes[start], indexes[k - 1] + 1
+                self.events.stored(hashes[lo:hi], hashes[lo - 1] if lo > 0 else None,
+                                   list(seq.token_ids[lo * bs : hi * bs]), seq.lora_request, medium)
+                start = k
 
     def release_slots_after(self, seq: Sequence, num_tokens: int) -> None:
         """Keep seq's blocks for its first num_tokens tokens, free the rest (the slots of rejected
@@ -226,6 +247,12 @@ class BlockManager:
         table = self.tables[seq.seq_id]
         host = [NULL_BLOCK if b == NULL_BLOCK else self.free_swap_blocks.pop() for b in table]
         self.swap_tables[seq.seq_id] = host
+        if self.events is not None:  # the host copies of its hashed (full) blocks
+            hashes = self.seq_hashes.get(seq.seq_id, [])
+            held = [i for i in range(min(len(hashes), len(table))) if table[i] != NULL_BLOCK]
+            self.swap_hashes[seq.seq_id] = [hashes[i] for i in held]
+            if held:
+                self._tell_stored(seq, hashes, held, "CPU")
         pairs = [(b, h) for b, h in zip(table, host) if b != NULL_BLOCK]
         self.free(seq, keep_swapped=True)
         return pairs
@@ -241,6 +268,7 @@ class BlockManager:
         table = [NULL_BLOCK if h == NULL_BLOCK else self._take_free_block() for h in host]
         self.tables[seq.seq_id] = table
         del self.swap_tables[seq.seq_id]
+        self._drop_swap_hashes(seq)
         self.free_swap_blocks.extend(reversed(held))
         pairs = [(h, b) for h, b in zip(host, table) if h != NULL_BLOCK]
         self.allocate(seq, num_new_tokens)  # cannot fail: counted above; registers the blocks' hashes too
@@ -250,12 +278,29 @@ class BlockManager:
         if not keep_swapped:
             host = self.swap_tables.pop(seq.seq_id, [])
             self.free_swap_blocks.extend(h for h in reversed(host) if h != NULL_BLOCK)
+            self._drop_swap_hashes(seq)
         table = self.tables.pop(seq.seq_id, [])
         self.seq_hashes.pop(seq.seq_id, None)
         # tail blocks first: they are the least likely to be shared, so they are evicted first
         for block in reversed(table):
             if block != NULL_BLOCK:
                 self._unref(block)
+
+    def _drop_swap_hashes(self, seq: Sequence) -> None:
+        hashes = self.swap_hashes.pop(seq.seq_id, None)
+        if hashes and self.events is not None:
+            self.events.removed(hashes, "CPU")
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (as vLLM's reset_prefix_cache): only when no sequence holds a block,
+        device or host (so AllBlocksCleared means all); False, changing nothing, otherwise."""
+        if self.num_used_blocks or self.swap_tables:
+            return False
+        self.cached_blocks.clear()
+        self.hash_of_block = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def check_no_leaks(self) -> None:
         """With no live sequences, every block is free (possibly cached and evictable), device and host."""

@@ -95,8 +95,17 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor, num_blocks: int):
         self.executor = executor
         cache = config.cache
+        window = droppable_kv_window(config)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                          cache.num_swap_blocks, droppable_kv_window(config))
+                                          cache.num_swap_blocks, window)
+        self.kv_events = None  # publishes the block manager's prefix-cache changes, one batch a step
+        events_config = getattr(config, "kv_events", None)  # (tests build the core from a partial config)
+        if events_config is not None:
+            from pagoda.core.kv_events import KVEvents
+
+            self.kv_events = KVEvents(events_config, cache.block_size, window)
+            self.block_manager.events = self.kv_events.recorder
+            self.kv_events.recorder.cleared()  # a new engine's cache is empty (a consumer resets this replica)
         depth = executor.pipeline_depth
         per_batch = dataclasses.replace(config.scheduler, max_num_seqs=-(-config.scheduler.max_num_seqs // depth))
         self.step_costs = StepCostModel()  # every batch's tokens and time: the latency target's chunk sizes
@@ -115,6 +124,7 @@ class EngineCore:
         for scheduler in self.schedulers:
             if scheduler.owns(seq.seq_id):
                 scheduler.finish(seq, reason, stop_reason)
+                self._flush_kv_events()  # (a swapped-out sequence's host blocks: gone now, not at the next step)
                 return
 
     def has_unfinished(self) -> bool:
@@ -137,6 +147,7 @@ class EngineCore:
             submitted = self.timer.submitted()
             self.in_flight.append((scheduler, sched_out, submitted, self.executor.submit(sched_out)))
         if not self.in_flight:
+            self._flush_kv_events()
             return None
         scheduler, sched_out, submitted, handle = self.in_flight.popleft()
         result = self.executor.wait(handle)
@@ -144,7 +155,25 @@ class EngineCore:
         scheduler.step_done(sched_out, result)
         step = self._update(scheduler, result, observer)
         self.timer.busy = self.has_unfinished()
+        self._flush_kv_events()
         return step
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, when no sequence holds one (vLLM's reset_prefix_cache)."""
+        done = self.block_manager.reset_prefix_cache()
+        self._flush_kv_events()
+        return done
+
+    def shutdown(self) -> None:
+        """Publish the last events and close the publisher's sockets. Idempotent."""
+        events, self.kv_events = self.kv_events, None
+        if events is not None:
+            self.block_manager.events = None
+            events.shutdown()
 
     @staticmethod
     def _update(scheduler: Scheduler, result, observer: StepObserver | None = None) -> CoreStep:

@@ -211,6 +211,7 @@ class LLMEngine:
                                      and any(q.seq_id in swapped_ids for q in r.seqs))
         s.num_requests_waiting = len(self.requests) - s.num_requests_running - s.num_requests_swapped
         s.num_blocks_used = self.block_manager.num_used_blocks
+        s.num_cached_blocks = len(self.block_manager.cached_blocks)
         s.kv_cache_usage = self.block_manager.usage()
         s.prefix_cache_queries = sum(sc.prefix_cache_queries for sc in self.schedulers)
         s.prefix_cache_hits = sum(sc.prefix_cache_hits for sc in self.schedulers)
@@ -245,6 +246,9 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.shutdown()
         executor, self.executor = getattr(self, "executor", None), None
         if executor is not None:
             executor.shutdown()

@@ -78,6 +78,7 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of blocks in use by running requests
     num_blocks_total: int = 0
     num_blocks_used: int = 0
+    num_cached_blocks: int = 0  # blocks the prefix cache can find (what KV events announce as stored)
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     prompt_tokens: int = 0

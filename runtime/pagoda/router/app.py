@@ -10,6 +10,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 
 from pagoda.entrypoints.openai.errors import error_response, install_error_handlers
 from pagoda.entrypoints.openai.middleware import RequestIdMiddleware, request_id_of
@@ -18,6 +19,7 @@ from pagoda.router.backends import BackendPool
 from pagoda.router.health import HealthMonitor
 from pagoda.router.metrics import CONTENT_TYPE
 from pagoda.router.policies import make_policy
+from pagoda.router.precise import Precise
 from pagoda.router.proxy import ProxyResponse, Router, RouterConfig, routing_request, upstream_headers
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,8 @@ def _discovery(args: RouterArgs, pool: BackendPool, router: Router):
 
 def build_app(args: RouterArgs) -> FastAPI:
     pool = BackendPool(args.backends)
-    router = Router(pool, make_policy(args.policy), RouterConfig(
+    policy = Precise() if args.policy == "precise" else make_policy(args.policy)
+    router = Router(pool, policy, RouterConfig(
         policy=args.policy, max_in_flight_per_backend=args.max_in_flight_per_backend,
         session_header=args.session_header))
     monitor = HealthMonitor(pool, router.backend_changed, api_key=args.backend_api_key)
@@ -53,11 +56,27 @@ def build_app(args: RouterArgs) -> FastAPI:
         discovery = _discovery(args, pool, router)
         if discovery is not None:
             loops.append(discovery)
+        if args.policy == "precise":
+            from pagoda.router.kv_subscriber import KVEventSubscriber
+
+            loops.append(KVEventSubscriber(pool, router.policy.index, args.kv_events_endpoint,
+                                           args.kv_events_replay_endpoint, args.kv_events_topic).run())
         tasks = [asyncio.create_task(loop) for loop in loops]
+        epp = None
+        if args.epp:
+            from pagoda.router.epp import EPPServer
+
+            epp = EPPServer(router, args.host, args.epp_port, args.epp_max_queue, args.session_header)
+            await epp.set_serving(False)
+            await epp.start()
         await monitor_first_round(monitor)
+        if epp is not None:
+            await epp.set_serving(True)  # backends known (readiness: the picker's view is synced)
         try:
             yield
         finally:
+            if epp is not None:
+                await epp.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -78,6 +97,14 @@ def build_app(args: RouterArgs) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/kv-index")
+    async def kv_index() -> Response:
+        """--policy precise: per backend, the blocks its events say its cache holds, and the stream's state."""
+        index = getattr(router.policy, "index", None)
+        if router.policy.name != "precise":
+            return error_response(404, "the KV index exists with --policy precise", code="not_found")
+        return JSONResponse(index.summary())
 
     @app.api_route("/{path:path}", methods=METHODS, response_model=None)
     async def forward(request: Request) -> Response:

@@ -15,3 +15,11 @@ class RouterArgs:
     session_header: str = "x-session-id"
     backend_api_key: str | None = None
     log_level: str = "info"
+    # precise: each backend's KV events, as templates over its URL ({host}, {port}: its HTTP port)
+    kv_events_endpoint: str = "tcp://{host}:5557"
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    # --epp: the Gateway API Inference Extension's Endpoint Picker (Envoy ext_proc over gRPC) beside the proxy
+    epp: bool = False
+    epp_port: int = 9002
+    epp_max_queue: int = 128  # waiting requests past which a backend takes no more (all such: 429)

@@ -48,6 +48,25 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend-api-key", default=_env("backend-api-key", os.environ.get("PAGODA_API_KEY")),
                         help="the replicas' API key, for reading their /v1/models (which models and adapters "
                              "each serves); clients' own keys are passed through unchanged")
+    parser.add_argument("--kv-events-endpoint", default=_env("kv-events-endpoint", defaults.kv_events_endpoint),
+                        help="--policy precise: each backend's KV events PUB endpoint, a template over its URL "
+                             "({host}; {port} is its HTTP port) (default: %(default)s, the endpoint of "
+                             "`pagoda serve --kv-events-config '{\"enable_kv_cache_events\": true}'`)")
+    parser.add_argument("--kv-events-replay-endpoint", default=_env("kv-events-replay-endpoint"),
+                        help="--policy precise: each backend's replay endpoint, a template as above (e.g. "
+                             "tcp://{host}:5558); fills sequence gaps (default: none: a gap clears the entry)")
+    parser.add_argument("--kv-events-topic", default=_env("kv-events-topic", defaults.kv_events_topic),
+                        help="--policy precise: the topic the backends publish on (default: all)")
+    parser.add_argument("--epp", action="store_true", default=_env("epp", "") in ("1", "true", "True"),
+                        help="also serve the Gateway API Inference Extension's Endpoint Picker protocol (Envoy "
+                             "ext_proc over gRPC, with gRPC health) on --epp-port: a gateway's InferencePool "
+                             "points at it. See docs/router.md")
+    parser.add_argument("--epp-port", type=int, default=_env("epp-port", str(defaults.epp_port)),
+                        help="the Endpoint Picker's gRPC port (default: %(default)s)")
+    parser.add_argument("--epp-max-queue", type=_positive_int,
+                        default=_env("epp-max-queue", str(defaults.epp_max_queue)),
+                        help="--epp: a backend with this many requests waiting takes no more; with every "
+                             "backend so, the picker answers 429 (default: %(default)s)")
     parser.add_argument("--log-level", default=_env("log-level", defaults.log_level),
                         choices=("debug", "info", "warning", "error", "critical"))
 
@@ -76,12 +95,23 @@ def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Rout
             backends.append(normalize_url(url))
         except ValueError as e:
             parser.error(str(e))
+    for flag in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        template = getattr(ns, flag)
+        if template is not None:
+            try:
+                template.format(host="h", port=1)
+            except (KeyError, IndexError, ValueError) as e:
+                parser.error(f"--{flag.replace('_', '-')} {template!r}: use {{host}} and {{port}} only ({e})")
+    if not 0 < ns.epp_port < 65536:
+        parser.error(f"--epp-port {ns.epp_port} is not a TCP port")
     if not 0 < ns.port < 65536:
         parser.error(f"--port {ns.port} is not a TCP port")
     return RouterArgs(backends=backends, k8s_service=ns.k8s_service, namespace=ns.namespace, policy=ns.policy,
                       host=ns.host, port=ns.port, max_in_flight_per_backend=ns.max_in_flight_per_backend,
                       session_header=ns.session_header.lower(), backend_api_key=ns.backend_api_key,
-                      log_level=ns.log_level)
+                      log_level=ns.log_level, kv_events_endpoint=ns.kv_events_endpoint,
+                      kv_events_replay_endpoint=ns.kv_events_replay_endpoint, kv_events_topic=ns.kv_events_topic,
+                      epp=ns.epp, epp_port=ns.epp_port, epp_max_queue=ns.epp_max_queue)
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pagoda.router.backends import Backend
 from pagoda.router.prefix_index import BLOCK_CHARS, PrefixIndex, block_hashes
 
-POLICIES = ("round-robin", "least-load", "prefix", "session")
+POLICIES = ("round-robin", "least-load", "prefix", "session", "precise")
 # bounded load (consistent hashing with bounded loads, Mirrokni et al.): a preferred backend (prefix match,
 # session owner) is taken only while its load stays within BALANCE_FACTOR x the mean load, counting this
 # request, plus BALANCE_SLACK; past that the request goes to the least-loaded backend instead. The slack is
@@ -36,6 +36,10 @@ class RoutingRequest:
     # what joins the prompt's text and the answer's in the next request of a conversation (chat: the
     # assistant message's head; a completion: nothing); None where the answer is not recorded
     answer_prefix: str | None = None
+    body: dict | None = field(default=None, repr=False)  # the JSON body (precise: what to tokenize)
+    authorization: str | None = field(default=None, repr=False)  # the client's, for the replica's /tokenize
+    token_ids: list[int] | None = field(default=None, repr=False)  # precise: the prompt's tokens, once known
+    chains: dict = field(default_factory=dict, repr=False)  # precise: (block size, root) -> block hashes
     _hashes: list[int] | None = field(default=None, repr=False)
 
     def hashes(self) -> list[int]:
@@ -70,6 +74,9 @@ class Policy:
 
     def __init__(self) -> None:
         self.turn = 0
+
+    async def prepare(self, request: RoutingRequest, candidates: list[Backend], session) -> None:
+        """Anything the policy must fetch before choosing (precise: the prompt's token ids); once a request."""
 
     def choose(self, request: RoutingRequest, candidates: list[Backend]) -> Decision:
         raise NotImplementedError
@@ -168,6 +175,7 @@ class Session(Policy):
 
 
 def make_policy(name: str) -> Policy:
+    """The policies of this module; "precise" is pagoda.router.precise's (it builds on this one)."""
     classes = {cls.name: cls for cls in (RoundRobin, LeastLoad, Prefix, Session)}
     if name not in classes:
         raise ValueError(f"--policy {name!r}: choose one of {', '.join(POLICIES)}")

@@ -66,7 +66,8 @@ def routing_request(body: bytes, headers: dict[str, str], session_header: str) -
     model = data.get("model") if isinstance(data.get("model"), str) else None
     user = data.get("user") if isinstance(data.get("user"), str) else None
     return RoutingRequest(prefix_text=prompt_text(data), session_key=headers.get(session_header) or user,
-                          model=model, answer_prefix=answer_prefix(data))
+                          model=model, answer_prefix=answer_prefix(data), body=data,
+                          authorization=headers.get("authorization"))
 
 
 def _content_text(content) -> str:
@@ -132,6 +133,9 @@ class Router:
         if not healthy:  # a replica that died comes back with an empty cache
             self.policy.forget(backend.url)
 
+    async def prepare(self, request: RoutingRequest) -> None:
+        await self.policy.prepare(request, self.pool.healthy(), self.session)
+
     def choose(self, request: RoutingRequest, exclude: set[str]) -> Decision:
         healthy = [b for b in self.pool.healthy() if b.url not in exclude]
         if not healthy:
@@ -186,6 +190,7 @@ class ProxyResponse(Response):
 
     async def forward(self, send: Send) -> None:
         router, tried, started = self.router, set(), self.arrived
+        await router.prepare(self.request)
         for attempt in range(2):
             try:
                 decision = router.choose(self.request, tried)

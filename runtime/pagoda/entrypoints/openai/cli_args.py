@@ -307,6 +307,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                '(greedy: identical). Costs: each step computes 1 + k tokens per speculating sequence, wasted where '
                'drafts are rejected, and KV slots for the drafts; requests with logprobs, penalties or structured '
                'outputs do not speculate. See docs/speculative-decoding.md')
+    p.add("--kv-events-config", type=json_object,
+          help='publish the prefix cache\'s changes as vLLM does: \'{"enable_kv_cache_events": true, "publisher": '
+               '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\' (BlockStored, '
+               'BlockRemoved, AllBlocksCleared over ZMQ PUB; `pagoda router --policy precise` reads them). '
+               'See docs/router.md')
     p.add("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
           help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: keys and values in 8 bits with per-layer "
                "scales, twice the blocks in the same memory")

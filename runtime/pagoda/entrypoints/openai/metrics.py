@@ -73,6 +73,8 @@ class EngineStatsCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_cache_usage)
         yield gauge("kv_cache_used_blocks", "KV-cache blocks held by requests.", stats.num_blocks_used)
         yield gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.", stats.num_blocks_total)
+        yield gauge("prefix_cache_blocks", "KV-cache blocks the prefix cache can find (held or evictable).",
+                    stats.num_cached_blocks)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)

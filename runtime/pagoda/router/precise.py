@@ -1,0 +1,104 @@
+"""The precise policy: route by what each replica's prefix cache holds now (its KV events, ``kv_index``),
+measured in the request's own blocks.
+
+The request's token ids come from a replica's ``POST /tokenize`` (the chat template applied there, as the
+engine will), or from the body when it already carries token ids. Their block hashes are the engine's
+(``core.block_hash``, the adapter's root when the model is an adapter the events named); each replica scores
+the longest run of leading blocks it holds. The longest run wins within the prefix policy's load bound;
+a run under half the prompt, or none, goes by load (a shared system prompt alone does not pile requests
+onto one replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from pagoda.core.block_hash import BASE_ROOT, chain_hashes, lora_root
+from pagoda.router.backends import Backend
+from pagoda.router.kv_index import KVIndex
+from pagoda.router.policies import (
+    MIN_MATCH_SHARE,
+    Decision,
+    Policy,
+    RoutingRequest,
+    least_loaded,
+    within_bound,
+)
+
+logger = logging.getLogger(__name__)
+
+TOKENIZE_TIMEOUT = 5.0
+
+
+class Precise(Policy):
+    name = "precise"
+
+    def __init__(self, index: KVIndex | None = None):
+        super().__init__()
+        self.index = index or KVIndex()
+
+    async def prepare(self, request: RoutingRequest, candidates: list[Backend],
+                      session: aiohttp.ClientSession | None) -> None:
+        """Find the request's token ids (once), from its body or a replica's /tokenize."""
+        if request.token_ids is not None or request.body is None:
+            return
+        body = request.body
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            request.token_ids = prompt
+            return
+        query = {"model": body.get("model")}
+        if isinstance(body.get("messages"), list):
+            query["messages"] = body["messages"]
+        elif isinstance(prompt, str):
+            query["prompt"] = prompt
+        else:
+            return
+        if session is None or not candidates:
+            return
+        backend = candidates[self.turn % len(candidates)]
+        headers = {"Authorization": request.authorization} if request.authorization else {}
+        try:
+            async with session.post(backend.url + "/tokenize", json=query, headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT)) as r:
+                if r.status == 200:
+                    request.token_ids = (await r.json()).get("tokens")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            logger.debug("tokenize on %s failed: %s", backend.url, e)
+
+    def hashes_for(self, request: RoutingRequest, url: str) -> list[int]:
+        entry = self.index.replicas.get(url)
+        if not request.token_ids or entry is None or entry.block_size is None:
+            return []
+        root = lora_root(request.model) if request.model in entry.lora_names else BASE_ROOT
+        key = (entry.block_size, root)
+        cached = request.chains.get(key)
+        if cached is None:
+            # the engine never reuses the last prompt token's block-to-be (its logits are computed)
+            ids = request.token_ids[: len(request.token_ids) - 1]
+            cached = request.chains[key] = chain_hashes(ids, entry.block_size, root)
+        return cached
+
+    def choose(self, request, candidates):
+        fallback = least_loaded(candidates, self._next_turn())
+        chains = {b.url: self.hashes_for(request, b.url) for b in candidates}
+        prompt_blocks = max((len(c) for c in chains.values()), default=0)
+        if prompt_blocks == 0:
+            return Decision(fallback, "no-tokens" if not request.token_ids else "no-prefix")
+        matches = {b.url: self.index.match(b.url, chains[b.url]) for b in candidates}
+        best = max(matches.values())
+        if best == 0:
+            return Decision(fallback, "no-prefix-match", 0, prompt_blocks)
+        if best < MIN_MATCH_SHARE * prompt_blocks:
+            n = len(candidates)
+            order = [candidates[(self.turn + i) % n] for i in range(n)]
+            choice = min(order, key=lambda b: (b.load(), -matches[b.url]))
+            return Decision(choice, "prefix-short-match", matches[choice.url], prompt_blocks)
+        holders = [b for b in candidates if matches[b.url] == best]
+        choice = least_loaded(holders, self.turn)
+        if not within_bound(choice, candidates):
+            return Decision(fallback, "prefix-overloaded", matches[fallback.url], prompt_blocks)
+        return Decision(choice, "prefix-match", best, prompt_blocks)

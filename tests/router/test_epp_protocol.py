@@ -1,0 +1,53 @@
+"""The Endpoint Picker's answers over real gRPC, from a router whose backends' states are set by the test
+(no replicas): 429 when every backend's queue is at the bound, the least-loaded one otherwise, 503 when none
+is healthy."""
+
+import asyncio
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from live_server import free_port
+
+from pagoda.router.backends import BackendPool
+from pagoda.router.epp import EPPServer
+from pagoda.router.policies import make_policy
+from pagoda.router.proxy import Router, RouterConfig
+
+pytestmark = pytest.mark.server
+
+
+async def ask(port: int) -> ext_proc.ProcessingResponse:
+    headers = ext_proc.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")]))
+    body = ext_proc.HttpBody(body=b'{"model": "m", "prompt": "hi"}', end_of_stream=True)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = ext_proc_grpc.ExternalProcessorStub(channel).Process(
+            iter([ext_proc.ProcessingRequest(request_headers=headers), ext_proc.ProcessingRequest(request_body=body)]))
+        return [answer async for answer in call][-1]
+
+
+def test_queue_bound_429_least_loaded_and_503():
+    async def scenario():
+        pool = BackendPool(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        a, b = pool.all()
+        router = Router(pool, make_policy("least-load"), RouterConfig(policy="least-load"))
+        server = EPPServer(router, "127.0.0.1", free_port(), max_queue=4, session_header="x-session-id")
+        await server.start()
+        try:
+            a.mark_up(), b.mark_up()
+            a.waiting, b.waiting = 4, 4
+            answer = await ask(server.port)
+            assert answer.immediate_response.status.code == 429
+            b.waiting = 3
+            answer = await ask(server.port)
+            endpoint = answer.request_body.response.header_mutation.set_headers[0].header.raw_value
+            assert endpoint == b"10.0.0.2:8000"
+            a.mark_down("test"), b.mark_down("test")
+            assert (await ask(server.port)).immediate_response.status.code == 503
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())
