@@ -33,6 +33,10 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
 MASTER_PORT = 29500
+# With spec.router.policy precise the heads publish their KV cache's changes (vLLM's --kv-events-config) on these
+# ports, where the router subscribes (router.py)
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
 PROBE_PERIOD_SECONDS = 10
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
@@ -181,7 +185,21 @@ def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.
             args += [flag, str(value)]
     if e.enable_prefix_caching is not None:
         args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
-    return args + lora_args(spec) + list(e.extra_args)
+    return args + lora_args(spec) + kv_events_args(spec) + list(e.extra_args)
+
+
+def publishes_kv_events(spec: DeploymentSpec) -> bool:
+    """The router's precise policy reads the heads' KV events: on, unless engine.extraArgs configures them."""
+    return (spec.router is not None and spec.router.policy == "precise"
+            and not any(a.split("=", 1)[0] == "--kv-events-config" for a in spec.engine.extra_args))
+
+
+def kv_events_args(spec: DeploymentSpec) -> list[str]:
+    if not publishes_kv_events(spec):
+        return []
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+              "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}"}
+    return ["--kv-events-config", json.dumps(config)]
 
 
 def lora_args(spec: DeploymentSpec) -> list[str]:
@@ -247,7 +265,9 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
-        ],
+        ] + ([{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+              {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"}]
+             if publishes_kv_events(spec) else []),
         "resources": build_resources(spec),
         "volumeMounts": mounts,
         # Loading 70B weights from a network volume can take many minutes: the startup probe allows

@@ -18,6 +18,8 @@ from typing import Any
 
 from .builders import (
     HTTP_PORT,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
     NO_SERVICE_LINKS,
     RUNTIME_UID,
     deployment_labels,
@@ -33,10 +35,9 @@ INFERENCE_POOL_API = ("inference.networking.k8s.io", "v1", "inferencepools")
 INFERENCE_POOL = "InferencePool"
 ENDPOINT_PICKER_PORT = 9002  # the Inference Extension's default for the endpoint picker's ext-proc port
 ROLE_ROUTER = "router"
-# where `--policy precise` reads each head's KV events: the heads publish on these ports (engine.extraArgs:
-# --kv-events-config '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}')
-KV_EVENTS_ENDPOINT = "tcp://{host}:5557"
-KV_EVENTS_REPLAY = "tcp://{host}:5558"
+# where `--policy precise` reads each head's KV events: the heads publish on these ports (builders.kv_events_args)
+KV_EVENTS_ENDPOINT = f"tcp://{{host}}:{KV_EVENTS_PORT}"
+KV_EVENTS_REPLAY = f"tcp://{{host}}:{KV_EVENTS_REPLAY_PORT}"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 # The kinds of the router's children, in the order they are applied (the Deployment last: its pods
 # need their account and permission first)

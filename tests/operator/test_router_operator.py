@@ -200,3 +200,35 @@ async def test_switching_the_mode_replaces_the_children(router_apis, cluster, op
     assert "llama-epp" in services and "llama-router" not in services
     status = await cluster.status("llama")
     assert status["router"] == "llama-epp" and status["endpoint"] == f"http://llama.{NS}.svc:8000/v1"
+
+
+def test_precise_routing_turns_on_the_heads_kv_events_where_the_router_reads_them():
+    from pagoda.config.kv_events import KVEventsConfig
+    from pagoda.entrypoints.openai.cli_args import split_args
+
+    spec = parse({**CPU, "router": {"enabled": True, "policy": "precise"}, "pipelineParallelSize": 2})
+    router_ns = cli.build_parser().parse_args(r.build_router_deployment(spec, OWNER)["spec"]["template"]["spec"]
+                                              ["containers"][0]["args"])
+    for sts in (m for m in b.build_all(spec, OWNER) if m["kind"] == "StatefulSet"):
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        args = [a.replace("$(PAGODA_NODE_RANK)", "0") for a in container["args"]]
+        engine, _ = split_args(cli.build_parser().parse_args(args))
+        events = KVEventsConfig.parse(engine.kv_events_config)
+        assert events.enable_kv_cache_events
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        # the router's templates, filled with a pod's address, are the heads' endpoints on that address
+        assert router_ns.kv_events_endpoint.format(host="10.0.0.9", port=8000) == \
+            events.endpoint.replace("*", "10.0.0.9") == f"tcp://10.0.0.9:{ports['kv-events']}"
+        assert router_ns.kv_events_replay_endpoint.format(host="10.0.0.9", port=8000) == \
+            events.replay_endpoint.replace("*", "10.0.0.9") == f"tcp://10.0.0.9:{ports['kv-replay']}"
+    # the user's own flag wins and is not repeated; other policies publish nothing
+    own = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "t"}'
+    spec = parse({**CPU, "router": {"enabled": True, "policy": "precise"},
+                  "engine": {"extraArgs": ["--kv-events-config", own]}})
+    args = [m for m in b.build_all(spec, OWNER) if m["kind"] == "StatefulSet"][0]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert args.count("--kv-events-config") == 1 and own in args
+    spec = parse({**CPU, "router": {"enabled": True, "policy": "prefix"}})
+    args = [m for m in b.build_all(spec, OWNER) if m["kind"] == "StatefulSet"][0]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert "--kv-events-config" not in args
