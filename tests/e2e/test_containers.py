@@ -182,3 +182,34 @@ def write_weights_and_adapter(claim: Path) -> None:
     get_peft_model(base, config).save_pretrained(claim / "adapters" / "sql")
     for path in [claim, *claim.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+async def test_precise_routing_reads_the_heads_kv_events_over_the_container_network(e2e: E2E):
+    import httpx
+
+    await e2e.cluster.create("exact", {**CPU, "replicas": 2, "router": {"enabled": True, "policy": "precise"}})
+    await e2e.ready("exact", groups=2)
+    [router] = await e2e.resolve("exact-router.serving.svc.cluster.local")
+    for i in range(6):
+        await client(router).chat.completions.create(
+            model="exact", temperature=0, max_tokens=8,
+            messages=[{"role": "user", "content": f"Question {i}: " + "tell me about towers and bridges. " * 6}])
+    heads = {f"http://{e2e.runner.pod_ip(f'exact-g{g}-head-0')}:8000": g for g in (0, 1)}
+    seen: dict = {}
+
+    async def index_matches_engines():
+        async with httpx.AsyncClient(timeout=10) as http:
+            index = (await http.get(f"http://{router}:8000/debug/kv-index")).json()
+            engines = {}
+            for url in heads:
+                metrics = (await http.get(f"{url}/metrics")).text
+                engines[url] = next(float(line.split()[-1]) for line in metrics.splitlines()
+                                    if line.startswith("pagoda:prefix_cache_blocks"))
+        held = {url: index.get(url, {}).get("blocks", 0) for url in heads}  # no event yet: nothing held
+        seen.update(index=index, engines=engines)
+        return sum(engines.values()) > 0 and all(held[url] == engines[url] for url in heads)
+    try:
+        await e2e.until(index_matches_engines, "the router's KV index equal to each head's cached blocks", timeout=60)
+    except AssertionError as e:
+        router_pod = next(name for name in e2e.runner.pods if name.startswith("exact-router"))
+        raise AssertionError(f"{e}: {seen}\n{await e2e.runner.logs(router_pod, 40)}") from None
