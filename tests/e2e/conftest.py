@@ -20,7 +20,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 
-from operator_harness import VERBS, FakeCluster, OperatorProcess, register_resources  # noqa: E402
+from operator_harness import VERBS, FakeCluster, OperatorProcess, register_resources, use_kmock  # noqa: E402
 from pod_runner import PodRunner, podman  # noqa: E402
 
 from pagoda_operator.settings import OperatorSettings  # noqa: E402
@@ -130,15 +130,7 @@ async def e2e(kmock, runtime_image, tmp_path, monkeypatch, operator_settings) ->
                        ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding"),
                        ("discovery.k8s.io/v1/endpointslices", "EndpointSlice")):
         kmock.resources[path] = info(kind=kind, namespaced=True, verbs=VERBS)
-    url = str(kmock.url).rstrip("/")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {"token": "test"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    url = use_kmock(kmock, tmp_path, monkeypatch)
     port = int(url.rsplit(":", 1)[1])
     runner = PodRunner(url, NS, base_dir=tmp_path / "runner", kube_api_port=port)
     await runner.start()

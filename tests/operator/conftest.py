@@ -6,8 +6,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-import yaml
-from operator_harness import FakeCluster, OperatorProcess, register_resources
+from operator_harness import FakeCluster, OperatorProcess, register_resources, use_kmock
 
 from pagoda_operator.settings import OperatorSettings
 
@@ -21,16 +20,7 @@ def operator_settings() -> OperatorSettings:
 @pytest.fixture
 async def cluster(kmock, tmp_path, monkeypatch) -> AsyncIterator[FakeCluster]:
     register_resources(kmock)
-    url = str(kmock.url).rstrip("/")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {"token": "test"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
-    }))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    url = use_kmock(kmock, tmp_path, monkeypatch)
     async with aiohttp.ClientSession(base_url=url) as session:
         yield FakeCluster(session)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+import yaml
 
 from pagoda_operator.main import build_registry
 from pagoda_operator.settings import OperatorSettings
@@ -67,6 +68,21 @@ def register_resources(kmock) -> None:
         stored.patch(request.data)
         return stored.raw
     kmock["put", "/apis/coordination.k8s.io/v1/namespaces/*/leases/*"] << replace_lease
+
+
+def use_kmock(kmock, tmp_path, monkeypatch) -> str:
+    """Point this process's Kubernetes clients (kopf's, the router's) at KMock through a kubeconfig; its URL."""
+    url = str(kmock.url).rstrip("/")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
+        "users": [{"name": "kmock", "user": {"token": "test"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    return url
 
 
 def labels(obj: dict[str, Any]) -> dict[str, str]:
