@@ -89,8 +89,9 @@ def test_engine_packs_its_weights_and_gives_the_plain_logprobs(tiny_model_factor
     path = str(tiny_model_factory(arch))
     packed = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
     model = packed.engine.executor.runner.model
-    monkeypatch.setattr("pagoda.worker.model_runner.packing_supported", lambda device, dtype: False)
+    monkeypatch.setattr("pagoda.layers.packed_weights.packing_supported", lambda device, dtype: False)
     plain = LLM(path, dtype="bfloat16", kv_cache_memory=0.05)
+    assert getattr(plain.engine.executor.runner.model.lm_head, "packed_weight", None) is None  # the patch took
 
     expected, actual = top_logprobs(plain), top_logprobs(packed)
 
