@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 from pagoda.config import EngineArgs
 from pagoda.engine import EngineDeadError
+from pagoda.engine.closing import ShutdownOnExit
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import EngineStats, RequestOutput
 from pagoda.errors import RequestFailed
@@ -30,7 +31,7 @@ from pagoda.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(ShutdownOnExit):
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
         """engine: a built engine, or a function that builds one (called in the engine thread)."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -149,18 +150,6 @@ class AsyncLLMEngine:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-    def __enter__(self) -> "AsyncLLMEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    async def __aenter__(self) -> "AsyncLLMEngine":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await asyncio.to_thread(self.shutdown)
 
     def __del__(self) -> None:
         if hasattr(self, "_stopping"):

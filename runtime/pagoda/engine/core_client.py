@@ -30,6 +30,7 @@ import zmq
 from pagoda.config import EngineArgs, EngineConfig
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine import EngineDeadError, wire
+from pagoda.engine.closing import ShutdownOnExit
 from pagoda.engine.core_proc import run_engine_core
 from pagoda.engine.input_processor import InputProcessor, check_priority
 from pagoda.engine.output_processor import OutputProcessor
@@ -71,7 +72,7 @@ class _Tracked:
     failing: bool = False  # its output processing failed here: the core's final delta is awaited
 
 
-class AsyncMPEngine:
+class AsyncMPEngine(ShutdownOnExit):
     def __init__(self, config: EngineConfig):
         from transformers import AutoTokenizer
 
@@ -265,18 +266,6 @@ class AsyncMPEngine:
         self._output.close(linger=0)
         self._context.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    def __enter__(self) -> "AsyncMPEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    async def __aenter__(self) -> "AsyncMPEngine":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await asyncio.to_thread(self.shutdown)
 
     def __del__(self) -> None:
         if hasattr(self, "_thread"):
