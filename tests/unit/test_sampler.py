@@ -1,9 +1,23 @@
 import pytest
 import torch
 
+from pagoda.layers import fused_cpu_ops
+from pagoda.sample import sampler as sampler_module
 from pagoda.sample.sampler import Sampler, SamplingTensors, apply_top_k_top_p
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def draw(request, monkeypatch):
+    """Every test runs on both draws: the CPU kernel (inverse distribution, one uniform a row) where the library
+    builds, and the exponential race of the other devices."""
+    if request.param == "kernel":
+        if not fused_cpu_ops.available():
+            pytest.skip("the CPU kernel library is not built here")
+    else:
+        monkeypatch.setattr(sampler_module.fused_cpu_ops, "usable", lambda x: False)
+    return request.param
 
 
 def tensors(n, vocab, **overrides):
@@ -90,3 +104,45 @@ def test_logprobs_are_raw_log_softmax_with_rank():
     assert s.top_token_ids == [1, 2]
     assert s.logprob == pytest.approx(lp[1].item())
     assert s.top_logprobs == pytest.approx([lp[1].item(), lp[2].item()])
+
+
+def test_temperature_scales_the_distribution_over_a_large_vocabulary():
+    # a 49152-token vocabulary (many of the kernel's chunks), most of its mass on a few tokens spread through it
+    vocab, n = 49152, 6000
+    logits = torch.full((vocab,), -30.0)
+    heavy = torch.tensor([7, 300, 20000, 49151])
+    logits[heavy] = torch.tensor([2.0, 1.0, 0.5, 0.0])
+    temperature = 0.7
+    t = tensors(n, vocab, temperature=torch.full((n,), temperature))
+    tokens = torch.tensor([s.token_id for s in Sampler(torch.Generator().manual_seed(3))(logits.repeat(n, 1), t)])
+    expected = torch.softmax(logits / temperature, -1)[heavy]
+    freq = torch.stack([(tokens == h).float().mean() for h in heavy])
+    assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
+    assert set(tokens.tolist()) <= set(heavy.tolist())  # the rest has mass e^-43 each: never drawn
+
+
+def test_greedy_rows_beside_sampled_ones_take_their_argmax():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 1000)
+    temperature = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    t = tensors(6, 1000, temperature=temperature)
+    tokens = [s.token_id for s in Sampler(torch.Generator().manual_seed(0))(logits, t)]
+    assert tokens[0::2] == logits[0::2].argmax(-1).tolist()
+
+
+def test_top_k_with_min_p_and_temperature_only_draws_what_all_three_keep():
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    n = 4000
+    t = tensors(n, 5, temperature=torch.full((n,), 0.9), top_k=torch.full((n,), 4), any_top_k=True,
+                min_p=torch.full((n,), 0.3), any_min_p=True)
+    tokens = {s.token_id for s in Sampler(torch.Generator().manual_seed(0))(probs.log().repeat(n, 1), t)}
+    # top-k drops token 4; at temperature 0.9 token 3's probability is under 0.3 x the largest, token 2's is not
+    assert tokens == {0, 1, 2}
+
+
+def test_a_row_with_one_token_left_always_draws_it():
+    logits = torch.full((3, 700), float("-inf"))
+    logits[0, 0] = logits[1, 350] = logits[2, 699] = 1.0
+    t = tensors(3, 700)
+    for seed in range(5):
+        assert [s.token_id for s in Sampler(torch.Generator().manual_seed(seed))(logits, t)] == [0, 350, 699]

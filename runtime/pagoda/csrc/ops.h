@@ -85,6 +85,18 @@ constexpr const char* kArgmaxRowsSchema = "argmax_rows(Tensor x) -> Tensor";
 
 }  // namespace pagoda::fused
 
+// random sampling (sample/sampler_cpu.cpp)
+namespace pagoda::sample {
+
+// logits [N, V] float32 (-inf: masked), temperature [N] float32 (<= 1e-5: greedy), min_p [N] float32, uniforms [N]
+// float64 in [0, 1) -> [N] int64: each row's token drawn from softmax(logits / temperature) with min-p
+at::Tensor sample_categorical(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& min_p,
+                              const at::Tensor& uniforms);
+constexpr const char* kSampleCategoricalSchema =
+    "sample_categorical(Tensor logits, Tensor temperature, Tensor min_p, Tensor uniforms) -> Tensor";
+
+}  // namespace pagoda::sample
+
 // bfloat16-weight matmuls (layers/bf16_matmul_cpu.cpp)
 namespace pagoda::bf16_matmul {
 

@@ -16,6 +16,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(fused::kSiluAndMulSchema);
   m.def(fused::kWriteKvCacheSchema);
   m.def(fused::kArgmaxRowsSchema);
+  m.def(sample::kSampleCategoricalSchema);
   m.def(bf16_matmul::kLinearSchema);
   m.def(bf16_matmul::kIsaLevelSchema, &bf16_matmul::isa_level);
   m.def(fp8_matmul::kLinearSchema);
@@ -37,6 +38,7 @@ TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("silu_and_mul", &fused::silu_and_mul);
   m.impl("write_kv_cache", &fused::write_kv_cache);
   m.impl("argmax_rows", &fused::argmax_rows);
+  m.impl("sample_categorical", &sample::sample_categorical);
   m.impl("bf16_linear", &bf16_matmul::linear);
   m.impl("fp8_linear", &fp8_matmul::linear);
   m.impl("fp8_pack", &fp8_matmul::pack);

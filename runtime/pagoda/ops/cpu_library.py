@@ -1,5 +1,5 @@
 """The C++ CPU kernel library, ``torch.ops.pagoda_cpu``: paged attention (decode, prefill, the fp8 cache write),
-the fused per-layer ops (RMSNorm, rotary, SiLU-and-multiply, the KV-cache write, the sampler's argmax), the
+the fused per-layer ops (RMSNorm, rotary, SiLU-and-multiply, the KV-cache write, the sampler's argmax), the sampler's random draw, the
 bfloat16 and FP8-weight matmuls, the batched LoRA delta and the Llama layer loop. One extension per ISA
 level, built once on first use and cached (``pagoda.cpp_extensions``): its translation units below are
 compiled apart, in parallel (ninja), and linked into one library; every op's C++ signature and schema is
@@ -31,6 +31,7 @@ SOURCES = [_RUNTIME / path for path in (
     "layers/fp8_matmul_cpu.cpp",
     "lora/lora_cpu.cpp",
     "models/llama_layers_cpu.cpp",
+    "sample/sampler_cpu.cpp",
 )]
 
 _library = cpp_extensions.OptionalExtension(

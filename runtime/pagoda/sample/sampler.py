@@ -130,6 +130,8 @@ class Sampler:
         return probs
 
     def _sample_random(self, logits, t: SamplingTensors, greedy_tokens):
+        if fused_cpu_ops.usable(logits):
+            return self._sample_cpu(logits, t)
         is_greedy = t.temperature < 1e-5
         probs = self.probabilities(logits, t)
         # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race) without a CPU sync
@@ -143,6 +145,33 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         sampled = fused_cpu_ops.argmax(probs / noise)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+    def _sample_cpu(self, logits, t: SamplingTensors):
+        """The CPU's draw (sampler_cpu.cpp): each row's softmax(logits / temperature) with min-p, by its inverse
+        cumulative distribution and one uniform number (the exponential race above needs a random number and a
+        log per vocabulary entry: tens of milliseconds a step on a CPU). Top-k and top-p mask first, as -inf."""
+        temperature = t.temperature
+        if t.any_top_k or t.any_top_p:
+            is_greedy = temperature < 1e-5
+            logits = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+            logits = apply_top_k_top_p(logits, t.top_k if t.any_top_k else None, t.top_p if t.any_top_p else None)
+            temperature = torch.where(is_greedy, temperature, torch.ones_like(temperature))  # greedy rows stay so
+        return torch.ops.pagoda_cpu.sample_categorical(logits.contiguous(), temperature.contiguous(),
+                                                       t.min_p.contiguous(), self._uniforms(t.generators))
+
+    def _uniforms(self, generators: list) -> torch.Tensor:
+        """One uniform number in [0, 1) per row, float64: from the row's own generator (a seeded request) or the
+        shared one."""
+        shared_rows = [i for i, g in enumerate(generators) if g is None]
+        if len(shared_rows) == len(generators):
+            return torch.rand(len(generators), dtype=torch.float64, generator=self.generator)
+        uniforms = torch.empty(len(generators), dtype=torch.float64)
+        if shared_rows:
+            uniforms[shared_rows] = torch.rand(len(shared_rows), dtype=torch.float64, generator=self.generator)
+        for i, gen in enumerate(generators):
+            if gen is not None:
+                uniforms[i] = torch.rand(1, dtype=torch.float64, generator=gen)
+        return uniforms
 
     @staticmethod
     def _with_logprobs(raw_logprobs, tokens, token_list, num_logprobs) -> list[SampledToken]:
