@@ -153,7 +153,7 @@ def _finish(procs, timeout=30):
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    shm_allreduce.load_module()  # compile once, before the ranks race for it
+    shm_allreduce.load_library()  # the kernel library: compiled once, before the ranks race for it
 
 
 @pytest.mark.parametrize("world", [2, 4])
