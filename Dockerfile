@@ -51,7 +51,8 @@ RUN --mount=type=bind,source=wheelhouse,target=/wheelhouse \
       *)    echo "RUNTIME_VARIANT must be cpu or cuda, got ${RUNTIME_VARIANT}" >&2; exit 1 ;; \
     esac
 
-# ---- cpu-kernels: the C++ kernel libraries, one per ISA level, built where a compiler is ----
+# ---- cpu-kernels: the C++ kernel library (every C++ op, the TP shared-memory all-reduce too), one per ISA level,
+# built where a compiler is ----
 FROM torch AS cpu-kernels
 ARG RUNTIME_VARIANT=cpu
 # vLLM ships its CPU build per level the same way. A node whose level is not here compiles at start when the
@@ -69,7 +70,7 @@ RUN if [ "${RUNTIME_VARIANT}" = cpu ]; then \
       && pip install --no-cache-dir "ninja==1.13.2"; \
     fi
 COPY runtime /src/runtime
-# The cache mount keeps the libraries of unchanged sources from one build to the next (their names are hashes).
+# The cache mount keeps the library of unchanged sources from one build to the next (its name is a hash).
 RUN --mount=type=cache,target=/var/cache/pagoda-kernels \
     mkdir -p /opt/pagoda/kernels \
     && if [ "${RUNTIME_VARIANT}" = cpu ]; then \

@@ -1,5 +1,5 @@
 """C++ extensions compiled on first use with torch's extension builder and cached under $PAGODA_CACHE_DIR: the CPU
-kernel library (``pagoda.ops.cpu_library``) and the shared-memory all-reduce. An extension's sources are
+kernel library (``pagoda.ops.cpu_library``, the shared-memory all-reduce included). An extension's sources are
 compiled apart, in parallel (ninja), and linked into one library.
 
 Builds target the ISA level ``pagoda.platform`` chose (``-march=native`` for native, the level's own flags
@@ -20,7 +20,6 @@ nothing, so a pod starts without a compiler.
 import dataclasses
 import fcntl
 import hashlib
-import importlib.util
 import logging
 import os
 import platform
@@ -42,10 +41,9 @@ BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
 PREBUILT_ENV = pagoda_platform.PREBUILT_ENV
 
 
-def kernel_cflags(fast_math: bool = True, isa: pagoda_platform.CpuIsa | None = None) -> list[str]:
+def kernel_cflags(isa: pagoda_platform.CpuIsa | None = None) -> list[str]:
     """The flags of a kernel build at ``isa``'s level (default: this process's)."""
-    base = BASE_CFLAGS if fast_math else [f for f in BASE_CFLAGS if f != "-ffast-math"]
-    return base + (isa or pagoda_platform.cpu_isa()).compile_flags()
+    return BASE_CFLAGS + (isa or pagoda_platform.cpu_isa()).compile_flags()
 
 
 def level_build(isa: pagoda_platform.CpuIsa, level: str | None = None) -> pagoda_platform.CpuIsa:
@@ -124,30 +122,18 @@ def prebuilt_library(prefix: str, sources: list[Path], cflags: list[str]) -> Pat
     return library if library.is_file() else None
 
 
-def load_library(library: Path, is_python_module: bool):
-    """Load a built library: as the Python module it defines, or for the ``torch.ops`` it registers."""
-    if not is_python_module:
-        torch.ops.load_library(str(library))
-        return library
-    spec = importlib.util.spec_from_file_location(library.stem, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def build_and_load(prefix: str, source: Path | Sequence[Path], cflags: list[str] | None = None,
-                   is_python_module: bool = False):
+def build_and_load(prefix: str, source: Path | Sequence[Path], cflags: list[str] | None = None) -> str:
     """Compile ``source`` (one file or several, linked into one library) once per (sources, flags, torch, ISA
-    level) and load it: the module when
-    ``is_python_module``, else the library is loaded for the ``torch.ops`` it registers. A prebuilt library
-    of this process's level (PAGODA_PREBUILT_KERNELS) is loaded instead of compiling. Raises on failure,
-    PreviousBuildFailed without compiling when this build failed before."""
+    level) and load it for the ``torch.ops`` and ``torch.classes`` it registers; returns its path. A prebuilt
+    library of this process's level (PAGODA_PREBUILT_KERNELS) is loaded instead of compiling. Raises on
+    failure, PreviousBuildFailed without compiling when this build failed before."""
     cflags = kernel_cflags() if cflags is None else cflags
     sources = source_list(source)
     prebuilt = prebuilt_library(prefix, sources, cflags)
     if prebuilt is not None:
         logger.info("Loading %s (prebuilt)", prebuilt)
-        return load_library(prebuilt, is_python_module)
+        torch.ops.load_library(str(prebuilt))
+        return str(prebuilt)
     if not compiler_available():
         root = pagoda_platform.prebuilt_kernels_dir()
         where = f"none for ISA level {pagoda_platform.cpu_isa().level} in {root}" if root else f"{PREBUILT_ENV} not set"
@@ -174,7 +160,7 @@ def build_and_load(prefix: str, source: Path | Sequence[Path], cflags: list[str]
         try:
             return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
                                       build_directory=str(build_dir), extra_include_paths=[str(INCLUDE_DIR)],
-                                      is_python_module=is_python_module, verbose=False)
+                                      is_python_module=False, verbose=False)
         except Exception as e:
             if _is_compile_error(e):  # a load error (a library already registered...) is not the build's fault
                 marker.write_text(f"{type(e).__name__}: {e}")
@@ -195,12 +181,15 @@ def _is_compile_error(e: Exception) -> bool:
 class OptionalExtension:
     """A kernel library the engine can do without: built on first ``available()`` (thread-safe), which
     says whether its ``torch.ops`` are loaded. Off with ``env_switch=0``, without a compiler, or when
-    the build fails (a broken toolchain must not stop the engine: callers fall back to torch)."""
+    the build fails (a broken toolchain must not stop the engine: callers fall back to torch). ``load()``
+    builds and loads it whatever the switch says, for ops with a switch of their own."""
 
     def __init__(self, prefix: str, source: Path | Sequence[Path], env_switch: str, what: str):
         self.prefix, self.source, self.env_switch, self.what = prefix, source, env_switch, what
         self._lock = threading.Lock()
         self._loaded: bool | None = None  # None: not tried yet
+        self._library: Path | None = None  # loaded from there
+        self._error: Exception | None = None  # the load failed: not tried again in this process
 
     def available(self) -> bool:
         if self._loaded is not None:
@@ -215,9 +204,24 @@ class OptionalExtension:
                     logger.warning("%s: %s uses the slower torch path", why_not, self.what)
                 else:
                     try:
-                        build_and_load(self.prefix, self.source)
+                        self._load_locked()
                         self._loaded = True
                     except Exception as e:
                         logger.warning("Could not build the C++ kernels for %s, using the torch path: %s",
                                        self.what, e)
         return self._loaded
+
+    def load(self) -> Path:
+        """The library's path, built and loaded the first time; raises (each time) when it cannot be."""
+        with self._lock:
+            return self._load_locked()
+
+    def _load_locked(self) -> Path:
+        if self._library is None and self._error is None:
+            try:
+                self._library = Path(build_and_load(self.prefix, self.source))
+            except Exception as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._library

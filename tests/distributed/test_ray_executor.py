@@ -17,6 +17,7 @@ from hosts import make_two_hosts, remove_two_hosts
 from ray_nodes import RayNode, wait_for_nodes
 
 from pagoda import LLM, EngineArgs, SamplingParams
+from pagoda.config import create_engine_config
 from pagoda.worker.loader.default_model import default_model_path
 
 pytestmark = pytest.mark.distributed
@@ -93,7 +94,7 @@ def greedy(llm) -> list[list[int]]:
 
 def test_inside_the_cluster_ray_is_chosen_when_this_node_cannot_hold_every_rank(cluster, model):
     def backend(**kwargs) -> str:
-        return EngineArgs(model=str(model), **kwargs).create_config().parallel.distributed_executor_backend
+        return create_engine_config(EngineArgs(model=str(model), **kwargs)).parallel.distributed_executor_backend
 
     assert backend(tensor_parallel_size=2) == "mp"  # the head node has 2 CPUs
     assert backend(tensor_parallel_size=3) == "ray"

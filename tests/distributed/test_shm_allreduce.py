@@ -153,7 +153,7 @@ def _finish(procs, timeout=30):
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    shm_allreduce.load_module()  # compile once, before the ranks race for it
+    shm_allreduce.load_library()  # the kernel library: compiled once, before the ranks race for it
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -218,3 +218,20 @@ def test_llm_tp2_uses_shared_memory_and_keeps_greedy_tokens(tiny_model_factory, 
     assert tp2 == greedy()
     assert _leftover_segments([os.getpid()]) == []
 
+
+
+def test_rounding_and_nan_are_the_same_on_the_vector_and_the_scalar_path():
+    """One rank (the sum is the rounding alone): element 0 goes through the 16-wide loop where the CPU has
+    AVX-512, element 16 through the scalar remainder; both quiet a NaN keeping its sign, as vcvtneps2bf16."""
+    name = f"/pagoda-tp-{os.getpid()}-rounding"
+    group = torch.classes.pagoda_cpu.ShmGroup(name, 0, 1, shm_allreduce.SLOT_BYTES, True, [], 5.0)
+    torch.ops.pagoda_cpu.shm_unlink(name)
+    try:
+        for bits, expected in ((0xFF81, 0xFFC1), (0x7F81, 0x7FC1), (0x7FC0, 0x7FC0), (0x3F81, 0x3F81)):
+            x = torch.full((17,), bits, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # 16 bits, wrapped
+            group.all_reduce(x)
+            assert torch.equal(x.view(torch.int16), torch.full((17,), expected, dtype=torch.int32).to(torch.int16)), \
+                hex(bits)
+    finally:
+        group.close()
+    assert _leftover_segments([os.getpid()]) == []

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from pagoda.config import EngineArgs
+from pagoda.config import EngineArgs, create_engine_config
 from pagoda.errors import InvalidParam
 
 pytestmark = pytest.mark.unit
@@ -36,7 +36,7 @@ def no_loading(monkeypatch):
 ])
 def test_unsupported_or_bad_values_are_refused_by_name_before_loading(no_loading, name, value):
     with pytest.raises(InvalidParam) as err:
-        EngineArgs(model="/not/loaded", **{name: value}).create_config()
+        create_engine_config(EngineArgs(model="/not/loaded", **{name: value}))
     assert err.value.param == name and name in str(err.value)
 
 
@@ -46,13 +46,13 @@ def test_unsupported_or_bad_values_are_refused_by_name_before_loading(no_loading
 ])
 def test_bad_lora_values_are_refused_by_name_before_loading(no_loading, values, name):
     with pytest.raises(InvalidParam) as err:
-        EngineArgs(model="/not/loaded", enable_lora=True, **values).create_config()
+        create_engine_config(EngineArgs(model="/not/loaded", enable_lora=True, **values))
     assert err.value.param == name and name in str(err.value)
 
 
 def test_swap_mode_without_swap_space_is_refused(no_loading):
     with pytest.raises(InvalidParam, match="swap_space > 0") as err:
-        EngineArgs(model="/not/loaded", preemption_mode="swap", swap_space=0).create_config()
+        create_engine_config(EngineArgs(model="/not/loaded", preemption_mode="swap", swap_space=0))
     assert err.value.param == "preemption_mode"
 
 
@@ -61,14 +61,14 @@ def test_ray_backend_without_ray_installed_names_the_extra(no_loading, monkeypat
 
     monkeypatch.setattr(ray_cluster, "ray_installed", lambda: False)
     with pytest.raises(InvalidParam, match=r"needs Ray, which is not installed: pip install 'pagoda\[ray\]'") as err:
-        EngineArgs(model="/not/loaded", distributed_executor_backend="ray", tensor_parallel_size=2).create_config()
+        create_engine_config(EngineArgs(model="/not/loaded", distributed_executor_backend="ray", tensor_parallel_size=2))
     assert err.value.param == "distributed_executor_backend"
 
 
 def test_ray_backend_refuses_nnodes(no_loading):
     with pytest.raises(InvalidParam, match="nnodes is for the 'mp' backend") as err:
-        EngineArgs(model="/not/loaded", distributed_executor_backend="ray", pipeline_parallel_size=2,
-                   nnodes=2).create_config()
+        create_engine_config(EngineArgs(model="/not/loaded", distributed_executor_backend="ray", pipeline_parallel_size=2,
+                   nnodes=2))
     assert err.value.param == "nnodes"
 
 
@@ -79,7 +79,7 @@ def test_the_tutorial_arguments_are_accepted_and_take_effect(tiny_llama_dir):
                            gpu_memory_utilization=0.95, swap_space=4, enable_prefix_caching=True,
                            disable_log_stats=False, enforce_eager=True, kv_cache_dtype="auto",
                            trust_remote_code=False, load_format="safetensors", tokenizer_mode="auto")
-    cfg = args.create_config()
+    cfg = create_engine_config(args)
     assert cfg.cache.swap_space_gib == 4 and cfg.cache.preemption_mode == "swap"
     assert cfg.scheduler.preemption_mode == "swap" and cfg.log_stats
     hf = cfg.model.hf_config
@@ -92,12 +92,12 @@ def test_the_tutorial_arguments_are_accepted_and_take_effect(tiny_llama_dir):
 def test_swap_defaults_on_cpu_and_recompute_without_swap_space(tiny_llama_dir):
     from pagoda.config import DEFAULT_CPU_SWAP_SPACE_GIB
 
-    cfg = EngineArgs(model=str(tiny_llama_dir)).create_config()
+    cfg = create_engine_config(EngineArgs(model=str(tiny_llama_dir)))
     assert cfg.cache.swap_space_gib == DEFAULT_CPU_SWAP_SPACE_GIB and cfg.cache.preemption_mode == "swap"
     assert cfg.cache.num_swap_blocks > 0
-    cfg = EngineArgs(model=str(tiny_llama_dir), swap_space=0).create_config()
+    cfg = create_engine_config(EngineArgs(model=str(tiny_llama_dir), swap_space=0))
     assert cfg.cache.preemption_mode == "recompute" and cfg.cache.num_swap_blocks == 0
-    cfg = EngineArgs(model=str(tiny_llama_dir), preemption_mode="recompute").create_config()
+    cfg = create_engine_config(EngineArgs(model=str(tiny_llama_dir), preemption_mode="recompute"))
     assert cfg.cache.num_swap_blocks == 0 and cfg.scheduler.preemption_mode == "recompute"
 
 
@@ -130,8 +130,8 @@ def _custom_code_model(tmp_path, tiny_llama_dir):
 def test_trust_remote_code_reaches_transformers(tmp_path, tiny_llama_dir):
     path = _custom_code_model(tmp_path, tiny_llama_dir)
     with pytest.raises(ValueError, match="trust_remote_code"):
-        EngineArgs(model=str(path)).create_config()
-    cfg = EngineArgs(model=str(path), trust_remote_code=True).create_config()
+        create_engine_config(EngineArgs(model=str(path)))
+    cfg = create_engine_config(EngineArgs(model=str(path), trust_remote_code=True))
     assert getattr(cfg.model.hf_config, "loaded_from_remote_code", False)
     assert cfg.model.trust_remote_code
 

@@ -1,5 +1,5 @@
 """No import cycles in either package, counting every import: function-local ones too (a cycle hidden
-inside a function still ties the modules together)."""
+inside a function still ties the modules together); within pagoda.config, annotation-only ones as well."""
 
 import ast
 from pathlib import Path
@@ -21,7 +21,8 @@ def runtime_nodes(tree: ast.AST):
         yield from runtime_nodes(node)
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
+def import_graph(package_dir: Path, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports; ``type_checking``: those under ``if TYPE_CHECKING:`` too."""
     package = package_dir.name
     modules = {}
     for path in package_dir.rglob("*.py"):
@@ -36,7 +37,8 @@ def import_graph(package_dir: Path) -> dict[str, set[str]]:
 
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in runtime_nodes(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if type_checking else runtime_nodes(tree):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -97,6 +99,34 @@ def test_the_check_finds_a_cycle_hidden_in_a_function(tmp_path):
     (package / "a.py").write_text("from pkg.b import f\n")
     (package / "b.py").write_text("def f():\n    from pkg import a\n")
     assert cycles(import_graph(package)) == [["pkg.a", "pkg.b"]]
+
+
+def config_graph(package_dir: Path) -> dict[str, set[str]]:
+    """The imports among the modules of ``package_dir``'s config package, annotation-only ones included."""
+    prefix = f"{package_dir.name}.config"
+    graph = import_graph(package_dir, type_checking=True)
+    inside = {m for m in graph if m == prefix or m.startswith(prefix + ".")}
+    return {m: graph[m] & inside for m in inside}
+
+
+def test_config_modules_import_one_way():
+    """Arguments, configs and their resolution: resolve uses args, and nothing in pagoda.config comes back to
+    it, not even for an annotation (``pagoda.config.create_engine_config(args)``, not a method of the args)."""
+    graph = config_graph(ROOT / "runtime" / "pagoda")
+    assert "pagoda.config.args" in graph["pagoda.config.resolve"]
+    assert cycles(graph) == []
+
+
+def test_the_config_check_counts_type_checking_imports(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "config").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "config" / "__init__.py").write_text("from pkg.config.resolve import create\n")
+    (package / "config" / "args.py").write_text("def create(self):\n    from pkg.config.resolve import create\n")
+    (package / "config" / "resolve.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.config.args import Args\n")
+    assert cycles(import_graph(package)) == []  # the annotation-only import is not executed
+    assert cycles(config_graph(package)) == [["pkg.config.args", "pkg.config.resolve"]]
 
 
 def test_every_executor_implements_the_protocol():

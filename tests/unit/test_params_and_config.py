@@ -1,6 +1,6 @@
 import pytest
 
-from pagoda.config import EngineArgs
+from pagoda.config import EngineArgs, create_engine_config
 from pagoda.errors import InvalidParam
 from pagoda.sampling_params import SamplingParams
 
@@ -59,14 +59,14 @@ def test_min_tokens_cannot_exceed_max_tokens():
 ])
 def test_invalid_engine_args_name_the_field(tiny_llama_dir, changes, match):
     with pytest.raises(ValueError, match=match):
-        EngineArgs(model=str(tiny_llama_dir), **changes).create_config()
+        create_engine_config(EngineArgs(model=str(tiny_llama_dir), **changes))
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        EngineArgs(model=str(tmp_path / "nope")).create_config()
+        create_engine_config(EngineArgs(model=str(tmp_path / "nope")))
     with pytest.raises(ValueError, match="no config.json"):
-        EngineArgs(model=str(tmp_path)).create_config()
+        create_engine_config(EngineArgs(model=str(tmp_path)))
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path, tiny_llama_dir):
@@ -79,13 +79,13 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, tiny_llama_
     config["architectures"] = ["GPT2LMHeadModel"]
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        EngineArgs(model=str(path)).create_config()
+        create_engine_config(EngineArgs(model=str(path)))
 
 
 def test_auto_dtype_resolution(tiny_llama_dir):
     from pagoda.platform import choose_dtype
 
-    cfg = EngineArgs(model=str(tiny_llama_dir)).create_config()
+    cfg = create_engine_config(EngineArgs(model=str(tiny_llama_dir)))
     assert cfg.model.dtype == choose_dtype("cpu")[0]
     assert cfg.attention_backend == "torch" and cfg.device == "cpu"
 
@@ -93,15 +93,15 @@ def test_auto_dtype_resolution(tiny_llama_dir):
 def test_triton_backend_without_cuda_is_refused_at_config_time(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
-        EngineArgs(model=str(tiny_llama_dir), attention_backend="triton").create_config()
+        create_engine_config(EngineArgs(model=str(tiny_llama_dir), attention_backend="triton"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' tests run them in the interpreter
-    assert EngineArgs(model=str(tiny_llama_dir), attention_backend="triton").create_config().attention_backend == "triton"
+    assert create_engine_config(EngineArgs(model=str(tiny_llama_dir), attention_backend="triton")).attention_backend == "triton"
 
 
 def test_configuration_errors_come_before_any_loading():
     """A bad backend is refused before the model path is even looked at (nothing loads, nothing converts)."""
     with pytest.raises(InvalidParam) as err:
-        EngineArgs(model="/does/not/exist", distributed_executor_backend="dask").create_config()
+        create_engine_config(EngineArgs(model="/does/not/exist", distributed_executor_backend="dask"))
     assert err.value.param == "distributed_executor_backend"
 
 

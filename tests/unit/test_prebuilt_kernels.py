@@ -1,6 +1,7 @@
-"""Libraries built ahead of time (python -m pagoda.entrypoints.prebuild_kernels), as the runtime image ships
-them: a process whose ISA level has one in PAGODA_PREBUILT_KERNELS loads it with no compiler, and one built from
-other sources is never taken for it."""
+"""The kernel library built ahead of time (python -m pagoda.entrypoints.prebuild_kernels), one per ISA level, as
+the runtime image ships it: a process whose ISA level has one in PAGODA_PREBUILT_KERNELS loads it with no
+compiler, for the compute kernels and the shared-memory all-reduce alike, and one built from other sources is
+never taken for it."""
 
 import json
 import os
@@ -21,10 +22,15 @@ pytestmark = [
 
 LOAD = textwrap.dedent("""
     import json, logging
+    import torch
     logging.basicConfig(level=logging.INFO)
     from pagoda import platform
     from pagoda.distributed import shm_allreduce
-    print(json.dumps({"module": shm_allreduce.load_module().__file__, "enabled": platform.cpu_kernels_enabled()[0]}))
+    from pagoda.ops import cpu_library
+    library = str(shm_allreduce.load_library())
+    print(json.dumps({"library": library, "enabled": platform.cpu_kernels_enabled()[0],
+                      "kernels": cpu_library.available(), "isa_level": torch.ops.pagoda_cpu.isa_level(),
+                      "shm_group": hasattr(torch.classes.pagoda_cpu, "ShmGroup")}))
 """)
 
 
@@ -36,15 +42,17 @@ def load_without_a_compiler(prebuilt, cache) -> subprocess.CompletedProcess:
 
 def test_a_prebuilt_library_of_this_level_loads_without_a_compiler(tmp_path):
     level = platform.cpu_isa().level
-    [library] = prebuild.prebuild([level], tmp_path / "kernels", cache=tmp_path / "cache", libraries=("shm",))
-    assert library.parent.name.startswith(f"pagoda_shm_{level}_")
+    [library] = prebuild.prebuild([level], tmp_path / "kernels", cache=tmp_path / "cache")
+    assert library.parent.name.startswith(f"pagoda_cpu_{level}_")
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [library.parent.name]  # one library per level
     # again: the cache's copy, not a second compile
-    assert prebuild.prebuild([level], tmp_path / "again", cache=tmp_path / "cache", libraries=("shm",)) == \
+    assert prebuild.prebuild([level], tmp_path / "again", cache=tmp_path / "cache") == \
         [tmp_path / "again" / library.parent.name / library.name]
     proc = load_without_a_compiler(tmp_path / "kernels", tmp_path / "runtime-cache")
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert loaded == {"module": str(library), "enabled": True}
+    assert loaded == {"library": str(library), "enabled": True, "kernels": True,
+                      "isa_level": level, "shm_group": True}
     assert not (tmp_path / "runtime-cache" / "cpu_kernels").exists()  # nothing was compiled
 
     # a library of other sources has another name: not loaded, and with no compiler the error says why

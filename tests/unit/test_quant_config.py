@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.config import EngineArgs
+from pagoda.config import EngineArgs, create_engine_config
 from pagoda.config.quantization import QuantizationConfig, resolve_quantization
 from pagoda.entrypoints.cli import main
 
@@ -119,15 +119,15 @@ def test_refusals_name_what_is_wrong(quantization, group_size, config, match):
 def test_bad_value_is_refused_before_the_model_is_read(tmp_path):
     # the model path does not exist: the quantization value is checked first
     with pytest.raises(ValueError, match="quantization must be one of"):
-        EngineArgs(model=str(tmp_path / "absent"), quantization="fp4").create_config()
+        create_engine_config(EngineArgs(model=str(tmp_path / "absent"), quantization="fp4"))
 
 
 def test_engine_args_resolve_the_scheme(tiny_llama_dir):
-    config = EngineArgs(model=str(tiny_llama_dir), quantization="int4", tensor_parallel_size=2).create_config()
+    config = create_engine_config(EngineArgs(model=str(tiny_llama_dir), quantization="int4", tensor_parallel_size=2))
     assert config.model.quantization == QuantizationConfig("int4", 32)
     with pytest.raises(ValueError, match="quantization_group_size .64. does not divide"):
-        EngineArgs(model=str(tiny_llama_dir), quantization="int4", quantization_group_size=64,
-                   tensor_parallel_size=2).create_config()
+        create_engine_config(EngineArgs(model=str(tiny_llama_dir), quantization="int4", quantization_group_size=64,
+                   tensor_parallel_size=2))
 
 
 def test_unsupported_quantized_checkpoint_is_refused(tiny_llama_dir, tmp_path):
@@ -137,7 +137,7 @@ def test_unsupported_quantized_checkpoint_is_refused(tiny_llama_dir, tmp_path):
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method='bitsandbytes' are not supported: Pagoda loads GPTQ"):
-        EngineArgs(model=str(path)).create_config()
+        create_engine_config(EngineArgs(model=str(path)))
 
 
 @pytest.mark.parametrize("flags,message", [

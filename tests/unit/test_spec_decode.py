@@ -4,7 +4,7 @@ slots, and the rejection sampler's exactness."""
 import pytest
 import torch
 
-from pagoda.config import EngineArgs, SchedulerConfig, SpeculativeConfig
+from pagoda.config import EngineArgs, SchedulerConfig, SpeculativeConfig, create_engine_config
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.core.scheduler import Scheduler
@@ -59,7 +59,7 @@ def test_bad_configs_name_the_key(raw, key):
 
 def test_bad_config_is_refused_before_the_model_loads():
     with pytest.raises(InvalidParam) as err:
-        EngineArgs(model="/does/not/exist", speculative_config={"method": "ngram"}).create_config()
+        create_engine_config(EngineArgs(model="/does/not/exist", speculative_config={"method": "ngram"}))
     assert "num_speculative_tokens" in str(err.value)
 
 

@@ -33,9 +33,9 @@ def parse_args(argv):
 
 def run_mode(args, mode: str, requests) -> dict:
     from pagoda import LLM, SamplingParams
-    from pagoda.config import EngineArgs
+    from pagoda.config import EngineArgs, create_engine_config
 
-    probe = EngineArgs(model=args.model, dtype=args.dtype, swap_space=0).create_config()
+    probe = create_engine_config(EngineArgs(model=args.model, dtype=args.dtype, swap_space=0))
     hf = probe.model.hf_config
     head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     block_bytes = (2 * 16 * hf.num_key_value_heads * head_size * hf.num_hidden_layers

@@ -1,5 +1,6 @@
 """Configuration: the user's arguments (args), the validated configs (configs) and the resolution from one to
-the other (resolve). A leaf: nothing here imports torch or the engine's machinery when imported."""
+the other (resolve: ``create_engine_config(args)``). Imports go one way, resolve -> args -> configs and the
+leaves (kv_cache, quantization, ...); tests/unit/test_config_imports.py checks that no cycle comes back. A leaf: nothing here imports torch or the engine's machinery when imported."""
 
 from pagoda.config.args import (
     DTYPES,
@@ -23,10 +24,10 @@ from pagoda.config.configs import (
     SpeculativeConfig,
 )
 from pagoda.config.kv_cache import KV_CACHE_DTYPES
-from pagoda.config.resolve import choose_dtype, resolve_device, resolve_dtype
+from pagoda.config.resolve import choose_dtype, create_engine_config, resolve_device, resolve_dtype
 
 __all__ = ["DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GIB", "DEFAULT_GPU_SWAP_SPACE_GIB",
            "DEFAULT_MODEL_NAME", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS",
            "PREEMPTION_MODES", "UNSUPPORTED_ARGS", "CacheConfig", "EngineArgs",
            "EngineConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
-           "choose_dtype", "resolve_device", "resolve_dtype"]
+           "choose_dtype", "create_engine_config", "resolve_device", "resolve_dtype"]

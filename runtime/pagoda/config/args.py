@@ -2,14 +2,10 @@
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pagoda.config.kv_cache import check_kv_cache_dtype
 from pagoda.config.quantization import check_quantization_args
 from pagoda.errors import InvalidParam
-
-if TYPE_CHECKING:
-    from pagoda.config.configs import EngineConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("swap", "recompute")
@@ -142,11 +138,6 @@ class EngineArgs:
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise InvalidParam("distributed_executor_backend", "distributed_executor_backend must be one of "
                                                                f"{', '.join(EXECUTOR_BACKENDS)}; got {backend!r}")
-
-    def create_config(self) -> "EngineConfig":
-        from pagoda.config.resolve import create_engine_config
-
-        return create_engine_config(self)
 
 
 def check_vllm_args(args: EngineArgs) -> None:

@@ -4,8 +4,8 @@ so importing pagoda.config stays torch-free and cheap."""
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
+from pagoda.config.args import EngineArgs
 from pagoda.config.configs import (
     DEFAULT_CPU_SWAP_SPACE_GIB,
     DEFAULT_GPU_SWAP_SPACE_GIB,
@@ -23,13 +23,10 @@ from pagoda.config.kv_cache import kv_cache_itemsize
 from pagoda.config.quantization import resolve_quantization
 from pagoda.errors import InvalidParam
 
-if TYPE_CHECKING:
-    from pagoda.config.args import EngineArgs
-
 logger = logging.getLogger(__name__)
 
 
-def create_engine_config(args: "EngineArgs") -> EngineConfig:
+def create_engine_config(args: EngineArgs) -> EngineConfig:
     """EngineArgs -> EngineConfig: every argument checked, the model's config read, each "auto" resolved."""
     import torch
 

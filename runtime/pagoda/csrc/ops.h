@@ -1,7 +1,8 @@
 // Every op of the C++ CPU kernel library (torch.ops.pagoda_cpu), declared once: its C++ function, defined in its
 // kernel's source file, and its schema, registered with it in csrc/register_ops.cpp. The library is one
 // extension per ISA level (pagoda/ops/cpu_library.py lists its translation units); the layer loop calls the
-// other kernels straight through these declarations.
+// other kernels straight through these declarations. The shared-memory TP collectives, a class rather than
+// ops, are declared in csrc/shm_group.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>

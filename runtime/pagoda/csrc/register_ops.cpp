@@ -1,9 +1,11 @@
 // The library's registration: every op of csrc/ops.h as torch.ops.pagoda_cpu.<name>, in one namespace. An op
-// with a tensor argument is the CPU backend's; one without (isa_level, llama_layer_slots) is a catch-all.
+// with a tensor argument is the CPU backend's; one without (isa_level, llama_layer_slots, shm_unlink) is a
+// catch-all. The shared-memory TP collectives (csrc/shm_group.h) are a class, torch.classes.pagoda_cpu.ShmGroup.
 
 #include <torch/library.h>
 
 #include "ops.h"
+#include "shm_group.h"
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   using namespace pagoda;
@@ -25,6 +27,15 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(lora::kAddSchema);
   m.def(llama::kLayersSchema);
   m.def(llama::kLayerSlotsSchema, &llama::layer_slots);
+  m.def(shm::kUnlinkSchema, &shm::unlink);
+  m.class_<shm::ShmGroup>("ShmGroup")
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, bool, std::vector<int64_t>, double>())
+      .def("all_reduce", &shm::ShmGroup::all_reduce)
+      .def("all_gather", &shm::ShmGroup::all_gather)
+      .def("abort", &shm::ShmGroup::abort)
+      .def("close", &shm::ShmGroup::close)
+      .def_property("slot_bytes", &shm::ShmGroup::slot_bytes)
+      .def_property("name", &shm::ShmGroup::name);
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {

@@ -1,14 +1,16 @@
 """Shared-memory collectives for the CPU tensor-parallel ranks of one host, instead of gloo over loopback.
 
 A gloo all-reduce costs ~1.5 ms even for one row; a step has two per layer. Here the TP ranks share one
-POSIX shared-memory segment (``shm_allreduce.cpp``): each rank copies its part into its own slot, stamps
+POSIX shared-memory segment (``shm_allreduce.cpp``, ``torch.classes.pagoda_cpu.ShmGroup`` in the CPU kernel
+library, ``pagoda.ops.cpu_library``): each rank copies its part into its own slot, stamps
 a sequence number, waits for its peers' stamps (spinning briefly, then yielding the core) and sums every
 rank's slot in fp32, in rank order, so all ranks get the same bits.
 
 Setup is collective over the TP group's gloo group: TP rank 0 creates the segment, the others open it by
 the name it broadcasts, and once every rank has it mapped, rank 0 unlinks the name, so nothing is left in
 /dev/shm whatever happens to the processes later. Gloo stays in use (every rank agrees, or none uses shm)
-when ``PAGODA_CPU_SHM_ALLREDUCE=0``, when the ranks are not on one host, or when the C++ cannot be built.
+when ``PAGODA_CPU_SHM_ALLREDUCE=0``, when the ranks are not on one host, or when the kernel library cannot be
+built (``PAGODA_CPU_KERNELS=0`` alone does not turn this off: it is the compute kernels' switch).
 
 A peer that exits makes the others' collectives fail within ~0.1 s naming it; one that stops answering
 fails them after ``PAGODA_CPU_SHM_ALLREDUCE_TIMEOUT`` seconds (default 30); the heartbeat (5 s) normally
@@ -19,36 +21,25 @@ import logging
 import os
 import secrets
 import socket
-import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pagoda import cpp_extensions
+from pagoda.ops import cpu_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("shm_allreduce.cpp")
 ENABLE_ENV = "PAGODA_CPU_SHM_ALLREDUCE"
 TIMEOUT_ENV = "PAGODA_CPU_SHM_ALLREDUCE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 30.0
 SLOT_BYTES = 2 << 20  # per rank and buffer; larger tensors go in several steps (4 ranks: a 16 MiB segment)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_lock = threading.Lock()
-_module = None
 
-
-def load_module():
-    """The compiled extension, built on first use (raises when it cannot be built)."""
-    global _module
-    with _lock:
-        if _module is None:
-            _module = cpp_extensions.build_and_load(
-                # no -ffast-math: the sums must be plain IEEE additions in rank order, the same bits on every rank
-                "pagoda_shm_", SOURCE, cpp_extensions.kernel_cflags(fast_math=False), is_python_module=True)
-    return _module
+def load_library() -> Path:
+    """The kernel library that holds ``ShmGroup``, built on first use; its path (raises when it cannot be built)."""
+    return cpu_library.load()
 
 
 def timeout_seconds() -> float:
@@ -125,9 +116,9 @@ def create_communicator(group, rank: int, world_size: int, slot_bytes: int = SLO
         reason = f"{ENABLE_ENV}=0"
     else:
         try:
-            load_module()
+            load_library()
         except Exception as e:  # a broken toolchain must not stop the engine
-            reason = f"the shared-memory all-reduce could not be built: {e}"
+            reason = f"the kernel library (the shared-memory all-reduce) could not be built: {e}"
     votes = [None] * world_size
     dist.all_gather_object(votes, (reason, _host_id(), os.getpid()), group=group)
     reasons = [f"TP rank {r}: {v[0]}" for r, v in enumerate(votes) if v[0] is not None]
@@ -139,10 +130,10 @@ def create_communicator(group, rank: int, world_size: int, slot_bytes: int = SLO
         return None
     pids = [v[2] for v in votes]
     pids_visible = all(_pid_visible(pid) for pid in pids)
-    module = load_module()
 
     def attach(name: str, create: bool):
-        return module.ShmGroup(name, rank, world_size, slot_bytes, create, pids if pids_visible else [], timeout)
+        return torch.classes.pagoda_cpu.ShmGroup(name, rank, world_size, slot_bytes, create,
+                                                 pids if pids_visible else [], timeout)
 
     src = dist.get_global_rank(group, 0) if group is not None else 0
     shm, error, name = None, None, None
@@ -168,7 +159,7 @@ def create_communicator(group, rank: int, world_size: int, slot_bytes: int = SLO
         dist.all_gather_object(errors, error, group=group)  # after this, every rank has it mapped (or failed)
     finally:
         if name is not None:
-            module.unlink(name)
+            torch.ops.pagoda_cpu.shm_unlink(name)
     failed = [f"TP rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failed:
         if shm is not None:

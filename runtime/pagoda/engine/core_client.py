@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine import EngineDeadError, wire
 from pagoda.engine.closing import ShutdownOnExit
@@ -125,7 +125,7 @@ class AsyncMPEngine(ShutdownOnExit):
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncMPEngine":
-        return cls(args.create_config())
+        return cls(create_engine_config(args))
 
     def _wait_ready(self) -> EngineStats:
         poller = zmq.Poller()

@@ -14,7 +14,7 @@ import logging
 import time
 from functools import cached_property
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.core.kv_window import blocks_per_sequence
 from pagoda.core.request_kind import RequestParams
 from pagoda.core.sequence import Sequence, SequenceStatus
@@ -87,7 +87,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_config())
+        return cls(create_engine_config(args))
 
     @property
     def block_manager(self):

@@ -59,13 +59,14 @@ def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from pagoda.process.startup_heap import pause_collections
 
     pause_collections()  # until the model is loaded (the server's or the worker rank's frozen_when_loaded)
+    from pagoda.config import create_engine_config
     from pagoda.entrypoints.openai.cli_args import flagify, split_args
 
     configure_logging(ns.log_level)
     try:
         engine_args, server_args = split_args(ns)
         # validate every flag now, before the port opens: a bad value is a usage error, not a crash later
-        engine_args.create_config()
+        create_engine_config(engine_args)
     except (ValueError, OSError) as e:
         parser.error(flagify(str(e)))
     if engine_args.node_rank > 0:

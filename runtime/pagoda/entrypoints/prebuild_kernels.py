@@ -1,6 +1,7 @@
-"""Builds the C++ libraries ahead of time, one per ISA level, into the directory a runtime image ships and
+"""Builds the C++ kernel library ahead of time, one per ISA level, into the directory a runtime image ships and
 names in ``PAGODA_PREBUILT_KERNELS``: a pod then loads its node's level (``pagoda.cpp_extensions``) instead of
-compiling at every start, and the image needs no compiler.
+compiling at every start, and the image needs no compiler. The library (``pagoda.ops.cpu_library``) holds every
+C++ op, the tensor-parallel shared-memory all-reduce included.
 
     python -m pagoda.entrypoints.prebuild_kernels --levels avx2 avx512 avx512bf16 --into /opt/pagoda/kernels
 
@@ -22,15 +23,6 @@ from pagoda import platform as pagoda_platform
 from pagoda.platform.isa import LEVELS
 
 
-def _libraries() -> dict[str, tuple[str, list[Path], bool]]:
-    """name -> (name prefix, sources, -ffast-math) of every library the runtime builds with build_and_load:
-    the kernel library, and the shared-memory all-reduce of tensor-parallel ranks."""
-    from pagoda.distributed import shm_allreduce
-    from pagoda.ops import cpu_library
-
-    return {"cpu": ("pagoda_cpu_", cpu_library.SOURCES, True), "shm": ("pagoda_shm_", [shm_allreduce.SOURCE], False)}
-
-
 def _build(name: str, sources: list[Path], cflags: list[str], build_dir: Path) -> Path:
     """Compile and link without loading. torch's public ``load`` always loads what it built, so this calls the
     builder step beneath it (the same ninja file and flags a start-up build writes)."""
@@ -43,10 +35,11 @@ def _build(name: str, sources: list[Path], cflags: list[str], build_dir: Path) -
     return build_dir / f"{name}.so"
 
 
-def prebuild(levels: list[str], into: Path, cache: Path | None = None,
-             libraries: tuple[str, ...] = ("cpu", "shm")) -> list[Path]:
-    """Build every library at each of ``levels`` into ``into``/NAME/NAME.so (copied from ``cache`` when built
-    there before); returns the libraries."""
+def prebuild(levels: list[str], into: Path, cache: Path | None = None) -> list[Path]:
+    """Build the kernel library at each of ``levels`` into ``into``/NAME/NAME.so (copied from ``cache`` when built
+    there before); returns the libraries, one per level."""
+    from pagoda.ops import cpu_library
+
     isa = pagoda_platform.cpu_isa()
     known = LEVELS.get(isa.arch, ("generic",))
     unknown = [level for level in levels if level not in known]
@@ -56,22 +49,21 @@ def prebuild(levels: list[str], into: Path, cache: Path | None = None,
     built = []
     for level in levels:
         level_isa = cpp_extensions.level_build(isa, level)
-        for prefix, sources, fast_math in (_libraries()[name] for name in libraries):
-            cflags = cpp_extensions.kernel_cflags(fast_math, level_isa)
-            name = cpp_extensions.build_name(prefix, sources, cflags, level_isa, with_paths=False)
-            cached = cache / name / f"{name}.so" if cache else None
-            (into / name).mkdir(parents=True, exist_ok=True)
-            if cached is not None and cached.is_file():
-                built.append(Path(shutil.copy2(cached, into / name)))
-                print(f"{level}: {built[-1]} (cached)", flush=True)
-                continue
-            with tempfile.TemporaryDirectory() as tmp:
-                library = _build(name, sources, cflags, Path(tmp))
-                built.append(Path(shutil.copy2(library, into / name / library.name)))
-                if cached is not None:
-                    cached.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(library, cached)
-            print(f"{level}: {built[-1]}", flush=True)
+        cflags = cpp_extensions.kernel_cflags(isa=level_isa)
+        name = cpp_extensions.build_name(cpu_library.PREFIX, cpu_library.SOURCES, cflags, level_isa, with_paths=False)
+        cached = cache / name / f"{name}.so" if cache else None
+        (into / name).mkdir(parents=True, exist_ok=True)
+        if cached is not None and cached.is_file():
+            built.append(Path(shutil.copy2(cached, into / name)))
+            print(f"{level}: {built[-1]} (cached)", flush=True)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            library = _build(name, cpu_library.SOURCES, cflags, Path(tmp))
+            built.append(Path(shutil.copy2(library, into / name / library.name)))
+            if cached is not None:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(library, cached)
+        print(f"{level}: {built[-1]}", flush=True)
     return built
 
 
@@ -81,13 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", nargs="+", required=True, help="ISA levels to build (e.g. avx2 avx512 avx512bf16)")
     parser.add_argument("--into", type=Path, required=True, help="the directory PAGODA_PREBUILT_KERNELS will name")
     parser.add_argument("--cache", type=Path, help="libraries built before, reused when their sources are the same")
-    parser.add_argument("--libraries", nargs="+", choices=("cpu", "shm"), default=("cpu", "shm"),
-                        help="the kernel library (cpu) and the tensor-parallel shared-memory all-reduce (shm)")
     args = parser.parse_args(argv)
     if not cpp_extensions.compiler_available():
         parser.error("no C++ compiler found (install g++)")
     try:
-        prebuild(args.levels, args.into, args.cache, tuple(args.libraries))
+        prebuild(args.levels, args.into, args.cache)
     except ValueError as e:
         parser.error(str(e))
     return 0

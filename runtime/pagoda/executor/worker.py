@@ -12,7 +12,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from pagoda.config import EngineArgs, EngineConfig
+from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.distributed import comm
 from pagoda.distributed.group import (
     GroupHandles,
@@ -135,7 +135,7 @@ def spawn_local_workers(config: EngineConfig, ranks: list[int], eos_token_ids: s
 def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
     """A worker node (--node-rank > 0): runs its first local rank here and the others as child processes.
     Returns when the group shuts down cleanly; raises (so the process exits non-zero) otherwise."""
-    config = engine_args.create_config()
+    config = create_engine_config(engine_args)
     p = config.parallel
     info_first = p.node_rank * p.tensor_parallel_size
     eos = eos_token_ids_for(config)

@@ -1,16 +1,16 @@
 """The C++ CPU kernel library, ``torch.ops.pagoda_cpu``: paged attention (decode, prefill, the fp8 cache write),
-the fused per-layer ops (RMSNorm, rotary, SiLU-and-multiply, the KV-cache write, the sampler's argmax), the sampler's random draw, the
-bfloat16 and FP8-weight matmuls, the batched LoRA delta and the Llama layer loop. One extension per ISA
-level, built once on first use and cached (``pagoda.cpp_extensions``): its translation units below are
+the fused per-layer ops (RMSNorm, rotary, SiLU-and-multiply, the KV-cache write, the sampler's argmax), the
+sampler's random draw, the bfloat16 and FP8-weight matmuls, the batched LoRA delta, the Llama layer loop, and
+the shared-memory collectives of tensor-parallel ranks (``torch.classes.pagoda_cpu.ShmGroup``). One extension
+per ISA level, built once on first use and cached (``pagoda.cpp_extensions``): its translation units below are
 compiled apart, in parallel (ninja), and linked into one library; every op's C++ signature and schema is
-declared in ``csrc/ops.h`` and registered in ``csrc/register_ops.cpp``.
+declared in ``csrc/ops.h`` (the shared-memory collectives in ``csrc/shm_group.h``) and registered in
+``csrc/register_ops.cpp``.
 
-Off with ``PAGODA_CPU_KERNELS=0``, without a C++ compiler, on a CPU the kernels do not support, or when the
-build fails: every caller then takes its torch path (the kernel modules' ``available()`` all say so).
-
-The shared-memory all-reduce (``distributed/shm_allreduce.cpp``) is not part of it: it is a Python module
-rather than torch ops, built without ``-ffast-math`` (its sums must be plain IEEE additions in rank order, the
-same bits on every rank), and only where tensor-parallel ranks share a host.
+The kernels are off with ``PAGODA_CPU_KERNELS=0``, without a C++ compiler, on a CPU the kernels do not
+support, or when the build fails: every caller then takes its torch path (the kernel modules' ``available()``
+all say so). The shared-memory all-reduce has its own switch (``PAGODA_CPU_SHM_ALLREDUCE``) and loads the
+library with ``load()`` whatever ``PAGODA_CPU_KERNELS`` says, as it did when it was a library of its own.
 """
 
 from pathlib import Path
@@ -32,10 +32,13 @@ SOURCES = [_RUNTIME / path for path in (
     "lora/lora_cpu.cpp",
     "models/llama_layers_cpu.cpp",
     "sample/sampler_cpu.cpp",
+    "distributed/shm_allreduce.cpp",
 )]
 
+PREFIX = "pagoda_cpu_"  # the library's name: PREFIX + ISA level + a hash of its sources (cpp_extensions.build_name)
+
 _library = cpp_extensions.OptionalExtension(
-    "pagoda_cpu_", SOURCES, "PAGODA_CPU_KERNELS",
+    PREFIX, SOURCES, "PAGODA_CPU_KERNELS",
     "paged attention, RMSNorm, rotary, SiLU, the KV-cache write, bfloat16 and FP8 matmuls, LoRA deltas and "
     "the Llama layer loop")
 
@@ -43,3 +46,10 @@ _library = cpp_extensions.OptionalExtension(
 def available() -> bool:
     """Whether ``torch.ops.pagoda_cpu`` is loaded, building it the first time (thread-safe)."""
     return _library.available()
+
+
+def load() -> Path:
+    """Build (the first time) and load the library whatever ``PAGODA_CPU_KERNELS`` says, for the ops that do not
+    depend on that switch (the shared-memory all-reduce); returns the library's path. Raises when it cannot be
+    built or loaded."""
+    return _library.load()
