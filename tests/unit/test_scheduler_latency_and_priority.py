@@ -140,3 +140,49 @@ def test_priority_policy_preempts_the_least_urgent_running_sequence():
     out = run_step(sched)
     assert [s.seq_id for s in out.scheduled] == [urgent.seq_id]
     assert sched.num_preemptions == 1 and relaxed not in sched.running
+
+
+def test_the_auto_target_holds_a_prompt_step_to_three_decode_steps():
+    sched = make(target_itl_ms="auto")
+    decodes = [seq(8, start=1000 * i, req=f"d{i}") for i in range(4)]
+    for d in decodes:
+        sched.add(d)
+    for _ in range(3):
+        run_step(sched)
+    for tokens in (300, 40):
+        sched.step_costs.observe(tokens, fake_cost(tokens))
+    long_prompt = seq(1000, start=50_000, req="long")
+    sched.add(long_prompt)
+    decode_step = fake_cost(len(decodes) + 1)  # 5.5 ms: a step of the 4 decodes and, soon, the prompt's
+    chunks = []
+    while long_prompt.num_computed_tokens < long_prompt.num_prompt_tokens:
+        out = run_step(sched)
+        assert fake_cost(out.num_batched_tokens) <= 3 * decode_step + 1e-12
+        chunks.append({s.seq_id: s.num_new_tokens for s in out.scheduled}[long_prompt.seq_id])
+    # 3 x 5.5 ms = 16.5 ms holds 115 tokens: 111 of the prompt's beside the 4 decodes
+    assert chunks[0] == 111 and sum(chunks) == 1000
+
+
+def test_the_auto_target_counts_the_prompts_that_will_decode():
+    # a burst: 2 decodes running, 14 prompts waiting; sized from the 2 decodes alone, 3 x 5.2 ms would leave the
+    # prompts 104 tokens a step; counting the 16 that will decode, 3 x 6.6 ms leaves them 146
+    sched = make(target_itl_ms="auto", max_seqs=16)
+    for i in range(2):
+        sched.add(seq(8, start=1000 * i, req=f"d{i}"))
+    run_step(sched)
+    for tokens in (300, 40):
+        sched.step_costs.observe(tokens, fake_cost(tokens))
+    for i in range(14):
+        sched.add(seq(300, start=10_000 * (i + 1), req=f"p{i}"))
+    out = run_step(sched)
+    assert out.num_batched_tokens == 148 and fake_cost(148) <= 3 * fake_cost(16) + 1e-12
+
+
+def test_the_cost_model_keeps_wide_steps_through_a_long_run_of_one_width():
+    model = StepCostModel(window=8)
+    model.observe(600, fake_cost(600))
+    for _ in range(50):  # decode-only steps, all of one width: they alone would give no line
+        model.observe(32, fake_cost(32))
+    fixed, per_token = model.line()
+    assert fixed == pytest.approx(FIXED_S) and per_token == pytest.approx(PER_TOKEN_S)
+    assert model.seconds_for(32) == pytest.approx(fake_cost(32))

@@ -11,6 +11,7 @@ from pagoda.config.args import (
     EngineArgs,
 )
 from pagoda.config.configs import (
+    AUTO_TARGET,
     DEFAULT_CPU_KV_CACHE_GIB,
     DEFAULT_CPU_SWAP_SPACE_GIB,
     DEFAULT_GPU_SWAP_SPACE_GIB,
@@ -26,7 +27,7 @@ from pagoda.config.configs import (
 from pagoda.config.kv_cache import KV_CACHE_DTYPES
 from pagoda.config.resolve import choose_dtype, create_engine_config, resolve_device, resolve_dtype
 
-__all__ = ["DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GIB", "DEFAULT_GPU_SWAP_SPACE_GIB",
+__all__ = ["AUTO_TARGET", "DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GIB", "DEFAULT_GPU_SWAP_SPACE_GIB",
            "DEFAULT_MODEL_NAME", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS",
            "PREEMPTION_MODES", "UNSUPPORTED_ARGS", "CacheConfig", "EngineArgs",
            "EngineConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",

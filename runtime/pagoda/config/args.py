@@ -3,6 +3,7 @@
 import os
 from dataclasses import dataclass
 
+from pagoda.config.configs import AUTO_TARGET
 from pagoda.config.kv_cache import check_kv_cache_dtype
 from pagoda.config.quantization import check_quantization_args
 from pagoda.errors import InvalidParam
@@ -47,7 +48,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # a step's prefill share sized so running decodes keep this inter-token latency (docs/server.md); None: off
-    target_itl_ms: float | None = None
+    target_itl_ms: float | str | None = None  # milliseconds, or "auto" (relative to a decode step; pagoda serve's)
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (a request's `priority`, lower first), as vLLM's
     # accepted for vLLM compatibility (its default since early 2026), without effect yet (docs/server.md)
     async_scheduling: bool = False
@@ -113,8 +114,10 @@ class EngineArgs:
                                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidParam("kv_cache_memory", f"kv_cache_memory must be > 0 GiB; got {self.kv_cache_memory}")
-        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
-            raise InvalidParam("target_itl_ms", f"target_itl_ms must be > 0 milliseconds; got {self.target_itl_ms}")
+        if self.target_itl_ms is not None and self.target_itl_ms != AUTO_TARGET and not (
+                isinstance(self.target_itl_ms, (int, float)) and self.target_itl_ms > 0):
+            raise InvalidParam("target_itl_ms", f"target_itl_ms must be > 0 milliseconds or {AUTO_TARGET!r}; "
+                                                f"got {self.target_itl_ms!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidParam("scheduling_policy", f"scheduling_policy must be one of "
                                                     f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")

@@ -44,6 +44,9 @@ class CacheConfig:
     calculate_kv_scales: bool = False
 
 
+AUTO_TARGET = "auto"  # target_itl_ms relative to the running decodes' own step time
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -52,8 +55,9 @@ class SchedulerConfig:
     max_model_len: int
     preemption_mode: str = "recompute"
     max_loras: int | None = None  # LoRA: the distinct adapters running sequences may use at once
-    # a step's prefill share is sized so running decodes keep this inter-token latency (None: no cap)
-    target_itl_ms: float | None = None
+    # a step's prefill share is sized so running decodes keep this inter-token latency (None: no cap; AUTO_TARGET:
+    # a multiple of what the decodes' own step costs, core/scheduler.py)
+    target_itl_ms: float | str | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival), as vLLM's
 
 

@@ -10,7 +10,9 @@ or when the swap space is full, its KV is dropped and its tokens recomputed late
 
 With a latency target (`target_itl_ms`) and decodes running, a step's prefill share is what the learnt
 step costs (core.step_cost) leave within the target once the decodes are counted, at least a block: a long
-prompt is cut into as many chunks as that needs, instead of one step that stalls every decode. With
+prompt is cut into as many chunks as that needs, instead of one step that stalls every decode. The target
+"auto" is relative: AUTO_TARGET_FACTOR times what a step of decodes alone costs, at the number of sequences
+running or waiting (those that will decode). With
 `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
 
@@ -24,7 +26,7 @@ only what changed since the runner last saw the sequence.
 
 from collections import deque
 
-from pagoda.config import SchedulerConfig, SpeculativeConfig
+from pagoda.config import AUTO_TARGET, SchedulerConfig, SpeculativeConfig
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.runner_output import ModelRunnerOutput
 from pagoda.core.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -32,6 +34,10 @@ from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.core.step_cost import StepCostModel
 from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagoda.spec_decode.stats import SpecDecodeStats
+
+# "auto" latency target: a step that carries prompt tokens may take this many times what a step of the running
+# decodes alone would, so the inter-token latency's tail stays within this multiple of its median
+AUTO_TARGET_FACTOR = 3.0
 
 
 class Scheduler:
@@ -84,7 +90,15 @@ class Scheduler:
                       if q.seq_id not in self.in_flight and q.num_tokens - q.num_computed_tokens == 1)
         if not decodes:  # no token is waited for: prompts go at full speed
             return None
-        fit = self.step_costs.tokens_within(target / 1000)
+        if target == AUTO_TARGET:  # relative: a few times what a step of the decodes alone costs
+            # counting the sequences that will decode once their prompts are in: sized from the decodes running
+            # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
+            soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
+            decode_step = self.step_costs.seconds_for(max(decodes, soon))
+            seconds = None if decode_step is None else AUTO_TARGET_FACTOR * decode_step
+        else:
+            seconds = target / 1000
+        fit = None if seconds is None else self.step_costs.tokens_within(seconds)
         if fit is None:  # no step measured yet
             return None
         return max(fit - decodes, self.block_manager.block_size)

@@ -1,7 +1,8 @@
 """What a step costs, learnt from the steps the engine ran (no torch): seconds ≈ fixed + per_token × the
-tokens it computed, a least-squares line through the recent steps. The scheduler asks it how many tokens
-fit in a latency budget (`--target-itl-ms`): a step's prefill share is what is left once the running
-decodes are counted, so a long prompt is cut into as many chunks as the budget needs."""
+tokens it computed, a least-squares line through the recent steps and the last wide ones. The scheduler
+asks it how many tokens fit in a latency budget (`--target-itl-ms`): a step's prefill share is what is left
+once the running decodes are counted, so a long prompt is cut into as many chunks as the budget needs; and,
+for the relative budget ("auto"), what a step of the running decodes alone costs."""
 
 from collections import deque
 
@@ -11,28 +12,43 @@ MIN_STEPS = 1
 
 
 class StepCostModel:
-    def __init__(self, window: int = 64):
+    def __init__(self, window: int = 64, wide_window: int = 8):
         self.steps: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens computed, seconds)
+        # the last steps wider than twice the recent mean: a long run of decode-only steps (all of one width)
+        # would otherwise leave no second width to draw the line through when the next prompts come
+        self.wide: deque[tuple[int, float]] = deque(maxlen=wide_window)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
+            recent_mean = sum(x for x, _ in self.steps) / len(self.steps) if self.steps else 0.0
+            if num_tokens > 2 * recent_mean:
+                self.wide.append((num_tokens, seconds))
             self.steps.append((num_tokens, seconds))
 
     def line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None before MIN_STEPS steps."""
         if len(self.steps) < MIN_STEPS:
             return None
-        n = len(self.steps)
-        mean_x = sum(x for x, _ in self.steps) / n
-        mean_y = sum(y for _, y in self.steps) / n
-        var_x = sum((x - mean_x) ** 2 for x, _ in self.steps)
+        points = [*self.steps, *(w for w in self.wide if w not in self.steps)]
+        n = len(points)
+        mean_x = sum(x for x, _ in points) / n
+        mean_y = sum(y for _, y in points) / n
+        var_x = sum((x - mean_x) ** 2 for x, _ in points)
         if var_x > 0:
-            per_token = sum((x - mean_x) * (y - mean_y) for x, y in self.steps) / var_x
+            per_token = sum((x - mean_x) * (y - mean_y) for x, y in points) / var_x
             fixed = mean_y - per_token * mean_x
             if per_token > 0 and fixed >= 0:
                 return fixed, per_token
         # one batch size only (or a line that makes no sense): every second is the tokens' (pessimistic)
         return 0.0, mean_y / mean_x
+
+    def seconds_for(self, num_tokens: int) -> float | None:
+        """What a step of `num_tokens` costs by the line; None while unknown."""
+        line = self.line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        return fixed + per_token * num_tokens
 
     def tokens_within(self, seconds: float) -> int | None:
         """The most tokens one step may compute to take at most `seconds`; None while unknown."""

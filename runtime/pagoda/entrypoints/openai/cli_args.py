@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from pagoda.config import (
+    AUTO_TARGET,
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -111,6 +112,13 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise ValueError(text)
     return value
+
+
+def itl_target(text: str) -> float | str | None:
+    """--target-itl-ms: milliseconds > 0, 'auto' or 'off' (None)."""
+    if text in (AUTO_TARGET, "off"):
+        return None if text == "off" else text
+    return positive_float(text)
 
 
 def non_negative_float(text: str) -> float:
@@ -254,10 +262,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--block-size", default=d["block_size"], type=positive_int)
     p.add("--max-num-seqs", default=d["max_num_seqs"], type=positive_int)
     p.add("--max-num-batched-tokens", type=positive_int)
-    p.add("--target-itl-ms", type=positive_float,
-          help="inter-token latency to keep for running requests: each step's prompt tokens are sized from "
-               "measured step costs, long prompts cut into as many chunks as that needs (default: off; "
-               "docs/server.md)")
+    p.add("--target-itl-ms", default=AUTO_TARGET, type=itl_target,
+          help="inter-token latency to keep for running requests, in ms: each step's prompt tokens are sized "
+               "from measured step costs, long prompts cut into as many chunks as that needs; 'auto': a step "
+               "with prompt tokens takes at most 3x a step of the running decodes alone; 'off': no cap "
+               "(default: %(default)s; docs/server.md)")
     p.add("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
           help="fcfs: first come, first served; priority: by each request's `priority` (lower first), then "
                "arrival")
