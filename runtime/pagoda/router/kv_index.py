@@ -101,9 +101,10 @@ class KVIndex:
             return "next"
         return "restart" if seq <= last else "gap"
 
-    def apply(self, url: str, seq: int, batch: KVEventBatch, now: float | None = None) -> None:
-        """`now`: the batch's time on the monotonic clock (default: from its wall-clock `ts`, so a replayed
-        batch counts in the churn as of when it happened)."""
+    def apply(self, url: str, seq: int, batch: KVEventBatch, now: float | None = None, churn: bool = True) -> None:
+        """`now`: the batch's time on the monotonic clock (default: from its wall-clock `ts`, so a batch that
+        fills a gap counts in the churn as of when it happened); `churn`: False for history from before the
+        router listened (it fills the index only)."""
         if now is None:
             now = time.monotonic() - max(0.0, time.time() - batch.ts) if batch.ts else time.monotonic()
         entry = self.replica(url)
@@ -116,7 +117,8 @@ class KVIndex:
                     entry.lora_names.add(event.lora_name)
                 if event.medium in (None, MEDIUM_GPU):
                     entry.device.update(event.block_hashes)
-                    entry.churn.add_stored(len(event.block_hashes), now)
+                    if churn:
+                        entry.churn.add_stored(len(event.block_hashes), now)
                 else:
                     entry.host.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
