@@ -77,6 +77,7 @@ class PolicyResult:
     system_tokens: dict[int, int] = field(default_factory=dict)  # conversation -> its system prompt's tokens
     system_prompt_tokens: list[int] = field(default_factory=list)  # each shared system prompt's tokens
     replicas: dict = field(default_factory=dict)  # the replicas' KV blocks and preemptions during the run
+    backends: list[str] = field(default_factory=list)  # the replicas' URLs: the order of every per-replica list
 
     def ceiling(self) -> int:
         """The prompt tokens a perfect router could serve from cache: a turn's history (the previous turn's
@@ -144,7 +145,7 @@ class PolicyResult:
             "ttft_ms_p99": 1000 * percentile(ttfts, 0.99) if ttfts else None,
             "output_tok_s": sum(t.output_tokens for t in self.turns) / self.duration if self.duration else 0.0,
             "requests_per_backend": {b: sum(t.backend == b for t in self.turns)
-                                     for b in sorted({t.backend for t in self.turns})},
+                                     for b in self.backends + sorted({t.backend for t in self.turns} - set(self.backends))},
             "router_overhead_ms": self.overhead,
             "added_latency_ms": self.hop,
             "routing_reasons": self.reasons,
@@ -304,7 +305,7 @@ async def warm_system_prompts(backends: list[str], model: str, prompts: list[str
 async def run_policy(router_url: str, model: str, policy: str, args, salt: int) -> PolicyResult:
     seed = args.seed
     prompts = system_prompts(seed, args.system_prompts, args.system_words, salt)
-    result = PolicyResult(policy)
+    result = PolicyResult(policy, backends=list(args.backend_urls))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     system_tokens = await warm_system_prompts(args.backend_urls, model, prompts, headers)
     result.system_prompt_tokens = system_tokens
