@@ -6,7 +6,9 @@ the extension's gateways configure it: then the bodies pass back through the pic
 the router's policy among the healthy backends, and answers as the Endpoint Picker protocol says:
 
 - the chosen ``ip:port`` in the ``x-gateway-destination-endpoint`` header and in the dynamic metadata
-  ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the same value), for an ORIGINAL_DST cluster;
+  ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the same value), for an ORIGINAL_DST cluster; with
+  ``--epp-fallbacks N``, followed by up to N other eligible endpoints, least loaded first
+  (``ip:port,ip:port,...``, protocol v0.4), for a gateway that retries down the list;
 - a subset hint (filter metadata ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``)
   limits the choice to those endpoints;
 - 503 (ImmediateResponse) when no backend (of the subset) is ready; 429 when every one's queue is past
@@ -64,13 +66,15 @@ class Picked(Exception):
 
 
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router, max_queue: int, session_header: str = "x-session-id"):
+    def __init__(self, router: Router, max_queue: int, session_header: str = "x-session-id", fallbacks: int = 0):
         self.router = router
         self.max_queue = max_queue
         self.session_header = session_header
+        self.fallbacks = fallbacks
 
     async def pick(self, headers: dict[str, str], body: bytes, subset: list[str] | None
-                   ) -> tuple[RoutingRequest, Decision]:
+                   ) -> tuple[RoutingRequest, Decision, list[Backend]]:
+        """The request, the policy's decision, and the fallback endpoints (least loaded first)."""
         router = self.router
         healthy = router.pool.healthy()
         if subset is not None:
@@ -90,9 +94,10 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         decision = router.policy.choose(request, open_)
         router.metrics.decisions.labels(router.policy.name, decision.reason).inc()
         router.policy.routed(request, decision)
-        return request, decision
+        others = sorted((b for b in open_ if b is not decision.backend), key=lambda b: b.load())
+        return request, decision, others[: self.fallbacks]
 
-    def served(self, picked: tuple[RoutingRequest, Decision] | None, metadata: base_pb2.Metadata) -> None:
+    def served(self, picked: tuple | None, metadata: base_pb2.Metadata) -> None:
         """The gateway says which endpoint served the request: if not the one picked, the policy learns it."""
         endpoint = _served(metadata)
         if picked is None or endpoint is None or endpoint == endpoint_of(picked[1].backend):
@@ -101,7 +106,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         if backend is None:
             logger.debug("served by %s, which is not in the pool", endpoint)
             return
-        request, decision = picked
+        request, decision, _ = picked
         self.router.policy.routed(request, Decision(backend, "served", decision.matched_chars,
                                                     decision.prompt_chars))
 
@@ -111,7 +116,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         subset = None
         duplex_request = duplex_response = False  # FULL_DUPLEX_STREAMED: bodies come back through the picker
         headers_pending = False  # duplex: the headers' answer waits for the whole body (it carries the choice)
-        picked: list = [None]  # (request, decision) once chosen
+        picked: list = [None]  # (request, decision, fallbacks) once chosen
         async for message in request_iterator:
             if message.HasField("protocol_config"):
                 config = message.protocol_config
@@ -164,7 +169,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                       picked: list) -> ext_proc.ProcessingResponse:
         try:
             picked[0] = await self.pick(headers, body, subset)
-            backend = picked[0][1].backend
+            _, decision, fallbacks = picked[0]
         except Picked as e:
             error = {"error": {"message": e.message, "type": "ServiceUnavailable" if e.status == 503
                                else "TooManyRequests", "param": None, "code": e.status}}
@@ -173,7 +178,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 headers=ext_proc.HeaderMutation(set_headers=[_header("content-type", "application/json"),
                                                              _header("retry-after", "1")]),
                 details=e.message))
-        endpoint = endpoint_of(backend)
+        endpoint = ",".join(endpoint_of(b) for b in [decision.backend, *fallbacks])
         common = ext_proc.CommonResponse(header_mutation=ext_proc.HeaderMutation(
             set_headers=[_header(DESTINATION, endpoint)]), clear_route_cache=True)
         metadata = struct_pb2.Struct()
@@ -221,10 +226,11 @@ def _subset(metadata: base_pb2.Metadata) -> list[str] | None:
 class EPPServer:
     """The gRPC server: ext_proc and health, on the router's event loop."""
 
-    def __init__(self, router: Router, host: str, port: int, max_queue: int, session_header: str):
+    def __init__(self, router: Router, host: str, port: int, max_queue: int, session_header: str,
+                 fallbacks: int = 0):
         self.server = grpc.aio.server()
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-            EndpointPicker(router, max_queue, session_header), self.server)
+            EndpointPicker(router, max_queue, session_header, fallbacks), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
