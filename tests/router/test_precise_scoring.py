@@ -118,3 +118,14 @@ def test_routed_requests_count_until_their_events_come_so_a_burst_spreads():
     # the first one's blocks arrive: they replace the expected ones, not add to them
     feed(index, chosen[0], list(range(10_000, 10_040)))
     assert index.churn(chosen[0]) == pytest.approx(2 + 12, rel=0.01)
+
+
+def test_a_replica_not_heard_from_counts_at_the_others_mean_churn():
+    index = KVIndex()
+    feed(index, A, list(range(40)))  # 10 blocks
+    feed(index, B, list(range(100, 108)))  # 2 blocks; C never published
+    policy = Precise(index)
+    new = request(list(range(5000, 5020)))
+    assert policy.choose(new, backends(0, 0, 0)).backend.url == B  # 2 < C's 6 (the mean) < 10
+    feed(index, B, list(range(200, 240)))  # B: 12 blocks; C now counts at 11
+    assert policy.choose(new, backends(0, 0, 0)).backend.url == A

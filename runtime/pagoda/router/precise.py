@@ -91,12 +91,16 @@ class Precise(Policy):
 
     def least_churn(self, candidates: list[Backend], matches: dict[str, int]) -> Backend:
         """A new tenant's replica: within the load bound, the least churning cache; then the longest run, the
-        least load, round the list (the least loaded replica is always within the bound)."""
+        least load, round the list (the least loaded replica is always within the bound). A replica not heard
+        from yet counts at the others' mean churn (unknown, not idle: one that never publishes must not draw
+        every new conversation)."""
         now = time.monotonic()
         n = len(candidates)
         order = [candidates[(self.turn + i) % n] for i in range(n)]
         allowed = [b for b in order if within_bound(b, candidates)] or order
-        return min(allowed, key=lambda b: (self.index.churn(b.url, now), -matches.get(b.url, 0), b.load()))
+        known = {b.url: self.index.churn(b.url, now) for b in candidates if b.url in self.index.replicas}
+        unknown = sum(known.values()) / len(known) if known else 0.0
+        return min(allowed, key=lambda b: (known.get(b.url, unknown), -matches.get(b.url, 0), b.load()))
 
     def choose(self, request, candidates):
         fallback = least_loaded(candidates, self._next_turn())
