@@ -9,10 +9,12 @@ from pagoda.bench.router import (
     PolicyResult,
     TurnResult,
     around,
+    eviction_spread,
     overhead_ms,
     parse_args,
     replica_counters,
     system_prompts,
+    table,
 )
 
 pytestmark = pytest.mark.unit
@@ -72,7 +74,25 @@ def test_kv_cache_memory_flag_and_the_replicas_counters():
     Gauge("pagoda:kv_cache_total_blocks", "x", registry=registry).set(72)
     Counter("pagoda:num_preemptions", "x", registry=registry).inc(3)
     Counter("pagoda:num_recomputed", "x", registry=registry).inc(1)
-    assert replica_counters(generate_latest(registry).decode()) == {"kv_blocks": 72, "preemptions": 3, "recomputed": 1}
+    Counter("pagoda:prefix_cache_evicted_blocks", "x", registry=registry).inc(40)
+    assert replica_counters(generate_latest(registry).decode()) == {"kv_blocks": 72, "preemptions": 3, "recomputed": 1,
+                                                                    "evicted": 40}
+
+
+def test_each_replicas_evictions_and_their_spread_are_in_the_table():
+    assert eviction_spread([30, 45, 40]) == 1.5 and eviction_spread([0, 0]) is None
+    assert eviction_spread([0, 5]) == float("inf") and eviction_spread([]) is None
+    result = PolicyResult("precise", system_tokens={0: 100}, backends=["c", "a", "b"])
+    result.turns = [TurnResult(0.1 * (i + 1), 150, 96, 20, "a", i, 0) for i in range(10)]
+    result.duration = 1.0
+    result.replicas = {"kv_blocks": [80, 80, 80], "preemptions": [0, 0, 0], "evicted": [30, 45, 40]}
+    s = result.summary()
+    assert s["ttft_ms_median"] == pytest.approx(550) and s["ttft_ms_p90"] == pytest.approx(1000)
+    row = table([s]).splitlines()[1]
+    assert row.startswith("precise") and "[30, 45, 40] (1.50x)" in row
+    assert "TTFT p90" in table([s]).splitlines()[0]
+    # every per-replica list in the replicas' order (the evictions' order), idle replicas included
+    assert s["requests_per_backend"] == {"c": 0, "a": 10, "b": 0} and "[0, 10, 0]  [30, 45, 40]" in row
 
 
 def test_working_set_counts_live_conversations_histories_and_the_system_prompts():

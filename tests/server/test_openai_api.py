@@ -261,7 +261,7 @@ def test_metrics_parse_and_count(client, http):
         assert after[f"pagoda:{name}_count"] == before[f"pagoda:{name}_count"] + 1
     assert after["pagoda:inter_token_latency_seconds_count"] - before["pagoda:inter_token_latency_seconds_count"] == 4
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
-                  "prefix_cache_hits_total"):
+                  "prefix_cache_hits_total", "prefix_cache_evicted_blocks_total"):
         assert f"pagoda:{gauge}" in after
 
 

@@ -54,10 +54,12 @@ def test_cached_blocks_survive_free_and_are_evicted_lru():
     assert bm.allocate(b, 2, hits) == []
     assert bm.block_table(b)[:2] == table_a[:2]
     bm.free(b)
+    assert bm.num_evicted_blocks == 0  # b took the unhashed partial block, not a cached one
     # fill the whole cache with new content: old hashes are evicted
     c = seq(range(200, 216))
     bm.allocate(c, 16)
     assert bm.find_cached_prefix(seq(range(9))) == []
+    assert bm.num_evicted_blocks == 2  # a's two full blocks, counted once each
     bm.free(c)
     bm.check_no_leaks()
 

@@ -138,6 +138,7 @@ def test_a_random_run_with_evictions_swaps_and_resets_is_accounted_for():
                        if isinstance(e, BlockRemoved) and e.medium == "GPU")
         check(bm, replica)
     assert evicted > 20 and swaps > 5 and resets > 0  # the run did evict, swap and reset
+    assert bm.num_evicted_blocks == evicted  # pagoda:prefix_cache_evicted_blocks_total counts what the events say
     for s in live + swapped:
         bm.free(s)
     check(bm, replica)

@@ -11,7 +11,9 @@ keeps them together. For each policy the benchmark reports
     cached_tokens) over all prompt tokens, between its floor (the shared system prompts, cached on every
     replica) and its ceiling (every turn's history and system prompt hit);
   - the prompt tokens the replicas computed (prompt - cached): the prefill work the policy left;
-  - TTFT median and p99, output tokens/s;
+  - TTFT median, p90 and p99, output tokens/s;
+  - each replica's prefix-cache evictions during the run (its pagoda:prefix_cache_evicted_blocks_total,
+    before and after): how evenly the policy spread the cache's load;
   - the router's own overhead per request (its pagoda_router:proxy_overhead_seconds histogram).
 
 Cache pressure: `--kv-cache-memory GIB` sizes each started replica's KV cache, and the benchmark prints
@@ -75,6 +77,7 @@ class PolicyResult:
     system_tokens: dict[int, int] = field(default_factory=dict)  # conversation -> its system prompt's tokens
     system_prompt_tokens: list[int] = field(default_factory=list)  # each shared system prompt's tokens
     replicas: dict = field(default_factory=dict)  # the replicas' KV blocks and preemptions during the run
+    backends: list[str] = field(default_factory=list)  # the replicas' URLs: the order of every per-replica list
 
     def ceiling(self) -> int:
         """The prompt tokens a perfect router could serve from cache: a turn's history (the previous turn's
@@ -138,16 +141,30 @@ class PolicyResult:
             "hit_rate_floor": self.floor() / prompt if prompt else 0.0,
             "prompt_tokens": prompt, "prompt_tokens_computed": prompt - cached,
             "ttft_ms_median": 1000 * statistics.median(ttfts) if ttfts else None,
-            "ttft_ms_p99": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+            "ttft_ms_p90": 1000 * percentile(ttfts, 0.90) if ttfts else None,
+            "ttft_ms_p99": 1000 * percentile(ttfts, 0.99) if ttfts else None,
             "output_tok_s": sum(t.output_tokens for t in self.turns) / self.duration if self.duration else 0.0,
             "requests_per_backend": {b: sum(t.backend == b for t in self.turns)
-                                     for b in sorted({t.backend for t in self.turns})},
+                                     for b in self.backends + sorted({t.backend for t in self.turns} - set(self.backends))},
             "router_overhead_ms": self.overhead,
             "added_latency_ms": self.hop,
             "routing_reasons": self.reasons,
             "working_set_blocks": self.working_set_blocks(),
             "replicas": self.replicas,
         }
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, nearest rank below (as the p99 always was here)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def eviction_spread(evicted: list[int]) -> float | None:
+    """The most evicting replica's evictions over the least evicting one's (1 = even; None: no replica
+    evicted, inf: one evicted and another did not)."""
+    if not evicted or max(evicted) == 0:
+        return None
+    return max(evicted) / min(evicted) if min(evicted) else float("inf")
 
 
 def free_port() -> int:
@@ -238,11 +255,12 @@ def overhead_ms(metrics_text: str) -> dict:
 
 
 def replica_counters(metrics_text: str) -> dict:
-    """A replica's KV-cache blocks and preemption counts, from its /metrics."""
+    """A replica's KV-cache blocks, preemption counts and prefix-cache evictions, from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {"pagoda:kv_cache_total_blocks": "kv_blocks", "pagoda:num_preemptions": "preemptions",
-              "pagoda:num_recomputed": "recomputed", "pagoda:num_swapped_out": "swapped_out"}
+              "pagoda:num_recomputed": "recomputed", "pagoda:num_swapped_out": "swapped_out",
+              "pagoda:prefix_cache_evicted_blocks": "evicted"}
     found = {}
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
@@ -287,7 +305,7 @@ async def warm_system_prompts(backends: list[str], model: str, prompts: list[str
 async def run_policy(router_url: str, model: str, policy: str, args, salt: int) -> PolicyResult:
     seed = args.seed
     prompts = system_prompts(seed, args.system_prompts, args.system_words, salt)
-    result = PolicyResult(policy)
+    result = PolicyResult(policy, backends=list(args.backend_urls))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     system_tokens = await warm_system_prompts(args.backend_urls, model, prompts, headers)
     result.system_prompt_tokens = system_tokens
@@ -334,7 +352,7 @@ async def run_policy(router_url: str, model: str, policy: str, args, salt: int) 
     after = await scrape_replicas(args.backend_urls, headers)
     result.replicas = {"kv_blocks": [a.get("kv_blocks") for a in after],
                        **{k: [a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)]
-                          for k in ("preemptions", "recomputed", "swapped_out")}}
+                          for k in ("preemptions", "recomputed", "swapped_out", "evicted")}}
     result.hop = await asyncio.to_thread(added_latency, router_url, args.backend_urls, headers, args.probes)
     return result
 
@@ -441,16 +459,18 @@ def parse_args(argv):
 
 
 def table(summaries: list[dict]) -> str:
-    lines = [f"{'policy':<12} {'hit rate':>8} {'floor':>6} {'ceiling':>7} {'computed':>8} {'TTFT med':>9} {'TTFT p99':>9} "
-             f"{'out tok/s':>9} {'overhead med/mean':>18} {'hop added':>9}  requests per backend"]
+    lines = [f"{'policy':<12} {'hit rate':>8} {'floor':>6} {'ceiling':>7} {'computed':>8} {'TTFT med':>9} {'TTFT p90':>9} "
+             f"{'TTFT p99':>9} {'out tok/s':>9} {'overhead med/mean':>18} {'hop added':>9}  requests per backend"
+             "  evicted per replica (max/min)"]
     for s in summaries:
         o = s["router_overhead_ms"]
         lines.append(f"{s['policy']:<12} {s['prefix_hit_rate']:>8.1%} {s['hit_rate_floor']:>6.1%} {s['hit_rate_ceiling']:>7.1%} "
-                     f"{s['prompt_tokens_computed']:>8} {s['ttft_ms_median']:>7.0f}ms "
+                     f"{s['prompt_tokens_computed']:>8} {s['ttft_ms_median']:>7.0f}ms {s['ttft_ms_p90']:>7.0f}ms "
                      f"{s['ttft_ms_p99']:>7.0f}ms {s['output_tok_s']:>9.1f} "
                      f"{o.get('median', 0):>8.3f}/{o.get('mean', 0):.3f}ms "
                      f"{s['added_latency_ms'].get('added_median', 0):>7.3f}ms  "
-                     f"{list(s['requests_per_backend'].values())}" + (f"  errors {s['errors']}" if s["errors"] else ""))
+                     f"{list(s['requests_per_backend'].values())}" + evictions(s.get("replicas") or {})
+                     + (f"  errors {s['errors']}" if s["errors"] else ""))
         w, r = s.get("working_set_blocks") or {}, s.get("replicas") or {}
         if w and r.get("kv_blocks"):
             pressure = w["mean"] / min(r["kv_blocks"])
@@ -460,6 +480,14 @@ def table(summaries: list[dict]) -> str:
         if len(s["routing_reasons"]) > 1:
             lines.append(f"{'':<12} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(s["routing_reasons"].items())))
     return "\n".join(lines)
+
+
+def evictions(replicas: dict) -> str:
+    evicted = replicas.get("evicted")
+    if not evicted:
+        return ""
+    spread = eviction_spread(evicted)
+    return f"  {evicted}" + (f" ({spread:.2f}x)" if spread is not None else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ class BlockManager:
         self.swap_tables: dict[int, list[int]] = {}  # seq id -> host block ids, in table order
         self.events = None  # a kv_events.KVEventRecorder, or None (no events)
         self.swap_hashes: dict[int, list[int]] = {}  # with events: seq id -> hashes its host blocks hold
+        self.num_evicted_blocks = 0  # cached blocks taken for other tokens (a counter; resets are not evictions)
 
     @property
     def num_free_blocks(self) -> int:
@@ -177,6 +178,7 @@ class BlockManager:
         if h is not None:  # evict it from the prefix cache
             if self.cached_blocks.get(h) == block:
                 del self.cached_blocks[h]
+                self.num_evicted_blocks += 1
                 if self.events is not None:
                     self.events.removed([h])
             self.hash_of_block[block] = None

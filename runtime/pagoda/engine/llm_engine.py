@@ -215,6 +215,7 @@ class LLMEngine:
         s.kv_cache_usage = self.block_manager.usage()
         s.prefix_cache_queries = sum(sc.prefix_cache_queries for sc in self.schedulers)
         s.prefix_cache_hits = sum(sc.prefix_cache_hits for sc in self.schedulers)
+        s.prefix_cache_evicted_blocks = self.block_manager.num_evicted_blocks
         s.num_preemptions = sum(sc.num_preemptions for sc in self.schedulers)
         s.num_swapped_out = sum(sc.num_swapped_out for sc in self.schedulers)
         s.num_swapped_in = sum(sc.num_swapped_in for sc in self.schedulers)

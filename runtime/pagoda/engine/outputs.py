@@ -81,6 +81,7 @@ class EngineStats:
     num_cached_blocks: int = 0  # blocks the prefix cache can find (what KV events announce as stored)
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
+    prefix_cache_evicted_blocks: int = 0  # cached blocks evicted (taken for other tokens), a counter
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0  # sequences preempted, by swap or recompute

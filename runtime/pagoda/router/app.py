@@ -66,7 +66,8 @@ def build_app(args: RouterArgs) -> FastAPI:
         if args.epp:
             from pagoda.router.epp import EPPServer
 
-            epp = EPPServer(router, args.host, args.epp_port, args.epp_max_queue, args.session_header)
+            epp = EPPServer(router, args.host, args.epp_port, args.epp_max_queue, args.session_header,
+                            args.epp_fallbacks)
             await epp.set_serving(False)
             await epp.start()
         await monitor_first_round(monitor)

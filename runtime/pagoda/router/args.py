@@ -23,3 +23,4 @@ class RouterArgs:
     epp: bool = False
     epp_port: int = 9002
     epp_max_queue: int = 128  # waiting requests past which a backend takes no more (all such: 429)
+    epp_fallbacks: int = 0  # endpoints named after the chosen one, for a gateway that retries down the list

@@ -23,6 +23,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return value
+
+
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RouterArgs()
     source = parser.add_mutually_exclusive_group()  # PAGODA_ROUTER_BACKEND / _K8S_SERVICE: see router_args
@@ -67,6 +74,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         default=_env("epp-max-queue", str(defaults.epp_max_queue)),
                         help="--epp: a backend with this many requests waiting takes no more; with every "
                              "backend so, the picker answers 429 (default: %(default)s)")
+    parser.add_argument("--epp-fallbacks", type=_non_negative_int,
+                        default=_env("epp-fallbacks", str(defaults.epp_fallbacks)),
+                        help="--epp: name up to this many other endpoints after the chosen one (least loaded "
+                             "first), `ip:port,ip:port,...`, for a gateway that retries down the list; Envoy's "
+                             "ORIGINAL_DST cluster reads one endpoint only (default: %(default)s)")
     parser.add_argument("--log-level", default=_env("log-level", defaults.log_level),
                         choices=("debug", "info", "warning", "error", "critical"))
 
@@ -111,7 +123,8 @@ def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Rout
                       session_header=ns.session_header.lower(), backend_api_key=ns.backend_api_key,
                       log_level=ns.log_level, kv_events_endpoint=ns.kv_events_endpoint,
                       kv_events_replay_endpoint=ns.kv_events_replay_endpoint, kv_events_topic=ns.kv_events_topic,
-                      epp=ns.epp, epp_port=ns.epp_port, epp_max_queue=ns.epp_max_queue)
+                      epp=ns.epp, epp_port=ns.epp_port, epp_max_queue=ns.epp_max_queue,
+                      epp_fallbacks=ns.epp_fallbacks)
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:

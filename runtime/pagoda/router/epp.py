@@ -6,12 +6,18 @@ the extension's gateways configure it: then the bodies pass back through the pic
 the router's policy among the healthy backends, and answers as the Endpoint Picker protocol says:
 
 - the chosen ``ip:port`` in the ``x-gateway-destination-endpoint`` header and in the dynamic metadata
-  ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the same value), for an ORIGINAL_DST cluster;
+  ``envoy.lb`` / ``x-gateway-destination-endpoint`` (the same value), for an ORIGINAL_DST cluster; with
+  ``--epp-fallbacks N``, followed by up to N other eligible endpoints, least loaded first
+  (``ip:port,ip:port,...``, protocol v0.4), for a gateway that retries down the list;
 - a subset hint (filter metadata ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``)
   limits the choice to those endpoints;
 - 503 (ImmediateResponse) when no backend (of the subset) is ready; 429 when every one's queue is past
   ``--epp-max-queue`` waiting requests (scraped from its /metrics);
-- gRPC health (``grpc.health.v1``) for "", ``liveness``, ``readiness`` and the ext_proc service.
+- gRPC health (``grpc.health.v1``) for "", ``liveness``, ``readiness`` and the ext_proc service;
+- the endpoint that served the request, when the gateway reports it with the response headers (metadata
+  ``envoy.lb`` / ``x-gateway-destination-endpoint-served``, protocol v1.0): where it is not the one picked
+  (the gateway retried elsewhere), the policy is told the request went there (``Policy.routed``), so what it
+  believes each replica holds follows where the work was done.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagoda.router.backends import Backend
+from pagoda.router.policies import Decision, RoutingRequest
 from pagoda.router.proxy import Router, routing_request
 
 logger = logging.getLogger(__name__)
 
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET = "x-gateway-destination-endpoint-subset"
+SERVED = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -58,12 +66,15 @@ class Picked(Exception):
 
 
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router, max_queue: int, session_header: str = "x-session-id"):
+    def __init__(self, router: Router, max_queue: int, session_header: str = "x-session-id", fallbacks: int = 0):
         self.router = router
         self.max_queue = max_queue
         self.session_header = session_header
+        self.fallbacks = fallbacks
 
-    async def pick(self, headers: dict[str, str], body: bytes, subset: list[str] | None) -> Backend:
+    async def pick(self, headers: dict[str, str], body: bytes, subset: list[str] | None
+                   ) -> tuple[RoutingRequest, Decision, list[Backend]]:
+        """The request, the policy's decision, and the fallback endpoints (least loaded first)."""
         router = self.router
         healthy = router.pool.healthy()
         if subset is not None:
@@ -83,7 +94,21 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         decision = router.policy.choose(request, open_)
         router.metrics.decisions.labels(router.policy.name, decision.reason).inc()
         router.policy.routed(request, decision)
-        return decision.backend
+        others = sorted((b for b in open_ if b is not decision.backend), key=lambda b: b.load())
+        return request, decision, others[: self.fallbacks]
+
+    def served(self, picked: tuple | None, metadata: base_pb2.Metadata) -> None:
+        """The gateway says which endpoint served the request: if not the one picked, the policy learns it."""
+        endpoint = _served(metadata)
+        if picked is None or endpoint is None or endpoint == endpoint_of(picked[1].backend):
+            return
+        backend = next((b for b in self.router.pool.all() if endpoint_of(b) == endpoint), None)
+        if backend is None:
+            logger.debug("served by %s, which is not in the pool", endpoint)
+            return
+        request, decision, _ = picked
+        self.router.policy.routed(request, Decision(backend, "served", decision.matched_chars,
+                                                    decision.prompt_chars))
 
     async def Process(self, request_iterator, context):  # noqa: N802 (the gRPC method's name)
         headers: dict[str, str] = {}
@@ -91,19 +116,23 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         subset = None
         duplex_request = duplex_response = False  # FULL_DUPLEX_STREAMED: bodies come back through the picker
         headers_pending = False  # duplex: the headers' answer waits for the whole body (it carries the choice)
+        picked: list = [None]  # (request, decision, fallbacks) once chosen
         async for message in request_iterator:
             if message.HasField("protocol_config"):
                 config = message.protocol_config
                 duplex_request = config.request_body_mode == FULL_DUPLEX_STREAMED
                 duplex_response = config.response_body_mode == FULL_DUPLEX_STREAMED
-            if message.HasField("metadata_context") and subset is None:
-                subset = _subset(message.metadata_context)
             kind = message.WhichOneof("request")
+            if message.HasField("metadata_context"):
+                if kind == "response_headers":
+                    self.served(picked[0], message.metadata_context)
+                elif subset is None:
+                    subset = _subset(message.metadata_context)
             if kind == "request_headers":
                 for h in message.request_headers.headers.headers:
                     headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
                 if message.request_headers.end_of_stream:
-                    yield await self._answer("request_headers", headers, b"", subset)
+                    yield await self._answer("request_headers", headers, b"", subset, picked)
                 elif duplex_request:
                     headers_pending = True
                 else:
@@ -117,13 +146,13 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                     continue
                 if headers_pending:  # the headers with the choice, then the body back to Envoy
                     headers_pending = False
-                    answer = await self._answer("request_headers", headers, body, subset)
+                    answer = await self._answer("request_headers", headers, body, subset, picked)
                     yield answer
                     if answer.HasField("immediate_response"):
                         return
                     yield _streamed("request_body", body, True)
                 else:
-                    yield await self._answer("request_body", headers, body, subset)
+                    yield await self._answer("request_body", headers, body, subset, picked)
             elif kind == "request_trailers":
                 yield ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
             elif kind == "response_headers":
@@ -136,9 +165,11 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             elif kind == "response_trailers":
                 yield ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
 
-    async def _answer(self, phase: str, headers: dict[str, str], body: bytes, subset) -> ext_proc.ProcessingResponse:
+    async def _answer(self, phase: str, headers: dict[str, str], body: bytes, subset,
+                      picked: list) -> ext_proc.ProcessingResponse:
         try:
-            backend = await self.pick(headers, body, subset)
+            picked[0] = await self.pick(headers, body, subset)
+            _, decision, fallbacks = picked[0]
         except Picked as e:
             error = {"error": {"message": e.message, "type": "ServiceUnavailable" if e.status == 503
                                else "TooManyRequests", "param": None, "code": e.status}}
@@ -147,7 +178,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 headers=ext_proc.HeaderMutation(set_headers=[_header("content-type", "application/json"),
                                                              _header("retry-after", "1")]),
                 details=e.message))
-        endpoint = endpoint_of(backend)
+        endpoint = ",".join(endpoint_of(b) for b in [decision.backend, *fallbacks])
         common = ext_proc.CommonResponse(header_mutation=ext_proc.HeaderMutation(
             set_headers=[_header(DESTINATION, endpoint)]), clear_route_cache=True)
         metadata = struct_pb2.Struct()
@@ -171,6 +202,14 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
 
 
+def _served(metadata: base_pb2.Metadata) -> str | None:
+    """The endpoint the gateway reports as having served the request, or None."""
+    if LB_NAMESPACE not in metadata.filter_metadata:
+        return None
+    fields = metadata.filter_metadata[LB_NAMESPACE].fields
+    return fields[SERVED].string_value or None if SERVED in fields else None
+
+
 def _subset(metadata: base_pb2.Metadata) -> list[str] | None:
     """The subset hint's endpoints, or None when the gateway sent none (then every backend may be chosen)."""
     if SUBSET_NAMESPACE not in metadata.filter_metadata:
@@ -187,10 +226,11 @@ def _subset(metadata: base_pb2.Metadata) -> list[str] | None:
 class EPPServer:
     """The gRPC server: ext_proc and health, on the router's event loop."""
 
-    def __init__(self, router: Router, host: str, port: int, max_queue: int, session_header: str):
+    def __init__(self, router: Router, host: str, port: int, max_queue: int, session_header: str,
+                 fallbacks: int = 0):
         self.server = grpc.aio.server()
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-            EndpointPicker(router, max_queue, session_header), self.server)
+            EndpointPicker(router, max_queue, session_header, fallbacks), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

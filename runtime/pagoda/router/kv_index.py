@@ -5,14 +5,60 @@ Sequence numbers are checked: a live batch numbered at or below the last one see
 (the replica came back with an empty cache: its entry is cleared first); a jump past the next number is a
 gap. The subscriber fills gaps (and a late start) from the replay socket or, failing that, clears the entry
 (an entry that missed a removal would send requests to blocks that are gone).
+
+Each entry also keeps its replica's cache **churn**: the device blocks it stored lately (BlockStored),
+decayed with a half-life of ``CHURN_HALF_LIFE`` seconds, plus the blocks the router expects of requests it
+has routed there and whose blocks have not arrived yet (so a burst of requests does not pile onto one
+replica before its events tell). Under cache pressure a replica evicts about what it stores, and a cached
+history survives about (its cache) / (its churn): the precise policy sends new conversations where the
+churn is lowest, which spreads the evictions.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from pagoda.core.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+# the span over which a replica's churn is judged: long beside one request's prefill, short beside the life of
+# a deployment (a replica that was busy a few minutes ago but no longer is takes new work again)
+CHURN_HALF_LIFE = 60.0
+
+
+@dataclass
+class Churn:
+    """Blocks stored lately (from events) and expected (routed, not yet stored), decayed exponentially."""
+
+    stored: float = 0.0
+    expected: float = 0.0
+    at: float | None = None  # time.monotonic() of the last update
+
+    def _decay(self, now: float) -> float:
+        """Decay to `now` (or keep the later last update); the weight of something that happened at `now`
+        (below 1 for a replayed batch older than the last update)."""
+        if self.at is None or now >= self.at:
+            if self.at is not None:
+                factor = 0.5 ** ((now - self.at) / CHURN_HALF_LIFE)
+                self.stored *= factor
+                self.expected *= factor
+            self.at = now
+            return 1.0
+        return 0.5 ** ((self.at - now) / CHURN_HALF_LIFE)
+
+    def add_stored(self, blocks: int, when: float) -> None:
+        """The replica stored `blocks` at `when`: they count, and replace as many the router expected."""
+        weight = self._decay(when)
+        self.stored += blocks * weight
+        self.expected = max(0.0, self.expected - blocks * weight)
+
+    def add_expected(self, blocks: float, now: float) -> None:
+        self.expected += blocks * self._decay(now)
+
+    def value(self, now: float) -> float:
+        self._decay(now)
+        return self.stored + self.expected
 
 
 @dataclass
@@ -26,6 +72,7 @@ class ReplicaBlocks:
     gaps: int = 0  # sequence gaps seen (filled by replay or not)
     restarts: int = 0  # sequence numbers that went back: a new publisher
     clears: int = 0  # AllBlocksCleared received, or the entry dropped after an unfilled gap
+    churn: Churn = field(default_factory=Churn)
 
     def clear(self) -> None:
         self.device.clear()
@@ -34,7 +81,7 @@ class ReplicaBlocks:
     def summary(self) -> dict:
         return {"blocks": len(self.device), "host_blocks": sum(self.host.values()), "block_size": self.block_size,
                 "last_seq": self.last_seq, "batches": self.batches, "gaps": self.gaps, "restarts": self.restarts,
-                "clears": self.clears}
+                "clears": self.clears, "churn": round(self.churn.value(time.monotonic()), 1)}
 
 
 class KVIndex:
@@ -54,7 +101,12 @@ class KVIndex:
             return "next"
         return "restart" if seq <= last else "gap"
 
-    def apply(self, url: str, seq: int, batch: KVEventBatch) -> None:
+    def apply(self, url: str, seq: int, batch: KVEventBatch, now: float | None = None, churn: bool = True) -> None:
+        """`now`: the batch's time on the monotonic clock (default: from its wall-clock `ts`, so a batch that
+        fills a gap counts in the churn as of when it happened); `churn`: False for history from before the
+        router listened (it fills the index only)."""
+        if now is None:
+            now = time.monotonic() - max(0.0, time.time() - batch.ts) if batch.ts else time.monotonic()
         entry = self.replica(url)
         entry.last_seq = seq
         entry.batches += 1
@@ -65,6 +117,8 @@ class KVIndex:
                     entry.lora_names.add(event.lora_name)
                 if event.medium in (None, MEDIUM_GPU):
                     entry.device.update(event.block_hashes)
+                    if churn:
+                        entry.churn.add_stored(len(event.block_hashes), now)
                 else:
                     entry.host.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
@@ -101,6 +155,16 @@ class KVIndex:
                 break
             n += 1
         return n
+
+    def churn(self, url: str, now: float | None = None) -> float:
+        """The replica's cache churn now (blocks, decayed; 0 for a replica not heard from)."""
+        entry = self.replicas.get(url)
+        return 0.0 if entry is None else entry.churn.value(time.monotonic() if now is None else now)
+
+    def expect(self, url: str, blocks: float, now: float | None = None) -> None:
+        """The router sent the replica a request that will store about `blocks` new blocks."""
+        if blocks > 0:
+            self.replica(url).churn.add_expected(blocks, time.monotonic() if now is None else now)
 
     def forget(self, url: str) -> None:
         self.replicas.pop(url, None)

@@ -85,7 +85,10 @@ class KVEventSubscriber:
             logger.warning("KV events of %s started over (batch %d): the replica's cache starts empty", url, seq)
             self.index.restart(url)
         if fit in ("first", "restart") and seq > 0:  # joined late: the earlier batches from the replay buffer
-            await self.fill(url, 0, seq)  # (short of them the entry lacks some blocks: it only routes less)
+            # (short of them the entry lacks some blocks: it only routes less); history before the router
+            # listened fills the index, not the churn (a rate is measured as it happens: the blocks a replica
+            # stored minutes before the router started, for work that has ended, say nothing of its load now)
+            await self.fill(url, 0, seq, history=True)
         elif fit == "gap":
             entry = self.index.replica(url)
             entry.gaps += 1
@@ -96,16 +99,16 @@ class KVEventSubscriber:
                 self.index.lost(url, seq)
         self.apply(url, seq, payload)
 
-    def apply(self, url: str, seq: int, payload: bytes) -> None:
+    def apply(self, url: str, seq: int, payload: bytes, history: bool = False) -> None:
         try:
             batch = self.decoder.decode(payload)
         except msgspec.DecodeError as e:
             logger.warning("KV events of %s: batch %d not decodable (%s); its entry starts over", url, seq, e)
             self.index.lost(url, seq + 1)
             return
-        self.index.apply(url, seq, batch)
+        self.index.apply(url, seq, batch, churn=not history)
 
-    async def fill(self, url: str, first: int, until: int) -> bool:
+    async def fill(self, url: str, first: int, until: int, history: bool = False) -> bool:
         """Ask the replay socket for batches first..until-1; True when they all came and were applied."""
         if self.replay_endpoint is None:
             return False
@@ -134,5 +137,5 @@ class KVEventSubscriber:
         for seq in range(start, until):
             if seq not in got:
                 return False
-            self.apply(url, seq, got[seq])
+            self.apply(url, seq, got[seq], history)
         return start == first

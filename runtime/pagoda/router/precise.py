@@ -4,15 +4,22 @@ measured in the request's own blocks.
 The request's token ids come from a replica's ``POST /tokenize`` (the chat template applied there, as the
 engine will), or from the body when it already carries token ids. Their block hashes are the engine's
 (``core.block_hash``, the adapter's root when the model is an adapter the events named); each replica scores
-the longest run of leading blocks it holds. The longest run wins within the prefix policy's load bound;
-a run under half the prompt, or none, goes by load (a shared system prompt alone does not pile requests
-onto one replica).
+the longest run of leading blocks it holds. The longest run, held by one replica, wins within the prefix
+policy's load bound. A request no single replica holds most of (a brand-new conversation: no run, a run
+under half the prompt, or a run that several replicas hold, such as a shared system prompt) is a new
+tenant of some replica's cache: it goes, within the same load bound, to the replica whose cache churns
+least (``KVIndex.churn``: blocks stored lately, from its events, plus those expected of requests routed
+there), ties to the longest run, then the least load. Placing new conversations by in-flight load alone
+spreads requests but not cache footprints: with users thinking between turns, a replica's in-flight count
+says little about how many live conversations it must keep cached, and one replica ended up evicting 2-3x
+another's blocks (docs/router.md, "precise").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 
@@ -82,6 +89,19 @@ class Precise(Policy):
             cached = request.chains[key] = chain_hashes(ids, entry.block_size, root)
         return cached
 
+    def least_churn(self, candidates: list[Backend], matches: dict[str, int]) -> Backend:
+        """A new tenant's replica: within the load bound, the least churning cache; then the longest run, the
+        least load, round the list (the least loaded replica is always within the bound). A replica not heard
+        from yet counts at the others' mean churn (unknown, not idle: one that never publishes must not draw
+        every new conversation)."""
+        now = time.monotonic()
+        n = len(candidates)
+        order = [candidates[(self.turn + i) % n] for i in range(n)]
+        allowed = [b for b in order if within_bound(b, candidates)] or order
+        known = {b.url: self.index.churn(b.url, now) for b in candidates if b.url in self.index.replicas}
+        unknown = sum(known.values()) / len(known) if known else 0.0
+        return min(allowed, key=lambda b: (known.get(b.url, unknown), -matches.get(b.url, 0), b.load()))
+
     def choose(self, request, candidates):
         fallback = least_loaded(candidates, self._next_turn())
         chains = {b.url: self.hashes_for(request, b.url) for b in candidates}
@@ -91,14 +111,30 @@ class Precise(Policy):
         matches = {b.url: self.index.match(b.url, chains[b.url]) for b in candidates}
         best = max(matches.values())
         if best == 0:
-            return Decision(fallback, "no-prefix-match", 0, prompt_blocks)
+            return Decision(self.least_churn(candidates, matches), "no-prefix-match", 0, prompt_blocks)
         if best < MIN_MATCH_SHARE * prompt_blocks:
-            n = len(candidates)
-            order = [candidates[(self.turn + i) % n] for i in range(n)]
-            choice = min(order, key=lambda b: (b.load(), -matches[b.url]))
+            choice = self.least_churn(candidates, matches)
             return Decision(choice, "prefix-short-match", matches[choice.url], prompt_blocks)
         holders = [b for b in candidates if matches[b.url] == best]
-        choice = least_loaded(holders, self.turn)
+        if len(holders) > 1:  # a shared prefix (a system prompt): no replica holds this request's own blocks
+            choice = self.least_churn(holders, matches)
+            if within_bound(choice, candidates):
+                return Decision(choice, "prefix-shared", best, prompt_blocks)
+            return Decision(fallback, "prefix-overloaded", matches[fallback.url], prompt_blocks)
+        choice = holders[0]
         if not within_bound(choice, candidates):
             return Decision(fallback, "prefix-overloaded", matches[fallback.url], prompt_blocks)
         return Decision(choice, "prefix-match", best, prompt_blocks)
+
+    def routed(self, request, decision):
+        """Count the blocks the request will store there (its prompt past the run held, and its answer's, at
+        most) until the replica's events bring the real ones."""
+        url = decision.backend.url
+        entry = self.index.replicas.get(url)
+        if not request.token_ids or entry is None or not entry.block_size:
+            return
+        body = request.body or {}
+        answer = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        answer = answer if isinstance(answer, int) and answer > 0 else 0
+        total = (len(request.token_ids) + answer) // entry.block_size
+        self.index.expect(url, total - self.index.match(url, self.hashes_for(request, url)))

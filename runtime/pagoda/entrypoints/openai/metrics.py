@@ -78,6 +78,8 @@ class EngineStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield counter("prefix_cache_evicted_blocks", "Prefix-cache blocks evicted (taken for other tokens).",
+                      stats.prefix_cache_evicted_blocks)
         yield counter("prompt_tokens", "Prompt tokens received.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("num_preemptions", "Sequences preempted (swapped out or recomputed) for lack of KV blocks.",
