@@ -111,9 +111,11 @@ def jsonl_requests(path: str, n: int | None, output_len: int) -> list[BenchReque
 # --- senders ---------------------------------------------------------------------------------------
 
 class HTTPSender:
-    def __init__(self, base_url: str, model: str, api_key: str | None, endpoint: str):
+    def __init__(self, base_url: str, model: str, api_key: str | None, endpoint: str,
+                 temperature: float | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.temperature = temperature  # None: the server's default, as vllm bench serve sends
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.endpoint = endpoint
         self.session = None
@@ -140,8 +142,10 @@ class HTTPSender:
         return sum(values) if values else None
 
     async def send(self, req: BenchRequest) -> RequestResult:
-        body = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
+        body = {"model": self.model, "max_tokens": req.output_len, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": True}
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         chat = self.endpoint == "chat" or isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], dict)
         if chat:
             messages = req.prompt if isinstance(req.prompt, list) else [{"role": "user", "content": req.prompt}]
@@ -190,8 +194,9 @@ class HTTPSender:
 class EngineSender:
     """The same requests through an in-process AsyncLLMEngine: the baseline without HTTP."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, temperature: float | None = None):
         self.engine = engine
+        self.temperature = temperature
         self.count = 0
 
     async def __aenter__(self):
@@ -206,7 +211,8 @@ class EngineSender:
     async def send(self, req: BenchRequest) -> RequestResult:
         from pagoda import SamplingParams
 
-        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True,
+                                temperature=1.0 if self.temperature is None else self.temperature)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             prompt = self.engine.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
@@ -325,6 +331,9 @@ def parse_args(argv):
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Poisson arrivals per second (default inf: all at once, bounded by --max-concurrency)")
+    p.add_argument("--temperature", type=float,
+                   help="each request's temperature (default: none sent, the server's default, as vllm bench serve; "
+                        "--offline: 1.0). Random sampling costs the server more than greedy (0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) first")
     p.add_argument("--offline", default=None, metavar="MODEL",
@@ -392,11 +401,11 @@ async def main_async(args) -> dict:
 
         model = None if args.offline == "default" else args.offline
         engine = await asyncio.to_thread(AsyncLLMEngine.from_engine_args, AsyncEngineArgs(model=model))
-        sender, tokenizer = EngineSender(engine), engine.tokenizer
+        sender, tokenizer = EngineSender(engine, args.temperature), engine.tokenizer
         title = "Offline (in-process engine) Benchmark Result"
     else:
         model, root = (args.model, None) if args.model else discover_model(args.base_url, args.api_key)
-        sender = HTTPSender(args.base_url, model, args.api_key, args.endpoint)
+        sender = HTTPSender(args.base_url, model, args.api_key, args.endpoint, args.temperature)
         tokenizer = await asyncio.to_thread(load_tokenizer, args.tokenizer or root)
         title = "Serving Benchmark Result"
     if args.dataset == "jsonl":
@@ -448,7 +457,8 @@ async def measure_vllm(args, model: str, model_dir: str | None, warmup, requests
     python = check_vllm_python(args.vllm_python)
     with vllm_server(python, model_dir, model, dtype=args.vllm_dtype, kv_cache_dtype=args.vllm_kv_cache_dtype,
                      kv_cache_gib=args.vllm_kv_cache_gib) as base_url:
-        return await measure(HTTPSender(base_url, model, None, args.endpoint), warmup, requests, args)
+        return await measure(HTTPSender(base_url, model, None, args.endpoint, args.temperature), warmup, requests,
+                             args)
 
 
 def compare(pagoda: dict, vllm: dict) -> str:

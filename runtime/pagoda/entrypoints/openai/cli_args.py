@@ -265,7 +265,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--target-itl-ms", default=AUTO_TARGET, type=itl_target,
           help="inter-token latency to keep for running requests, in ms: each step's prompt tokens are sized "
                "from measured step costs, long prompts cut into as many chunks as that needs; 'auto': a step "
-               "with prompt tokens takes at most 3x a step of the running decodes alone; 'off': no cap "
+               "with prompt tokens takes at most 4x a step of the running decodes alone; 'off': no cap "
                "(default: %(default)s; docs/server.md)")
     p.add("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
           help="fcfs: first come, first served; priority: by each request's `priority` (lower first), then "
