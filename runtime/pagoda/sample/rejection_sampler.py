@@ -76,7 +76,13 @@ class RejectionSampler:
 def sample_rows(weights: torch.Tensor, is_greedy: list[bool], generators: list[torch.Generator | None]
                 ) -> list[int]:
     """One token per row of non-negative weights [S, V] (not necessarily normalized): argmax for greedy
-    rows, else the exponential race argmax(w / E), E ~ Exp(1), which draws from w / sum(w)."""
+    rows, else a draw from w / sum(w): on the CPU by the kernel's inverse distribution (sampler_cpu.cpp, on
+    log w), elsewhere by the exponential race argmax(w / E), E ~ Exp(1)."""
+    if fused_cpu_ops.usable(weights):
+        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+        temperature = torch.tensor([0.0 if greedy else 1.0 for greedy in is_greedy])
+        return torch.ops.pagoda_cpu.sample_categorical(weights.float().log().contiguous(), temperature,
+                                                       torch.zeros(len(is_greedy)), uniforms).tolist()
     noise = torch.empty_like(weights)
     for row, g in enumerate(generators):
         noise[row].exponential_(generator=g)
