@@ -59,7 +59,13 @@ def test_chat_json_schema_always_validates(client, temperature):
 def test_chat_json_object(client):
     out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=300, seed=1,
                                          response_format={"type": "json_object"})
-    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    choice = out.choices[0]
+    # a random model may not close a string within max_tokens (whether it does depends on the random stream)
+    assert choice.message.content.lstrip().startswith("{"), choice
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:
+        assert choice.finish_reason == "length" and out.usage.completion_tokens == 300
 
 
 def test_streamed_json_schema_reassembles_to_valid_json(client):

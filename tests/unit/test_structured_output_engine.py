@@ -45,6 +45,14 @@ def _check(spec: StructuredOutputsParams, text: str) -> None:
         assert text in spec.choice, text
 
 
+def _check_tokens(llm, spec, completion):
+    """Every token is one the grammar allowed after the ones before it (an output that max_tokens cut is a
+    prefix of the language; a finished one ends where the grammar may)."""
+    matcher = llm.engine.executor.runner._grammar_backend().matcher(spec)
+    assert all(matcher.accept(token) for token in completion.token_ids), completion
+    assert matcher.is_terminated == (completion.finish_reason == "stop"), completion
+
+
 SPECS = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
          StructuredOutputsParams(choice=CHOICES)]
 
@@ -66,6 +74,11 @@ def test_constrained_outputs_always_match_in_a_mixed_batch(llm, temperature):
             if p.structured_outputs is None:
                 assert len(completion.token_ids) == 30
                 continue
+            _check_tokens(llm, p.structured_outputs, completion)
+            if temperature > 0:
+                # sampled from a random model: it may not close a string within max_tokens, and its byte tokens
+                # may form invalid UTF-8, which the grammar counts in bytes and the decoded text as U+FFFD each
+                continue
             assert completion.finish_reason == "stop", completion
             _check(p.structured_outputs, completion.text)
 
@@ -75,7 +88,10 @@ def test_json_object_and_grammar(llm):
     outs = llm.generate(["a", "b"], [
         SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True), max_tokens=200, seed=3),
         SamplingParams(structured_outputs=StructuredOutputsParams(grammar=grammar), max_tokens=20, seed=3)])
-    assert isinstance(json.loads(outs[0].outputs[0].text), dict)
+    json_out = outs[0].outputs[0]
+    _check_tokens(llm, StructuredOutputsParams(json_object=True), json_out)
+    if json_out.finish_reason == "stop":  # sampled from a random model: it may not close a string in time
+        assert isinstance(json.loads(json_out.text), dict)
     assert re.fullmatch(r"yes|no|maybe [0-9]", outs[1].outputs[0].text)
 
 
