@@ -89,7 +89,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   max_model_len=max_model_len, preemption_mode=mode,
                                   max_loras=args.max_loras if args.enable_lora else None,
-                                  target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy),
+                                  target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy,
+                                  async_scheduling=_async_scheduling(args, speculative)),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
@@ -215,3 +216,17 @@ def _resolve_max_model_len(requested: int | None, hf_config) -> int:
         raise InvalidParam("max_model_len",
                            f"max_model_len ({requested}) is larger than the model's maximum ({limit})")
     return requested
+
+
+def _async_scheduling(args: "EngineArgs", speculative) -> bool:
+    """--async-scheduling where it applies: one process (the runner beside the scheduler, which reads its
+    sampled tokens), no speculative decoding (a step's tokens are not one per sequence); else logged off."""
+    if not args.async_scheduling:
+        return False
+    why = ("tensor or pipeline parallelism" if args.tensor_parallel_size * args.pipeline_parallel_size > 1
+           else "the ray executor" if args.distributed_executor_backend == "ray"
+           else "speculative decoding" if speculative is not None else None)
+    if why is not None:
+        logger.warning("--async-scheduling is off with %s: each step is scheduled after the previous one", why)
+        return False
+    return True
