@@ -5,11 +5,12 @@ a stop string, a stop token, an abort), with seeds, penalties, n > 1, prompts in
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.model
 
 PROMPTS = ["Hello", "Paris is the capital of", "one two three four five six seven eight nine ten",
-           "The quick brown fox", "a b c", "In 1492", "Once upon a time there was", "x"]
+           "The quick brown fox", "a b c", "In 1492", "Once upon a time there was", "x", "Pick one:"]
 
 
 def mixed_params():
@@ -23,6 +24,9 @@ def mixed_params():
         SamplingParams(max_tokens=9, ignore_eos=True, seed=11, n=3, temperature=1.0),  # forks at its prompt's end
         SamplingParams(max_tokens=25, temperature=0.0, min_tokens=3, stop_token_ids=[5, 9, 17]),
         SamplingParams(max_tokens=6, ignore_eos=True, seed=5, temperature=0.8, min_p=0.1, logprobs=2),
+        # a grammar's next mask needs the token before: this one is never scheduled ahead, the rest are
+        SamplingParams(max_tokens=40, seed=2, temperature=1.0,
+                       structured_outputs=StructuredOutputsParams(choice=["alpha beta", "gamma", "delta epsilon"])),
     ]
 
 
