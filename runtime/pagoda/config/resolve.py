@@ -220,8 +220,8 @@ def _resolve_max_model_len(requested: int | None, hf_config) -> int:
 
 def _async_scheduling(args: "EngineArgs", speculative, device: str, backend: str) -> bool:
     """--async-scheduling where it applies: one process, the `uni` executor (the runner beside the scheduler,
-    on a thread of its own), no speculative decoding (a step's tokens are not one per sequence); else off, logged
-    when it was asked for. Unset: on with a GPU (the forward pass on the device, the host's cores free to
+    on a thread of its own), no speculative decoding (a step's tokens are not one per sequence); else off,
+    logged when it was asked for. Unset: on with a GPU (the forward pass on the device, the host's cores free to
     schedule beside it), off on a CPU (there the scheduling would run on the cores the forward pass uses)."""
     wanted = args.async_scheduling if args.async_scheduling is not None else device != "cpu"
     if not wanted:
