@@ -72,6 +72,24 @@ def test_the_engine_core_runs_in_a_child_process_and_stop_strings_free_its_block
     assert metric(server, "pagoda:engine_steps_total") >= 12  # the first request alone ran 12 steps
 
 
+def test_async_scheduling_in_the_core_process_streams_the_same_text(server, server_factory):
+    """--async-scheduling: the core schedules a step while the one before runs (the runner on its own thread);
+    the server's answers, stop strings and streams included, are the synchronous core's."""
+    fast = server_factory("--served-model-name", MODEL, "--async-scheduling",
+                          env={"PAGODA_ENABLE_ENGINE_CORE_PROCESS": "1"})
+    asks = [dict(prompt="Hello", max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}),
+            dict(prompt="Paris is", max_tokens=9, temperature=1.0, seed=4, stop=["e"],
+                 extra_body={"ignore_eos": True})]
+    for ask in asks:
+        want = server.client("none", timeout=60).completions.create(model=MODEL, **ask).choices[0]
+        got = fast.client("none", timeout=60).completions.create(model=MODEL, **ask).choices[0]
+        streamed = "".join(chunk.choices[0].text for chunk in fast.client("none", timeout=60).completions.create(
+            model=MODEL, stream=True, **ask))
+        assert (got.text, got.finish_reason) == (want.text, want.finish_reason) and streamed == want.text
+    assert metric(fast, "pagoda:kv_cache_used_blocks") == 0.0
+    assert metric(fast, "pagoda:engine_steps_total") >= 12
+
+
 def test_a_priority_needs_the_priority_policy(server):
     with pytest.raises(openai.BadRequestError) as refused:
         server.client("none", timeout=60).completions.create(model=MODEL, prompt="Hello", max_tokens=2,
@@ -138,3 +156,4 @@ def test_the_switch_keeps_the_engine_in_the_server_process(server_factory):
                                                                                           "priority": -1})
     assert out.usage.completion_tokens == 3
     assert metric(server, "pagoda:engine_steps_total") >= 3  # the engine's step timer
+

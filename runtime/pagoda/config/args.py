@@ -50,8 +50,9 @@ class EngineArgs:
     # a step's prefill share sized so running decodes keep this inter-token latency (docs/server.md); None: off
     target_itl_ms: float | str | None = None  # milliseconds, or "auto" (relative to a decode step; pagoda serve's)
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (a request's `priority`, lower first), as vLLM's
-    # accepted for vLLM compatibility (its default since early 2026), without effect yet (docs/server.md)
-    async_scheduling: bool = False
+    # schedule step N+1 while step N runs (vLLM's default since early 2026); None: on with a GPU, off on a CPU
+    # (docs/server.md)
+    async_scheduling: bool | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: float | None = None  # GiB; default on CPU: DEFAULT_CPU_KV_CACHE_GIB
     attention_backend: str = "auto"

@@ -59,6 +59,9 @@ class SchedulerConfig:
     # a multiple of what the decodes' own step costs, core/scheduler.py)
     target_itl_ms: float | str | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival), as vLLM's
+    # schedule step N+1 while step N runs, decodes on the token N will sample (core/scheduler.py); resolved
+    # on only where it applies: one process (TP = PP = 1), no speculative decoding
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

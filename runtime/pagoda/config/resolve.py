@@ -89,7 +89,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   max_model_len=max_model_len, preemption_mode=mode,
                                   max_loras=args.max_loras if args.enable_lora else None,
-                                  target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy),
+                                  target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy,
+                                  async_scheduling=_async_scheduling(args, speculative, device, backend)),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
@@ -215,3 +216,22 @@ def _resolve_max_model_len(requested: int | None, hf_config) -> int:
         raise InvalidParam("max_model_len",
                            f"max_model_len ({requested}) is larger than the model's maximum ({limit})")
     return requested
+
+
+def _async_scheduling(args: "EngineArgs", speculative, device: str, backend: str) -> bool:
+    """--async-scheduling where it applies: one process, the `uni` executor (the runner beside the scheduler,
+    on a thread of its own), no speculative decoding (a step's tokens are not one per sequence); else off,
+    logged when it was asked for. Unset: on with a GPU (the forward pass on the device, the host's cores free to
+    schedule beside it), off on a CPU (there the scheduling would run on the cores the forward pass uses)."""
+    wanted = args.async_scheduling if args.async_scheduling is not None else device != "cpu"
+    if not wanted:
+        return False
+    why = ("tensor or pipeline parallelism" if args.tensor_parallel_size * args.pipeline_parallel_size > 1
+           else f"the {backend} executor" if backend != "uni"
+           else "speculative decoding" if speculative is not None else None)
+    if why is not None:
+        if args.async_scheduling:
+            logger.warning("--async-scheduling is off with %s: each step is scheduled after the previous one",
+                           why)
+        return False
+    return True

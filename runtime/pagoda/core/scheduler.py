@@ -57,6 +57,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()  # preempted, KV in the swap space; oldest preemption first
         self.in_flight: set[int] = set()  # scheduled, step not finished yet (pipeline parallelism)
+        # seq id -> its steps in flight (2: async scheduling took it again, on the token its step samples)
+        self.steps_in_flight: dict[int, int] = {}
+        self.samples_in_flight: dict[int, int] = {}  # seq id -> tokens its latest in-flight step samples
         self._finished_seq_ids: list[int] = []
         self._live: dict[int, Sequence] = {}  # every waiting or running sequence by id
         self.num_preemptions = 0
@@ -86,8 +89,7 @@ class Scheduler:
         target = self.config.target_itl_ms
         if not target or not self.config.enable_chunked_prefill:
             return None
-        decodes = sum(1 for q in self.running
-                      if q.seq_id not in self.in_flight and q.num_tokens - q.num_computed_tokens == 1)
+        decodes = sum(1 for q in self.running if self._decodes_now(q))
         if not decodes:  # no token is waited for: prompts go at full speed
             return None
         if target == AUTO_TARGET:  # relative: a few times what a step of the decodes alone costs
@@ -136,7 +138,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if seq.seq_id in self.in_flight or (remaining > 1 and prefill_left == 0):
+            if seq.seq_id in self.in_flight:
+                if self.config.async_scheduling and self._can_go_ahead(seq):
+                    ahead = self._schedule_ahead(seq, out)
+                    budget -= ahead
+                i += 1
+                continue
+            if remaining > 1 and prefill_left == 0:
                 i += 1
                 continue
             num_new = min(remaining, budget)
@@ -224,7 +232,48 @@ class Scheduler:
                 prefill_left -= num_new
         for s in out.scheduled:
             self.in_flight.add(s.seq_id)
+            self.steps_in_flight[s.seq_id] = self.steps_in_flight.get(s.seq_id, 0) + 1
+            self.samples_in_flight[s.seq_id] = s.num_samples if not s.num_draft_tokens else 0
         return out
+
+    def _decodes_now(self, seq: Sequence) -> bool:
+        """Whether seq may decode in the step being scheduled: waiting for its token (not in flight, one token
+        left), or, with async scheduling, in flight on a step that samples its one next token."""
+        if seq.seq_id not in self.in_flight:
+            return seq.num_tokens - seq.num_computed_tokens == 1
+        return self.config.async_scheduling and self.steps_in_flight.get(seq.seq_id, 0) == 1 \
+            and self.samples_in_flight.get(seq.seq_id) == 1
+
+    def _can_go_ahead(self, seq: Sequence) -> bool:
+        """Async scheduling: whether an in-flight sequence may be scheduled again now, on the token its step
+        will sample: that step samples exactly one (a decode, or a prompt's end without forks), it is not
+        already ahead, and the token after it can exist (max_tokens, max_model_len). A grammar's next mask
+        depends on that token: structured outputs wait for it."""
+        if (self.steps_in_flight.get(seq.seq_id, 0) != 1 or self.samples_in_flight.get(seq.seq_id) != 1
+                or not seq.kind.samples):
+            return False
+        if seq.params.structured_outputs is not None:
+            return False
+        max_tokens = seq.params.max_tokens or self.config.max_model_len
+        return seq.num_output_tokens + 1 < max_tokens and seq.num_tokens + 1 < self.config.max_model_len
+
+    def _schedule_ahead(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Schedule seq's next decode before its in-flight step ends: one token at position num_tokens, whose
+        id the runner takes from its own last sample (a placeholder here). Never preempts: with no free block
+        it waits for the step. Returns the tokens scheduled (0 or 1)."""
+        copies = self.block_manager.allocate(seq, seq.num_tokens + 1 - seq.num_computed_tokens)
+        if copies is None:
+            return 0
+        out.blocks_to_copy += copies
+        table = self.block_manager.block_table(seq)
+        block_start = seq.num_blocks_sent
+        out.scheduled.append(ScheduledSeq(
+            seq_id=seq.seq_id, num_new_tokens=1, num_computed_tokens=seq.num_tokens,
+            new_token_ids=[], block_ids_start=block_start, block_ids=table[block_start:], num_samples=1,
+            num_prompt_tokens=seq.num_prompt_tokens, placeholder=True))
+        seq.num_tokens_sent = seq.num_tokens + 1  # the runner appends the token itself
+        seq.num_blocks_sent = len(table)
+        return 1
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """LoRA: running sequences use at most max_loras distinct adapters (the runner's device slots)."""
@@ -307,7 +356,12 @@ class Scheduler:
         """The runner finished out: the scheduled tokens' KV is now in the cache (of drafts, the accepted
         ones' only: the slots past them are released)."""
         for s in out.scheduled:
-            self.in_flight.discard(s.seq_id)
+            left = self.steps_in_flight.pop(s.seq_id, 1) - 1
+            if left:  # its next step, scheduled ahead, is still running
+                self.steps_in_flight[s.seq_id] = left
+            else:
+                self.in_flight.discard(s.seq_id)
+                self.samples_in_flight.pop(s.seq_id, None)
         for s in out.scheduled:
             seq = self._live.get(s.seq_id)
             if seq is None or seq.status != SequenceStatus.RUNNING:
@@ -337,6 +391,8 @@ class Scheduler:
         seq.stop_reason = stop_reason
         self._finished_seq_ids.append(seq.seq_id)
         self.in_flight.discard(seq.seq_id)
+        self.steps_in_flight.pop(seq.seq_id, None)
+        self.samples_in_flight.pop(seq.seq_id, None)
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:

@@ -22,6 +22,9 @@ class ScheduledSeq:
     block_ids: list[int]
     num_samples: int  # 0 mid-prompt; 1 normally; n where a request forks into n at the end of its prompt
     reset: bool = False  # new to the runner (or resumed after preemption): forget what it had
+    # async scheduling: scheduled while its previous step ran; its input is the token that step samples, which
+    # the runner appends itself (not in new_token_ids)
+    placeholder: bool = False
     num_prompt_tokens: int = 0
     params: SamplingParams | None = None  # what it samples with (sent on reset only)
     # the request's own parameters, which name its kind (core.request_kind; sent on reset only): for a

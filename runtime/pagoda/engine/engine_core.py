@@ -63,9 +63,9 @@ def droppable_kv_window(config: EngineConfig) -> int | None:
 
 
 class StepTimer:
-    """The engine's own step timer: seconds in the executor (a batch's submit to its result), and the gaps
-    between one batch's result and the next batch's submit while work was waiting (the update, output
-    processing, new requests, scheduling: what async scheduling would hide)."""
+    """The engine's own step timer: seconds in the executor (a batch's start to its result), and the gaps
+    between one batch's end and the next batch's start while work was waiting (the update, output
+    processing, new requests, scheduling: what async scheduling hides)."""
 
     def __init__(self):
         self.forward_seconds = 0.0
@@ -75,20 +75,16 @@ class StepTimer:
         self.busy = False  # work was left when the last batch ended: the time until the next is a gap
         self._last_done: float | None = None
 
-    def submitted(self) -> float:
-        now = time.perf_counter()
+    def ran(self, started: float, finished: float) -> float:
+        """A batch ran from started to finished (perf_counter); returns its seconds."""
         if self.busy and self._last_done is not None:
-            self.gap_seconds += now - self._last_done
+            self.gap_seconds += max(started - self._last_done, 0.0)  # 0: it was queued before the last ended
             self.num_gaps += 1
         self.busy = False
-        return now
-
-    def done(self, submitted: float) -> float:
-        self._last_done = time.perf_counter()
+        self._last_done = finished
         self.num_steps += 1
-        elapsed = self._last_done - submitted
-        self.forward_seconds += elapsed
-        return elapsed
+        self.forward_seconds += finished - started
+        return finished - started
 
 
 class EngineCore:
@@ -114,6 +110,7 @@ class EngineCore:
         # (scheduler, its output, when it was submitted, executor handle), oldest first
         self.in_flight: deque = deque()
         self.schedule_seconds = 0.0  # time spent scheduling (for the benchmarks' overhead figures)
+        self.async_scheduling = config.scheduler.async_scheduling and depth == 1
         self.timer = StepTimer()
 
     def add(self, seq: Sequence) -> None:
@@ -135,23 +132,25 @@ class EngineCore:
         told each batch as it starts; `observer` follows its update. None when there was nothing to run."""
         busy = {id(entry[0]) for entry in self.in_flight}
         for scheduler in self.schedulers:
-            if id(scheduler) in busy:
-                continue
-            started = time.perf_counter()
-            sched_out = scheduler.schedule()
-            self.schedule_seconds += time.perf_counter() - started
-            if not sched_out.has_work:
-                continue
-            if on_scheduled is not None:
-                on_scheduled(sched_out)
-            submitted = self.timer.submitted()
-            self.in_flight.append((scheduler, sched_out, submitted, self.executor.submit(sched_out)))
+            # async scheduling (one scheduler): a second batch while the first runs, decodes on its samples
+            while id(scheduler) not in busy or (self.async_scheduling and len(self.in_flight) < 2):
+                started = time.perf_counter()
+                sched_out = scheduler.schedule()
+                self.schedule_seconds += time.perf_counter() - started
+                if not sched_out.has_work:
+                    break
+                if on_scheduled is not None:
+                    on_scheduled(sched_out)
+                busy.add(id(scheduler))
+                self.in_flight.append((scheduler, sched_out, time.perf_counter(), self.executor.submit(sched_out)))
         if not self.in_flight:
             self._flush_kv_events()
             return None
         scheduler, sched_out, submitted, handle = self.in_flight.popleft()
         result = self.executor.wait(handle)
-        self.step_costs.observe(sched_out.num_batched_tokens, self.timer.done(submitted))
+        # the batch's own run (a threaded executor's), else submit to result
+        started, finished = getattr(self.executor, "last_run", None) or (submitted, time.perf_counter())
+        self.step_costs.observe(sched_out.num_batched_tokens, self.timer.ran(started, finished))
         scheduler.step_done(sched_out, result)
         step = self._update(scheduler, result, observer)
         self.timer.busy = self.has_unfinished()

@@ -1,6 +1,10 @@
-"""The `uni` executor: TP = PP = 1, the model runner lives in the engine's process."""
+"""The `uni` executor: TP = PP = 1, the model runner lives in the engine's process. With async scheduling
+it runs the batches on one thread of its own, in submission order, so the engine schedules the next batch
+while one runs."""
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagoda.config import EngineConfig
 from pagoda.core.runner_output import ModelRunnerOutput
@@ -17,6 +21,13 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
         set_parallel_state(ParallelState())  # a single process, whatever ran in this process before
         self.runner = ModelRunner(config, eos_token_ids)
+        self.thread = None
+        if config.scheduler.async_scheduling:
+            import torch
+
+            # OpenMP's thread count is per calling thread: the runner's thread takes the engine's
+            self.thread = ThreadPoolExecutor(1, thread_name_prefix="pagoda-runner",
+                                             initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
@@ -25,13 +36,28 @@ class UniProcExecutor:
         self.runner.allocate_kv_cache(num_blocks)
 
     def submit(self, out: SchedulerOutput):
-        return self.runner.execute(out)
+        if self.thread is None:
+            return self.runner.execute(out)
+        return self.thread.submit(self._timed, out)
 
     def wait(self, handle) -> ModelRunnerOutput:
-        return handle
+        if not isinstance(handle, Future):
+            return handle
+        result, self.last_run = handle.result()
+        return result
+
+    # (started, finished) of the last batch wait() returned, on the runner's thread: the step's own time, not
+    # the time it queued behind the one before
+    last_run: tuple[float, float] | None = None
+
+    def _timed(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, tuple[float, float]]:
+        started = time.perf_counter()
+        result = self.runner.execute(out)
+        return result, (started, time.perf_counter())
 
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:
         pass
 
     def shutdown(self) -> None:
-        pass
+        if self.thread is not None:
+            self.thread.shutdown(wait=True)

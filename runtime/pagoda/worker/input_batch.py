@@ -26,6 +26,7 @@ class RunnerSeq:
     kind: RequestKind = GENERATE  # a kind that does not sample is read, not sampled, at its prompt's end
     matcher: GrammarMatcher | None = None  # structured outputs: made on first sample, follows token_ids
     lora_request: "LoRARequest | None" = None  # its adapter; None: the base model
+    last_sampled: int | None = None  # the token its last step sampled: the input of a placeholder step
 
 
 @dataclass
@@ -58,6 +59,8 @@ class InputBatch:
                 continue
             seq = self.seqs[s.seq_id]
             seq.token_ids.extend(s.new_token_ids)
+            if s.placeholder:  # async scheduling: the token its previous step sampled (where that step failed,
+                seq.token_ids.append(seq.last_sampled or 0)  # the engine ends it and drops this step's token)
             del seq.block_table[s.block_ids_start :]
             seq.block_table.extend(s.block_ids)
         return relearnt

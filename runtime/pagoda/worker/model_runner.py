@@ -228,6 +228,7 @@ class ModelRunner:
                               raw_logits=logits if masked is not logits else None)
         for seq_id, token in zip(sample_seq_ids, tokens):
             result.sampled.setdefault(seq_id, []).append(token)
+            self.seqs[seq_id].last_sampled = token.token_id
         return result
 
     def _rows_read(self, out: SchedulerOutput, sample_rows: list[int], num_rows: int) -> list[int] | None:

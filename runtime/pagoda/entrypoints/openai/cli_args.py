@@ -271,8 +271,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
           help="fcfs: first come, first served; priority: by each request's `priority` (lower first), then "
                "arrival")
     p.add("--async-scheduling", default=d["async_scheduling"], boolean=True,
-          help="accepted for vLLM compatibility, without effect yet: a step is scheduled once the previous "
-               "one's tokens are known (docs/server.md)")
+          help="schedule each step while the one before runs, decodes on the token it samples (default: on "
+               "with a GPU, off on a CPU; not with TP, PP or speculative decoding; docs/server.md)")
     p.add("--enable-prefix-caching", default=d["enable_prefix_caching"], boolean=True)
     p.add("--enable-chunked-prefill", default=d["enable_chunked_prefill"], boolean=True)
     p.add("--gpu-memory-utilization", default=d["gpu_memory_utilization"], type=positive_float)
