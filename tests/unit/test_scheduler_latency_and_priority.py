@@ -42,7 +42,7 @@ def run_step(sched):
     """Play the runner and the engine core: finish the step, charge its fake cost, sample where due."""
     out = sched.schedule()
     sched.step_done(out)
-    sched.step_costs.observe(out.num_batched_tokens, fake_cost(out.num_batched_tokens))
+    sched.step_costs.observe(out.num_batched_tokens, fake_cost(out.num_batched_tokens), out.num_decodes)
     for s in out.scheduled:
         if s.num_samples:
             sched._live[s.seq_id].append_token(7)
@@ -51,12 +51,38 @@ def run_step(sched):
 
 def test_the_cost_model_learns_the_line_and_the_tokens_a_budget_holds():
     model = StepCostModel()
-    assert model.tokens_within(0.02) is None  # nothing measured yet
+    assert model.prompt_tokens_within(0.02) is None  # nothing measured yet
     for tokens in (4, 200, 4, 512, 37, 4):
         model.observe(tokens, fake_cost(tokens))
-    fixed, per_token = model.line()
-    assert fixed == pytest.approx(FIXED_S) and per_token == pytest.approx(PER_TOKEN_S)
-    assert model.tokens_within(0.020) == 150  # (20 ms - 5 ms) / 0.1 ms
+    costs = model.costs()
+    assert costs.fixed == pytest.approx(FIXED_S)
+    assert costs.per_prompt_token == pytest.approx(PER_TOKEN_S) == pytest.approx(costs.per_decode)
+    assert model.prompt_tokens_within(0.020) == 150  # (20 ms - 5 ms) / 0.1 ms
+    assert model.prompt_tokens_within(0.020, num_decodes=10) == 140
+
+
+def test_the_cost_model_prices_a_decode_apart_from_a_prompt_token():
+    # a machine where a decode costs 4 prompt tokens (its logits, its sample, its attention): one price for both
+    # would put a step of 32 decodes well under what it takes
+    def cost(prompt_tokens, decodes):
+        return FIXED_S + PER_TOKEN_S * prompt_tokens + 4 * PER_TOKEN_S * decodes
+
+    model = StepCostModel()
+    for prompt_tokens, decodes in ((0, 32), (2048, 0), (120, 12), (0, 8), (150, 20), (110, 28), (0, 32)):
+        model.observe(prompt_tokens + decodes, cost(prompt_tokens, decodes), decodes)
+    costs = model.costs()
+    assert costs.fixed == pytest.approx(FIXED_S)
+    assert costs.per_prompt_token == pytest.approx(PER_TOKEN_S)
+    assert costs.per_decode == pytest.approx(4 * PER_TOKEN_S)
+    assert model.seconds_for(32, num_decodes=32) == pytest.approx(cost(0, 32))
+    assert model.prompt_tokens_within(0.030, num_decodes=20) == 170  # (30 - 5 - 20 x 0.4 ms) / 0.1 ms
+    # steps that never change their mix cannot tell the prices apart: one price, the line through the totals
+    model = StepCostModel()
+    for prompt_tokens, decodes in ((100, 10), (200, 20), (300, 30)):
+        model.observe(prompt_tokens + decodes, cost(prompt_tokens, decodes), decodes)
+    costs = model.costs()
+    assert costs.per_prompt_token == costs.per_decode
+    assert model.seconds_for(220, num_decodes=20) == pytest.approx(cost(200, 20))
 
 
 def test_a_long_prompt_is_cut_into_as_many_chunks_as_the_itl_target_needs():
@@ -69,8 +95,8 @@ def test_a_long_prompt_is_cut_into_as_many_chunks_as_the_itl_target_needs():
         run_step(sched)
     for tokens in (300, 40):  # two more sizes seen (as a real engine's mixed steps would show)
         sched.step_costs.observe(tokens, fake_cost(tokens))
-    fit = sched.step_costs.tokens_within(target_ms / 1000)
-    assert fit == 150
+    fit = sched.step_costs.prompt_tokens_within(target_ms / 1000, num_decodes=len(decodes))
+    assert fit == 146
     long_prompt = seq(1000, start=50_000, req="long")
     sched.add(long_prompt)
     chunks = []
@@ -81,7 +107,7 @@ def test_a_long_prompt_is_cut_into_as_many_chunks_as_the_itl_target_needs():
         assert fake_cost(out.num_batched_tokens) <= target_ms / 1000 + 1e-12
         chunks.append(by_id[long_prompt.seq_id])
     assert sum(chunks) == 1000
-    assert len(chunks) == math.ceil(1000 / (fit - len(decodes)))  # 146 prompt tokens a step: 7 chunks
+    assert len(chunks) == math.ceil(1000 / fit)  # 146 prompt tokens a step: 7 chunks
 
 
 def test_without_a_target_or_without_decodes_a_prompt_takes_the_whole_budget():
@@ -164,14 +190,14 @@ def test_the_auto_target_holds_a_prompt_step_to_a_few_decode_steps():
         out = run_step(sched)
         assert fake_cost(out.num_batched_tokens) <= AUTO_TARGET_FACTOR * decode_step + 1e-12
         chunks.append({s.seq_id: s.num_new_tokens for s in out.scheduled}[long_prompt.seq_id])
-    # 4 x 5.5 ms = 22 ms holds 170 tokens: 166 of the prompt's beside the 4 decodes
-    assert chunks[0] == tokens_within(AUTO_TARGET_FACTOR * decode_step) - len(decodes) == 166
+    # 2.75 x 5.5 ms = 15.1 ms holds 101 tokens: 97 of the prompt's beside the 4 decodes
+    assert chunks[0] == tokens_within(AUTO_TARGET_FACTOR * decode_step) - len(decodes) == 97
     assert sum(chunks) == 1000
 
 
 def test_the_auto_target_counts_the_prompts_that_will_decode():
-    # a burst: 2 decodes running, 14 prompts waiting; sized from the 2 decodes alone, 4 x 5.2 ms would leave the
-    # prompts 156 tokens a step; counting the 16 that will decode, 4 x 6.6 ms leaves them 212
+    # a burst: 2 decodes running, 14 prompts waiting; sized from the 2 decodes alone, 2.75 x 5.2 ms would leave
+    # the prompts 91 tokens a step; counting the 16 that will decode, 2.75 x 6.6 ms leaves them 129
     sched = make(target_itl_ms="auto", max_seqs=16)
     for i in range(2):
         sched.add(seq(8, start=1000 * i, req=f"d{i}"))
@@ -181,7 +207,7 @@ def test_the_auto_target_counts_the_prompts_that_will_decode():
     for i in range(14):
         sched.add(seq(300, start=10_000 * (i + 1), req=f"p{i}"))
     out = run_step(sched)
-    assert out.num_batched_tokens == tokens_within(AUTO_TARGET_FACTOR * fake_cost(16)) == 214
+    assert out.num_batched_tokens == tokens_within(AUTO_TARGET_FACTOR * fake_cost(16)) == 131
 
 
 def test_the_cost_model_keeps_wide_steps_through_a_long_run_of_one_width():
@@ -189,6 +215,6 @@ def test_the_cost_model_keeps_wide_steps_through_a_long_run_of_one_width():
     model.observe(600, fake_cost(600))
     for _ in range(50):  # decode-only steps, all of one width: they alone would give no line
         model.observe(32, fake_cost(32))
-    fixed, per_token = model.line()
-    assert fixed == pytest.approx(FIXED_S) and per_token == pytest.approx(PER_TOKEN_S)
+    costs = model.costs()
+    assert costs.fixed == pytest.approx(FIXED_S) and costs.per_prompt_token == pytest.approx(PER_TOKEN_S)
     assert model.seconds_for(32) == pytest.approx(fake_cost(32))

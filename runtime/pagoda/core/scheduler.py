@@ -9,11 +9,11 @@ and back when it resumes (swapped sequences resume before waiting ones are admit
 or when the swap space is full, its KV is dropped and its tokens recomputed later.
 
 With a latency target (`target_itl_ms`) and decodes running, a step's prefill share is what the learnt
-step costs (core.step_cost) leave within the target once the decodes are counted, at least a block: a long
-prompt is cut into as many chunks as that needs, instead of one step that stalls every decode. The target
-"auto" is relative: AUTO_TARGET_FACTOR times what a step of decodes alone costs, at the number of sequences
-running or waiting (those that will decode). With
-`scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
+step costs (core.step_cost: a fixed cost, a price per prompt token, one per decode) leave within the target
+once the decodes are counted, at least a block: a long prompt is cut into as many chunks as that needs,
+instead of one step that stalls every decode. The target "auto" is relative: AUTO_TARGET_FACTOR times what
+a step of decodes alone costs, at the number of sequences running or waiting (those that will decode).
+With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
 
 Speculative decoding: a decoding sequence that takes drafts is scheduled like a chunk of 1 + k tokens
@@ -36,8 +36,9 @@ from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagoda.spec_decode.stats import SpecDecodeStats
 
 # "auto" latency target: a step that carries prompt tokens may take this many times what a step of the running
-# decodes alone would, so the inter-token latency's tail stays within this multiple of its median
-AUTO_TARGET_FACTOR = 4.0
+# decodes alone would, so the inter-token latency's tail stays within 3x its median (measured on the served
+# bursts of docs/benchmarks.md: 2.75 kept p99 at 2.7-2.8x, 3 let it reach 3.2-3.5x, 4 gave 4x)
+AUTO_TARGET_FACTOR = 2.75
 
 
 class Scheduler:
@@ -96,14 +97,15 @@ class Scheduler:
             # counting the sequences that will decode once their prompts are in: sized from the decodes running
             # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
             soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-            decode_step = self.step_costs.seconds_for(max(decodes, soon))
+            rows = max(decodes, soon)
+            decode_step = self.step_costs.seconds_for(rows, num_decodes=rows)
             seconds = None if decode_step is None else AUTO_TARGET_FACTOR * decode_step
         else:
             seconds = target / 1000
-        fit = None if seconds is None else self.step_costs.tokens_within(seconds)
+        fit = None if seconds is None else self.step_costs.prompt_tokens_within(seconds, num_decodes=decodes)
         if fit is None:  # no step measured yet
             return None
-        return max(fit - decodes, self.block_manager.block_size)
+        return max(fit, self.block_manager.block_size)
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """Output `index` of an n > 1 request, forked from `parent` at the end of its prompt: it shares the

@@ -55,6 +55,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_decodes(self) -> int:
+        """Sequences computing one token (a decode; rarely a prompt's last token)."""
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+
+    @property
     def is_empty(self) -> bool:
         """Nothing to compute (swap copies may still be due: see has_work)."""
         return not self.scheduled

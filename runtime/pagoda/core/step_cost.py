@@ -1,66 +1,103 @@
-"""What a step costs, learnt from the steps the engine ran (no torch): seconds ≈ fixed + per_token × the
-tokens it computed, a least-squares line through the recent steps and the last wide ones. The scheduler
-asks it how many tokens fit in a latency budget (`--target-itl-ms`): a step's prefill share is what is left
-once the running decodes are counted, so a long prompt is cut into as many chunks as the budget needs; and,
-for the relative budget ("auto"), what a step of the running decodes alone costs."""
+"""What a step costs, learnt from the steps the engine ran (no torch): seconds ≈ fixed + per prompt token × the
+prompt tokens it computed + per decode × its decodes, least squares through the recent steps and the last wide
+ones. A decode costs more than a prompt token (its logits, its sample, its attention over the whole context), and
+on a CPU the weights' reading is only half hidden behind a narrow step's work: one price for both would misjudge a
+step of decodes alone, which the relative budget ("auto") is a multiple of, by a quarter. The scheduler asks how
+many prompt tokens fit in a latency budget (`--target-itl-ms`) beside the running decodes, so a long prompt is cut
+into as many chunks as the budget needs; and what a step of the running decodes alone costs."""
 
 from collections import deque
+from dataclasses import dataclass
 
 # steps seen before the model answers: one is enough for the pessimistic line (all its time is the tokens'),
 # and the first steps matter most: a burst of requests would otherwise run whole-budget steps over decodes
 MIN_STEPS = 1
+# the two prices are told apart only where the steps' mixes differ enough: below this share of the variance
+# that the prompt tokens and the decodes do not share, one price for every token (the line through the totals)
+MIN_INDEPENDENT_VARIANCE = 0.05
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    fixed: float  # seconds a step
+    per_prompt_token: float
+    per_decode: float
 
 
 class StepCostModel:
     def __init__(self, window: int = 64, wide_window: int = 8):
-        self.steps: deque[tuple[int, float]] = deque(maxlen=window)  # (tokens computed, seconds)
+        self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens computed, decodes, seconds)
         # the last steps wider than twice the recent mean, by their number among all steps: a long run of
         # decode-only steps (all of one width) would otherwise leave no second width to draw the line through
         # when the next prompts come
-        self.wide: deque[tuple[int, int, float]] = deque(maxlen=wide_window)
+        self.wide: deque[tuple[int, int, int, float]] = deque(maxlen=wide_window)
         self._observed = 0  # steps seen in all
         self._tokens_in_window = 0  # the sum of self.steps' tokens
-        self._line: tuple[float, float] | None = None  # fitted once per new step, asked once or twice a step
+        self._costs: StepCosts | None = None  # fitted once per new step, asked once or twice a step
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0) -> None:
+        """A step ran: `num_tokens` computed, `num_decodes` of them one-token decodes, in `seconds`."""
         if num_tokens > 0 and seconds > 0:
             if not self.steps or num_tokens * len(self.steps) > 2 * self._tokens_in_window:  # > 2x the mean
-                self.wide.append((self._observed, num_tokens, seconds))
+                self.wide.append((self._observed, num_tokens, num_decodes, seconds))
             if len(self.steps) == self.steps.maxlen:
                 self._tokens_in_window -= self.steps[0][0]
-            self.steps.append((num_tokens, seconds))
+            self.steps.append((num_tokens, num_decodes, seconds))
             self._tokens_in_window += num_tokens
             self._observed += 1
-            self._line = None
+            self._costs = None
 
-    def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None before MIN_STEPS steps."""
+    def costs(self) -> StepCosts | None:
+        """The fitted prices, or None before MIN_STEPS steps."""
         if len(self.steps) < MIN_STEPS:
             return None
-        if self._line is None:
+        if self._costs is None:
             first_in_window = self._observed - len(self.steps)
-            points = [*self.steps, *((x, y) for i, x, y in self.wide if i < first_in_window)]
-            self._line = _fit(points)
-        return self._line
+            points = [*self.steps, *((t, d, y) for i, t, d, y in self.wide if i < first_in_window)]
+            self._costs = _fit(points)
+        return self._costs
 
-    def seconds_for(self, num_tokens: int) -> float | None:
-        """What a step of `num_tokens` costs by the line; None while unknown."""
-        line = self.line()
-        if line is None:
+    def seconds_for(self, num_tokens: int, num_decodes: int = 0) -> float | None:
+        """What a step of `num_tokens`, `num_decodes` of them decodes, costs; None while unknown."""
+        costs = self.costs()
+        if costs is None:
             return None
-        fixed, per_token = line
-        return fixed + per_token * num_tokens
+        return costs.fixed + costs.per_prompt_token * (num_tokens - num_decodes) + costs.per_decode * num_decodes
 
-    def tokens_within(self, seconds: float) -> int | None:
-        """The most tokens one step may compute to take at most `seconds`; None while unknown."""
-        line = self.line()
-        if line is None:
+    def prompt_tokens_within(self, seconds: float, num_decodes: int = 0) -> int | None:
+        """The most prompt tokens one step may compute beside `num_decodes` decodes to take at most `seconds`;
+        None while unknown."""
+        costs = self.costs()
+        if costs is None:
             return None
-        fixed, per_token = line
-        return max(int((seconds - fixed) / per_token + 1e-6), 0)  # 1e-6: a float's rounding, not a token
+        left = seconds - costs.fixed - costs.per_decode * num_decodes
+        return max(int(left / costs.per_prompt_token + 1e-6), 0)  # 1e-6: a float's rounding, not a token
 
 
-def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+def _fit(points: list[tuple[int, int, float]]) -> StepCosts:
+    """Least squares through (tokens, decodes, seconds): a price for each kind of token where the points tell
+    them apart, else one price (the line through the totals)."""
+    n = len(points)
+    mean_p = sum(t - d for t, d, _ in points) / n
+    mean_d = sum(d for _, d, _ in points) / n
+    mean_y = sum(y for _, _, y in points) / n
+    s_pp = sum((t - d - mean_p) ** 2 for t, d, _ in points)
+    s_dd = sum((d - mean_d) ** 2 for _, d, _ in points)
+    s_pd = sum((t - d - mean_p) * (d - mean_d) for t, d, _ in points)
+    det = s_pp * s_dd - s_pd * s_pd
+    if det > MIN_INDEPENDENT_VARIANCE * s_pp * s_dd > 0:
+        s_py = sum((t - d - mean_p) * (y - mean_y) for t, d, y in points)
+        s_dy = sum((d - mean_d) * (y - mean_y) for _, d, y in points)
+        per_prompt = (s_dd * s_py - s_pd * s_dy) / det
+        per_decode = (s_pp * s_dy - s_pd * s_py) / det
+        fixed = mean_y - per_prompt * mean_p - per_decode * mean_d
+        if per_prompt > 0 and per_decode > 0 and fixed >= 0:
+            return StepCosts(fixed, per_prompt, per_decode)
+    fixed, per_token = _line([(t, y) for t, _, y in points])
+    return StepCosts(fixed, per_token, per_token)
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
     """The least-squares line through (tokens, seconds) points: (fixed seconds, seconds per token)."""
     n = len(points)
     mean_x = sum(x for x, _ in points) / n

@@ -150,7 +150,8 @@ class EngineCore:
         result = self.executor.wait(handle)
         # the batch's own run (a threaded executor's), else submit to result
         started, finished = getattr(self.executor, "last_run", None) or (submitted, time.perf_counter())
-        self.step_costs.observe(sched_out.num_batched_tokens, self.timer.ran(started, finished))
+        seconds = self.timer.ran(started, finished)
+        self.step_costs.observe(sched_out.num_batched_tokens, seconds, sched_out.num_decodes)
         scheduler.step_done(sched_out, result)
         step = self._update(scheduler, result, observer)
         self.timer.busy = self.has_unfinished()
