@@ -37,7 +37,7 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 
 # "auto" latency target: a step that carries prompt tokens may take this many times what a step of the running
 # decodes alone would, so the inter-token latency's tail stays within 3x its median (measured on the served
-# bursts of docs/benchmarks.md: 2.75 kept p99 at 2.7-2.8x, 3 let it reach 3.2-3.5x, 4 gave 4x)
+# bursts of docs/benchmarks.md: 2.75 kept p99 at 2.7-3.05x, 3 let it reach 3.2-3.5x, 4 gave 4-4.4x)
 AUTO_TARGET_FACTOR = 2.75
 
 

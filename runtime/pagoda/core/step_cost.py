@@ -1,10 +1,10 @@
 """What a step costs, learnt from the steps the engine ran (no torch): seconds ≈ fixed + per prompt token × the
 prompt tokens it computed + per decode × its decodes, least squares through the recent steps and the last wide
-ones. A decode costs more than a prompt token (its logits, its sample, its attention over the whole context), and
-on a CPU the weights' reading is only half hidden behind a narrow step's work: one price for both would misjudge a
-step of decodes alone, which the relative budget ("auto") is a multiple of, by a quarter. The scheduler asks how
-many prompt tokens fit in a latency budget (`--target-itl-ms`) beside the running decodes, so a long prompt is cut
-into as many chunks as the budget needs; and what a step of the running decodes alone costs."""
+ones. A decode costs more than a prompt token (its logits, its sample, its attention over the whole context: 0.71
+against 0.56 ms for the default model on 2 Zen 4 cores): one price for both put a step of decodes alone, which the
+relative budget ("auto") is a multiple of, a quarter under what it took. The scheduler asks how many prompt
+tokens fit in a latency budget (`--target-itl-ms`) beside the running decodes, so a long prompt is cut into as
+many chunks as the budget needs; and what a step of the running decodes alone costs."""
 
 from collections import deque
 from dataclasses import dataclass
