@@ -261,16 +261,24 @@ async def run(sender, requests: list[BenchRequest], concurrency: int | None, rat
     return results, time.perf_counter() - start
 
 
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, between the two nearest ranks (numpy's default, as vllm bench serve's)."""
+    position = q * (len(ordered) - 1)
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     ms = 1000.0
 
     def stats(values: list[float]) -> dict:
         if not values:
-            return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+            return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
         ordered = sorted(values)
-        p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-        return {"mean": statistics.fmean(values) * ms, "median": statistics.median(values) * ms, "p99": p99 * ms}
+        return {"mean": statistics.fmean(values) * ms, "median": statistics.median(values) * ms,
+                "p90": percentile(ordered, 0.90) * ms, "p99": percentile(ordered, 0.99) * ms}
 
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     input_tokens = sum(r.prompt_tokens for r in ok)
@@ -304,7 +312,8 @@ def report(summary: dict, title: str) -> str:
              f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:.2f}"]
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
         s = summary[key]
-        lines.append(f"{name + ' (ms) mean / median / p99:':<40}{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}")
+        lines.append(f"{name + ' (ms) mean / median / p90 / p99:':<40}"
+                     f"{s['mean']:.1f} / {s['median']:.1f} / {s['p90']:.1f} / {s['p99']:.1f}")
     if "preemptions" in summary:
         lines.append(f"{'Preemptions (server counter):':<40}{summary['preemptions']}")
     for error in summary["errors"]:
@@ -469,6 +478,8 @@ def compare(pagoda: dict, vllm: dict) -> str:
     return "\n".join([
         f"{'Pagoda / vLLM output tok/s:':<40}{ratio(pagoda['output_token_throughput'], vllm['output_token_throughput'])}",
         f"{'Pagoda / vLLM median TTFT:':<40}{ratio(pagoda['ttft_ms']['median'], vllm['ttft_ms']['median'])}",
+        f"{'Pagoda / vLLM p90 TTFT:':<40}{ratio(pagoda['ttft_ms']['p90'], vllm['ttft_ms']['p90'])}",
+        f"{'Pagoda / vLLM p99 ITL:':<40}{ratio(pagoda['itl_ms']['p99'], vllm['itl_ms']['p99'])}",
         f"{'Pagoda / vLLM median TPOT:':<40}{ratio(pagoda['tpot_ms']['median'], vllm['tpot_ms']['median'])}"])
 
 

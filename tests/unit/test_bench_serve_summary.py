@@ -1,0 +1,33 @@
+"""`pagoda bench serve`'s summary: percentiles as vllm bench serve computes them (numpy's linear interpolation
+between ranks), so the two clients' figures compare on one load."""
+
+import numpy as np
+import pytest
+
+from pagoda.bench.serve import RequestResult, compare, percentile, report, summarize
+
+pytestmark = pytest.mark.unit
+
+
+def test_percentiles_match_numpys_default():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100, 1001):
+        values = sorted(rng.exponential(0.05, n).tolist())
+        for q in (0.5, 0.9, 0.99):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, 100 * q)))
+
+
+def test_summary_reports_p90_beside_the_median_and_p99():
+    results = [RequestResult(ok=True, ttft=0.1 * (i + 1), latency=0.1 * (i + 1) + 1.0, itl=[0.01 * (i + 1)] * 3,
+                             prompt_tokens=8, output_tokens=4) for i in range(10)]
+    results.append(RequestResult(error="HTTP 500: boom"))
+    summary = summarize(results, duration=2.0)
+    assert summary["completed"] == 10 and summary["failed"] == 1
+    ttfts = [r.ttft for r in results[:10]]
+    assert summary["ttft_ms"]["p90"] == pytest.approx(1000 * float(np.percentile(ttfts, 90)))
+    assert summary["ttft_ms"]["median"] < summary["ttft_ms"]["p90"] < summary["ttft_ms"]["p99"]
+    text = report(summary, "Serving Benchmark Result")
+    assert "TTFT (ms) mean / median / p90 / p99:" in text and "error: HTTP 500: boom" in text
+    slower = summarize([RequestResult(ok=True, ttft=2 * r.ttft, latency=2 * r.latency, itl=r.itl,
+                                      prompt_tokens=8, output_tokens=4) for r in results[:10]], duration=2.0)
+    assert "Pagoda / vLLM p90 TTFT:                 0.50x" in compare(summary, slower)
