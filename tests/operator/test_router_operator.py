@@ -198,8 +198,11 @@ async def test_switching_the_mode_replaces_the_children(router_apis, cluster, op
     await eventually(has(cluster, ROLES, {"llama-epp"}), what="its Role")
     services = await cluster.services()
     assert "llama-epp" in services and "llama-router" not in services
-    status = await cluster.status("llama")
-    assert status["router"] == "llama-epp" and status["endpoint"] == f"http://llama.{NS}.svc:8000/v1"
+
+    async def status_says_epp():  # the status is patched after the children, at the end of the pass
+        status = await cluster.status("llama")
+        return status.get("router") == "llama-epp" and status.get("endpoint") == f"http://llama.{NS}.svc:8000/v1"
+    await eventually(status_says_epp, what="the status naming the picker")
 
 
 def test_precise_routing_turns_on_the_heads_kv_events_where_the_router_reads_them():
