@@ -145,7 +145,17 @@ def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
     # a local rank that dies takes the node down at once: the group cannot continue without it
     watcher = ProcessWatcher(children, lambda child: child.exitcode != 0 and _die(
         f"local rank {child.name} exited with code {child.exitcode}"))
-    run_worker(config, info_first, eos, on_joined=mark_ready)
+    try:
+        run_worker(config, info_first, eos, on_joined=mark_ready)
+    except BaseException:
+        # the group failed: a sibling rank would otherwise wait out its own rendezvous timeout (it inherited the
+        # server's SIGTERM handler, so only a kill ends it) and hold the node's exit that long
+        watcher.stop()
+        for child in children:
+            if child.is_alive():
+                child.kill()
+            child.join(timeout=5)
+        raise
     watcher.stop()
     for child in children:
         child.join(timeout=30)
