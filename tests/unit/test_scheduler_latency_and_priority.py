@@ -218,3 +218,52 @@ def test_the_cost_model_keeps_wide_steps_through_a_long_run_of_one_width():
     costs = model.costs()
     assert costs.fixed == pytest.approx(FIXED_S) and costs.per_prompt_token == pytest.approx(PER_TOKEN_S)
     assert model.seconds_for(32) == pytest.approx(fake_cost(32))
+
+
+def test_a_decode_never_costs_less_than_a_prompt_token():
+    # a burst's first steps after a quiet spell (few decodes seen, each step filled to the budget) can fit a
+    # decode at next to nothing: served, a step of 32 decodes was put at 13 ms where it took 45. A decode runs
+    # through the same layers as a prompt token and more: such a fit gives way to one price for both
+    def cheap_decodes(prompt_tokens, decodes):
+        return FIXED_S + PER_TOKEN_S * prompt_tokens + 0.1 * PER_TOKEN_S * decodes
+
+    model = StepCostModel()
+    for prompt_tokens, decodes in ((0, 4), (2048, 1), (390, 9), (121, 10), (0, 12), (134, 10)):
+        model.observe(prompt_tokens + decodes, cheap_decodes(prompt_tokens, decodes), decodes)
+    costs = model.costs()
+    assert costs.per_decode == costs.per_prompt_token > 0
+
+
+def test_a_step_of_decodes_alone_is_measured_not_extrapolated():
+    model = StepCostModel()
+    for prompt_tokens, decodes in ((2048, 0), (300, 4), (0, 4)):
+        model.observe(prompt_tokens + decodes, fake_cost(prompt_tokens + decodes), decodes)
+    # no step of about 32 decodes alone yet: the fitted prices' figure
+    assert model.decode_step_seconds(32) == pytest.approx(fake_cost(32))
+    for seconds in (0.0090, 0.0120, 0.0100, 0.0300):  # steps of 31-33 decodes alone (one slowed by the machine)
+        model.observe(32, seconds, 32)
+    model.observe(4, 0.004, 4)  # narrow steps, however many, do not count for a wide one
+    assert model.decode_step_seconds(32) == pytest.approx(0.0120)  # the median of the four
+    assert model.decode_step_seconds(4) == model.seconds_for(4, 4)  # one step of 4 alone: not enough
+    for _ in range(2):
+        model.observe(4, 0.004, 4)
+    assert model.decode_step_seconds(4) == pytest.approx(0.004)
+
+
+def test_the_auto_target_is_a_multiple_of_the_measured_decode_step():
+    sched = make(target_itl_ms="auto", max_seqs=17)
+    decodes = [seq(8, start=1000 * i, req=f"d{i}") for i in range(16)]
+    for d in decodes:
+        sched.add(d)
+    run_step(sched)
+    for tokens in (300, 40):
+        sched.step_costs.observe(tokens, fake_cost(tokens))
+    for seconds in (0.010, 0.030, 0.012):  # 16 decodes alone, once slowed by the machine: the median is 12 ms
+        sched.step_costs.observe(16, seconds, 16)
+    assert abs(sched.step_costs.seconds_for(17, 17) - 0.012) > 0.002  # the fitted prices follow the slow one
+    # 17 rows soon (the 16 and the prompt's): 2.75 x the 12 ms measured for about as many decodes alone
+    expected = sched.step_costs.prompt_tokens_within(AUTO_TARGET_FACTOR * 0.012, num_decodes=16)
+    long_prompt = seq(1000, start=50_000, req="long")
+    sched.add(long_prompt)
+    out = run_step(sched)
+    assert {s.seq_id: s.num_new_tokens for s in out.scheduled}[long_prompt.seq_id] == expected > 100

@@ -12,7 +12,8 @@ With a latency target (`target_itl_ms`) and decodes running, a step's prefill sh
 step costs (core.step_cost: a fixed cost, a price per prompt token, one per decode) leave within the target
 once the decodes are counted, at least a block: a long prompt is cut into as many chunks as that needs,
 instead of one step that stalls every decode. The target "auto" is relative: AUTO_TARGET_FACTOR times what
-a step of decodes alone costs, at the number of sequences running or waiting (those that will decode).
+a step of decodes alone costs, at the number of sequences running or waiting (those that will decode): as
+measured on the recent steps of about that many decodes alone, the fitted prices' figure until there are some.
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
 
@@ -98,7 +99,7 @@ class Scheduler:
             # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
             soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
             rows = max(decodes, soon)
-            decode_step = self.step_costs.seconds_for(rows, num_decodes=rows)
+            decode_step = self.step_costs.decode_step_seconds(rows)
             seconds = None if decode_step is None else AUTO_TARGET_FACTOR * decode_step
         else:
             seconds = target / 1000

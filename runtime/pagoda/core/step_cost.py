@@ -4,7 +4,8 @@ ones. A decode costs more than a prompt token (its logits, its sample, its atten
 against 0.56 ms for the default model on 2 Zen 4 cores): one price for both put a step of decodes alone, which the
 relative budget ("auto") is a multiple of, a quarter under what it took. The scheduler asks how many prompt
 tokens fit in a latency budget (`--target-itl-ms`) beside the running decodes, so a long prompt is cut into as
-many chunks as the budget needs; and what a step of the running decodes alone costs."""
+many chunks as the budget needs; and what a step of the running decodes alone costs, which it answers from the
+steps of about that many decodes alone that it ran last, where it has them."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -15,6 +16,12 @@ MIN_STEPS = 1
 # the two prices are told apart only where the steps' mixes differ enough: below this share of the variance
 # that the prompt tokens and the decodes do not share, one price for every token (the line through the totals)
 MIN_INDEPENDENT_VARIANCE = 0.05
+# steps of decodes alone, kept apart by width (the last few of each), and how many of about the asked width make a
+# measured figure: a budget that is a multiple of a step of decodes alone takes it from such steps, not from the
+# fitted prices, whose fixed cost wanders while a run of decode steps all of one width leaves only the last wide
+# steps to draw them through (served at concurrency 32: 47-86 ms for a step that took 45)
+DECODE_STEPS_PER_WIDTH = 8
+MIN_DECODE_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class StepCostModel:
         self._observed = 0  # steps seen in all
         self._tokens_in_window = 0  # the sum of self.steps' tokens
         self._costs: StepCosts | None = None  # fitted once per new step, asked once or twice a step
+        self.decode_steps: dict[int, deque[float]] = {}  # decodes -> the seconds of the last steps of them alone
 
     def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0) -> None:
         """A step ran: `num_tokens` computed, `num_decodes` of them one-token decodes, in `seconds`."""
@@ -46,6 +54,8 @@ class StepCostModel:
             self._tokens_in_window += num_tokens
             self._observed += 1
             self._costs = None
+            if num_decodes == num_tokens:
+                self.decode_steps.setdefault(num_decodes, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(seconds)
 
     def costs(self) -> StepCosts | None:
         """The fitted prices, or None before MIN_STEPS steps."""
@@ -63,6 +73,15 @@ class StepCostModel:
         if costs is None:
             return None
         return costs.fixed + costs.per_prompt_token * (num_tokens - num_decodes) + costs.per_decode * num_decodes
+
+    def decode_step_seconds(self, num_decodes: int) -> float | None:
+        """What a step of `num_decodes` decodes alone takes: the median of the recent such steps within an eighth
+        of that width, else the fitted prices' figure; None while unknown."""
+        near = sorted(s for width, steps in self.decode_steps.items() if abs(width - num_decodes) <= num_decodes / 8
+                      for s in steps)
+        if len(near) >= MIN_DECODE_STEPS:
+            return near[len(near) // 2]
+        return self.seconds_for(num_decodes, num_decodes)
 
     def prompt_tokens_within(self, seconds: float, num_decodes: int = 0) -> int | None:
         """The most prompt tokens one step may compute beside `num_decodes` decodes to take at most `seconds`;
@@ -91,7 +110,9 @@ def _fit(points: list[tuple[int, int, float]]) -> StepCosts:
         per_prompt = (s_dd * s_py - s_pd * s_dy) / det
         per_decode = (s_pp * s_dy - s_pd * s_py) / det
         fixed = mean_y - per_prompt * mean_p - per_decode * mean_d
-        if per_prompt > 0 and per_decode > 0 and fixed >= 0:
+        # a decode runs its token through the same layers as a prompt token, then its logits and its sample:
+        # never cheaper (a fit that says so has seen too few decodes, as at a burst's start after a quiet spell)
+        if 0 < per_prompt <= per_decode and fixed >= 0:
             return StepCosts(fixed, per_prompt, per_decode)
     fixed, per_token = _line([(t, y) for t, _, y in points])
     return StepCosts(fixed, per_token, per_token)
