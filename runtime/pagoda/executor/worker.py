@@ -5,6 +5,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -97,6 +98,9 @@ def _serve_schedules(runner, group: GroupHandles) -> None:
 def worker_process_main(config: EngineConfig, rank: int, eos_token_ids: set[int], num_threads: int,
                         log_level: int) -> None:
     """Entry point of a local worker process (forked or spawned)."""
+    # a forked rank has the parent's Python signal handlers: the server's SIGTERM one only sets a flag there, and
+    # a rank asked to stop (terminate(), its pod's end) would run on until its rendezvous timed out
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # force: a forked child has the parent's handlers, without the rank in their format
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True)
