@@ -244,10 +244,30 @@ def test_a_step_of_decodes_alone_is_measured_not_extrapolated():
         model.observe(32, seconds, 32)
     model.observe(4, 0.004, 4)  # narrow steps, however many, do not count for a wide one
     assert model.decode_step_seconds(32) == pytest.approx(0.0120)  # the median of the four
-    assert model.decode_step_seconds(4) == model.seconds_for(4, 4)  # one step of 4 alone: not enough
     for _ in range(2):
         model.observe(4, 0.004, 4)
     assert model.decode_step_seconds(4) == pytest.approx(0.004)
+
+
+def test_before_any_wide_decode_step_the_line_through_the_totals_sizes_it():
+    # served, a burst's first 19 steps after the warm-up's (4 decodes each): prompt tokens near
+    # constant, decodes growing one a step, the machine's noise on top. The two prices put a decode at 3.3 ms
+    # (it takes about 1) and a step of 32 decodes alone at 106 ms (it took 45): the budget at twice its multiple
+    warm_up = (13.3, 13.2, 14.4, 13.3, 14.2, 12.8, 13.5, 15.2, 13.0, 13.1, 13.9, 13.9, 13.4, 14.1, 12.6, 13.6, 13.3,
+               13.8, 13.7, 13.3, 14.0, 13.5, 12.9, 14.1, 13.6, 13.4, 13.8, 13.4, 13.2, 13.3, 13.8, 14.8, 13.9, 13.9,
+               13.9, 14.2, 17.1, 13.3, 14.0, 14.9, 16.9, 13.7, 18.1, 13.3, 13.7)  # ms
+    steps = [(4, 4, ms / 1000) for ms in warm_up] + [
+        (256, 0, 0.178), (125, 1, 0.073), (124, 1, 0.082), (124, 1, 0.074), (124, 2, 0.076), (124, 2, 0.074),
+        (124, 3, 0.077), (124, 3, 0.087), (121, 4, 0.092), (121, 4, 0.090), (121, 5, 0.090), (120, 5, 0.091),
+        (120, 6, 0.089), (120, 6, 0.092), (120, 7, 0.096), (120, 7, 0.105), (119, 7, 0.092), (119, 8, 0.089),
+        (119, 8, 0.093)]
+    model = StepCostModel()
+    for num_tokens, decodes, seconds in steps:
+        model.observe(num_tokens, seconds, decodes)
+    costs = model.costs()
+    assert costs.per_decode > 3 * costs.per_prompt_token
+    assert model.seconds_for(32, 32) > 0.1
+    assert 0.025 < model.decode_step_seconds(32) < 0.035  # the line: 11 ms + 32 x 0.63 ms
 
 
 def test_the_auto_target_is_a_multiple_of_the_measured_decode_step():

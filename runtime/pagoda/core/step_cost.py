@@ -62,10 +62,14 @@ class StepCostModel:
         if len(self.steps) < MIN_STEPS:
             return None
         if self._costs is None:
-            first_in_window = self._observed - len(self.steps)
-            points = [*self.steps, *((t, d, y) for i, t, d, y in self.wide if i < first_in_window)]
+            points = self._points()
             self._costs = _fit(points)
         return self._costs
+
+    def _points(self) -> list[tuple[int, int, float]]:
+        """The steps fitted: the window's, and the wide ones before it."""
+        first_in_window = self._observed - len(self.steps)
+        return [*self.steps, *((t, d, y) for i, t, d, y in self.wide if i < first_in_window)]
 
     def seconds_for(self, num_tokens: int, num_decodes: int = 0) -> float | None:
         """What a step of `num_tokens`, `num_decodes` of them decodes, costs; None while unknown."""
@@ -76,12 +80,18 @@ class StepCostModel:
 
     def decode_step_seconds(self, num_decodes: int) -> float | None:
         """What a step of `num_decodes` decodes alone takes: the median of the recent such steps within an eighth
-        of that width, else the fitted prices' figure; None while unknown."""
+        of that width; before there are any, the line through the steps' totals (one price for every token: at
+        most what such a step takes, as a decode costs at least a prompt token). Not the two prices: fitted on a
+        burst's first steps (its prompt tokens near constant, its decodes growing one a step), a decode came
+        out at 3.3 ms where it takes 1, and the budget at twice its multiple. None while unknown."""
         near = sorted(s for width, steps in self.decode_steps.items() if abs(width - num_decodes) <= num_decodes / 8
                       for s in steps)
         if len(near) >= MIN_DECODE_STEPS:
             return near[len(near) // 2]
-        return self.seconds_for(num_decodes, num_decodes)
+        if len(self.steps) < MIN_STEPS:
+            return None
+        fixed, per_token = _line([(t, y) for t, _, y in self._points()])
+        return fixed + per_token * num_decodes
 
     def prompt_tokens_within(self, seconds: float, num_decodes: int = 0) -> int | None:
         """The most prompt tokens one step may compute beside `num_decodes` decodes to take at most `seconds`;
