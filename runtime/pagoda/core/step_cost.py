@@ -62,8 +62,7 @@ class StepCostModel:
         if len(self.steps) < MIN_STEPS:
             return None
         if self._costs is None:
-            points = self._points()
-            self._costs = _fit(points)
+            self._costs = _fit(self._points())
         return self._costs
 
     def _points(self) -> list[tuple[int, int, float]]:
