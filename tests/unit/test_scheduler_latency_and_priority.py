@@ -249,7 +249,7 @@ def test_a_step_of_decodes_alone_is_measured_not_extrapolated():
     assert model.decode_step_seconds(4) == pytest.approx(0.004)
 
 
-def test_before_any_wide_decode_step_the_line_through_the_totals_sizes_it():
+def test_before_any_wide_decode_step_one_price_sizes_it_not_the_two():
     # served, a burst's first 19 steps after the warm-up's (4 decodes each): prompt tokens near
     # constant, decodes growing one a step, the machine's noise on top. The two prices put a decode at 3.3 ms
     # (it takes about 1) and a step of 32 decodes alone at 106 ms (it took 45): the budget at twice its multiple
@@ -267,7 +267,19 @@ def test_before_any_wide_decode_step_the_line_through_the_totals_sizes_it():
     costs = model.costs()
     assert costs.per_decode > 3 * costs.per_prompt_token
     assert model.seconds_for(32, 32) > 0.1
-    assert 0.025 < model.decode_step_seconds(32) < 0.035  # the line: 11 ms + 32 x 0.63 ms
+    assert 0.025 < model.decode_step_seconds(32) < 0.035  # the 4-wide steps' 13.7 ms + 28 x 0.6 ms
+
+
+def test_before_any_wide_decode_step_it_is_anchored_on_the_widest_narrower_one():
+    # once the window holds only a burst's steps of 100-125 tokens, the line through them extrapolates anyhow
+    # (here flat with a high fixed cost: 59 ms for 32 decodes alone, where 23-30 was read a step before); the
+    # warm-up's 4-wide decode steps, kept by width, anchor it
+    model = StepCostModel()
+    for _ in range(5):
+        model.observe(4, 0.014, 4)
+    for i in range(70):
+        model.observe(*((100, 0.0746, 25) if i % 2 else (125, 0.0804, 25)))
+    assert model.decode_step_seconds(32) == pytest.approx(0.014 + (0.0775 - 0.014) / (112.5 - 4) * 28)
 
 
 def test_the_auto_target_is_a_multiple_of_the_measured_decode_step():

@@ -79,16 +79,26 @@ class StepCostModel:
 
     def decode_step_seconds(self, num_decodes: int) -> float | None:
         """What a step of `num_decodes` decodes alone takes: the median of the recent such steps within an eighth
-        of that width; before there are any, the line through the steps' totals (one price for every token: at
-        most what such a step takes, as a decode costs at least a prompt token). Not the two prices: fitted on a
-        burst's first steps (its prompt tokens near constant, its decodes growing one a step), a decode came
-        out at 3.3 ms where it takes 1, and the budget at twice its multiple. None while unknown."""
-        near = sorted(s for width, steps in self.decode_steps.items() if abs(width - num_decodes) <= num_decodes / 8
-                      for s in steps)
-        if len(near) >= MIN_DECODE_STEPS:
-            return near[len(near) // 2]
+        of that width. Before there are any (a server's first burst), one price for every token (at most what
+        such a step takes, as a decode costs at least a prompt token): from the widest narrower decode steps
+        measured, at the price of the recent steps' mean over theirs; without those, the line through the steps'
+        totals. Not the two prices: fitted on a burst's first steps (prompt tokens near constant, decodes growing
+        one a step) a decode came out at 3.3 ms where it takes 1. Nor the line alone there: once the window has
+        only the burst's steps of 100-125 tokens it read 59 ms where it had read 23-30. None while unknown."""
+        near = _median([s for width, steps in self.decode_steps.items() if abs(width - num_decodes) <= num_decodes / 8
+                        for s in steps])
+        if near is not None:
+            return near
         if len(self.steps) < MIN_STEPS:
             return None
+        narrower = [width for width in self.decode_steps if width < num_decodes]
+        if narrower:
+            width = max(narrower)
+            anchor = _median(list(self.decode_steps[width]), at_least=1)
+            mean_tokens = self._tokens_in_window / len(self.steps)
+            mean_seconds = sum(y for _, _, y in self.steps) / len(self.steps)
+            if mean_tokens > width and mean_seconds > anchor:
+                return anchor + (mean_seconds - anchor) / (mean_tokens - width) * (num_decodes - width)
         fixed, per_token = _line([(t, y) for t, _, y in self._points()])
         return fixed + per_token * num_decodes
 
@@ -125,6 +135,13 @@ def _fit(points: list[tuple[int, int, float]]) -> StepCosts:
             return StepCosts(fixed, per_prompt, per_decode)
     fixed, per_token = _line([(t, y) for t, _, y in points])
     return StepCosts(fixed, per_token, per_token)
+
+
+def _median(values: list[float], at_least: int = MIN_DECODE_STEPS) -> float | None:
+    """The median (the upper of the middle two), or None with fewer than `at_least` values."""
+    if len(values) < at_least:
+        return None
+    return sorted(values)[len(values) // 2]
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
