@@ -13,7 +13,7 @@ step costs (core.step_cost: a fixed cost, a price per prompt token, one per deco
 once the decodes are counted, at least a block: a long prompt is cut into as many chunks as that needs,
 instead of one step that stalls every decode. The target "auto" is relative: AUTO_TARGET_FACTOR times what
 a step of decodes alone costs, at the number of sequences running or waiting (those that will decode): as
-measured on the recent steps of about that many decodes alone (the line through the steps' totals before any).
+measured on the recent steps of about that many decodes alone (before any, estimated from narrower ones).
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
 
