@@ -85,8 +85,9 @@ class StepCostModel:
         totals. Not the two prices: fitted on a burst's first steps (prompt tokens near constant, decodes growing
         one a step) a decode came out at 3.3 ms where it takes 1. Nor the line alone there: once the window has
         only the burst's steps of 100-125 tokens it read 59 ms where it had read 23-30. None while unknown."""
-        near = _median([s for width, steps in self.decode_steps.items() if abs(width - num_decodes) <= num_decodes / 8
-                        for s in steps])
+        reach = num_decodes // 8  # the widths within an eighth, looked up (not every width kept: once a step)
+        near = _median([s for width in range(num_decodes - reach, num_decodes + reach + 1)
+                        for s in self.decode_steps.get(width, ())])
         if near is not None:
             return near
         if len(self.steps) < MIN_STEPS:

@@ -152,8 +152,8 @@ def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
     try:
         run_worker(config, info_first, eos, on_joined=mark_ready)
     except BaseException:
-        # the group failed: a sibling rank would otherwise wait out its own rendezvous timeout (it inherited the
-        # server's SIGTERM handler, so only a kill ends it) and hold the node's exit that long
+        # the group failed: a sibling rank would otherwise wait out its own rendezvous timeout and hold the
+        # node's exit that long
         watcher.stop()
         for child in children:
             if child.is_alive():
