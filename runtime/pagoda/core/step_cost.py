@@ -22,6 +22,14 @@ MIN_INDEPENDENT_VARIANCE = 0.05
 # steps to draw them through (served at concurrency 32: 47-86 ms for a step that took 45)
 DECODE_STEPS_PER_WIDTH = 8
 MIN_DECODE_STEPS = 3
+# a decode's price against a prompt token's, until a step of about that many decodes alone is measured: a decode
+# runs its row through the same layers, then reads its whole context's KV (a prompt chunk reads it once for all
+# its rows), its logits and its sample. Measured for the default model on 2 Zen 4 cores: 0.82 against 0.55 ms
+# offline (decode steps' slope at 300 tokens of context, 256-token prefill), 1.0 against 0.68 served; over 52
+# served step logs this put a step of 32 decodes alone at 0.91x what it then took (median; 0.85-1.01x for 80 %
+# of them) where a decode at a prompt token's price put it at 0.73x (the budget a quarter short, the first
+# burst's prompts paced a quarter slower)
+DECODE_PRICE_RATIO = 1.5
 
 
 @dataclass(frozen=True)
@@ -79,12 +87,13 @@ class StepCostModel:
 
     def decode_step_seconds(self, num_decodes: int) -> float | None:
         """What a step of `num_decodes` decodes alone takes: the median of the recent such steps within an eighth
-        of that width. Before there are any (a server's first burst), one price for every token (at most what
-        such a step takes, as a decode costs at least a prompt token): from the widest narrower decode steps
-        measured, at the price of the recent steps' mean over theirs; without those, the line through the steps'
-        totals. Not the two prices: fitted on a burst's first steps (prompt tokens near constant, decodes growing
-        one a step) a decode came out at 3.3 ms where it takes 1. Nor the line alone there: once the window has
-        only the burst's steps of 100-125 tokens it read 59 ms where it had read 23-30. None while unknown."""
+        of that width. Before there are any (a server's first burst), from the widest narrower decode steps
+        measured, each further decode at DECODE_PRICE_RATIO times a prompt token's price (that price: what the
+        recent steps took beyond those narrower ones, shared out so); without narrower ones, the line through
+        the steps' totals. Not the two fitted prices: on a burst's first steps (prompt tokens near constant,
+        decodes growing one a step) a decode came out at 3.3 ms where it takes 1. Nor the line alone there:
+        once the window has only the burst's steps of 100-125 tokens it read 59 ms where it had read 23-30.
+        None while unknown."""
         reach = num_decodes // 8  # the widths within an eighth, looked up (not every width kept: once a step)
         near = _median([s for width in range(num_decodes - reach, num_decodes + reach + 1)
                         for s in self.decode_steps.get(width, ())])
@@ -96,10 +105,14 @@ class StepCostModel:
         if narrower:
             width = max(narrower)
             anchor = _median(list(self.decode_steps[width]), at_least=1)
-            mean_tokens = self._tokens_in_window / len(self.steps)
-            mean_seconds = sum(y for _, _, y in self.steps) / len(self.steps)
-            if mean_tokens > width and mean_seconds > anchor:
-                return anchor + (mean_seconds - anchor) / (mean_tokens - width) * (num_decodes - width)
+            n = len(self.steps)
+            mean_decodes = sum(d for _, d, _ in self.steps) / n
+            mean_seconds = sum(y for _, _, y in self.steps) / n
+            # the recent steps beyond the anchor: their prompt tokens at a price, their further decodes at the ratio
+            priced = self._tokens_in_window / n - mean_decodes + DECODE_PRICE_RATIO * max(mean_decodes - width, 0)
+            if priced > 0 and mean_seconds > anchor:
+                per_token = (mean_seconds - anchor) / priced
+                return anchor + DECODE_PRICE_RATIO * per_token * (num_decodes - width)
         fixed, per_token = _line([(t, y) for t, _, y in self._points()])
         return fixed + per_token * num_decodes
 
