@@ -270,6 +270,9 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
              if publishes_kv_events(spec) else []),
         "resources": build_resources(spec),
         "volumeMounts": mounts,
+        # an engine that exits on an error it logged (a flag the model cannot honour): its log's tail becomes
+        # the termination message, which the status's Degraded condition quotes
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # Loading 70B weights from a network volume can take many minutes: the startup probe allows
         # startupTimeoutSeconds before liveness takes over.
         "startupProbe": {**health, "periodSeconds": PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,

@@ -20,6 +20,8 @@ FAILING_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "OOMKilled",
 })
+# a condition's message carries one line of a container's last words, at most this long
+MAX_MESSAGE_CHARS = 400
 
 
 def pod_is_ready(pod: dict[str, Any]) -> bool:
@@ -39,7 +41,8 @@ def pod_restarts(pod: dict[str, Any]) -> int:
 
 
 def pod_failure(pod: dict[str, Any]) -> str | None:
-    """A reason when the pod is stuck failing (crash loop, bad image, evicted), else None."""
+    """A reason when the pod is stuck failing (crash loop, bad image, evicted), else None; with the last line
+    its container wrote before it last ended (the engine's error: the termination message, its log's tail)."""
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         return status.get("reason") or "Failed"
@@ -47,7 +50,18 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
         for state in ("waiting", "terminated"):
             reason = ((s.get("state") or {}).get(state) or {}).get("reason")
             if reason in FAILING_REASONS:
-                return reason
+                said = last_words(s)
+                return f"{reason}: {said}" if said else reason
+    return None
+
+
+def last_words(container_status: dict[str, Any]) -> str | None:
+    """The last non-empty line of the container's termination message, now or before its last restart."""
+    for where in ("state", "lastState"):
+        message = (((container_status.get(where) or {}).get("terminated") or {}).get("message") or "")
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        if lines:
+            return lines[-1][:MAX_MESSAGE_CHARS]
     return None
 
 

@@ -223,3 +223,26 @@ def test_recreate_backoff_doubles_up_to_the_cap():
     assert r.recreate_wait(b.GroupRecord()) == 0
     assert r.recreate_wait(b.GroupRecord(recreations=1, recreated_at="2026-01-01T00:00:00Z")) == 0
     assert r.recreate_wait(b.GroupRecord(recreations=2, recreated_at="2026-01-01T00:00:00Z")) == 10
+
+
+def test_a_crash_loop_says_what_the_engine_said_last():
+    # the engine exits on a flag the model cannot honour; with FallbackToLogsOnError its log's tail is the
+    # container's termination message, kept in lastState while it waits to restart
+    crashing = pod("w", ready=False, waiting="CrashLoopBackOff", restarts=4)
+    crashing["status"]["containerStatuses"][0]["lastState"] = {"terminated": {"exitCode": 1, "message": (
+        "INFO loading /models/smollm2\n"
+        "ERROR failed to load the model: --tensor-parallel-size 2 does not split the model's 9 attention heads "
+        "(3 KV heads) evenly: use one of 1, 3, 9\n")}}
+    status = build_status(SPEC, [group(0, [pod("h"), crashing]), group(1, [pod("h"), pod("w")])], generation=1)
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "PodFailing"
+    assert "CrashLoopBackOff: ERROR failed to load the model: --tensor-parallel-size 2 does not split" in degraded["message"]
+    # without a message, the reason alone
+    quiet = build_status(SPEC, [group(0, [pod("h"), pod("w", ready=False, waiting="CrashLoopBackOff")]),
+                                group(1, [pod("h"), pod("w")])], generation=1)
+    assert next(c for c in quiet["conditions"] if c["type"] == "Degraded")["message"].endswith("CrashLoopBackOff")
+
+
+def test_the_engine_container_leaves_its_log_tail_as_termination_message():
+    container = b.build_container(SPEC, 0, "cluster.local", "head")
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"

@@ -217,3 +217,14 @@ def test_swap_metrics_are_published():
                  'pagoda:swap_space_used_blocks{model_name="m"} 8.0',
                  'pagoda:swap_space_total_blocks{model_name="m"} 16.0']:
         assert line in text
+
+
+def test_a_tensor_parallel_size_that_cannot_split_the_heads_is_refused_by_name(tiny_llama_dir):
+    # the tiny Llama has 4 attention heads over 2 KV heads: 3 ranks cannot split them (each rank building its
+    # layers found out, one by one, in a crash loop when they were pods); 2 and 4 can
+    with pytest.raises(InvalidParam) as refused:
+        create_engine_config(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=3))
+    assert refused.value.param == "tensor_parallel_size"
+    assert "4 attention heads" in str(refused.value) and "use one of 1, 2, 4" in str(refused.value)
+    for tp in (2, 4):
+        assert create_engine_config(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=tp)) is not None

@@ -44,6 +44,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
 
     path = resolve_model_path(args.model, args.revision)
     hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
+    _check_heads_split(hf_config, args.tensor_parallel_size)
     dtype, dtype_reason = choose_dtype(args.dtype, device)
     max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
     quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,
@@ -165,6 +166,21 @@ def _resolve_executor_backend(args: "EngineArgs", world: int, device: str) -> st
             raise InvalidParam("nnodes", "nnodes is for the 'mp' backend; with 'ray', start a Ray cluster on the "
                                          "nodes (ray start) and Ray places the ranks")
     return backend
+
+
+def _check_heads_split(hf_config, tp: int) -> None:
+    """Tensor parallelism splits the attention heads: refused here, by the flag's name, where the split cannot
+    be even (rather than in every rank as it builds its layers, a crash loop in a pod)."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if tp == 1 or not heads:
+        return
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    fits = [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+    if tp not in fits:
+        raise InvalidParam(
+            "tensor_parallel_size",
+            f"tensor_parallel_size {tp} does not split the model's {heads} attention heads ({kv_heads} KV heads) "
+            f"evenly: use one of {', '.join(map(str, fits))}")
 
 
 def _kv_block_bytes_per_stage(hf_config, itemsize: int, block_size: int, tp: int, pp: int,
