@@ -24,11 +24,11 @@ DECODE_STEPS_PER_WIDTH = 8
 MIN_DECODE_STEPS = 3
 # a decode's price against a prompt token's, until a step of about that many decodes alone is measured: a decode
 # runs its row through the same layers, then reads its whole context's KV (a prompt chunk reads it once for all
-# its rows), its logits and its sample. Measured for the default model on 2 Zen 4 cores: 0.82 against 0.55 ms
-# offline (decode steps' slope at 300 tokens of context, 256-token prefill), 1.0 against 0.68 served; over 52
-# served step logs this put a step of 32 decodes alone at 0.91x what it then took (median; 0.85-1.01x for 80 %
-# of them) where a decode at a prompt token's price put it at 0.73x (the budget a quarter short, the first
-# burst's prompts paced a quarter slower)
+# its rows), its logits and its sample. Measured for the default model on 2 Zen 4 cores: 0.78 against 0.55 ms
+# offline (decode steps' slope at 256-300 tokens of context, 256-token prefill), 1.0-1.2 against 0.68 served;
+# over 52 served step logs 1.5 put a step of 32 decodes alone at 0.91x what it then took (median; 0.85-1.01x for
+# 80 % of them; on the low side, as a budget too long costs the inter-token latency's tail) where a decode at a
+# prompt token's price put it at 0.73x (the budget a quarter short, the first burst's prompts paced slower)
 DECODE_PRICE_RATIO = 1.5
 
 
