@@ -131,6 +131,7 @@ class PodState:
     restarts: int = 0
     restart_at: float = 0.0  # when an exited container is started again (backoff)
     last_exit: int | None = None
+    last_message: str = ""  # the termination message of the container's last exit
     probes: dict[str, Probe] = field(default_factory=dict)
     reported: str = ""  # the last status written, to write only changes
 
@@ -456,6 +457,7 @@ class PodRunner:
         if not running or running[0] != "true":
             if state.restart_at == 0.0:  # just exited: restartPolicy Always, with the kubelet's backoff
                 state.last_exit = int(running[1]) if len(running) > 1 else -1
+                state.last_message = await self._termination_message(state)
                 state.restarts += 1
                 state.ready = state.started = False
                 state.restart_at = now + min(10.0 * 2 ** (state.restarts - 1), 300.0)
@@ -489,13 +491,23 @@ class PodRunner:
             state.ready = state.started
         await self._report(state, phase="Running")
 
+    async def _termination_message(self, state: PodState) -> str:
+        """As the kubelet: with FallbackToLogsOnError and a failed exit, the log's last 80 lines, 2048 bytes at
+        most (no container here writes a termination-log file)."""
+        container = state.pod["spec"]["containers"][0]
+        if container.get("terminationMessagePolicy") != "FallbackToLogsOnError" or state.last_exit == 0:
+            return ""
+        tail = await podman("logs", "--tail", "80", state.container_name, check=False, merge_stderr=True)
+        return tail.encode()[-2048:].decode(errors="replace")
+
     async def _report(self, state: PodState, phase: str, waiting: str | None = None, message: str = "") -> None:
         container = {"name": state.pod["spec"]["containers"][0]["name"], "ready": state.ready,
                      "restartCount": state.restarts, "started": state.started,
                      "image": state.pod["spec"]["containers"][0]["image"], "imageID": "",
                      "state": {"waiting": {"reason": waiting, "message": message}} if waiting else {"running": {}}}
         if state.last_exit is not None:
-            container["lastState"] = {"terminated": {"exitCode": state.last_exit, "reason": "Error"}}
+            container["lastState"] = {"terminated": {"exitCode": state.last_exit, "reason": "Error",
+                                                     "message": state.last_message}}
         status = {"phase": phase, "podIP": state.ip, "hostIP": self.gateway,
                   "conditions": [{"type": "Ready", "status": "True" if state.ready else "False"},
                                  {"type": "PodScheduled", "status": "True"}],

@@ -92,6 +92,21 @@ async def single_process_reference(e2e: E2E, claim: str) -> list[str]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+async def test_a_flag_the_model_cannot_honour_is_named_in_the_degraded_condition(e2e: E2E):
+    # the default model has 9 attention heads: 2 ranks cannot split them. The operator cannot know (it reads no
+    # model); the engine refuses at start, and its last log line reaches the LLMDeployment's status
+    await e2e.cluster.create("uneven", {**CPU, "tensorParallelSize": 2})
+
+    async def degraded_says_why() -> bool:
+        status = await e2e.cluster.status("uneven")
+        degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
+        return degraded.get("reason") == "PodFailing" and "--tensor-parallel-size 2 does not split" in \
+            degraded.get("message", "")
+
+    await e2e.until(degraded_says_why, "Degraded names --tensor-parallel-size", timeout=300)
+    assert (await e2e.cluster.status("uneven"))["phase"] == "Degraded"
+
+
 async def test_tensor_and_pipeline_parallel_groups_form_over_the_container_network(e2e: E2E):
     tiny = write_tiny_claim(e2e, "tiny")
     reference = await single_process_reference(e2e, "tiny")
