@@ -97,8 +97,8 @@ def test_inside_the_cluster_ray_is_chosen_when_this_node_cannot_hold_every_rank(
         return create_engine_config(EngineArgs(model=str(model), **kwargs)).parallel.distributed_executor_backend
 
     assert backend(tensor_parallel_size=2) == "mp"  # the head node has 2 CPUs
-    assert backend(tensor_parallel_size=3) == "ray"
-    assert backend(tensor_parallel_size=3, distributed_executor_backend="mp") == "mp"  # the flag wins
+    assert backend(tensor_parallel_size=4) == "ray"  # (4: the model's 4 heads split evenly, 3 would not)
+    assert backend(tensor_parallel_size=4, distributed_executor_backend="mp") == "mp"  # the flag wins
     assert backend() == "uni"
 
 
