@@ -497,8 +497,7 @@ class PodRunner:
         container = state.pod["spec"]["containers"][0]
         if container.get("terminationMessagePolicy") != "FallbackToLogsOnError" or state.last_exit == 0:
             return ""
-        tail = await podman("logs", "--tail", "80", state.container_name, check=False, merge_stderr=True)
-        return tail.encode()[-2048:].decode(errors="replace")
+        return (await self.logs(state.name, tail=80)).encode()[-2048:].decode(errors="replace")
 
     async def _report(self, state: PodState, phase: str, waiting: str | None = None, message: str = "") -> None:
         container = {"name": state.pod["spec"]["containers"][0]["name"], "ready": state.ready,
