@@ -326,3 +326,29 @@ def test_the_auto_target_is_a_multiple_of_the_measured_decode_step():
     sched.add(long_prompt)
     out = run_step(sched)
     assert {s.seq_id: s.num_new_tokens for s in out.scheduled}[long_prompt.seq_id] == expected > 100
+
+
+def test_a_burst_edge_after_a_long_run_of_decode_steps_takes_half_a_step_then_its_measured_price():
+    # served (vllm bench serve, c=32, Zen 4): the warm-up's 4-wide decode steps, the first burst's last wide steps
+    # (about 145 prompt tokens beside 14-18 decodes), then 64 steps of 32 decodes alone as the burst decoded. The
+    # line through those put every token at 0.44 ms and let the next prompts take 192 tokens beside 31 decodes:
+    # the step took 173 ms against a budget of 129 (a prompt token beyond the 47 ms of decodes alone: 0.66 ms)
+    burst_edge = [(162, 14, 101.9), (161, 14, 99.7), (161, 15, 102.8), (161, 15, 102.1), (161, 16, 101.8),
+                  (161, 16, 99.2), (160, 17, 101.7), (160, 18, 100.3)]
+    decodes_alone = (53.0, 49.5, 46.0, 45.6, 45.9, 47.0, 46.6, 47.1)  # ms, 32 decodes each
+    model = StepCostModel()
+    for _ in range(64):
+        model.observe(4, 0.0135, 4)
+    for num_tokens, decodes, ms in burst_edge:
+        model.observe(num_tokens, ms / 1000, decodes)
+    for i in range(64):
+        model.observe(32, decodes_alone[i % 8] / 1000, 32)
+    measured, true_price = 0.0470, 0.00066
+    budget = AUTO_TARGET_FACTOR * model.decode_step_seconds(32)
+    assert budget == pytest.approx(AUTO_TARGET_FACTOR * measured)
+    edge = model.prompt_tokens_within(budget, num_decodes=31)
+    assert 32 <= edge and measured + true_price * edge <= budget
+    # the half step measures the present price: the next step is sized by it
+    model.observe(31 + edge, measured + true_price * edge, 31)
+    assert model.prompt_tokens_within(budget, num_decodes=31) == pytest.approx((budget - measured) / true_price,
+                                                                                abs=1)

@@ -5,7 +5,8 @@ against 0.56 ms for the default model on 2 Zen 4 cores): one price for both put 
 relative budget ("auto") is a multiple of, a quarter under what it took. The scheduler asks how many prompt
 tokens fit in a latency budget (`--target-itl-ms`) beside the running decodes, so a long prompt is cut into as
 many chunks as the budget needs; and what a step of the running decodes alone costs, which it answers from the
-steps of about that many decodes alone that it ran last, where it has them."""
+steps of about that many decodes alone that it ran last, where it has them. At a burst's edge, after a run of
+decode steps, a prompt step is priced from the measured decode step instead of the fit (FEW_PROMPT_STEPS)."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +31,14 @@ MIN_DECODE_STEPS = 3
 # 80 % of them; on the low side, as a budget too long costs the inter-token latency's tail) where a decode at a
 # prompt token's price put it at 0.73x (the budget a quarter short, the first burst's prompts paced slower)
 DECODE_PRICE_RATIO = 1.5
+# a burst's edge: after a run of decode steps, the window holds fewer than this many steps that computed prompt
+# tokens, and the fit has little but those decode steps (all of one width) and the last wide steps to draw its
+# line through: one price for every token, 0.42-0.45 ms where a prompt token beyond a measured step of 32 decodes
+# took 0.60-0.66 (served on 2 Zen 4 cores; the edge's steps ran 173 and 181 ms against budgets of 129 and 132).
+# There a step is the measured step of its decodes alone plus each prompt token at what the window's prompt steps
+# took beyond their own decodes alone (the wide ones' while it has none), and with none in the window, half that:
+# the wide steps are older than the machine's present pace, and the half step measures it
+FEW_PROMPT_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,9 @@ class StepCostModel:
         self.wide: deque[tuple[int, int, int, float]] = deque(maxlen=wide_window)
         self._observed = 0  # steps seen in all
         self._tokens_in_window = 0  # the sum of self.steps' tokens
+        self._prompt_steps_in_window = 0  # self.steps' steps that computed prompt tokens
         self._costs: StepCosts | None = None  # fitted once per new step, asked once or twice a step
+        self._price_beyond: float | None = None  # likewise (0.0: none to tell)
         self.decode_steps: dict[int, deque[float]] = {}  # decodes -> the seconds of the last steps of them alone
 
     def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0) -> None:
@@ -57,11 +68,14 @@ class StepCostModel:
             if not self.steps or num_tokens * len(self.steps) > 2 * self._tokens_in_window:  # > 2x the mean
                 self.wide.append((self._observed, num_tokens, num_decodes, seconds))
             if len(self.steps) == self.steps.maxlen:
-                self._tokens_in_window -= self.steps[0][0]
+                oldest_tokens, oldest_decodes, _ = self.steps[0]
+                self._tokens_in_window -= oldest_tokens
+                self._prompt_steps_in_window -= oldest_tokens > oldest_decodes
             self.steps.append((num_tokens, num_decodes, seconds))
             self._tokens_in_window += num_tokens
+            self._prompt_steps_in_window += num_tokens > num_decodes
             self._observed += 1
-            self._costs = None
+            self._costs = self._price_beyond = None
             if num_decodes == num_tokens:
                 self.decode_steps.setdefault(num_decodes, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(seconds)
 
@@ -94,9 +108,7 @@ class StepCostModel:
         decodes growing one a step) a decode came out at 3.3 ms where it takes 1. Nor the line alone there:
         once the window has only the burst's steps of 100-125 tokens it read 59 ms where it had read 23-30.
         None while unknown."""
-        reach = num_decodes // 8  # the widths within an eighth, looked up (not every width kept: once a step)
-        near = _median([s for width in range(num_decodes - reach, num_decodes + reach + 1)
-                        for s in self.decode_steps.get(width, ())])
+        near = self._decode_step_measured(num_decodes)
         if near is not None:
             return near
         if len(self.steps) < MIN_STEPS:
@@ -118,12 +130,44 @@ class StepCostModel:
 
     def prompt_tokens_within(self, seconds: float, num_decodes: int = 0) -> int | None:
         """The most prompt tokens one step may compute beside `num_decodes` decodes to take at most `seconds`;
-        None while unknown."""
+        None while unknown. From the fitted prices, except at a burst's edge, where the window holds fewer than
+        FEW_PROMPT_STEPS steps that computed prompt tokens (see there)."""
         costs = self.costs()
         if costs is None:
             return None
-        left = seconds - costs.fixed - costs.per_decode * num_decodes
-        return max(int(left / costs.per_prompt_token + 1e-6), 0)  # 1e-6: a float's rounding, not a token
+        base = costs.fixed + costs.per_decode * num_decodes
+        price = costs.per_prompt_token
+        if num_decodes and self._prompt_steps_in_window < FEW_PROMPT_STEPS:
+            measured = self._decode_step_measured(num_decodes)
+            beyond = self._prompt_price_beyond_decodes()
+            if measured is not None and beyond:
+                base, price = measured, max(price, beyond)
+        tokens = max(int((seconds - base) / price + 1e-6), 0)  # 1e-6: a float's rounding, not a token
+        return tokens if self._prompt_steps_in_window or not num_decodes else tokens // 2
+
+    def _decode_step_measured(self, num_decodes: int) -> float | None:
+        """The median of the recent steps of decodes alone within an eighth of `num_decodes` (not every width is
+        kept: a width is seen once a step as sequences finish), or None with fewer than MIN_DECODE_STEPS."""
+        reach = num_decodes // 8
+        return _median([s for width in range(num_decodes - reach, num_decodes + reach + 1)
+                        for s in self.decode_steps.get(width, ())])
+
+    def _prompt_price_beyond_decodes(self) -> float:
+        """Seconds per prompt token beyond what a step of the same step's decodes alone takes (measured, else
+        estimated), through the window's steps that computed prompt tokens beside decodes, else the wide ones
+        before it; 0.0 where none did. Cached until the next step."""
+        if self._price_beyond is None:
+            base: dict[int, float | None] = {}  # decodes -> their step alone, looked up once a width
+            excess = prompt = 0.0
+            for tokens, decodes, seconds in self.steps if self._prompt_steps_in_window else self._points():
+                if tokens > decodes and decodes:
+                    if decodes not in base:
+                        base[decodes] = self.decode_step_seconds(decodes)
+                    if base[decodes] is not None:
+                        excess += seconds - base[decodes]
+                        prompt += tokens - decodes
+            self._price_beyond = excess / prompt if excess > 0 and prompt > 0 else 0.0
+        return self._price_beyond
 
 
 def _fit(points: list[tuple[int, int, float]]) -> StepCosts:
