@@ -331,8 +331,9 @@ def test_the_auto_target_is_a_multiple_of_the_measured_decode_step():
 def test_a_burst_edge_after_a_long_run_of_decode_steps_takes_half_a_step_then_its_measured_price():
     # served (vllm bench serve, c=32, Zen 4): the warm-up's 4-wide decode steps, the first burst's last wide steps
     # (about 145 prompt tokens beside 14-18 decodes), then 64 steps of 32 decodes alone as the burst decoded. The
-    # line through those put every token at 0.44 ms and let the next prompts take 192 tokens beside 31 decodes:
-    # the step took 173 ms against a budget of 129 (a prompt token beyond the 47 ms of decodes alone: 0.66 ms)
+    # line through those put every token at 0.44 ms and let the next prompts take 192 tokens beside 31 decodes
+    # (197 here): the step took 173 ms against a budget of 129 (a prompt token beyond the 47 ms of decodes alone
+    # took 0.66 ms)
     burst_edge = [(162, 14, 101.9), (161, 14, 99.7), (161, 15, 102.8), (161, 15, 102.1), (161, 16, 101.8),
                   (161, 16, 99.2), (160, 17, 101.7), (160, 18, 100.3)]
     decodes_alone = (53.0, 49.5, 46.0, 45.6, 45.9, 47.0, 46.6, 47.1)  # ms, 32 decodes each
