@@ -449,8 +449,8 @@ def torch_names_used() -> list[str]:
                     inner = inner.value
                 if isinstance(inner, ast.Name) and inner.id in aliases:
                     names.add(".".join([aliases[inner.id], *reversed(chain)]))
-    # custom ops (torch.ops.NS.op) exist once their library loads; not torch's API
-    return sorted(n for n in names if not n.startswith("torch.ops."))
+    # custom ops and classes (torch.ops.NS.op, torch.classes.NS.Cls) exist once their library loads; not torch's API
+    return sorted(n for n in names if not n.startswith(("torch.ops.", "torch.classes.")))
 
 
 def missing_torch_names(names: list[str]) -> list[str]:
@@ -464,9 +464,12 @@ def missing_torch_names(names: list[str]) -> list[str]:
         parts = name.split(".")
         obj = torch
         for i, part in enumerate(parts[1:], 1):
-            if hasattr(obj, part):
+            # not hasattr: a lookup may raise other than AttributeError (torch.classes: RuntimeError)
+            try:
                 obj = getattr(obj, part)
                 continue
+            except Exception:
+                pass
             try:
                 obj = importlib.import_module(".".join(parts[: i + 1]))
             except Exception:

@@ -216,3 +216,14 @@ def test_results_summaries_read_what_the_steps_write(tmp_path):
         {"name": "transformers, static batches of 16", "output_tokens_per_s": 300.0}]}))
     summary = gpu_check.summarize_throughput(throughput)
     assert summary["pagoda_over_best_transformers"] == 3.0 and summary["above_the_floor"]
+
+
+def test_the_torch_name_probe_survives_lookups_that_raise():
+    """torch.classes.NS.Cls raises RuntimeError, not AttributeError, while its library is not loaded: the
+    environment step's probe must name such a name as missing, never die of it."""
+    pytest.importorskip("torch")
+    names = gpu_check.torch_names_used()
+    assert "torch.classes" in names  # the runtime's shm all-reduce; its class itself is no torch API
+    assert not [n for n in names if n.startswith(("torch.ops.", "torch.classes."))]
+    unknown = ["torch.classes.pagoda_nowhere.Nothing", "torch.nn.functional.pagoda_nowhere"]
+    assert gpu_check.missing_torch_names([*names, *unknown]) == unknown
