@@ -90,13 +90,13 @@ wheelhouse:
 
 images: wheelhouse
 	@command -v $(DOCKER) >/dev/null 2>&1 || { echo "make images: '$(DOCKER)' not found; install Docker or podman (DOCKER=...)" >&2; exit 3; }
-	$(DOCKER) build $(PODMAN_FLAGS) $(BUILD_ARGS) --target runtime --build-arg RUNTIME_VARIANT=$(RUNTIME_VARIANT) -t $(RUNTIME_IMAGE) .
-	$(DOCKER) build $(PODMAN_FLAGS) $(BUILD_ARGS) --target operator -t $(OPERATOR_IMAGE) .
+	bash scripts/build-image.sh $(DOCKER) build $(PODMAN_FLAGS) $(BUILD_ARGS) --target runtime --build-arg RUNTIME_VARIANT=$(RUNTIME_VARIANT) -t $(RUNTIME_IMAGE) .
+	bash scripts/build-image.sh $(DOCKER) build $(PODMAN_FLAGS) $(BUILD_ARGS) --target operator -t $(OPERATOR_IMAGE) .
 
 # The operator on KMock, the pods it describes as podman containers of the built images (a test harness plays
 # the controllers and the kubelet): runs anywhere podman does, no cluster needed. Opt-in, not in `make test`.
 e2e-containers: setup
-	RUNTIME_IMAGE=$(RUNTIME_IMAGE) $(PY) -m pytest tests/e2e -m e2e -v $(PYTEST_ARGS)
+	RUNTIME_IMAGE=$(RUNTIME_IMAGE) OPERATOR_IMAGE=$(OPERATOR_IMAGE) $(PY) -m pytest tests/e2e -m e2e -v $(PYTEST_ARGS)
 
 # Exit code 3: Docker engine, kind, kubectl or helm missing (nothing was created).
 e2e-kind:
