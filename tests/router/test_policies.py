@@ -124,7 +124,7 @@ def test_unknown_policy_and_missing_backends_are_usage_errors(capsys):
 
 
 def test_router_prefers_backends_serving_the_model_and_rejects_when_full():
-    from pagoda.entrypoints.openai.errors import APIError
+    from pagoda.http.errors import APIError
     from pagoda.router.proxy import Router, RouterConfig
 
     pool = BackendPool(["http://a:1", "http://b:1"])

@@ -158,7 +158,9 @@ RUNTIME_LAYERS = [
     {"worker", "lora"},  # the model runner, KV cache, loading models; LoRA adapters (slots, the layers' hook)
     {"executor"},  # uni, mp, ray: where the runners run
     {"engine"},  # input processing, the engine core, output processing
-    {"entrypoints", "router"},  # LLM, the OpenAI server, the CLI
+    {"http"},  # what the server and the router share: OpenAI's error shape, the X-Request-Id middleware
+    {"router"},  # the router and the EPP: they talk to servers over HTTP, never import them
+    {"entrypoints"},  # LLM, the OpenAI server, the CLI (`pagoda router` included)
     {"bench"},
 ]
 # Imports that cross upwards on purpose, each with its reason.
@@ -188,6 +190,12 @@ def test_runtime_packages_import_downwards_only():
     upward = sorted((a, b) for a, targets in graph.items() for b in targets
                     if layer_of(b) > layer_of(a) and (a, b) not in UPWARD_IMPORTS)
     assert upward == []
+
+
+def test_the_router_may_not_import_the_server():
+    graph = {"pagoda.router.app": {"pagoda.entrypoints.openai.api_server"}}
+    assert [(a, b) for a, bs in graph.items() for b in bs if layer_of(b) > layer_of(a)] == \
+        [("pagoda.router.app", "pagoda.entrypoints.openai.api_server")]
 
 
 def test_the_layer_check_sees_an_upward_import():

@@ -12,8 +12,8 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from pagoda.entrypoints.openai.errors import error_response, install_error_handlers
-from pagoda.entrypoints.openai.middleware import RequestIdMiddleware, request_id_of
+from pagoda.http.errors import error_response, install_error_handlers
+from pagoda.http.middleware import RequestIdMiddleware, request_id_of
 from pagoda.router.args import RouterArgs
 from pagoda.router.backends import BackendPool
 from pagoda.router.health import HealthMonitor

@@ -19,7 +19,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pagoda.entrypoints.openai.errors import APIError, error_body
+from pagoda.http.errors import APIError, error_body
 from pagoda.router.answers import AnswerTap
 from pagoda.router.backends import Backend, BackendPool
 from pagoda.router.metrics import RouterMetrics

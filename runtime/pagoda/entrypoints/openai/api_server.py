@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -30,9 +31,7 @@ import pagoda
 from pagoda.config import EngineArgs
 from pagoda.entrypoints.openai.cli_args import ServerArgs, flagify
 from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
-from pagoda.entrypoints.openai.errors import APIError, document_errors, error_response, install_error_handlers
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from pagoda.entrypoints.openai.middleware import install_middleware
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,6 +50,8 @@ from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagoda.entrypoints.openai.serving_messages import AnthropicServingMessages, handle
 from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagoda.http.errors import APIError, ErrorResponse, error_response, install_error_handlers
+from pagoda.http.middleware import install_middleware
 from pagoda.lora.request import LoRARequest
 from pagoda.process.startup_heap import frozen_when_loaded
 
@@ -379,6 +380,39 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
 
     app.openapi = openapi
     return app
+
+
+def document_errors(schema: dict) -> dict:
+    """Make the OpenAPI document say what the server answers: request-body errors are 400 (not FastAPI's
+    422), in OpenAI's error shape, with every other status a route can return."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    components.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+                      .pop("$defs", {}))
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = {500}
+            if method == "post" or "parameters" in operation:
+                statuses.add(400)
+            if path.startswith("/v1/"):
+                statuses |= {401, 503}
+            if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"):
+                statuses |= {404, 429}
+            if path.startswith("/v1/responses/"):
+                statuses.add(404)
+            if path.startswith("/v1/models/") or path in ("/tokenize", "/detokenize"):
+                statuses |= {404, 503}
+            if path == "/health":
+                statuses.add(503)
+            for status in sorted(statuses):
+                phrase = HTTPStatus(status).phrase
+                responses.setdefault(str(status), {"description": phrase, **error})
+    return schema
 
 
 class DrainingServer(uvicorn.Server):

@@ -1,6 +1,6 @@
 """Completions' `suffix`: a fill-in-the-middle prompt, for tokenizers that have FIM tokens."""
 
-from pagoda.entrypoints.openai.errors import invalid_request
+from pagoda.http.errors import invalid_request
 
 # (prefix, suffix, middle) token spellings, prefix-suffix-middle order: StarCoder / SmolLM, Qwen2.5-Coder
 FIM_TOKEN_SETS = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),

@@ -45,19 +45,6 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
-# --- errors --------------------------------------------------------------------------------------
-
-class ErrorInfo(OpenAIModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(OpenAIModel):
-    error: ErrorInfo
-
-
 # --- shared request fields -----------------------------------------------------------------------
 
 class StreamOptions(OpenAIModel):

@@ -14,11 +14,11 @@ from pydantic import BaseModel
 from pagoda.engine import EngineDeadError
 from pagoda.engine.input_processor import check_priority
 from pagoda.engine.outputs import RequestOutput
-from pagoda.entrypoints.openai.errors import APIError, invalid_request, sse_error
 from pagoda.entrypoints.openai.metrics import ServerMetrics
-from pagoda.entrypoints.openai.middleware import request_id_of
 from pagoda.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagoda.errors import RequestFailed
+from pagoda.http.errors import APIError, invalid_request, sse_error
+from pagoda.http.middleware import request_id_of
 from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.loader.generation_config import default_sampling_params

@@ -13,7 +13,6 @@ import jinja2.meta
 from fastapi import Request
 
 from pagoda.engine.outputs import Logprob, RequestOutput
-from pagoda.entrypoints.openai.errors import APIError, invalid_request
 from pagoda.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -47,6 +46,7 @@ from pagoda.entrypoints.openai.serving_base import (
 from pagoda.entrypoints.openai.serving_completion import finish_reason, prompt_logprobs_field
 from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
+from pagoda.http.errors import APIError, invalid_request
 from pagoda.lora.request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 

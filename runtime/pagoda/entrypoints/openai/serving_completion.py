@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pagoda.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.entrypoints.openai.errors import invalid_request
 from pagoda.entrypoints.openai.fill_in_the_middle import fill_in_the_middle
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -29,6 +28,7 @@ from pagoda.entrypoints.openai.serving_base import (
     sse,
     usage_of,
 )
+from pagoda.http.errors import invalid_request
 
 
 def split_prompts(prompt) -> list:

@@ -13,9 +13,9 @@ from pagoda.entrypoints.openai.embedding_protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from pagoda.entrypoints.openai.errors import invalid_request
 from pagoda.entrypoints.openai.serving_base import OpenAIServing, cancel_on_disconnect, collect_finals
 from pagoda.entrypoints.openai.serving_completion import split_prompts
+from pagoda.http.errors import invalid_request
 from pagoda.pooling_params import PoolingParams
 
 

@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from pagoda.engine.outputs import RequestOutput
-from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -37,6 +36,7 @@ from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_responses import Turn, split_turn
 from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall
 from pagoda.errors import InvalidParam
+from pagoda.http.errors import APIError
 
 
 async def handle(raw: Request, model: type[BaseModel], checks: Callable[[], None],

@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from pagoda.engine.outputs import RequestOutput
-from pagoda.entrypoints.openai.errors import APIError, invalid_request
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -46,6 +45,7 @@ from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, reasoning_
 from pagoda.entrypoints.openai.serving_completion import finish_reason
 from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall
 from pagoda.errors import InvalidParam
+from pagoda.http.errors import APIError, invalid_request
 
 DEFAULT_MAX_STORED = 1024
 

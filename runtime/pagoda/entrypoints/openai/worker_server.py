@@ -17,8 +17,8 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from pagoda.entrypoints.openai.cli_args import ServerArgs
-from pagoda.entrypoints.openai.errors import error_response
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, PREFIX
+from pagoda.http.errors import error_response
 
 logger = logging.getLogger("pagoda.worker")
 

@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching status."""
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the matching status, for the
+server and the router alike."""
 
 import json
 import logging
@@ -8,11 +9,22 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-
 logger = logging.getLogger(__name__)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -92,36 +104,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error while serving a request")
         return error_response(500, f"internal server error: {exc!r}")
-
-
-def document_errors(schema: dict) -> dict:
-    """Make the OpenAPI document say what the server answers: request-body errors are 400 (not FastAPI's
-    422), in OpenAI's error shape, with every other status a route can return."""
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for name in ("HTTPValidationError", "ValidationError"):
-        components.pop(name, None)
-    components.update(ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-                      .pop("$defs", {}))
-    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
-    for path, operations in schema.get("paths", {}).items():
-        for method, operation in operations.items():
-            responses = operation.setdefault("responses", {})
-            responses.pop("422", None)
-            statuses = {500}
-            if method == "post" or "parameters" in operation:
-                statuses.add(400)
-            if path.startswith("/v1/"):
-                statuses |= {401, 503}
-            if path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"):
-                statuses |= {404, 429}
-            if path.startswith("/v1/responses/"):
-                statuses.add(404)
-            if path.startswith("/v1/models/") or path in ("/tokenize", "/detokenize"):
-                statuses |= {404, 503}
-            if path == "/health":
-                statuses.add(503)
-            for status in sorted(statuses):
-                phrase = HTTPStatus(status).phrase
-                responses.setdefault(str(status), {"description": phrase, **error})
-    return schema
