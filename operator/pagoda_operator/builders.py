@@ -3,6 +3,9 @@
 Topology per group i of LLMDeployment X (LeaderWorkerSet-like):
   StatefulSet X-g<i>-head    1 pod,      ordinal 0          -> node rank 0, serves the API
   StatefulSet X-g<i>-worker  P-1 pods,   ordinals 1..P-1    -> node ranks 1..P-1 (absent when P == 1)
+P is pipelineParallelSize, or with data parallelism parallelism.data / dataLocal: pod k then runs the
+data-parallel ranks k*dataLocal .. k*dataLocal+dataLocal-1, the head's API server in front of them all and
+the workers `--headless` (vLLM's multi-node data parallelism).
 Pod ordinals equal node ranks, so every pod reads its rank from the pod-index label.
 Service X-headless (all pods, not-ready addresses published) gives the head a stable DNS name
 for rendezvous; Service X selects heads only and is the OpenAI endpoint."""
@@ -33,6 +36,7 @@ POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 HTTP_PORT = 8000
 MASTER_PORT = 29500
+DATA_RPC_PORT_NAME = "dp-rpc"  # parallelism.dataRPCPort: the data-parallel ranks' coordination with rank 0
 # With spec.router.policy precise the heads publish their KV cache's changes (vLLM's --kv-events-config) on these
 # ports, where the router subscribes (router.py)
 KV_EVENTS_PORT = 5557
@@ -133,7 +137,7 @@ def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
 # ----- the runtime container -----
 
 def group_roles(spec: DeploymentSpec) -> list[str]:
-    return ["head"] + (["worker"] if spec.pipeline_parallel_size > 1 else [])
+    return ["head"] + (["worker"] if spec.pods_per_group > 1 else [])
 
 
 def group_revision(spec: DeploymentSpec, group: int, epoch: int, cluster_domain: str = "cluster.local") -> str:
@@ -160,7 +164,8 @@ def build_lifecycle(spec: DeploymentSpec, role: str) -> dict[str, Any]:
     return {"preStop": {"exec": {"command": ["sleep", str(seconds)]}}}
 
 
-def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> list[str]:
+def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local",
+               role: str = "head") -> list[str]:
     """`pagoda serve` arguments; the node rank comes from the env var via Kubernetes' $(VAR) expansion."""
     args = ["serve"]
     if spec.model_path:
@@ -171,12 +176,19 @@ def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.
         "--port", str(HTTP_PORT),
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--pipeline-parallel-size", str(spec.pipeline_parallel_size),
-        "--nnodes", str(spec.pipeline_parallel_size),
-        "--node-rank", "$(PAGODA_NODE_RANK)",
-        "--master-addr", master_addr(spec, group, cluster_domain),
-        "--master-port", str(MASTER_PORT),
-        "--shutdown-timeout", str(drain_seconds(spec)),
     ]
+    if spec.data_parallel_size > 1:
+        args += data_parallel_args(spec, group, cluster_domain, role)
+    else:
+        args += [
+            "--nnodes", str(spec.pipeline_parallel_size),
+            "--node-rank", "$(PAGODA_NODE_RANK)",
+            "--master-addr", master_addr(spec, group, cluster_domain),
+            "--master-port", str(MASTER_PORT),
+        ]
+    if spec.enable_expert_parallel:
+        args.append("--enable-expert-parallel")
+    args += ["--shutdown-timeout", str(drain_seconds(spec))]
     e = spec.engine
     for flag, value in (("--max-model-len", e.max_model_len), ("--max-num-seqs", e.max_num_seqs),
                         ("--block-size", e.block_size), ("--gpu-memory-utilization", e.gpu_memory_utilization),
@@ -186,6 +198,33 @@ def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.
     if e.enable_prefix_caching is not None:
         args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
     return args + lora_args(spec) + kv_events_args(spec) + list(e.extra_args)
+
+
+def data_parallel_args(spec: DeploymentSpec, group: int, cluster_domain: str, role: str) -> list[str]:
+    """vLLM's multi-node data parallelism: every pod names the group's DP size, its own share (dataLocal) and
+    rank 0's address (the head's stable DNS name); workers run their ranks `--headless`, from
+    --data-parallel-start-rank = ordinal x dataLocal. Each pod's tensor-parallel world stays inside it, so no
+    --nnodes/--master-addr here."""
+    args = ["--data-parallel-size", str(spec.data_parallel_size),
+            "--data-parallel-size-local", str(spec.data_parallel_size_local),
+            "--data-parallel-address", master_addr(spec, group, cluster_domain),
+            "--data-parallel-rpc-port", str(spec.data_parallel_rpc_port)]
+    if role == "head":
+        return args
+    args.append("--headless")
+    if spec.data_parallel_size_local == 1:  # else the start rank is a product, which start_rank_command makes
+        args += ["--data-parallel-start-rank", "$(PAGODA_NODE_RANK)"]
+    return args
+
+
+def start_rank_command(spec: DeploymentSpec, role: str) -> list[str] | None:
+    """The container's command when a worker's start rank is ordinal x dataLocal with dataLocal > 1: Kubernetes'
+    $(VAR) expansion cannot multiply, so a shell does, then runs `pagoda` with the args unchanged. None: the
+    image's own entrypoint."""
+    if role == "head" or spec.data_parallel_size <= 1 or spec.data_parallel_size_local == 1:
+        return None
+    script = f'exec pagoda "$@" --data-parallel-start-rank "$((PAGODA_NODE_RANK * {spec.data_parallel_size_local}))"'
+    return ["/bin/sh", "-c", script, "pagoda"]
 
 
 def publishes_kv_events(spec: DeploymentSpec) -> bool:
@@ -245,7 +284,7 @@ def container_security_context(spec: DeploymentSpec) -> dict[str, Any]:
 def build_resources(spec: DeploymentSpec) -> dict[str, Any]:
     if spec.resources:
         return spec.resources
-    gpus = str(spec.tensor_parallel_size)
+    gpus = str(spec.ranks_per_pod)
     return {"limits": {spec.gpu_resource_name: gpus}, "requests": {spec.gpu_resource_name: gpus}}
 
 
@@ -256,16 +295,20 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
               {"name": KERNELS_VOLUME, "mountPath": KERNELS_DIR}]
     if spec.model_volume:
         mounts.append({"name": MODEL_VOLUME, "mountPath": spec.model_mount_path, "readOnly": True})
+    command = start_rank_command(spec, role)
     return {
         "name": CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "args": build_args(spec, group, cluster_domain),
+        **({"command": command} if command else {}),
+        "args": build_args(spec, group, cluster_domain, role),
         "env": build_env(spec),
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
-        ] + ([{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+        ] + ([{"name": DATA_RPC_PORT_NAME, "containerPort": spec.data_parallel_rpc_port, "protocol": "TCP"}]
+             if spec.data_parallel_size > 1 else [])
+          + ([{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
               {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"}]
              if publishes_kv_events(spec) else []),
         "resources": build_resources(spec),
@@ -358,7 +401,7 @@ def build_statefulset(
             "ownerReferences": [owner_reference(owner)],
         },
         "spec": {
-            "replicas": 1 if is_head else spec.pipeline_parallel_size - 1,
+            "replicas": 1 if is_head else spec.pods_per_group - 1,
             # Workers' ordinals start at 1, so a pod's ordinal is its node rank.
             "ordinals": {"start": 0 if is_head else 1},
             "serviceName": headless_service_name(spec),
@@ -396,7 +439,9 @@ def build_headless_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[
             "publishNotReadyAddresses": True,
             "selector": {LABEL_DEPLOYMENT: spec.name},
             "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http"},
-                      {"name": "rendezvous", "port": MASTER_PORT, "targetPort": "rendezvous"}],
+                      {"name": "rendezvous", "port": MASTER_PORT, "targetPort": "rendezvous"}]
+            + ([{"name": DATA_RPC_PORT_NAME, "port": spec.data_parallel_rpc_port, "targetPort": DATA_RPC_PORT_NAME}]
+               if spec.data_parallel_size > 1 else []),
         },
     })
 

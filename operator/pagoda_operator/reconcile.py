@@ -429,7 +429,7 @@ class Reconciler:
             record = GroupRecord.from_annotations((head or {}).get("metadata", {}).get("annotations"))
             groups.append(GroupObservation(
                 index=index,
-                size=spec.pipeline_parallel_size,
+                size=spec.pods_per_group,
                 wanted_revision=b.group_revision(spec, index, record.epoch, self.settings.cluster_domain),
                 revision=_label(head, b.LABEL_REVISION) if head else None,
                 record=record,

@@ -60,7 +60,7 @@ def place_pods(spec: DeploymentSpec, group: int, metadata: dict[str, Any], pod_s
         annotations[VOLCANO_GROUP_ANNOTATION] = pod_group_name(spec, group)
     elif placement.gang == "kueue":
         labels[KUEUE_GROUP_NAME] = annotations[KUEUE_GROUP_NAME] = pod_group_name(spec, group)
-        annotations[KUEUE_GROUP_TOTAL_COUNT] = str(spec.pipeline_parallel_size)
+        annotations[KUEUE_GROUP_TOTAL_COUNT] = str(spec.pods_per_group)
         annotations[KUEUE_GROUP_SERVING] = "true"
         if placement.queue:
             labels[KUEUE_QUEUE_NAME] = placement.queue
@@ -92,7 +92,7 @@ def group_min_resources(spec: DeploymentSpec, pod_resources: dict[str, Any]) -> 
     requests = {**(pod_resources.get("limits") or {}), **(pod_resources.get("requests") or {})}
     total = {}
     for name, value in sorted(requests.items()):
-        amount = parse_quantity(str(value)) * spec.pipeline_parallel_size
+        amount = parse_quantity(str(value)) * spec.pods_per_group
         total[name] = _quantity(amount)
     return total
 
@@ -104,7 +104,7 @@ def _quantity(amount: Decimal) -> str:
 
 def pod_group_spec(spec: DeploymentSpec, pod_resources: dict[str, Any]) -> dict[str, Any]:
     """The spec of a group's Volcano PodGroup: every pod of the group, or none."""
-    body: dict[str, Any] = {"minMember": spec.pipeline_parallel_size}
+    body: dict[str, Any] = {"minMember": spec.pods_per_group}
     min_resources = group_min_resources(spec, pod_resources)
     if min_resources:
         body["minResources"] = min_resources

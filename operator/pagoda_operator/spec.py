@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_DATA_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default (spec.parallelism.dataRPCPort)
 # The longest derived name is "<name>-g<group>-worker-<ordinal>" plus the StatefulSet's
 # controller-revision-hash label value "<sts>-<hash10>", which must stay within 63 characters.
 MAX_NAME_LENGTH = 40
@@ -19,7 +20,12 @@ MAX_NAME_LENGTH = 40
 OWNED_FLAGS = (
     "--served-model-name", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
     "--nnodes", "--node-rank", "--master-addr", "--master-port", "--shutdown-timeout",
+    # spec.parallelism's data-parallel shape (vLLM's flags): every pod of a group must agree on it
+    "--data-parallel-size", "-dp", "--data-parallel-size-local", "--data-parallel-address",
+    "--data-parallel-rpc-port", "--data-parallel-start-rank", "--data-parallel-rank", "--headless",
 )
+# Set by the operator when spec.parallelism.expert is given (else the user's, in engine.extraArgs).
+EXPERT_FLAGS = ("--enable-expert-parallel", "--no-enable-expert-parallel")
 # Flags the operator sets when spec.adapters is given (other LoRA flags, --max-loras, --max-lora-rank, stay
 # the user's, in engine.extraArgs).
 LORA_FLAGS = ("--enable-lora", "--lora-modules", "--allow-runtime-lora-updating")
@@ -53,6 +59,12 @@ class DeploymentSpec:
     image: str
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # spec.parallelism: data-parallel ranks per group, and per pod (data / dataLocal pods per group)
+    data_parallel_size: int = 1
+    data_parallel_size_local: int = 1
+    data_parallel_rpc_port: int = DEFAULT_DATA_RPC_PORT
+    # parallelism.expert: None when not given (then --enable-expert-parallel may come in engine.extraArgs)
+    enable_expert_parallel: bool | None = None
     replicas: int = 1
     model_path: str | None = None
     served_name: str | None = None
@@ -107,7 +119,17 @@ class DeploymentSpec:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_pod(self) -> int:
+        """GPU ranks in one pod: its tensor-parallel ranks times its data-parallel ranks."""
+        return self.tensor_parallel_size * self.data_parallel_size_local
+
+    @property
+    def pods_per_group(self) -> int:
+        """One per pipeline stage, or one per dataLocal data-parallel ranks (never both: DP excludes PP)."""
+        return self.pipeline_parallel_size * (self.data_parallel_size // self.data_parallel_size_local)
 
     @property
     def progress_deadline(self) -> int:
@@ -116,8 +138,8 @@ class DeploymentSpec:
 
     @property
     def gpus_per_pod(self) -> int:
-        """GPUs each pod asks for: the explicit resources win, else one per TP rank."""
-        return gpu_count(self.resources, self.gpu_resource_name, self.tensor_parallel_size)
+        """GPUs each pod asks for: the explicit resources win, else one per rank (TP x dataLocal)."""
+        return gpu_count(self.resources, self.gpu_resource_name, self.ranks_per_pod)
 
 
 def gpu_count(resources: dict[str, Any] | None, resource_name: str, tensor_parallel_size: int) -> int:
@@ -177,12 +199,21 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         raise InvalidSpec(
             f"metadata.name {name!r} must be a DNS label of at most {MAX_NAME_LENGTH} characters "
             "(the operator derives StatefulSet and pod names from it)")
-    tp = _int(spec.get("tensorParallelSize", 1), "tensorParallelSize", 1)
-    pp = _int(spec.get("pipelineParallelSize", 1), "pipelineParallelSize", 1)
+    shape = parse_parallelism(spec)
+    tp, pp, dp = shape.tensor, shape.pipeline, shape.data
     replicas = _int(spec.get("replicas", 1), "replicas", 0)
-    if tp * pp > max_world_size:
-        raise InvalidSpec(f"tensorParallelSize x pipelineParallelSize = {tp} x {pp} = {tp * pp} "
+    if tp * pp * dp > max_world_size:
+        what, sizes = ("tensorParallelSize x parallelism.data", f"{tp} x {dp}") if dp > 1 else \
+            ("tensorParallelSize x pipelineParallelSize", f"{tp} x {pp}")
+        raise InvalidSpec(f"{what} = {sizes} = {tp * pp * dp} "
                           f"exceeds the operator's limit of {max_world_size} ranks per group")
+    if shape.expert and not ((spec.get("model") or {}).get("path") or (spec.get("model") or {}).get("name")):
+        raise InvalidSpec(f"parallelism.expert is true but the model is the built-in default ({DEFAULT_MODEL}), "
+                          "a dense model with no experts to spread: give spec.model (a mixture-of-experts model) "
+                          "or remove parallelism.expert")
+    if not ((spec.get("model") or {}).get("path") or (spec.get("model") or {}).get("name")):
+        check_default_model_split(tp, "parallelism.tensor" if "tensor" in (spec.get("parallelism") or {})
+                                  else "tensorParallelSize")
 
     model = spec.get("model") or {}
     hub_model = parse_hub_model(name, model)
@@ -224,6 +255,9 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         if arg.split("=", 1)[0] in OWNED_FLAGS:
             raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]}: "
                               "the operator sets it from the spec")
+        if arg.split("=", 1)[0] in EXPERT_FLAGS and shape.expert is not None:
+            raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]} with parallelism.expert: "
+                              "the operator sets it from that")
         if arg.split("=", 1)[0] in LORA_FLAGS and lora_owned:
             raise InvalidSpec(f"engine.extraArgs must not set {arg.split('=', 1)[0]} with spec.adapters or "
                               "engine.enableLora: the operator sets it from those")
@@ -240,6 +274,10 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         image=spec.get("image") or default_image,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        data_parallel_size_local=shape.data_local,
+        data_parallel_rpc_port=shape.data_rpc_port,
+        enable_expert_parallel=shape.expert,
         replicas=replicas,
         model_path=path,
         served_name=model.get("servedName"),
@@ -287,7 +325,86 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
     if gpus and gpus < tp:
         raise InvalidSpec(f"resources give {gpus} {gpu_resource_name} per pod but tensorParallelSize is {tp}: "
                           "each pod needs one GPU per tensor-parallel rank")
+    if gpus and gpus < parsed.ranks_per_pod:
+        raise InvalidSpec(f"resources give {gpus} {gpu_resource_name} per pod but each pod runs "
+                          f"parallelism.dataLocal x tensorParallelSize = {shape.data_local} x {tp} = "
+                          f"{parsed.ranks_per_pod} ranks: each pod needs one GPU per rank")
     return parsed
+
+
+# ----- spec.parallelism (KServe LLMInferenceService's names) -----
+
+# What runs when spec.model is left out (the runtime image's built-in model): dense, so it has no experts.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Its attention heads and KV heads (config.json's num_attention_heads, num_key_value_heads): the one model
+# whose config the operator always knows, without reading it.
+DEFAULT_MODEL_HEADS = (9, 3)
+
+
+def tensor_parallel_sizes(heads: int, kv_heads: int) -> list[int]:
+    """The tensor-parallel sizes that split the heads evenly: the runtime's rule (config/resolve.py), which
+    refuses the others at start, in every pod of the group, again and again."""
+    return [n for n in range(1, heads + 1) if heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+
+
+def check_default_model_split(tp: int, field_name: str) -> None:
+    heads, kv_heads = DEFAULT_MODEL_HEADS
+    fits = tensor_parallel_sizes(heads, kv_heads)
+    if tp not in fits:
+        raise InvalidSpec(f"{field_name} {tp} does not split the built-in default model's ({DEFAULT_MODEL}) "
+                          f"{heads} attention heads ({kv_heads} KV heads) evenly: use one of "
+                          f"{', '.join(map(str, fits))}, or give spec.model")
+# spec.parallelism's aliases of the older top-level fields.
+ALIASES = {"tensor": "tensorParallelSize", "pipeline": "pipelineParallelSize"}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    data_local: int = 1
+    data_rpc_port: int = DEFAULT_DATA_RPC_PORT
+    expert: bool | None = None
+
+
+def parse_parallelism(spec: dict[str, Any]) -> Parallelism:
+    """spec.parallelism with tensorParallelSize and pipelineParallelSize: parallelism.tensor and .pipeline are
+    their aliases (one of each pair, or both equal); data / dataLocal pods per group, DP excluding PP."""
+    raw = spec.get("parallelism")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise InvalidSpec(f"parallelism must be an object {{tensor, pipeline, data, dataLocal, dataRPCPort, "
+                          f"expert}}, got {raw!r}")
+    sizes = {}
+    for alias, field_name in ALIASES.items():
+        given = [(f"parallelism.{alias}", raw[alias]) if alias in raw else None,
+                 (field_name, spec[field_name]) if field_name in spec else None]
+        given = [g for g in given if g is not None]
+        for what, value in given:
+            _int(value, what, 1)
+        if len(given) == 2 and given[0][1] != given[1][1]:
+            raise InvalidSpec(f"parallelism.{alias} ({given[0][1]}) and {field_name} ({given[1][1]}) differ: "
+                              f"give one of them (parallelism.{alias} is KServe's name for {field_name})")
+        sizes[alias] = given[0][1] if given else 1
+    data = _int(raw.get("data", 1), "parallelism.data", 1)
+    data_local = _int(raw.get("dataLocal", data), "parallelism.dataLocal", 1)
+    if data % data_local:
+        raise InvalidSpec(f"parallelism.data ({data}) is not a multiple of parallelism.dataLocal ({data_local}): "
+                          "each pod runs dataLocal data-parallel ranks, so a group needs data / dataLocal pods")
+    if data > 1 and sizes["pipeline"] > 1:
+        raise InvalidSpec(f"parallelism.data ({data}) with pipeline parallelism (pipelineParallelSize "
+                          f"{sizes['pipeline']}) is not supported: the runtime runs data parallelism with tensor "
+                          "parallelism inside each rank only; drop one of them")
+    port = raw.get("dataRPCPort", DEFAULT_DATA_RPC_PORT)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidSpec(f"parallelism.dataRPCPort must be a port number (1-65535), got {port!r}")
+    expert = raw.get("expert")
+    if expert is not None and not isinstance(expert, bool):
+        raise InvalidSpec(f"parallelism.expert must be true or false, got {expert!r}")
+    return Parallelism(tensor=sizes["tensor"], pipeline=sizes["pipeline"], data=data, data_local=data_local,
+                       data_rpc_port=port, expert=expert)
 
 
 # ----- models from the Hub (spec.model.name): a download Job fills a cache claim -----
@@ -470,10 +587,10 @@ def parse_scheduling(raw: Any) -> SchedulingSpec | None:
 def check_scheduling(spec: DeploymentSpec) -> None:
     """Rules across scheduling and the rest of the spec."""
     placement = spec.scheduling
-    if placement and placement.topology_key == HOSTNAME_KEY and spec.pipeline_parallel_size > 1 \
-            and spec.gpus_per_pod:
-        raise InvalidSpec(f"scheduling.topologyKey {HOSTNAME_KEY} would put every pipeline stage of a group on one "
-                          "node, but GPU stages must be on different nodes: use a wider domain (a rack, block or "
+    if placement and placement.topology_key == HOSTNAME_KEY and spec.pods_per_group > 1 and spec.gpus_per_pod:
+        what = "pipeline stage" if spec.pipeline_parallel_size > 1 else "data-parallel pod"
+        raise InvalidSpec(f"scheduling.topologyKey {HOSTNAME_KEY} would put every {what} of a group on one "
+                          f"node, but GPU {what}s must be on different nodes: use a wider domain (a rack, block or "
                           "zone label)")
 
 

@@ -76,7 +76,7 @@ def pod_unschedulable(pod: dict[str, Any]) -> str | None:
 @dataclass
 class GroupObservation:
     index: int
-    size: int                       # pods the group needs (pipelineParallelSize)
+    size: int                       # pods the group needs (DeploymentSpec.pods_per_group)
     wanted_revision: str            # what the spec asks for
     revision: str | None            # what the group's StatefulSets run now (None: not created)
     record: GroupRecord = field(default_factory=GroupRecord)
@@ -248,8 +248,16 @@ def build_status(
         "selector": selector_string(head_selector(spec)),
         "observedGeneration": generation,
         "model": model_display(spec),
+        "parallelism": parallelism_status(spec),
         "conditions": merge_conditions(conditions, prev.get("conditions"), timestamp),
     }
+
+
+def parallelism_status(spec: DeploymentSpec) -> dict[str, Any]:
+    """The shape in force, defaults applied (kubectl get's TP, PP and DP columns read it)."""
+    return {"tensor": spec.tensor_parallel_size, "pipeline": spec.pipeline_parallel_size,
+            "data": spec.data_parallel_size, "dataLocal": spec.data_parallel_size_local,
+            "expert": bool(spec.enable_expert_parallel), "podsPerGroup": spec.pods_per_group}
 
 
 def phase_of(available: dict[str, str], progressing: dict[str, str], degraded: dict[str, str],
