@@ -18,7 +18,6 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 UNSUPPORTED_ARGS = {
     "cpu_offload_gb": 0.0,
     "num_scheduler_steps": 1,
-    "data_parallel_size": 1,
     "enable_sleep_mode": False,
 }
 
@@ -62,7 +61,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # None (automatic) | "uni" | "mp" | "ray"
     pp_layer_partition: list[int] | None = None
     pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
-    enable_expert_parallel: bool = False  # MoE: whole experts split over the TP group (docs/distributed.md)
+    enable_expert_parallel: bool = False  # MoE: whole experts split over the DP x TP ranks (docs/distributed.md)
+    # engines (each its own scheduler, block manager and KV cache), TP inside each (docs/distributed.md)
+    data_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -76,7 +77,10 @@ class EngineArgs:
     # periodic stats log line (tokens/s, requests, KV-cache use); the server logs them, LLM() does not
     disable_log_stats: bool = False
     stats_log_interval: float = 5.0  # seconds between stats log lines
-    enforce_eager: bool = False  # accepted for vLLM compatibility: Pagoda captures no CUDA graphs, always eager
+    # CUDA graphs of decode steps (worker/cuda_graphs.py, docs/gpu.md): on with CUDA unless enforce_eager; never
+    # on a CPU. compilation_config: vLLM's dict or its JSON text, {"cudagraph_capture_sizes": [1, 2, 4, ...]}
+    enforce_eager: bool = False
+    compilation_config: dict | str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2"
     calculate_kv_scales: bool = False  # fp8 cache: scales calibrated on the first batch (else checkpoint or 1.0)
     swap_space: float | None = None  # GiB of host memory per worker for swapped-out KV blocks (None: see docs)
@@ -94,7 +98,6 @@ class EngineArgs:
     # refused unless at their defaults (UNSUPPORTED_ARGS), so vLLM snippets fail by name, before loading
     cpu_offload_gb: float = 0.0
     num_scheduler_steps: int = 1
-    data_parallel_size: int = 1
     enable_sleep_mode: bool = False
     quantization: str | None = None  # int8 | int4 | gptq / awq (found from the checkpoint) | None
     quantization_group_size: int | None = None  # int4: 32 (default) | 64 | 128
@@ -105,7 +108,7 @@ class EngineArgs:
     def validate(self) -> None:
         """The checks that need only the arguments, in the order a user meets them; InvalidParam names the field."""
         check_positive(self, "block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size",
-                       "nnodes")
+                       "nnodes", "data_parallel_size")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise InvalidParam("block_size", f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if self.dtype not in DTYPES:
@@ -131,9 +134,14 @@ class EngineArgs:
         if self.nnodes > 1 and self.nnodes != self.pipeline_parallel_size:
             raise InvalidParam("nnodes", f"nnodes ({self.nnodes}) must equal pipeline_parallel_size "
                                          f"({self.pipeline_parallel_size}): each node is one pipeline stage")
+        check_data_parallel_args(self)
         check_quantization_args(self.quantization, self.quantization_group_size)
         check_lora_args(self)
         check_generation_config_arg(self.generation_config)
+        if self.compilation_config is not None:
+            from pagoda.config.compilation import parse_compilation_config
+
+            parse_compilation_config(self.compilation_config)
         if self.kv_events_config is not None:
             from pagoda.config.kv_events import KVEventsConfig
 
@@ -166,6 +174,23 @@ def check_vllm_args(args: EngineArgs) -> None:
     if not args.stats_log_interval > 0:
         raise InvalidParam("stats_log_interval", f"stats_log_interval must be > 0 seconds; "
                                                  f"got {args.stats_log_interval}")
+
+
+def check_data_parallel_args(args: EngineArgs) -> None:
+    """data_parallel_size > 1: the combinations the data-parallel engine does not run, refused by name."""
+    if args.data_parallel_size == 1:
+        return
+    refused = {
+        "pipeline_parallel_size": (args.pipeline_parallel_size > 1, "pipeline parallelism inside a DP rank"),
+        "nnodes": (args.nnodes > 1, "--nnodes (one DP group runs on one node)"),
+        "distributed_executor_backend": (args.distributed_executor_backend in ("uni", "ray"),
+                                         f"the {args.distributed_executor_backend} executor (DP runs on 'mp')"),
+        "speculative_config": (args.speculative_config is not None, "speculative decoding"),
+    }
+    for name, (bad, what) in refused.items():
+        if bad:
+            raise InvalidParam(name, f"data_parallel_size={args.data_parallel_size} does not support {what} yet; "
+                                     f"{name} must stay at its default")
 
 
 def check_lora_args(args: EngineArgs) -> None:

@@ -77,10 +77,11 @@ class ParallelConfig:
     distributed_timeout: float = 300.0
     pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
     enable_expert_parallel: bool = False
+    data_parallel_size: int = 1  # engines, each over its own TP group; the ranks are DP-major
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -174,3 +175,5 @@ class EngineConfig:
     draft_model: ModelConfig | None = None  # speculative method draft_model: the draft checkpoint
     lora: LoRAConfig | None = None  # enable_lora
     kv_events: object = None  # a core.kv_events.KVEventsConfig that publishes, or None
+    # decode batch sizes captured as CUDA graphs (worker/cuda_graphs.py), ascending; () = every step eager
+    cudagraph_capture_sizes: tuple[int, ...] = ()

@@ -37,7 +37,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     speculative = None
     if args.speculative_config is not None:
         speculative = SpeculativeConfig.from_dict(args.speculative_config)
-    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    world = args.data_parallel_size * args.tensor_parallel_size * args.pipeline_parallel_size
     device = resolve_device(args.device)
     backend = _resolve_executor_backend(args, world, device)
     attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
@@ -98,7 +98,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             distributed_executor_backend=backend, pp_layer_partition=args.pp_layer_partition,
             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, distributed_timeout=args.distributed_timeout,
-            pipeline_fill=args.pipeline_fill, enable_expert_parallel=args.enable_expert_parallel),
+            pipeline_fill=args.pipeline_fill, enable_expert_parallel=args.enable_expert_parallel,
+            data_parallel_size=args.data_parallel_size),
         device=device,
         attention_backend=attention_backend,
         seed=args.seed,
@@ -109,7 +110,22 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, max(args.max_cpu_loras or 0, args.max_loras))
         if args.enable_lora else None,
         kv_events=_kv_events(args.kv_events_config),
+        cudagraph_capture_sizes=_cudagraph_capture_sizes(args, device),
     )
+
+
+def _cudagraph_capture_sizes(args: EngineArgs, device: str) -> tuple[int, ...]:
+    """Graphs on with CUDA unless enforce_eager; on a CPU none (nothing to save there), unless the stand-in
+    capture rehearses them (PAGODA_CUDA_GRAPH_STAND_IN=1: tests and gpu-check's dry run)."""
+    from pagoda.config.compilation import capture_sizes, cuda_graph_stand_in
+
+    if args.enforce_eager:
+        return ()
+    if not device.startswith("cuda") and not cuda_graph_stand_in():
+        if args.compilation_config is not None:
+            logger.info("compilation_config: no CUDA graphs on %s; every step runs eagerly", device)
+        return ()
+    return capture_sizes(args.compilation_config, args.max_num_seqs)
 
 
 def _kv_events(raw):
@@ -151,6 +167,8 @@ def _resolve_executor_backend(args: "EngineArgs", world: int, device: str) -> st
 
     backend = args.distributed_executor_backend
     if backend is None:
+        if args.data_parallel_size > 1:  # the data-parallel engine drives its ranks from this process
+            return "mp"
         if args.nnodes == 1 and ray_backend_wanted(world, device):
             logger.info("inside a Ray cluster and this node cannot hold all %d ranks: using the ray executor", world)
             return "ray"
@@ -243,6 +261,7 @@ def _async_scheduling(args: "EngineArgs", speculative, device: str, backend: str
     if not wanted:
         return False
     why = ("tensor or pipeline parallelism" if args.tensor_parallel_size * args.pipeline_parallel_size > 1
+           else "data parallelism" if args.data_parallel_size > 1
            else f"the {backend} executor" if backend != "uni"
            else "speculative decoding" if speculative is not None else None)
     if why is not None:

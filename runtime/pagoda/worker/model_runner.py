@@ -25,6 +25,7 @@ from pagoda.sample.rejection_sampler import RejectionSampler, target_probs
 from pagoda.sample.sampler import Sampler, SamplingTensors
 from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.structured_output import get_grammar_backend
+from pagoda.worker.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagoda.worker.gpu_memory import profile_free_gpu_memory
 from pagoda.worker.grammars import advance_matchers, mask_grammars
 from pagoda.worker.input_batch import InputBatch, RunnerSeq
@@ -74,6 +75,7 @@ class ModelRunner:
         self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
         self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.kv_dtype, self.device,
                                      config.cache.calculate_kv_scales)
+        self.graphs: DecodeGraphs | None = None  # captured once the KV cache is allocated
         self.batch = InputBatch(self.block_size, self.device)
         self.seqs: dict[int, RunnerSeq] = self.batch.seqs
         self.seq_generators: dict[int, torch.Generator] = {}
@@ -117,6 +119,10 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.kv_cache.allocate(num_blocks)
         self.kv_cache.allocate_swap_space(self.config.cache.num_swap_blocks)
+        # decode steps' CUDA graphs, captured over the cache just allocated (None: every step eager)
+        self.graphs: DecodeGraphs | None = capture_decode_graphs(
+            self.model, self.config, self.device, self.attn_backend, self.triton_ops, self.lora is not None,
+            -(-self.config.model.max_model_len // self.block_size), self.attention_layers[0].num_kv_heads)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -182,8 +188,12 @@ class ModelRunner:
             failures = self.lora.prepare(adapters, [s.num_new_tokens for s in out.scheduled], keep_rows)
             lora_failed = {s.seq_id: failures[a.lora_int_id] for s, a in zip(out.scheduled, adapters)
                            if a is not None and a.lora_int_id in failures}
-        with forward_context(step.metadata, self.attn_backend, self.triton_ops):
-            hidden = self.model(step.input_ids, step.positions, hidden_in, residual_in, keep_rows=keep_rows)
+        hidden = None
+        if self.graphs is not None and intermediate is None and keep_rows is None:
+            hidden = self.graphs.run(step.input_ids, step.positions, step.metadata)  # None: not a graph's step
+        if hidden is None:
+            with forward_context(step.metadata, self.attn_backend, self.triton_ops):
+                hidden = self.model(step.input_ids, step.positions, hidden_in, residual_in, keep_rows=keep_rows)
         if not self.is_last_stage:
             return IntermediateTensors(*hidden)
         prompt_logprobs = score_scheduled_prompts(out, self.seqs, hidden, self.model.compute_logits,
