@@ -327,7 +327,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--calculate-kv-scales", default=d["calculate_kv_scales"], boolean=True,
           help="fp8 KV cache: calibrate the key/value scales on the first batch (else the checkpoint's, or 1.0)")
     p.add("--enforce-eager", default=d["enforce_eager"], boolean=True,
-          help="accepted for vLLM compatibility: Pagoda always runs eagerly (no CUDA graphs yet)")
+          help="no CUDA graphs: every step runs eagerly (by default, with CUDA, decode steps replay graphs "
+               "captured at start-up; see docs/gpu.md)")
+    p.add("--compilation-config", type=json_object,
+          help='CUDA graphs, as vLLM: \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' sets the decode batch sizes '
+               "captured (default 1, 2, 4, then every multiple of 8 up to --max-num-seqs); other keys are refused. "
+               "Also -O JSON")
+    p.parser.add_argument("-O", dest="compilation_config", type=json_object, default=argparse.SUPPRESS,
+                          help="--compilation-config's short form")
     p.add("--trust-remote-code", default=d["trust_remote_code"], boolean=True,
           help="let transformers run the model repository's own configuration/tokenizer code")
     p.add("--disable-log-stats", default=d["disable_log_stats"], boolean=True,
