@@ -200,7 +200,7 @@ def test_no_autoscaling_plans_nothing():
 
 # ----- scheduling -----
 
-PLAIN_SPECS = [{}, {"pipelineParallelSize": 2, "tensorParallelSize": 4, "replicas": 2,
+PLAIN_SPECS = [{}, {"model": {"path": "/models/llama"}, "pipelineParallelSize": 2, "tensorParallelSize": 4, "replicas": 2,
                     "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
                         "nodeSelectorTerms": [{"matchExpressions": [{"key": "g", "operator": "Exists"}]}]}}},
                     "podAnnotations": {"a": "b"}}]
@@ -219,7 +219,8 @@ def test_without_scheduling_nothing_changes(spec):
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_volcano_gang_pod_groups_and_pods(version):
-    spec_dict = {"pipelineParallelSize": 2, "tensorParallelSize": 8, "replicas": 2, "priorityClassName": "llm",
+    spec_dict = {"model": {"path": "/models/llama"}, "pipelineParallelSize": 2, "tensorParallelSize": 8, "replicas": 2,
+                 "priorityClassName": "llm",
                  "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "200Gi"}, "requests": {"cpu": "7500m"}},
                  "scheduling": {"gang": "volcano", "queue": "inference"}}
     spec = parse(spec_dict)

@@ -16,6 +16,10 @@ pytestmark = pytest.mark.operator
 OWNER_META = {"name": "demo", "namespace": "serving", "uid": "1234"}
 
 
+# a model of the user's: the built-in default has 9 attention heads, which 2, 4 or 8 ranks cannot split
+MODEL = {"model": {"path": "/models/llama"}}
+
+
 def llmd(spec: dict, name: str = "demo") -> dict:
     return {"apiVersion": b.API_VERSION, "kind": b.KIND, "metadata": {**OWNER_META, "name": name}, "spec": spec}
 
@@ -37,7 +41,7 @@ def containers_of(manifests, role=None):
 
 @pytest.mark.parametrize("tp,pp,replicas", list(itertools.product([1, 2, 8], [1, 2, 4], [0, 1, 3])))
 def test_topology_for_tp_pp_replicas(tp, pp, replicas):
-    spec, manifests = build({"tensorParallelSize": tp, "pipelineParallelSize": pp, "replicas": replicas})
+    spec, manifests = build({**MODEL, "tensorParallelSize": tp, "pipelineParallelSize": pp, "replicas": replicas})
     statefulsets = [m for m in manifests if m["kind"] == "StatefulSet"]
     assert len(statefulsets) == replicas * (2 if pp > 1 else 1)
     pods = sum(s["spec"]["replicas"] for s in statefulsets)
@@ -242,13 +246,13 @@ def test_pass_through_fields_and_user_env_cannot_override_the_rank():
 
 
 def test_gpu_resource_name_is_a_spec_field():
-    spec, manifests = build({"tensorParallelSize": 2, "gpuResourceName": "amd.com/gpu"})
+    spec, manifests = build({**MODEL, "tensorParallelSize": 2, "gpuResourceName": "amd.com/gpu"})
     assert containers_of(manifests)[0]["resources"] == {"limits": {"amd.com/gpu": "2"}, "requests": {"amd.com/gpu": "2"}}
     spec, _ = build({"tensorParallelSize": 1, "gpuResourceName": "nvidia.com/mig-1g.10gb",
                      "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}})
     assert spec.gpus_per_pod == 1
     with pytest.raises(InvalidSpec, match="1 nvidia.com/mig-1g.10gb per pod"):
-        build({"tensorParallelSize": 2, "gpuResourceName": "nvidia.com/mig-1g.10gb",
+        build({**MODEL, "tensorParallelSize": 2, "gpuResourceName": "nvidia.com/mig-1g.10gb",
                "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}}})
 
 
@@ -268,7 +272,7 @@ def test_shutdown_outlasts_the_drain_and_the_service_stops_sending_first():
 
 
 def test_explicit_gpu_resources_win():
-    _, manifests = build({"tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}})
+    _, manifests = build({**MODEL, "tensorParallelSize": 4, "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}})
     assert containers_of(manifests)[0]["resources"] == {"limits": {"nvidia.com/gpu": 8, "memory": "400Gi"}}
 
 
@@ -288,7 +292,7 @@ def test_revision_is_the_hash_of_the_rendered_pod_templates(monkeypatch):
         return b.group_revision(parse_spec(llmd(spec), default_image=kw.pop("image", "i")), 0, 0, **kw)
     base = rev({"replicas": 1})
     same = [rev({"replicas": 5}), rev({"replicas": 1, "service": {"port": 9000}}), rev({"restartPolicy": "None"})]
-    changed = [rev({"engine": {"maxNumSeqs": 2}}), rev({}, image="other"), rev({"tensorParallelSize": 2}),
+    changed = [rev({"engine": {"maxNumSeqs": 2}}), rev({}, image="other"), rev({"tensorParallelSize": 3}),
                rev({}, cluster_domain="example.org")]
     assert all(r == base for r in same)  # no pod changes: no restart
     assert len({base, *changed}) == len(changed) + 1
@@ -323,7 +327,8 @@ def test_applied_hash_is_stable_and_tracks_content():
     ({"model": {"path": "/dev/shm/m", "volume": {"emptyDir": {}}}}, "system directory"),
     ({"model": {"path": "/m", "volume": {"emptyDir": {}, "hostPath": {"path": "/x"}}}}, "exactly one volume source"),
     ({"model": {"path": "/m", "volume": {}}}, "exactly one volume source"),
-    ({"tensorParallelSize": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}}, "one GPU per tensor-parallel rank"),
+    ({**MODEL, "tensorParallelSize": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}},
+     "one GPU per tensor-parallel rank"),
     ({"engine": {"extraArgs": ["--node-rank", "3"]}}, "must not set --node-rank"),
     ({"engine": {"extraArgs": ["--tensor-parallel-size=2"]}}, "must not set --tensor-parallel-size"),
     ({"engine": {"extraArgs": ["--shutdown-timeout", "5"]}}, "must not set --shutdown-timeout"),
@@ -349,7 +354,8 @@ def test_names_too_long_for_derived_objects_are_rejected():
 
 
 def test_world_size_limit_comes_from_settings():
-    parse_spec(llmd({"tensorParallelSize": 8, "pipelineParallelSize": 4}), default_image="i", max_world_size=32)
+    parse_spec(llmd({**MODEL, "tensorParallelSize": 8, "pipelineParallelSize": 4}), default_image="i",
+               max_world_size=32)
     with pytest.raises(InvalidSpec):
         parse_spec(llmd({"tensorParallelSize": 8, "pipelineParallelSize": 8}), default_image="i", max_world_size=32)
 

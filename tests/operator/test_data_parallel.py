@@ -170,7 +170,8 @@ def test_impossible_shapes_are_refused_naming_the_field(spec, message):
 
 
 def test_aliases_and_defaults():
-    spec = parse_spec(body({"parallelism": {"tensor": 4, "pipeline": 2}, "tensorParallelSize": 4}), default_image="i")
+    spec = parse_spec(body({**MOE, "parallelism": {"tensor": 4, "pipeline": 2}, "tensorParallelSize": 4}),
+                      default_image="i")
     assert (spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.pods_per_group) == (4, 2, 2)
     spec = parse_spec(body({**MOE, "parallelism": {"data": 4}}), default_image="i")
     assert (spec.data_parallel_size_local, spec.pods_per_group, spec.gpus_per_pod) == (4, 1, 4)  # vLLM's default
@@ -183,8 +184,8 @@ def test_aliases_and_defaults():
 
 @pytest.mark.parametrize("spec,broken", [
     ({"parallelism": {"data": 4, "dataLocal": 2}, **MOE}, None),
-    ({"parallelism": {"data": 4}, "tensorParallelSize": 2}, None),
-    ({"parallelism": {"tensor": 2}, "tensorParallelSize": 2}, None),
+    ({**MOE, "parallelism": {"data": 4}, "tensorParallelSize": 2}, None),
+    ({**MOE, "parallelism": {"tensor": 2}, "tensorParallelSize": 2}, None),
     ({"parallelism": {"expert": True}, "model": {"name": "org/moe"}}, None),
     ({"parallelism": {"expert": False}}, None),
     ({"parallelism": {"data": 1}, "pipelineParallelSize": 4}, None),
