@@ -92,6 +92,14 @@ ARCH_CONFIGS = {
                       tie_word_embeddings=False),
     "olmoe": dict(architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=4, num_experts_per_tok=2,
                   norm_topk_prob=False, clip_qkv=8.0, tie_word_embeddings=False),
+    # sinks, sliding and full layers alternating, YaRN, q/k/v/o biases, biased router, clamped SwiGLU experts
+    # (a low limit, so the clamps bite on these random weights)
+    "gpt-oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_local_experts=4,
+                    num_experts_per_tok=2, head_dim=16, sliding_window=WINDOW, swiglu_limit=1.5,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 64,
+                                     "rope_theta": 150000.0}),
 }
 
 
@@ -127,6 +135,8 @@ def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # strong enough to matter beside the scores
+                p.copy_(2 * torch.randn_like(p))
     max_shard = None if shards == 1 else f"{sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1}KB"
     model.save_pretrained(out, **({"max_shard_size": max_shard} if max_shard else {}))
     return out

@@ -41,7 +41,7 @@ def parallel_greedy(path, **parallel):
 SPLITS = {"tp2": TP2, "ep2": EP2, "pp2": PP2, "ep2-pp2": dict(EP2, pipeline_parallel_size=2)}
 CASES = [*[(arch, split) for arch in ("gemma2", "gemma3", "phi3", "mistral-window") for split in ("tp2", "pp2")],
          *[(arch, split) for arch in ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe") for split in ("tp2", "ep2", "pp2")],
-         ("mixtral", "ep2-pp2")]
+         ("mixtral", "ep2-pp2"), ("gpt-oss", "tp2"), ("gpt-oss", "ep2")]
 
 
 @pytest.mark.parametrize("arch,split", CASES, ids=[f"{a}-{s}" for a, s in CASES])
@@ -50,5 +50,5 @@ def test_parallel_greedy_equals_transformers(tiny_model_factory, reference, arch
     assert got == reference(arch)
     # the expert load counted is the last stage's layers' (every rank routes alike); qwen2-moe's last stage
     # at PP=2 holds only its dense layer
-    if arch in ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe") and (arch, split) != ("qwen2-moe", "pp2"):
+    if arch in ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss") and (arch, split) != ("qwen2-moe", "pp2"):
         assert sum(sum(c) for c in stats.expert_tokens.values()) > 0

@@ -75,18 +75,21 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Each query row attends causally to its sequence's context through the block table: the C++ kernels
     where they are built and read this cache, else ``paged_attention_in_torch`` (``windowed_attention`` for a
-    window or soft-capping). sliding_window: a query at position p sees positions p - sliding_window + 1 .. p;
-    logit_softcap: scores = cap * tanh(scores / cap)."""
+    window, soft-capping or sinks). sliding_window: a query at position p sees positions p - sliding_window + 1
+    .. p; logit_softcap: scores = cap * tanh(scores / cap); sinks [num_heads] float32: each head's softmax
+    denominator gains exp(sink) (gpt-oss's attention sinks)."""
     if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpp_kernels_read(kv_cache) \
             and query.dtype in _FLOAT_DTYPES and (is_fp8(kv_cache) or kv_cache.dtype == query.dtype) \
-            and cpu_kernels.available():
+            and cpu_kernels.available() and sinks is None:
         return _paged_attention_cpu(query, kv_cache, metadata, scale,
                                     _CppVariant(k_scale, v_scale, sliding_window, logit_softcap))
-    if sliding_window is not None or logit_softcap is not None:
-        return windowed_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap, k_scale, v_scale)
+    if sliding_window is not None or logit_softcap is not None or sinks is not None:
+        return windowed_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap, k_scale, v_scale,
+                                  sinks)
     return paged_attention_in_torch(query, kv_cache, metadata, scale, k_scale, v_scale)
 
 
@@ -100,8 +103,9 @@ def cpp_kernels_read(kv_cache: torch.Tensor) -> bool:
 
 
 def windowed_attention(query, kv_cache, metadata: AttentionMetadata, scale: float, sliding_window: int | None,
-                       logit_softcap: float | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Attention with a sliding window and/or soft-capped scores, a sequence at a time: only the window's
+                       logit_softcap: float | None, k_scale: float = 1.0, v_scale: float = 1.0,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with a sliding window, soft-capped scores and/or sinks, a sequence at a time: only the window's
     positions are gathered (a decode reads at most sliding_window of them, whatever the context length)."""
     num_heads, head_size = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
@@ -123,7 +127,12 @@ def windowed_attention(query, kv_cache, metadata: AttentionMetadata, scale: floa
         if logit_softcap is not None:
             scores = torch.tanh(scores / logit_softcap) * logit_softcap
         scores = scores.masked_fill(~visible, float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v.float().permute(1, 0, 2)[:, None])  # [H_kv, G, q, D]
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # the sink is one more logit in the denominator, with no value behind it
+            sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        o = torch.matmul(probs, v.float().permute(1, 0, 2)[:, None])  # [H_kv, G, q, D]
         if v_scale != 1.0:  # an fp8 cache's values
             o = o * v_scale
         out[start : start + q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(out.dtype)

@@ -62,6 +62,8 @@ def checkpoint_quantization(hf_config) -> QuantizationConfig | None:
         return _vllm_fp8(qc)
     if method == "compressed-tensors":
         return _compressed_tensors_fp8(qc)
+    if method == "mxfp4" and (getattr(hf_config, "architectures", None) or [None])[0] == "GptOssForCausalLM":
+        return None  # gpt-oss's experts: dequantized to the model's dtype as they load (models.gpt_oss)
     raise ValueError(f"quantized checkpoints with quant_method={method or 'unknown'!r} are not supported: "
                      "Pagoda loads GPTQ and AWQ int4 checkpoints and FP8 checkpoints (quant_method fp8 or "
                      "compressed-tensors), or quantizes float16/bfloat16/float32 weights itself with "

@@ -62,22 +62,25 @@ class Attention(Module):
         self.k_scale, self.v_scale = 1.0, 1.0
         self.calculate_kv_scales = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. sinks [Hq] float32 (gpt-oss): a logit per head that joins
+        each softmax's denominator and adds nothing to the output."""
         ctx = _local.context
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
         if self.kv_cache is None:  # memory-profiling pass before the cache exists (its output is not read)
             return self._attend_without_cache(q, k, v, ctx.metadata).flatten(1)
+        variant = self._variant if sinks is None else {**self._variant, "sinks": sinks}
         if not kv_scales.is_fp8(self.kv_cache):
             ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping)
-            return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, **self._variant).flatten(1)
+            return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, **variant).flatten(1)
         if self.calculate_kv_scales:
             kv_scales.calibrate(self, k, v)
         ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping, self.k_scale, self.v_scale)
         return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, self.k_scale,
-                                           self.v_scale, **self._variant).flatten(1)
+                                           self.v_scale, **variant).flatten(1)
 
     def _attend_without_cache(self, q, k, v, metadata: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -36,6 +36,8 @@ class MoEOptions:
     scoring: str = "softmax"  # of the router logits: "softmax" or "sigmoid"
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, gated by a sigmoid
     expert_parallel: bool = False
+    biases: bool = False  # gpt-oss: a bias on the router and on each expert's matrices
+    swiglu: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of the clamped SwiGLU
 
 
 def route(router_logits: torch.Tensor, options: MoEOptions) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,22 +53,28 @@ def route(router_logits: torch.Tensor, options: MoEOptions) -> tuple[torch.Tenso
 class Router(Module):
     """The gate: [T, hidden] -> [T, num_experts] logits. Replicated and never quantized (as vLLM)."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param, loaded[:])
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+            self.bias.weight_loader = self.weight.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ExpertMLP(Module):
     """One expert: act(gate) * up, then down; ``matmul`` only (the MoE layer all-reduces once for all experts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, split):
+    def __init__(self, hidden_size: int, intermediate_size: int, split, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, split=split)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, split=split)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, split=split)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, split=split)
+        # the down bias joins the partial sums once: on the rank holding the first split of each expert
+        self.adds_down_bias = bias and self.down_proj.tp_rank == 0
 
 
 class ExpertLoad:
@@ -99,10 +107,10 @@ class SparseMoE(Module):
         else:
             self.num_local, self.first_expert, split = options.num_experts, 0, None
         self.tp_size = state.tp_size
-        self.gate = Router(hidden_size, options.num_experts)
-        self.experts = nn.ModuleList(ExpertMLP(hidden_size, options.intermediate_size, split)
+        self.gate = Router(hidden_size, options.num_experts, options.biases)
+        self.experts = nn.ModuleList(ExpertMLP(hidden_size, options.intermediate_size, split, options.biases)
                                      for _ in range(self.num_local))
-        self.act_and_mul = gated_activation(activation)
+        self.act_and_mul = gated_activation(activation, options.swiglu)
         self.shared_expert = shared_expert
         self.shared_expert_gate = Router(hidden_size, 1) if shared_expert is not None else None
         self.load = ExpertLoad(options.num_experts)
@@ -145,7 +153,9 @@ class SparseMoE(Module):
                 pairs = order[start : start + n]
                 tokens = pairs // top_k
                 layer = self.experts[expert]
-                hidden = layer.down_proj.matmul(self.act_and_mul(layer.gate_up_proj.matmul(x.index_select(0, tokens))))
+                gate_up = layer.gate_up_proj.matmul(x.index_select(0, tokens), layer.gate_up_proj.bias)
+                hidden = layer.down_proj.matmul(self.act_and_mul(gate_up),
+                                                layer.down_proj.bias if layer.adds_down_bias else None)
                 scale = weights.flatten().index_select(0, pairs).unsqueeze(1)
                 # an expert's tokens are distinct; index_add_ would open an OpenMP region per call (tens of ms
                 # each when a thread is descheduled, docs/benchmarks.md), index_put_ adds the same way without
@@ -154,9 +164,10 @@ class SparseMoE(Module):
         return out
 
     def fusable(self) -> bool:
-        """Plain float weights (quantized or packed experts take the grouped path)."""
+        """Plain float weights without biases (quantized or packed experts, and gpt-oss's, take the grouped
+        path)."""
         first = self.experts[0] if self.num_local else None
-        return first is not None and all(
+        return first is not None and not self.options.biases and self.options.swiglu is None and all(
             getattr(m, "quant_method", None) is None and getattr(m, "packed_weight", None) is None
             for m in (first.gate_up_proj, first.down_proj))
 

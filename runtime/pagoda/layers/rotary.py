@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox style: rotate the two halves), with linear, Llama-3 and LongRoPE scaling.
+"""Rotary position embedding (neox style: rotate the two halves), with linear, Llama-3, LongRoPE and YaRN scaling.
 
 Scaling only changes the inverse frequencies (and LongRoPE's magnitude), so it lives entirely in the cos/sin
 cache.
@@ -28,7 +28,50 @@ def inverse_frequencies(head_size: int, params: dict) -> torch.Tensor:
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         inv_freq = torch.where(mid, smoothed, scaled)
+    elif rope_type == "yarn":
+        return yarn_inverse_frequencies(head_size, params)
     return inv_freq.float()
+
+
+def _yarn_factor(params: dict) -> float:
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek-V3 may leave it to the ratio of the lengths
+        factor = float(params["max_position_embeddings"]) / float(params["original_max_position_embeddings"])
+    return float(factor)
+
+
+def yarn_inverse_frequencies(head_size: int, params: dict) -> torch.Tensor:
+    """YaRN's blend of interpolated and original frequencies (transformers' _compute_yarn_parameters)."""
+    base, factor = float(params.get("rope_theta", 10000.0)), _yarn_factor(params)
+    original = float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return head_size * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    extrapolation = 1 - torch.clamp((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_magnitude(params: dict) -> float:
+    """YaRN's attention factor on cos and sin."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, mscale, mscale_all_dim = _yarn_factor(params), params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def longrope_inverse_frequencies(head_size: int, params: dict, factors: str) -> torch.Tensor:
@@ -59,7 +102,8 @@ def cos_sin_cache(head_size: int, max_position: int, params: dict) -> torch.Tens
         magnitude = longrope_magnitude(params)
         return torch.cat([freqs.cos() * magnitude, freqs.sin() * magnitude], dim=-1)
     freqs = torch.outer(positions, inverse_frequencies(head_size, params))  # [max_pos, D/2]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    magnitude = yarn_magnitude(params) if params.get("rope_type") == "yarn" else 1.0
+    return torch.cat([freqs.cos() * magnitude, freqs.sin() * magnitude], dim=-1)
 
 
 class RotaryEmbedding(Module):

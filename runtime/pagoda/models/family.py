@@ -18,7 +18,8 @@ class LayerAttention:
     rope: dict = field(hash=False)
 
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                     "GptOssForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class MoEConfig:
     scoring: str = "softmax"
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (Qwen's mlp_only_layers)
+    biases: bool = False  # gpt-oss: the router and every expert matrix have a bias
+    swiglu: tuple[float, float] | None = None  # gpt-oss: (alpha, limit) of its clamped SwiGLU
 
 
 def moe_config(config) -> MoEConfig | None:
@@ -42,6 +45,10 @@ def moe_config(config) -> MoEConfig | None:
     if arch == "MixtralForCausalLM":  # always renormalises the top-k weights
         return MoEConfig(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True,
                          sparse_layers=(True,) * n)
+    if arch == "GptOssForCausalLM":  # softmax over the top-k logits: the renormalised top-k of the softmax
+        return MoEConfig(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, True,
+                         sparse_layers=(True,) * n, biases=True,
+                         swiglu=(config.swiglu_alpha, config.swiglu_limit))
     step = getattr(config, "decoder_sparse_step", None) or 1
     dense = set(getattr(config, "mlp_only_layers", None) or [])
     sparse = tuple(i not in dense and config.num_experts > 0 and (i + 1) % step == 0 for i in range(n))
@@ -67,6 +74,7 @@ class FamilyOptions:
     attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # Gemma 2: the same on the LM head's logits
     fused_checkpoint: bool = False  # Phi-3 stores qkv_proj and gate_up_proj already fused
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax's denominator
     layers: tuple[LayerAttention, ...] = ()
     moe: MoEConfig | None = None
     expert_parallel: bool = False  # an engine setting, not the checkpoint's: set by the model's constructor
@@ -103,7 +111,7 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     if params["rope_type"] == "su":  # Phi-3's first name for LongRoPE
         params["rope_type"] = "longrope"
-    if params["rope_type"] == "longrope":
+    if params["rope_type"] in ("longrope", "yarn"):
         params.setdefault("original_max_position_embeddings",
                           getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
         params.setdefault("max_position_embeddings", config.max_position_embeddings)
@@ -144,4 +152,4 @@ def family_options(config) -> FamilyOptions:
         o_bias=attention_bias and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), qk_norm_full=arch == "OlmoeForCausalLM",
         clip_qkv=getattr(config, "clip_qkv", None),
-        fused_checkpoint=arch == "Phi3ForCausalLM", **common)
+        fused_checkpoint=arch == "Phi3ForCausalLM", attention_sinks=arch == "GptOssForCausalLM", **common)

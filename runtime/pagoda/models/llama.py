@@ -52,6 +52,12 @@ class LlamaAttention(Module):
         scale = options.attn_scale or self.head_size**-0.5
         self.attn = Attention(self.num_heads, self.head_size, self.num_kv_heads, scale, layer.sliding_window,
                               options.attn_logit_softcap)
+        self.sinks = None
+        if options.attention_sinks:  # this rank's heads' sink logits
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            rank, n = self.qkv_proj.tp_rank, self.num_heads
+            self.sinks.weight_loader = lambda param, loaded, shard_id=None: param.data.copy_(
+                loaded[rank * n : (rank + 1) * n])
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, keep_rows: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -65,7 +71,7 @@ class LlamaAttention(Module):
         if self.clip_qkv is not None:  # after the norms, as OLMoE
             q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
-        attended = self.attn(q, k, v.contiguous())  # [T, q_size]
+        attended = self.attn(q, k, v.contiguous(), self.sinks)  # [T, q_size]
         if keep_rows is not None:
             attended = attended.index_select(0, keep_rows)
         return self.o_proj(attended)
@@ -101,7 +107,8 @@ def make_mlp(config, options: FamilyOptions, layer_index: int) -> Module:
         shared = LlamaMLP(config, options.activation, moe.shared_expert_intermediate_size)
     return SparseMoE(config.hidden_size, MoEOptions(
         moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob, moe.scoring,
-        moe.shared_expert_intermediate_size, options.expert_parallel), options.activation, shared)
+        moe.shared_expert_intermediate_size, options.expert_parallel, moe.biases, moe.swiglu), options.activation,
+        shared)
 
 
 class LlamaDecoderLayer(Module):

@@ -15,6 +15,7 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
     "OlmoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
+    "GptOssForCausalLM": "pagoda.models.gpt_oss:GptOssForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 SUPPORT_TABLE = "docs/models.md#supported-architectures"

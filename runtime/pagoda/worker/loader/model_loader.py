@@ -15,7 +15,7 @@ from pagoda.models.registry import SUPPORTED_ARCHITECTURES, unsupported_architec
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> str:
@@ -130,7 +130,10 @@ def load_weights(model, path: str, quantization: QuantizationConfig | None = Non
                        for name in params}
     shards_loaded: dict[str, int] = dict.fromkeys(params, 0)
     found_kv_scales: dict[str, dict[str, float]] = {}  # attention module -> {"k" | "v" | "kv": scale}
-    for ckpt_name, tensor in iterate_weights(path):
+    tensors = iterate_weights(path)
+    if hasattr(model, "checkpoint_tensors"):  # a family whose checkpoint layout differs (gpt-oss's experts)
+        tensors = model.checkpoint_tensors(tensors)
+    for ckpt_name, tensor in tensors:
         kv_scale = kv_scales.checkpoint_kv_scale(ckpt_name)
         if kv_scale is not None:  # an fp8 KV cache's scales (used only when kv_cache_dtype is fp8)
             found_kv_scales.setdefault(kv_scale[0], {})[kv_scale[1]] = kv_scales.scale_value(tensor)
