@@ -93,14 +93,26 @@ async def single_process_reference(e2e: E2E, claim: str) -> list[str]:
 
 
 async def test_a_flag_the_model_cannot_honour_is_named_in_the_degraded_condition(e2e: E2E):
-    # the default model has 9 attention heads: 2 ranks cannot split them. The operator cannot know (it reads no
-    # model); the engine refuses at start, and its last log line reaches the LLMDeployment's status
-    await e2e.cluster.create("uneven", {**CPU, "tensorParallelSize": 2})
+    # the default model has 9 attention heads: 2 ranks cannot split them, and the operator knows its heads, so
+    # it refuses the spec (SpecValid) before any pod
+    await e2e.cluster.create("uneven-default", {**CPU, "tensorParallelSize": 2})
+
+    async def spec_refused() -> bool:
+        status = await e2e.cluster.status("uneven-default")
+        valid = next((c for c in status.get("conditions") or [] if c["type"] == "SpecValid"), {})
+        return valid.get("status") == "False" and "9 attention heads" in valid.get("message", "")
+
+    await e2e.until(spec_refused, "SpecValid names the default model's 9 heads", timeout=60)
+    assert await e2e.pods("uneven-default") == {}
+
+    # the tiny model's 4 heads on 3 ranks: the operator reads no model of the user's; the engine refuses at
+    # start, and its last log line reaches the LLMDeployment's status
+    await e2e.cluster.create("uneven", {**CPU, **write_tiny_claim(e2e, "uneven"), "tensorParallelSize": 3})
 
     async def degraded_says_why() -> bool:
         status = await e2e.cluster.status("uneven")
         degraded = next((c for c in status.get("conditions") or [] if c["type"] == "Degraded"), {})
-        return degraded.get("reason") == "PodFailing" and "--tensor-parallel-size 2 does not split" in \
+        return degraded.get("reason") == "PodFailing" and "--tensor-parallel-size 3 does not split" in \
             degraded.get("message", "")
 
     await e2e.until(degraded_says_why, "Degraded names --tensor-parallel-size", timeout=300)
