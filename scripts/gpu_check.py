@@ -184,6 +184,11 @@ def plan(out: Path, dry_run: bool, workers: int) -> list[Step]:
                        "chunked prefill + prefix cache, fp8 KV cache, LoRA",
              pytest_argv([str(ROOT / "tests" / "gpu")], out, "junit-engine.xml", 150 * slower, 1), 150,
              env=engine_env, junit="junit-engine.xml"),
+        Step("cuda-graphs", "decode CUDA graphs vs eager on the Triton engine: greedy tokens equal; TPOT at batch "
+                            "1 and 32 with and without graphs (the default model's shape, bf16); capture time "
+                            "and memory",
+             [sys.executable, here, "cuda-graphs", "--model-dir", str(model_dir), "--out", str(out)], 120,
+             json_file="cuda-graphs.json"),
         Step("bench-kernels", "pagoda bench kernels, short: decode GB/s vs HBM, prefill TFLOP/s",
              cli_argv("bench", "kernels", *bench_kernels, "--json", str(out / "bench-kernels.json")), 120,
              json_file="bench-kernels.json"),
@@ -382,6 +387,9 @@ def run(args) -> int:
             if step.name == "environment" and (out / "environment.json").exists():
                 fields.update(json.loads((out / "environment.json").read_text()))
                 (out / "environment.json").unlink()  # folded into gpu-check.json: fewer files come back
+            if step.name == "cuda-graphs" and (out / "cuda-graphs.json").exists():
+                fields["summary"] = json.loads((out / "cuda-graphs.json").read_text())
+                (out / "cuda-graphs.json").unlink()  # folded into gpu-check.json, as environment.json
             if step.name == "bench-kernels":
                 fields["summary"] = summarize_bench_kernels(out / "bench-kernels.json")
             if step.name == "bench-throughput":
@@ -573,6 +581,117 @@ def throughput(args) -> int:
     return code
 
 
+GRAPH_TOKEN_SIZES = [1, 2, 4, 8]  # the token check's captured sizes: batches of 1 and 8 on them, 3 between, 11 above
+GRAPH_TPOT_BATCHES = (1, 32)
+
+
+def cuda_graphs_check(args) -> int:
+    """Decode CUDA graphs (runtime/pagoda/worker/cuda_graphs.py) against eager steps on this device's engine:
+    greedy tokens equal (a float32 tiny Llama, batches on, between and above the captured sizes), then TPOT at
+    batch 1 and 32 with and without graphs, and what the capture cost (the default model's shape, bf16). The dry
+    run takes the stand-in capture on the CPU's torch backend, the tiny model for both."""
+    import gc
+
+    import torch
+
+    from pagoda import LLM, SamplingParams
+    from pagoda.config.compilation import STAND_IN_ENV
+
+    dry_run = os.environ.get("PAGODA_GPU_CHECK_DRY_RUN", "") not in ("", "0")
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ[STAND_IN_ENV] = "1"  # the rehearsal: the stand-in capture on the CPU
+    sys.path.insert(0, str(ROOT / "tests"))
+    from checkpoints import write_tiny_model
+
+    tiny = SCRATCH / "graphs-tiny-llama"
+    if not (tiny / "config.json").exists():
+        write_tiny_model(tiny, "llama")
+    result: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (stand-in capture)"}
+    out = Path(args.out) / "cuda-graphs.json"
+
+    def save():
+        out.write_text(json.dumps(result, indent=2))
+
+    def free(llm):
+        llm.shutdown()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def engine(path, graphs: bool, **kwargs) -> LLM:
+        return LLM(str(path), enforce_eager=not graphs, **kwargs)
+
+    def generate(llm, prompts, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    # 1. tokens: the same prompts with graphs and eagerly
+    prompts = ["Hello, my name is", "Paris is the capital of", "The quick brown fox", "a", "héllo wörld",
+               "Paged attention stores keys", "San Francisco is", "Continuous batching lets new", "numbers 0123",
+               "The lazy dog", "Kubernetes"]
+    tokens, replays = {}, {}
+    for graphs in (False, True):
+        llm = engine(tiny, graphs, dtype="float32", kv_cache_memory=0.05, max_num_seqs=16,
+                     compilation_config={"cudagraph_capture_sizes": GRAPH_TOKEN_SIZES})
+        tokens[graphs] = {batch: generate(llm, prompts[:batch], 12) for batch in (1, 3, 8, 11)}
+        runner_graphs = llm.engine.executor.runner.graphs
+        if graphs:
+            replays = dict(runner_graphs.stats.replays_by_size) if runner_graphs is not None else None
+        free(llm)
+    equal = {str(batch): tokens[True][batch] == tokens[False][batch] for batch in tokens[False]}
+    result["tokens"] = {"model": "tiny random Llama, float32", "captured_sizes": GRAPH_TOKEN_SIZES,
+                        "equal_by_batch": equal, "replays_by_size": replays}
+    save()
+    ok = all(equal.values()) and bool(replays) and set(replays) == {1, 4, 8}
+    print(f"cuda-graphs: tokens equal by batch {equal}; replays by size {replays}")
+
+    # 2. TPOT at batch 1 and 32, with and without graphs (the default ladder up to max_num_seqs 32)
+    if dry_run:
+        model, dtype, steps = tiny, "float32", 4
+        words = prompts
+    else:
+        model, dtype, steps = write_default_shape_model(Path(args.model_dir)), "bfloat16", 64
+        words = [" ".join(f"w{100 + 37 * i + j}" for j in range(16)) for i in range(32)]
+    batch_prompts = [words[i % len(words)] for i in range(max(GRAPH_TPOT_BATCHES))]
+    tpot: dict = {}
+    for graphs in (False, True):
+        name = "graphs" if graphs else "eager"
+        llm = engine(model, graphs, dtype=dtype, kv_cache_memory=2.0 if cuda else 0.05, max_num_seqs=32)
+        stats = llm.engine.executor.runner.graphs
+        if graphs:
+            if stats is None:
+                print("cuda-graphs: no graphs captured on the default-shape model")
+                ok = False
+            else:
+                result["capture"] = {"sizes": list(stats.sizes), "seconds": round(stats.stats.capture_seconds, 2),
+                                     "memory_mib": None if stats.stats.capture_bytes is None
+                                     else round(stats.stats.capture_bytes / 2**20, 1)}
+        for batch in GRAPH_TPOT_BATCHES:
+            chosen = batch_prompts[:batch]
+            generate(llm, chosen, steps + 1)  # warm-up
+            best = float("inf")
+            for _ in range(2):
+                start = time.perf_counter()
+                generate(llm, chosen, 1)
+                prefill = time.perf_counter() - start
+                start = time.perf_counter()
+                generate(llm, chosen, steps + 1)
+                best = min(best, (time.perf_counter() - start - prefill) / steps)
+            tpot.setdefault(f"batch_{batch}", {})[f"{name}_ms"] = round(best * 1e3, 3)
+        free(llm)
+        result["tpot"] = {"model": "tiny random Llama (the rehearsal: CPU timings, meaningless)" if dry_run else
+                          "random weights in SmolLM2-135M-Instruct's shape, bfloat16", "decode_steps": steps, **tpot}
+        save()
+    for row in tpot.values():
+        if "graphs_ms" in row and row.get("eager_ms"):
+            row["speedup"] = round(row["eager_ms"] / row["graphs_ms"], 2)
+    result["passed"] = ok
+    save()
+    print(f"cuda-graphs: {json.dumps(result)}")
+    return 0 if ok else 1
+
+
 def serve_smoke(args) -> int:
     """pagoda serve on a tiny checkpoint (the device's default backend), /health, one completion."""
     import socket
@@ -648,6 +767,9 @@ def parse_args(argv):
     t.add_argument("bench_args", nargs="*")
     s = sub.add_parser("serve-smoke")
     s.add_argument("--out", required=True)
+    g = sub.add_parser("cuda-graphs")
+    g.add_argument("--model-dir", required=True)
+    g.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.command in ("run", "plan", "check-args"):
         if args.budget is None:
@@ -696,7 +818,7 @@ def main(argv=None) -> int:
     if args.command == "check-args":
         return check_args(args)
     return {"run": run, "environment": environment, "throughput": throughput,
-            "serve-smoke": serve_smoke}[args.command](args)
+            "serve-smoke": serve_smoke, "cuda-graphs": cuda_graphs_check}[args.command](args)
 
 
 if __name__ == "__main__":

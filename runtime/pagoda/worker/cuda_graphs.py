@@ -152,8 +152,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> GraphStats:
         cuda = self.device.type == "cuda"
-        if cuda:
+        if cuda:  # the pool's memory: what the device lost, the warm-ups' freed activations given back
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         for size in reversed(self.sizes):
@@ -164,6 +165,8 @@ class DecodeGraphs:
         if cuda:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        if cuda:
+            torch.cuda.empty_cache()
         used = torch.cuda.mem_get_info(self.device)[0] if cuda else None
         self.stats = GraphStats(self.sizes, seconds, free_before - used if cuda else None)
         logger.info("CUDA graphs%s: decode batch sizes %s captured in %.1f s%s", " (stand-in)" if
@@ -229,7 +232,11 @@ def capture_decode_graphs(model, config, device: torch.device, attn_backend, tri
     capture = CudaGraphCapture() if device.type == "cuda" else StandInCapture()
     graphs = DecodeGraphs(model, config.cudagraph_capture_sizes, max_blocks_per_seq, device, attn_backend,
                           triton_ops, capture, num_kv_heads)
-    graphs.capture()
+    try:
+        graphs.capture()
+    except Exception:  # noqa: BLE001 - a server that runs eagerly beats one that does not start
+        logger.exception("CUDA graph capture failed: every step runs eagerly (--enforce-eager skips the capture)")
+        return None
     return graphs
 
 
