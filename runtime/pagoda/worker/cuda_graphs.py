@@ -30,8 +30,8 @@ that the captured path reads every length from the device buffers.
 import bisect
 import logging
 import time
-from collections.abc import Callable
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
