@@ -18,7 +18,7 @@ class OperatorSettings:
     log_level: str = "INFO"
     liveness_port: int = 8080
     cluster_domain: str = "cluster.local"
-    max_world_size: int = 256                 # TP x PP per group
+    max_world_size: int = 256                 # TP x PP x DP ranks per group
     resync_seconds: float = 30.0              # periodic reconcile: deferred restarts, missed events
     recreate_backoff_seconds: float = 10.0    # first delay between recreations of a crashing group
     recreate_backoff_max_seconds: float = 300.0
