@@ -14,6 +14,7 @@ import yaml
 from test_model_cache import cel_failures
 
 from pagoda_operator import builders as b
+from pagoda_operator.router import build_router
 from pagoda_operator.scheduling import KUEUE_GROUP_TOTAL_COUNT, pod_group_spec
 from pagoda_operator.spec import InvalidSpec, parse_spec
 from pagoda_operator.status import GroupObservation, build_status
@@ -248,9 +249,13 @@ def test_a_dp_group_is_ready_only_when_every_pod_is():
 ])
 def test_dp_manifests_are_valid_kubernetes(spec, version):
     jsonschema.Draft4Validator(crd_schema()).validate(body(spec))
-    _, manifests = build(spec)
-    for manifest in manifests:
+    parsed, manifests = build(spec)
+    for manifest in manifests + build_router(parsed, body(spec)):
         kubernetes_validate.validate(manifest, version, strict=True)
+    if parsed.router:  # the router balances over the groups' API servers: the heads behind Service X
+        args = next(m for m in build_router(parsed, body(spec)) if m["kind"] == "Deployment")[
+            "spec"]["template"]["spec"]["containers"][0]["args"]
+        assert flag(args, "--k8s-service") == "demo"
 
 
 def test_the_dp_sample_spreads_experts_over_two_pods():
