@@ -87,3 +87,25 @@ def test_enforce_eager_and_cpu_default_capture_nothing(path, monkeypatch):
     assert runner(make_llm(path, graphs=True)).graphs is None  # a CPU without the stand-in: no graphs
     monkeypatch.setenv(STAND_IN_ENV, "1")
     assert runner(make_llm(path, graphs=False)).graphs is None  # enforce_eager=True
+
+
+def test_what_keeps_the_whole_engine_eager(path, tiny_model_factory, stand_in):
+    from dataclasses import replace
+
+    from pagoda.config import EngineArgs, create_engine_config
+
+    config = create_engine_config(EngineArgs(model=str(path), device="cpu",
+                                             compilation_config={"cudagraph_capture_sizes": SIZES}))
+    plain, cpu = torch.nn.Linear(1, 1), torch.device("cpu")
+    assert cuda_graphs.eager_reason(config, plain, cpu, lora=False) is None
+    for words, changed in [
+            ("pipeline parallelism", replace(config, parallel=replace(config.parallel, pipeline_parallel_size=2))),
+            ("tensor parallelism off CUDA", replace(config, parallel=replace(config.parallel, tensor_parallel_size=2))),
+            ("calculate_kv_scales", replace(config, cache=replace(config.cache, calculate_kv_scales=True))),
+            ("enforce_eager", replace(config, cudagraph_capture_sizes=()))]:
+        assert words in cuda_graphs.eager_reason(changed, plain, cpu, lora=False)
+    assert "LoRA" in cuda_graphs.eager_reason(config, plain, cpu, lora=True)
+    assert "torch attention backend" in cuda_graphs.eager_reason(config, plain, torch.device("cuda"), lora=False)
+    moe = LLM(str(tiny_model_factory("mixtral")), dtype="float32", device="cpu", kv_cache_memory=0.01,
+              compilation_config={"cudagraph_capture_sizes": SIZES})
+    assert runner(moe).graphs is None
