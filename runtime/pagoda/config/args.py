@@ -64,6 +64,12 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # MoE: whole experts split over the DP x TP ranks (docs/distributed.md)
     # engines (each its own scheduler, block manager and KV cache), TP inside each (docs/distributed.md)
     data_parallel_size: int = 1
+    # many nodes, as vLLM's flags: checked, and refused past their defaults until the node runtime lands
+    data_parallel_size_local: int | None = None  # DP ranks on this node (default: all of them)
+    data_parallel_address: str | None = None  # the head node's address, where the ranks meet
+    data_parallel_rpc_port: int = 13345  # the head's port for the ranks' control messages (vLLM's default)
+    data_parallel_start_rank: int = 0  # the first DP rank this node runs
+    data_parallel_rank: int | None = None  # external load balancing: this server is DP rank R alone
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -178,6 +184,7 @@ def check_vllm_args(args: EngineArgs) -> None:
 
 def check_data_parallel_args(args: EngineArgs) -> None:
     """data_parallel_size > 1: the combinations the data-parallel engine does not run, refused by name."""
+    check_data_parallel_nodes(args)
     if args.data_parallel_size == 1:
         return
     refused = {
@@ -191,6 +198,35 @@ def check_data_parallel_args(args: EngineArgs) -> None:
         if bad:
             raise InvalidParam(name, f"data_parallel_size={args.data_parallel_size} does not support {what} yet; "
                                      f"{name} must stay at its default")
+
+
+def check_data_parallel_nodes(args: EngineArgs) -> None:
+    """vLLM's many-node DP flags: each checked against data_parallel_size, then refused by name while one
+    node runs every DP rank (docs/distributed.md)."""
+    dp = args.data_parallel_size
+    local = args.data_parallel_size_local
+    if local is not None and not (isinstance(local, int) and 1 <= local <= dp and dp % local == 0):
+        raise InvalidParam("data_parallel_size_local", f"data_parallel_size_local must divide data_parallel_size "
+                                                       f"({dp}) and be >= 1; got {local!r}")
+    if not (isinstance(args.data_parallel_start_rank, int) and 0 <= args.data_parallel_start_rank < dp):
+        raise InvalidParam("data_parallel_start_rank", f"data_parallel_start_rank must be in [0, {dp}); "
+                                                       f"got {args.data_parallel_start_rank!r}")
+    if args.data_parallel_rank is not None and not (isinstance(args.data_parallel_rank, int)
+                                                    and 0 <= args.data_parallel_rank < dp):
+        raise InvalidParam("data_parallel_rank", f"data_parallel_rank must be in [0, {dp}); "
+                                                 f"got {args.data_parallel_rank!r}")
+    if not (isinstance(args.data_parallel_rpc_port, int) and 0 < args.data_parallel_rpc_port < 65536):
+        raise InvalidParam("data_parallel_rpc_port", f"data_parallel_rpc_port must be a port (1-65535); "
+                                                     f"got {args.data_parallel_rpc_port!r}")
+    many_nodes = {"data_parallel_size_local": local is not None and local < dp,
+                  "data_parallel_address": args.data_parallel_address is not None,
+                  "data_parallel_start_rank": args.data_parallel_start_rank != 0,
+                  "data_parallel_rank": args.data_parallel_rank is not None}
+    for name, asked in many_nodes.items():
+        if asked:
+            raise InvalidParam(name, f"{name}: data parallelism over many nodes (or one endpoint per DP rank) is "
+                                     "not supported by Pagoda yet; one node runs every DP rank "
+                                     "(docs/distributed.md)")
 
 
 def check_lora_args(args: EngineArgs) -> None:

@@ -30,6 +30,16 @@ class KVEventsConfig:
     def resolved_publisher(self) -> str:
         return self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
 
+    def for_data_parallel_rank(self, rank: int) -> KVEventsConfig:
+        """DP rank `rank`'s own endpoints, as vLLM offsets them: a TCP port + rank, an ipc/inproc name + _dp<rank>;
+        rank 0 keeps the configured ones."""
+        if rank == 0:
+            return self
+        from dataclasses import replace
+
+        return replace(self, endpoint=offset_endpoint(self.endpoint, rank),
+                       replay_endpoint=offset_endpoint(self.replay_endpoint, rank) if self.replay_endpoint else None)
+
     @classmethod
     def parse(cls, raw) -> KVEventsConfig:
         """A dict, a JSON object's text or a KVEventsConfig -> the config; InvalidParam naming the key."""
@@ -64,6 +74,14 @@ class KVEventsConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise _bad(f"{key} must be an integer >= 1; got {value!r}")
         return config
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if port.isdigit():
+            return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 def _bad(message: str) -> InvalidParam:

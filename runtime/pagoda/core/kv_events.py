@@ -224,9 +224,10 @@ class ZmqEventPublisher:
 class KVEvents:
     """The engine core's side: the block manager's recorder and the publisher, flushed once a step."""
 
-    def __init__(self, config: KVEventsConfig, block_size: int, sliding_window: int | None = None):
+    def __init__(self, config: KVEventsConfig, block_size: int, sliding_window: int | None = None,
+                 data_parallel_rank: int = 0):
         self.recorder = KVEventRecorder(block_size, sliding_window)
-        self.publisher = ZmqEventPublisher(config)
+        self.publisher = ZmqEventPublisher(config.for_data_parallel_rank(data_parallel_rank), data_parallel_rank)
 
     def flush(self) -> None:
         events = self.recorder.take()

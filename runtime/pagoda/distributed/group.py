@@ -35,7 +35,8 @@ def free_port() -> int:
 
 def rank_info(config: EngineConfig, rank: int) -> RankInfo:
     p = config.parallel
-    return RankInfo(rank, p.world_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes)
+    return RankInfo(rank, p.world_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes,
+                    p.data_parallel_size)
 
 
 def group_settings(config: EngineConfig) -> dict:
@@ -46,6 +47,7 @@ def group_settings(config: EngineConfig) -> dict:
                  f"vocab={hf.vocab_size})",
         "tensor_parallel_size": p.tensor_parallel_size,
         "pipeline_parallel_size": p.pipeline_parallel_size,
+        "data_parallel_size": p.data_parallel_size,
         "nnodes": p.nnodes,
         "world_size": p.world_size,
         "dtype": config.model.dtype,
@@ -83,24 +85,41 @@ def init_group(config: EngineConfig, rank: int, on_failure, failure: Callable[[]
     dist.init_process_group(backend, store=dist.PrefixStore("pagoda", store), rank=rank,
                             world_size=info.world_size, timeout=timedelta(seconds=timeout))
     tp_group = tp_cpu_group = None
-    for stage in range(info.pp_size):  # every rank creates every group, in the same order
-        ranks = list(range(stage * info.tp_size, (stage + 1) * info.tp_size))
+    for first in range(0, info.world_size, info.tp_size):  # every rank creates every group, in the same order
+        ranks = list(range(first, first + info.tp_size))
         group = dist.new_group(ranks) if info.tp_size > 1 else None
         cpu = (dist.new_group(ranks, backend="gloo") if backend == "nccl" else group) if info.tp_size > 1 else None
-        if info.pp_rank == stage:
+        if rank in ranks:
             tp_group, tp_cpu_group = group, cpu
+    dp_group = dp_peer_group(info)
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     tp_shm = None
     if backend == "gloo" and info.tp_size > 1:  # CPU: the TP ranks of a node share memory instead of loopback
         from pagoda.distributed.shm_allreduce import create_communicator
 
         tp_shm = create_communicator(tp_group, info.tp_rank, info.tp_size)
-    set_parallel_state(ParallelState(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, tp_group, tp_shm))
+    set_parallel_state(ParallelState(info.tp_rank, info.tp_size, info.pp_rank, info.pp_size, tp_group, tp_shm,
+                                     info.dp_rank, info.dp_size, dp_group,
+                                     config.parallel.enable_expert_parallel and info.dp_size > 1))
     watched = [r for r in range(info.world_size) if r != rank] if rank == 0 else [0]
     heartbeat = Heartbeat(p.master_addr, p.master_port, rank, watched, on_failure).start()
     logger.info("rank %d joined: tp_rank=%d pp_rank=%d node=%d backend=%s", rank, info.tp_rank, info.pp_rank,
                 info.node_rank, backend)
     return GroupHandles(info, store, cpu_group, tp_cpu_group, heartbeat)
+
+
+def dp_peer_group(info: RankInfo):
+    """The ranks of the other DP ranks that hold the same TP shard (the MoE layers gather tokens over them);
+    None when that is the whole world (TP = 1) or there is no data parallelism. Every rank creates every one."""
+    if info.dp_size == 1 or info.tp_size * info.pp_size == 1:
+        return None
+    stride = info.tp_size * info.pp_size
+    mine = None
+    for shard in range(stride):
+        group = dist.new_group([d * stride + shard for d in range(info.dp_size)])
+        if shard == info.rank % stride:
+            mine = group
+    return mine
 
 
 def min_over_group(value: int, group) -> int:

@@ -20,6 +20,20 @@ class ParallelState:
     pp_size: int = 1
     tp_group: object = None  # torch.distributed ProcessGroup when tp_size > 1
     tp_shm: object = None  # shm_allreduce.ShmCommunicator when the TP ranks share memory (CPU, one host)
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: object = None  # the other DP ranks' ranks of this TP shard (None: the whole world, TP = 1)
+    # MoE with expert parallelism and DP > 1: the experts split over every DP x TP rank, tokens exchanged
+    experts_across_dp: bool = False
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place among the ranks the experts split over (the TP group, or DP x TP)."""
+        return self.dp_rank * self.tp_size + self.tp_rank if self.experts_across_dp else self.tp_rank
+
+    @property
+    def ep_size(self) -> int:
+        return self.dp_size * self.tp_size if self.experts_across_dp else self.tp_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -92,6 +106,42 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         out = torch.cat(parts, dim=-1)
     comm_seconds += time.perf_counter() - start
     return out
+
+
+def dp_all_gather_rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """[T_d, ...] on each DP rank -> (every DP rank's rows in DP order, [T_0, T_1, ...]). Gloo gathers equal
+    shapes only: the counts first, then the rows padded to the largest."""
+    global comm_seconds
+    start = time.perf_counter()
+    group = _state.dp_group
+    count = torch.tensor([x.shape[0]], dtype=torch.int64)
+    counts = [torch.empty_like(count) for _ in range(_state.dp_size)]
+    dist.all_gather(counts, count, group=group)
+    counts = [int(c.item()) for c in counts]
+    padded = x.new_zeros((max(counts), *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded, group=group)
+    comm_seconds += time.perf_counter() - start
+    return torch.cat([part[:n] for part, n in zip(parts, counts)]), counts
+
+
+def dp_reduce_scatter_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The inverse of dp_all_gather_rows, summing: x holds every DP rank's rows (as gathered); each DP rank gets
+    the sum over the DP ranks of its own rows. Partial still over this rank's TP shard of the experts."""
+    global comm_seconds
+    start = time.perf_counter()
+    width = max(counts)
+    chunks, offset = [], 0
+    for n in counts:
+        chunk = x.new_zeros((width, *x.shape[1:]))
+        chunk[:n] = x[offset : offset + n]
+        chunks.append(chunk)
+        offset += n
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=_state.dp_group)
+    comm_seconds += time.perf_counter() - start
+    return out[: counts[_state.dp_rank]]
 
 
 def default_layer_partition(num_layers: int, pp_size: int, lm_head_layers: float = 0.0) -> list[int]:

@@ -34,6 +34,7 @@ class RankInfo:
     tp_size: int
     pp_size: int
     nnodes: int
+    dp_size: int = 1  # ranks are DP-major: rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank
 
     @property
     def tp_rank(self) -> int:
@@ -41,7 +42,16 @@ class RankInfo:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // self.tp_size
+        return self.rank // self.tp_size % self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.pp_size)
+
+    @property
+    def dp_leader(self) -> int:
+        """The global rank that receives this DP rank's schedules (its first stage's TP rank 0)."""
+        return self.dp_rank * self.tp_size * self.pp_size
 
     @property
     def node_rank(self) -> int:

@@ -88,7 +88,7 @@ class StepTimer:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor, num_blocks: int):
+    def __init__(self, config: EngineConfig, executor, num_blocks: int, data_parallel_rank: int = 0):
         self.executor = executor
         cache = config.cache
         window = droppable_kv_window(config)
@@ -99,7 +99,7 @@ class EngineCore:
         if events_config is not None:
             from pagoda.core.kv_events import KVEvents
 
-            self.kv_events = KVEvents(events_config, cache.block_size, window)
+            self.kv_events = KVEvents(events_config, cache.block_size, window, data_parallel_rank)
             self.block_manager.events = self.kv_events.recorder
             self.kv_events.recorder.cleared()  # a new engine's cache is empty (a consumer resets this replica)
         depth = executor.pipeline_depth
@@ -130,6 +130,14 @@ class EngineCore:
     def step(self, on_scheduled=None, observer: StepObserver | None = None) -> CoreStep | None:
         """Start batches until the pipeline is full, then finish the oldest one. `on_scheduled(out)` is
         told each batch as it starts; `observer` follows its update. None when there was nothing to run."""
+        if not self.start_batches(on_scheduled):
+            self._flush_kv_events()
+            return None
+        return self.finish_oldest(observer)
+
+    def start_batches(self, on_scheduled=None) -> bool:
+        """The first half of step: schedule and submit batches until the pipeline is full; whether any
+        batch is in flight."""
         busy = {id(entry[0]) for entry in self.in_flight}
         for scheduler in self.schedulers:
             # async scheduling (one scheduler): a second batch while the first runs, decodes on its samples
@@ -143,9 +151,10 @@ class EngineCore:
                     on_scheduled(sched_out)
                 busy.add(id(scheduler))
                 self.in_flight.append((scheduler, sched_out, time.perf_counter(), self.executor.submit(sched_out)))
-        if not self.in_flight:
-            self._flush_kv_events()
-            return None
+        return bool(self.in_flight)
+
+    def finish_oldest(self, observer: StepObserver | None = None) -> CoreStep:
+        """The second half of step: wait for the oldest batch in flight and apply its result."""
         scheduler, sched_out, submitted, handle = self.in_flight.popleft()
         result = self.executor.wait(handle)
         # the batch's own run (a threaded executor's), else submit to result

@@ -18,7 +18,8 @@ from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.core.kv_window import blocks_per_sequence
 from pagoda.core.request_kind import RequestParams
 from pagoda.core.sequence import Sequence, SequenceStatus
-from pagoda.engine.engine_core import EngineCore, StepObserver, droppable_kv_window
+from pagoda.engine.data_parallel import create_core
+from pagoda.engine.engine_core import StepObserver, droppable_kv_window
 from pagoda.engine.input_processor import InputProcessor, check_priority
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
@@ -64,13 +65,15 @@ class LLMEngine:
                 "gpu_memory_utilization or lower max_model_len")
         self.executor.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
-        self.core = EngineCore(config, self.executor, num_blocks)
+        self.core = create_core(config, self.executor, num_blocks)
         self.requests = RequestTable()
-        self.stats = EngineStats(num_blocks_total=num_blocks, num_swap_blocks_total=config.cache.num_swap_blocks)
+        dp = config.parallel.data_parallel_size  # every DP rank holds its own cache of num_blocks
+        self.stats = EngineStats(num_blocks_total=num_blocks * dp,
+                                 num_swap_blocks_total=config.cache.num_swap_blocks * dp)
         self.stats_logger = StatsLogger(config.stats_log_interval) if config.log_stats else None
         hf = model.hf_config
-        logger.info("loaded %s (%s, %d layers) dtype=%s tp=%d pp=%d device=%s attention=%s in %.1fs",
-                    model.served_model_name, hf.architectures[0], hf.num_hidden_layers, model.dtype,
+        logger.info("loaded %s (%s, %d layers) dtype=%s dp=%d tp=%d pp=%d device=%s attention=%s in %.1fs",
+                    model.served_model_name, hf.architectures[0], hf.num_hidden_layers, model.dtype, dp,
                     config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, config.device,
                     config.attention_backend, time.time() - started)
         if model.dtype_reason:

@@ -19,7 +19,8 @@ from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed import comm
 from pagoda.distributed.group import cpu_threads_per_rank, init_group, local_device, min_over_group
 from pagoda.distributed.parallel_state import get_parallel_state, reset_parallel_state
-from pagoda.executor.worker import SHUTDOWN
+from pagoda.executor.worker import DUMMY, SHUTDOWN
+from pagoda.layers.moe import needs_dummy_batches, run_dummy_batch
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class DriverExecutor:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
         p = config.parallel
         self.tp_size, self.pp_size = p.tensor_parallel_size, p.pipeline_parallel_size
+        self.dp_size = p.data_parallel_size
         self.pipeline_depth = self.pp_size if p.pipeline_fill else 1
         self.failure: str | None = None
         self._callbacks: list[Callable[[str], None]] = []
@@ -42,6 +44,8 @@ class DriverExecutor:
             self.group = init_group(config, 0, on_failure=self._fail, failure=lambda: self.failure)
             self._group_formed()
             self.runner = ModelRunner(config, eos_token_ids, device=self._driver_device(config))
+            # MoE experts over every DP rank: a rank without work runs a dummy batch while the others step
+            self.dummy_batches = needs_dummy_batches(self.runner.model)
         except BaseException as e:
             self.shutdown()
             self._raise_with_cause(e)
@@ -118,6 +122,32 @@ class DriverExecutor:
             comm.send_tensor(result.residual, self.tp_size, pending=self.pending)
         return None
 
+    def run_ranks(self, outs: list[SchedulerOutput | None]) -> list[ModelRunnerOutput | None]:
+        """Data parallelism: one step of every DP rank at once, outs[d] its schedule (None: it has no work,
+        and runs a dummy batch if the others need it to). Rank 0 runs here, the others' leaders get theirs
+        first, then send back their results."""
+        self._check()
+        sent = []
+        try:
+            for d in range(1, self.dp_size):
+                out = outs[d] if outs[d] is not None else DUMMY if self.dummy_batches else None
+                if out is not None:
+                    comm.send_object(out, d * self.tp_size, self.group.cpu_group, self.pending)
+                    sent.append(d if out is not DUMMY else None)
+            results: list[ModelRunnerOutput | None] = [None] * self.dp_size
+            if outs[0] is not None:
+                results[0] = self.submit(outs[0])
+            if self.dummy_batches and (outs[0] is None or outs[0].is_empty):
+                if self.tp_size > 1 and outs[0] is None:
+                    dist.broadcast_object_list([DUMMY], src=0, group=self.group.tp_cpu_group)
+                run_dummy_batch(self.runner.model, self.runner.dtype, self.runner.device)
+            for d in sent:
+                if d is not None:
+                    results[d] = comm.recv_object(d * self.tp_size, self.group.cpu_group)
+            return results
+        except RuntimeError as e:
+            self._raise_with_cause(e)
+
     def wait(self, handle) -> ModelRunnerOutput:
         if self.pp_size == 1:
             return handle
@@ -136,6 +166,8 @@ class DriverExecutor:
         group = getattr(self, "group", None)
         if group is not None and self.failure is None:
             try:
+                for d in range(1, self.dp_size):
+                    comm.send_object(SHUTDOWN, d * self.tp_size, group.cpu_group)
                 if self.tp_size > 1:
                     dist.broadcast_object_list([SHUTDOWN], src=0, group=group.tp_cpu_group)
                 if self.pp_size > 1:

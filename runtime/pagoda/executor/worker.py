@@ -24,6 +24,7 @@ from pagoda.distributed.group import (
 )
 from pagoda.distributed.parallel_state import reset_parallel_state
 from pagoda.distributed.rendezvous import RendezvousError
+from pagoda.layers.moe import needs_dummy_batches, run_dummy_batch
 from pagoda.process.start_method import check_main_guarded, choose_start_method, release_openmp_threads
 from pagoda.process.startup_heap import frozen_when_loaded
 from pagoda.worker.loader.generation_config import eos_token_ids_for
@@ -32,6 +33,7 @@ from pagoda.worker.model_runner import IntermediateTensors, ModelRunner
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
+DUMMY = "dummy"  # data parallelism: this DP rank has no work while others step (layers.moe.run_dummy_batch)
 
 
 def _die(message: str) -> None:
@@ -67,11 +69,16 @@ def _serve_schedules(runner, group: GroupHandles) -> None:
     prev_stage_rank = info.rank - info.tp_size
     next_stage_rank = info.rank + info.tp_size
     last = info.pp_rank == info.pp_size - 1
+    leader = info.dp_leader  # 0, or with data parallelism the first rank of this DP rank
     while True:
         intermediate = None
-        if info.pp_rank == 0:  # a TP peer of the driver: same schedule, broadcast
+        if info.rank == leader:  # another DP rank's leader: its schedules come from the driver
+            out = comm.recv_object(0, group.cpu_group)
+            if info.tp_size > 1:
+                torch.distributed.broadcast_object_list([out], src=leader, group=group.tp_cpu_group)
+        elif info.pp_rank == 0:  # a TP peer of the leader: same schedule, broadcast
             holder = [None]
-            torch.distributed.broadcast_object_list(holder, src=0, group=group.tp_cpu_group)
+            torch.distributed.broadcast_object_list(holder, src=leader, group=group.tp_cpu_group)
             out = holder[0]
         else:
             out = comm.recv_object(prev_stage_rank, group.cpu_group)
@@ -85,7 +92,12 @@ def _serve_schedules(runner, group: GroupHandles) -> None:
                 comm.send_object(SHUTDOWN, next_stage_rank, group.cpu_group)
             pending.wait_all()
             return
+        if out == DUMMY:
+            run_dummy_batch(runner.model, runner.dtype, runner.device)
+            continue
         result = runner.execute(out, intermediate)
+        if out.is_empty and needs_dummy_batches(runner.model):  # (finished sequences or swaps only)
+            run_dummy_batch(runner.model, runner.dtype, runner.device)
         if not last:
             comm.send_object(out, next_stage_rank, group.cpu_group, pending)
             if result is not None:

@@ -11,7 +11,9 @@ quantization cover experts as they cover any linear layer). Two paths:
 Parallelism: without expert parallelism every expert's matrices are split over the TP group as a dense MLP's
 are; with it (``enable_expert_parallel``) each rank holds num_experts / tp_size whole experts. Attention is
 TP either way, so every rank already holds every token: dispatch costs nothing, and the combine is the one
-all-reduce a TP MLP costs anyway (docs/distributed.md).
+all-reduce a TP MLP costs anyway (docs/distributed.md). With data parallelism and expert parallelism the
+experts split over every DP x TP rank and each layer exchanges tokens between the DP ranks
+(``forward_across_dp``).
 """
 
 from dataclasses import dataclass
@@ -20,7 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.distributed.parallel_state import get_parallel_state, tp_all_reduce
+from pagoda.distributed.parallel_state import (
+    dp_all_gather_rows,
+    dp_reduce_scatter_rows,
+    get_parallel_state,
+    tp_all_reduce,
+)
 from pagoda.layers import attention
 from pagoda.layers.activation import gated_activation
 from pagoda.layers.linear import UNSPLIT, MergedColumnParallelLinear, RowParallelLinear, copy_checked, divide
@@ -100,13 +107,14 @@ class SparseMoE(Module):
         state = get_parallel_state()
         self.options = options
         self.num_experts = options.num_experts
-        if options.expert_parallel:
-            self.num_local = divide(options.num_experts, state.tp_size, "number of experts")
-            self.first_expert = state.tp_rank * self.num_local
+        if options.expert_parallel:  # over the TP group, or with data parallelism over every DP x TP rank
+            self.num_local = divide(options.num_experts, state.ep_size, "number of experts")
+            self.first_expert = state.ep_rank * self.num_local
             split = UNSPLIT
         else:
             self.num_local, self.first_expert, split = options.num_experts, 0, None
         self.tp_size = state.tp_size
+        self.across_dp = options.expert_parallel and state.experts_across_dp
         self.gate = Router(hidden_size, options.num_experts, options.biases)
         self.experts = nn.ModuleList(ExpertMLP(hidden_size, options.intermediate_size, split, options.biases)
                                      for _ in range(self.num_local))
@@ -122,23 +130,43 @@ class SparseMoE(Module):
         return local if 0 <= local < self.num_local else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        if self.across_dp:
+            return self.forward_across_dp(x)
         weights, ids = route(self.gate(x), self.options)
         self.load.add(ids)
-        local_ids = ids - self.first_expert  # ids outside [0, num_local): another rank's experts
-        context = attention.current_forward_context()
-        if context is not None and context.triton_ops and self.fusable():
-            from pagoda.kernels.fused_moe import fused_experts
-
-            w13, w2 = self.stacked_weights()
-            out = fused_experts(x, w13, w2, local_ids, weights, self.act_and_mul)
-        else:
-            out = self.grouped_experts(x, local_ids, weights)
+        out = self.routed_experts(x, weights, ids)
         if self.tp_size > 1:  # TP: partial sums over each expert's split; EP: over this rank's experts
             out = tp_all_reduce(out)
         if self.shared_expert is not None:  # its down projection all-reduces on its own
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
+
+    def forward_across_dp(self, x: torch.Tensor) -> torch.Tensor:
+        """Experts over every DP x TP rank: all-gather every DP rank's tokens, run this rank's experts over
+        all of them, reduce-scatter each DP rank's rows back to it, then sum over the TP shards. A rank with no
+        work passes 0 rows (its dummy batch), so the collectives match (docs/distributed.md)."""
+        everyone, counts = dp_all_gather_rows(x)
+        weights, ids = route(self.gate(everyone), self.options)
+        mine = sum(counts[: get_parallel_state().dp_rank])
+        self.load.add(ids[mine : mine + x.shape[0]])  # this DP rank's tokens: each rank counts its own
+        out = dp_reduce_scatter_rows(self.routed_experts(everyone, weights, ids), counts)
+        if self.tp_size > 1 and x.shape[0]:
+            out = tp_all_reduce(out)
+        if self.shared_expert is not None and x.shape[0]:  # (TP peers run the same batch: they skip alike)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' weighted sum over x's rows (rows routed elsewhere get nothing here)."""
+        local_ids = ids - self.first_expert  # ids outside [0, num_local): another rank's experts
+        context = attention.current_forward_context()
+        if context is not None and context.triton_ops and self.fusable():
+            from pagoda.kernels.fused_moe import fused_experts
+
+            w13, w2 = self.stacked_weights()
+            return fused_experts(x, w13, w2, local_ids, weights, self.act_and_mul)
+        return self.grouped_experts(x, local_ids, weights)
 
     def grouped_experts(self, x: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Pairs (token, choice) sorted by expert; each expert multiplies all its rows at once."""
@@ -187,8 +215,27 @@ class SparseMoE(Module):
 
 def take_expert_tokens(model: nn.Module) -> dict[int, list[int]]:
     """Rows routed to each expert of each MoE layer since the last call, by layer index; counters reset."""
+    return {index: layer.load.take() for index, layer in moe_layers(model)}
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, SparseMoE]]:
+    """(layer index, MoE layer) in forward order; found once."""
     layers = getattr(model, "_moe_layers", None)
-    if layers is None:  # found once: a dense model answers {} at no cost from then on
+    if layers is None:  # found once: a dense model answers [] at no cost from then on
         layers = [(int(name.split(".")[-2]), m) for name, m in model.named_modules() if isinstance(m, SparseMoE)]
         model._moe_layers = layers
-    return {index: layer.load.take() for index, layer in layers}
+    return layers
+
+
+def needs_dummy_batches(model: nn.Module) -> bool:
+    """MoE experts split over every DP x TP rank: a rank that computes nothing while the others step (no
+    work, or a step with only finished sequences or swaps) must still run a dummy batch."""
+    return get_parallel_state().experts_across_dp and bool(moe_layers(model))
+
+
+@torch.inference_mode()
+def run_dummy_batch(model: nn.Module, dtype: torch.dtype, device) -> None:
+    """A DP rank with no work while others step: every MoE layer over 0 tokens, in forward order, so that
+    its share of each layer's token exchange matches theirs (vLLM's dummy batch; no attention, no KV)."""
+    for _, layer in moe_layers(model):
+        layer(torch.empty((0, layer.gate.weight.shape[1]), dtype=dtype, device=device))

@@ -57,6 +57,7 @@ class ServerArgs:
     allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     metrics_vllm_names: bool = False  # also publish every metric under vLLM's `vllm:` names
+    headless: bool = False  # vLLM's: a node that runs DP ranks and no API server (not supported yet)
     lora_modules: list["LoRAModulePath"] | None = None  # adapters served by name (--enable-lora)
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
@@ -196,7 +197,8 @@ class _EnvParser:
     def __init__(self, parser: argparse.ArgumentParser):
         self.parser = parser
 
-    def add(self, flag: str, *, default=None, type=str, choices=None, boolean: bool = False, help: str = ""):
+    def add(self, flag: str, *aliases: str, default=None, type=str, choices=None, boolean: bool = False,
+            help: str = ""):
         env = env_name(flag)
         raw = os.environ.get(env)
         if raw is not None and raw != "":
@@ -206,9 +208,10 @@ class _EnvParser:
                 default = InvalidEnvValue(str(e))
         help = f"{help} [env {env}]" if help else f"[env {env}]"
         if boolean:
-            self.parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+            self.parser.add_argument(flag, *aliases, action=argparse.BooleanOptionalAction, default=default,
+                                     help=help)
         else:
-            self.parser.add_argument(flag, type=type, choices=choices, default=default,
+            self.parser.add_argument(flag, *aliases, type=type, choices=choices, default=default,
                                      help=f"{help} (default: {default})")
 
     def _convert_env(self, flag, env, raw, type, choices, boolean):
@@ -244,8 +247,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--pipeline-parallel-size", default=d["pipeline_parallel_size"], type=positive_int)
     p.add("--pp-layer-partition", type=int_list, help="layers per pipeline stage, e.g. 12,12,8")
     p.add("--enable-expert-parallel", default=d["enable_expert_parallel"], boolean=True,
-          help="mixture-of-experts models: split whole experts over the tensor-parallel ranks instead of "
-               "splitting every expert's matrices")
+          help="mixture-of-experts models: split whole experts over the tensor-parallel ranks (with "
+               "--data-parallel-size, over every DP x TP rank) instead of splitting every expert's matrices")
+    p.add("--data-parallel-size", "-dp", default=d["data_parallel_size"], type=positive_int,
+          help="engines behind this server, each with its own scheduler and KV cache and TP inside it; requests "
+               "go to the least loaded (docs/distributed.md)")
+    p.add("--data-parallel-size-local", type=positive_int,
+          help="DP ranks on this node (many nodes: not supported yet)")
+    p.add("--data-parallel-address", help="the head node's address for DP ranks (many nodes: not supported yet)")
+    p.add("--data-parallel-rpc-port", default=d["data_parallel_rpc_port"], type=port_number,
+          help="the head's port for DP control messages (many nodes: not supported yet)")
+    p.add("--data-parallel-start-rank", default=d["data_parallel_start_rank"], type=non_negative_int,
+          help="the first DP rank this node runs (many nodes: not supported yet)")
+    p.add("--data-parallel-rank", type=non_negative_int,
+          help="external load balancing: this server is DP rank R alone (not supported yet)")
+    p.add("--headless", default=ServerArgs.headless, boolean=True,
+          help="run DP ranks and no API server (many nodes: not supported yet)")
     p.add("--nnodes", default=d["nnodes"], type=positive_int)
     p.add("--node-rank", default=d["node_rank"], type=non_negative_int)
     p.add("--master-addr", default=d["master_addr"])
@@ -389,6 +406,9 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
         raise ValueError(invalid[0])
     engine = EngineArgs(**{name: value for name, value in values.items() if name in _ENGINE_FIELDS})
     server = ServerArgs(**{name: value for name, value in values.items() if name in _SERVER_FIELDS})
+    if server.headless:
+        raise ValueError("--headless: a node that runs DP ranks without an API server needs data parallelism over "
+                         "many nodes, which is not supported by Pagoda yet (docs/distributed.md)")
     if server.lora_modules and not engine.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if server.lora_modules and len({m.name for m in server.lora_modules}) < len(server.lora_modules):
