@@ -707,10 +707,11 @@ def serve_smoke(args) -> int:
         port = s.getsockname()[1]
     # in this step's process group: a step stopped at its limit takes the server with it
     server = subprocess.Popen(cli_argv("serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-                                       "--kv-cache-memory", "0.05", "--max-model-len", "256"))
+                                       "--kv-cache-memory", "0.05", "--max-model-len", "256",
+                                       "--max-num-seqs", "16"))  # 5 decode graphs captured before /health
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 50
         while True:
             if server.poll() is not None:
                 print(f"serve-smoke: the server exited with {server.returncode}")
@@ -721,7 +722,7 @@ def serve_smoke(args) -> int:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                print("serve-smoke: /health not 200 within 40 s")
+                print("serve-smoke: /health not 200 within 50 s")
                 return 1
             time.sleep(0.5)
         name = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
