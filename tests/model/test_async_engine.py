@@ -85,3 +85,23 @@ def test_dropping_the_last_reference_shuts_the_engine_down(engine_args, monkeypa
     assert not thread.is_alive(), "the engine thread outlived its AsyncLLMEngine"
     assert collected() is None
     assert len(shut_down) == 1
+
+
+def test_a_request_id_taken_while_the_prompt_is_tokenized_is_refused(engine_args):
+    """Two requests sent at once with one id: the second is refused and the first streams to its end (it
+    used to lose its outputs to the second's queue). generate is both async engines' (engine/async_base.py)."""
+    with AsyncLLMEngine.from_engine_args(engine_args) as engine:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+        async def one():
+            return [out async for out in engine.generate("Hello, my name is", params, "same")][-1]
+
+        async def run():
+            return await asyncio.gather(one(), one(), return_exceptions=True)
+
+        results = asyncio.run(asyncio.wait_for(run(), timeout=30))
+        refused = [r for r in results if isinstance(r, ValueError)]
+        done = [r for r in results if not isinstance(r, BaseException)]
+        assert len(refused) == 1 and "already running" in str(refused[0]), results
+        assert len(done) == 1 and done[0].finished and len(done[0].outputs[0].token_ids) == 4
+        assert engine.num_unfinished_requests == 0 and engine.is_running

@@ -18,27 +18,28 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from pagoda.config import EngineArgs
 from pagoda.engine import EngineDeadError
-from pagoda.engine.closing import ShutdownOnExit
+from pagoda.engine.async_base import AsyncEngineBase
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.engine.outputs import EngineStats, RequestOutput
+from pagoda.engine.outputs import RequestOutput
 from pagoda.errors import RequestFailed
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncLLMEngine(ShutdownOnExit):
+class AsyncLLMEngine(AsyncEngineBase):
+    engine_name = "engine loop"
+
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]):
         """engine: a built engine, or a function that builds one (called in the engine thread)."""
+        super().__init__()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopping = threading.Event()
-        self._dead_error: BaseException | None = None
-        self._group_failure_callbacks: list = []
+        # request id -> the event loop and queue its outputs go to
+        self._requests: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         built = threading.Event()
         build_error: list[BaseException] = []
 
@@ -77,58 +78,19 @@ class AsyncLLMEngine(ShutdownOnExit):
         return self.engine.loras
 
     @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self.errored
 
-    async def check_health(self) -> None:
-        if not self.is_running:
-            raise EngineDeadError(f"engine loop is not running: {self._dead_error!r}")
-
-    def get_stats(self) -> EngineStats:
-        return self._stats
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._streams)
-
-    async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes; aborts it if the caller stops listening.
-        lora_request: a LoRARequest, the adapter the request runs with."""
-        await self.check_health()
-        if request_id in self._streams:
+    def _submit(self, request_id, text, token_ids, params, lora_request, priority, stream) -> None:
+        if request_id in self._requests:  # taken while this one was tokenized
             raise ValueError(f"request_id {request_id!r} is already running")
-        self.engine.check_priority(priority)
-        text, token_ids = await asyncio.to_thread(self.engine.process_prompt, prompt, params)
-        if lora_request is not None:  # checked (a Hub id downloaded) before the request is queued
-            lora_request = await asyncio.to_thread(self.engine.loras.resolve, lora_request)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._requests[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", request_id, text, token_ids, params, lora_request, priority))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                # a slow consumer may have fallen behind: outputs are cumulative, keep only the newest
-                while not item.finished and not stream.empty():
-                    newer = stream.get_nowait()
-                    if isinstance(newer, BaseException):
-                        raise newer
-                    item = newer
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
+
+    def _end(self, request_id: str, finished: bool) -> None:
+        self._requests.pop(request_id, None)
+        if not finished:
+            self._commands.put(("abort", request_id))
 
     async def process_prompt(self, prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt off the event loop; raises ValueError naming the problem."""
@@ -155,21 +117,9 @@ class AsyncLLMEngine(ShutdownOnExit):
         if hasattr(self, "_stopping"):
             self.shutdown()
 
-    def add_group_failure_callback(self, callback) -> None:
-        """callback(message) runs (in a background thread) when a rank of the distributed group dies or
-        hangs: the group cannot recover, so the server should exit non-zero and be restarted."""
-        self._group_failure_callbacks.append(callback)
-
-    def _on_group_failure(self, message: str) -> None:
-        self._fail_all(RuntimeError(f"distributed group failed: {message}"))
-        for callback in self._group_failure_callbacks:
-            callback(message)
-
     def _fail_all(self, error: BaseException) -> None:
-        if self._dead_error is None:
-            self._dead_error = error
-        dead = EngineDeadError(f"engine loop died: {error!r}")
-        for loop, stream in list(self._streams.values()):
+        dead = self._death(error)
+        for loop, stream in list(self._requests.values()):
             loop.call_soon_threadsafe(stream.put_nowait, dead)
 
     # --- the engine thread -------------------------------------------------------------------------
@@ -212,7 +162,7 @@ class AsyncLLMEngine(ShutdownOnExit):
             kind = command[0]
             if kind == "add":
                 _, request_id, text, token_ids, params, lora_request, priority = command
-                if request_id not in self._streams:  # cancelled before it reached the engine
+                if request_id not in self._requests:  # cancelled before it reached the engine
                     continue
                 try:
                     self.engine.add_request(request_id, text, params, prompt_token_ids=token_ids,
@@ -232,7 +182,7 @@ class AsyncLLMEngine(ShutdownOnExit):
             self._send(out.request_id, RequestFailed(out.error) if out.error is not None else out)
 
     def _send(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
+        target = self._requests.get(request_id)
         if target is None:
             return
         loop, stream = target

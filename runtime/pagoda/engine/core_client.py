@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import zmq
@@ -30,15 +29,14 @@ import zmq
 from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine import EngineDeadError, wire
-from pagoda.engine.closing import ShutdownOnExit
+from pagoda.engine.async_base import AsyncEngineBase
 from pagoda.engine.core_proc import run_engine_core
-from pagoda.engine.input_processor import InputProcessor, check_priority
+from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from pagoda.engine.outputs import EngineStats, RequestMetrics
 from pagoda.engine.request_state import RequestState
 from pagoda.errors import InvalidParam, RequestFailed
 from pagoda.lora.registry import LoRARegistry
-from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +70,11 @@ class _Tracked:
     failing: bool = False  # its output processing failed here: the core's final delta is awaited
 
 
-class AsyncMPEngine(ShutdownOnExit):
+class AsyncMPEngine(AsyncEngineBase):
+    engine_name = "engine core"
+
     def __init__(self, config: EngineConfig):
+        super().__init__()
         from transformers import AutoTokenizer
 
         from pagoda.worker.loader.generation_config import eos_token_ids_for
@@ -88,12 +89,9 @@ class AsyncMPEngine(ShutdownOnExit):
                                               config.scheduler.max_num_seqs, grammar_key)
         self.output_processor = OutputProcessor(self.tokenizer, eos, model.max_model_len)
         self.loras = LoRARegistry(config.lora, model.hf_config)
-        self._tracked: dict[str, _Tracked] = {}
+        self._requests: dict[str, _Tracked] = {}
         self._lock = threading.Lock()  # the table above, between the event loop and the output thread
         self._send_lock = threading.Lock()  # the input socket, likewise
-        self._dead_error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._group_failure_callbacks: list = []
         self._encoder = wire.encoder()
         self._decoder = wire.from_core_decoder()
         self._ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
@@ -149,72 +147,36 @@ class AsyncMPEngine(ShutdownOnExit):
     # --- AsyncLLMEngine's interface ----------------------------------------------------------------
 
     @property
-    def errored(self) -> bool:
-        return self._dead_error is not None
-
-    @property
     def is_running(self) -> bool:
         return not self.errored and not self._stopping.is_set() and self.process.is_alive()
-
-    async def check_health(self) -> None:
-        if not self.is_running:
-            raise EngineDeadError(f"the engine core is not running: {self._dead_error!r}")
-
-    def get_stats(self) -> EngineStats:
-        return self._stats
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._tracked)
 
     async def process_prompt(self, prompt, params) -> tuple[str | None, list[int]]:
         """Tokenize and validate a prompt off the event loop; raises ValueError naming the problem."""
         processed = await asyncio.to_thread(self.input_processor.process, prompt, params)
         return processed.text, processed.token_ids
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str, lora_request=None, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs until the request finishes; aborts it if the caller stops listening."""
-        await self.check_health()
-        if request_id in self._tracked:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        check_priority(priority, self.config.scheduler.scheduling_policy)
-        text, token_ids = await self.process_prompt(prompt, params)
-        if lora_request is not None:  # checked (a Hub id downloaded) before the request is queued
-            lora_request = await asyncio.to_thread(self.loras.resolve, lora_request)
+    def _submit(self, request_id, text, token_ids, params, lora_request, priority, stream) -> None:
         arrival = time.time()
         seq = Sequence(request_id, token_ids, params, 0, arrival)
         state = RequestState(request_id, text, token_ids, seq.params, RequestMetrics(arrival), seq.kind)
         state.add_seq(seq)
-        stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if request_id in self._tracked:
+            if request_id in self._requests:
                 raise ValueError(f"request_id {request_id!r} is already running")
-            self._tracked[request_id] = _Tracked(state, asyncio.get_running_loop(), stream)
-        finished = False
+            self._requests[request_id] = _Tracked(state, asyncio.get_running_loop(), stream)
         try:
             self._send(wire.AddRequest(request_id, text, token_ids, wire.dumps(params),
                                        None if lora_request is None else wire.dumps(lora_request), arrival,
                                        priority))
             if self._dead_error is not None:  # died between the health check and the add
                 raise EngineDeadError(f"engine core died: {self._dead_error!r}")
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                # a slow consumer may have fallen behind: outputs are cumulative, keep only the newest
-                while not item.finished and not stream.empty():
-                    newer = stream.get_nowait()
-                    if isinstance(newer, BaseException):
-                        raise newer
-                    item = newer
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._abort(request_id, publish=False)
+        except BaseException:
+            self._abort(request_id, publish=False)
+            raise
+
+    def _end(self, request_id: str, finished: bool) -> None:
+        if not finished:
+            self._abort(request_id, publish=False)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id, publish=True)
@@ -222,7 +184,7 @@ class AsyncMPEngine(ShutdownOnExit):
     def _abort(self, request_id: str, publish: bool) -> None:
         """End a request here at once (a listener gets its final, aborted output) and tell the core."""
         with self._lock:
-            tracked = self._tracked.pop(request_id, None)
+            tracked = self._requests.pop(request_id, None)
         if tracked is None:
             return
         if publish:
@@ -271,11 +233,6 @@ class AsyncMPEngine(ShutdownOnExit):
         if hasattr(self, "_thread"):
             self.shutdown()
 
-    def add_group_failure_callback(self, callback) -> None:
-        """callback(message) runs (in a background thread) when a rank of the distributed group dies or
-        hangs: the group cannot recover, so the server should exit non-zero and be restarted."""
-        self._group_failure_callbacks.append(callback)
-
     # --- internals ---------------------------------------------------------------------------------
 
     def _send(self, message) -> None:
@@ -287,11 +244,9 @@ class AsyncMPEngine(ShutdownOnExit):
                 raise EngineDeadError("the engine core does not take requests (its process is gone)") from None
 
     def _fail_all(self, error: BaseException) -> None:
-        if self._dead_error is None:
-            self._dead_error = error
-        dead = EngineDeadError(f"engine core died: {error!r}")
+        dead = self._death(error)
         with self._lock:
-            tracked, self._tracked = list(self._tracked.values()), {}
+            tracked, self._requests = list(self._requests.values()), {}
         by_loop: dict = {}
         for t in tracked:
             by_loop.setdefault(t.loop, []).append((t.stream, dead))
@@ -336,9 +291,7 @@ class AsyncMPEngine(ShutdownOnExit):
                 self._apply(delta, by_loop)
             _publish(by_loop)
         elif isinstance(message, wire.GroupFailure):
-            self._fail_all(RuntimeError(f"distributed group failed: {message.message}"))
-            for callback in self._group_failure_callbacks:
-                callback(message.message)
+            self._on_group_failure(message.message)
         elif isinstance(message, wire.CoreFailed):
             logger.error("%s", message.message)
             self._fail_all(RuntimeError(message.message))
@@ -346,11 +299,11 @@ class AsyncMPEngine(ShutdownOnExit):
     def _apply(self, delta: wire.RequestDelta, by_loop: dict) -> None:
         """One request's delta: its tokens' text and stops here, then its output for the listener."""
         with self._lock:
-            tracked = self._tracked.get(delta.request_id)
+            tracked = self._requests.get(delta.request_id)
             if tracked is None:  # aborted here meanwhile
                 return
             if delta.finished:
-                del self._tracked[delta.request_id]
+                del self._requests[delta.request_id]
         state = tracked.state
         if delta.invalid is not None:
             item = InvalidParam(delta.invalid or None, delta.error or "invalid request")
