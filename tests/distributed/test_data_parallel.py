@@ -91,3 +91,55 @@ def test_bad_combinations_are_refused_by_name():
         EngineArgs(data_parallel_size=2, distributed_executor_backend="uni").validate()
     assert e.value.param == "distributed_executor_backend"
     EngineArgs(data_parallel_size=2).validate()  # no longer refused
+
+
+def test_abort_on_one_rank_while_the_other_steps(tiny_model_factory, reference):
+    llm = dp_llm(tiny_model_factory("mixtral"), enable_expert_parallel=True)
+    engine = llm.engine
+    try:
+        engine.add_request("kept", PROMPTS[0], GREEDY)
+        engine.add_request("aborted", PROMPTS[1], GREEDY)
+        assert engine.core.num_added == [1, 1]  # one on each rank
+        outputs = {}
+        for _ in range(3):
+            outputs.update({o.request_id: o for o in engine.step()})
+        assert engine.abort_request("aborted") is not None
+        while engine.has_unfinished_requests():  # rank 1 idle from here: dummy batches
+            outputs.update({o.request_id: o for o in engine.step()})
+        assert outputs["kept"].outputs[0].token_ids == reference("mixtral")[0]
+        assert [core.block_manager.num_used_blocks for core in engine.core.cores] == [0, 0]
+        assert engine.get_stats().finished_reasons.get("abort") == 1
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_on_a_rank_keeps_greedy_tokens(tiny_model_factory):
+    path = tiny_model_factory("mixtral")
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = hf_greedy(path, PROMPTS, 40)
+    # 9 blocks of 16 tokens per rank: the long prompt's sequence takes 8 by its end, the others 4 each
+    llm = dp_llm(path, enable_expert_parallel=True, max_model_len=128, preemption_mode="recompute",
+                 kv_cache_memory=9 * 8192 / 2**30)
+    try:
+        assert [core.block_manager.num_blocks for core in llm.engine.core.cores] == [9, 9]
+        assert run(llm, PROMPTS, long) == expected
+        assert llm.engine.get_stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_dead_rank_fails_the_engine_without_a_hang(tiny_model_factory):
+    import time
+
+    llm = dp_llm(tiny_model_factory("llama"), distributed_timeout=30)
+    try:
+        assert run(llm, PROMPTS[:2])
+        llm.engine.executor.children[0].kill()  # DP rank 1's process
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank1"):
+            for _ in range(50):  # the watcher notices within a second or two
+                run(llm, PROMPTS[:2])
+                time.sleep(0.2)
+        assert time.monotonic() - started < 30
+    finally:
+        llm.shutdown()
