@@ -3,7 +3,7 @@ n > 1 and finishing, over a scripted executor that plays the model runner's part
 
 import pytest
 
-from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.core.sequence import Sequence
 from pagoda.engine.engine_core import EngineCore
@@ -74,15 +74,18 @@ class ScriptedExecutor:
 
 
 def core_with(tokens, num_blocks=16) -> EngineCore:
-    from types import SimpleNamespace
+    """The engine core over the real config type; no checkpoint: the scripted executor plays the model."""
+    from transformers import LlamaConfig
 
-    config = SimpleNamespace(
+    hf_config = LlamaConfig(num_hidden_layers=2)  # full attention: no window
+    config = EngineConfig(
+        model=ModelConfig(path="scripted", tokenizer_path="scripted", served_model_name="scripted",
+                          hf_config=hf_config, dtype="float32", max_model_len=64),
         cache=CacheConfig(block_size=4, enable_prefix_caching=True, gpu_memory_utilization=0.9,
                           kv_cache_memory_gib=None),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
                                   max_model_len=64),
-        speculative=None, draft_model=None,
-        model=SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=2)))  # full attention: no window
+        parallel=ParallelConfig(), device="cpu", attention_backend="torch", seed=0)
     return EngineCore(config, ScriptedExecutor(tokens), num_blocks)
 
 

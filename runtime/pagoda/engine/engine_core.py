@@ -95,11 +95,10 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                           cache.num_swap_blocks, window)
         self.kv_events = None  # publishes the block manager's prefix-cache changes, one batch a step
-        events_config = getattr(config, "kv_events", None)  # (tests build the core from a partial config)
-        if events_config is not None:
+        if config.kv_events is not None:
             from pagoda.core.kv_events import KVEvents
 
-            self.kv_events = KVEvents(events_config, cache.block_size, window, data_parallel_rank)
+            self.kv_events = KVEvents(config.kv_events, cache.block_size, window, data_parallel_rank)
             self.block_manager.events = self.kv_events.recorder
             self.kv_events.recorder.cleared()  # a new engine's cache is empty (a consumer resets this replica)
         depth = executor.pipeline_depth
