@@ -31,9 +31,10 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     sliding_window: int | None = None,  # a query at position p sees p - sliding_window + 1 .. p
     logit_softcap: float | None = None,  # scores = cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None,  # [Hq] float32: a logit per head in the softmax's denominator (gpt-oss)
 ) -> None:
     torch.ops.pagoda_cpu.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
-                                                k_scale, v_scale, sliding_window or 0, logit_softcap or 0.0)
+                                                k_scale, v_scale, sliding_window or 0, logit_softcap or 0.0, sinks)
 
 
 def paged_prefill_attention(
@@ -49,10 +50,11 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     torch.ops.pagoda_cpu.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                                                  seq_lens, scale, out, k_scale, v_scale, sliding_window or 0,
-                                                 logit_softcap or 0.0)
+                                                 logit_softcap or 0.0, sinks)
 
 
 def write_kv_cache_fp8(

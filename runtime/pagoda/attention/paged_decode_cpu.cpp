@@ -48,6 +48,7 @@ void decode_one(
     int64_t block_stride, int64_t pos_stride,
     const int32_t* block_table, int64_t first, int64_t seq_len, int64_t block_size,
     int64_t group, int64_t head_size, const Variant& variant,
+    int64_t first_head,                     // the group's first query head (its sinks)
     scalar_t* out, int64_t out_head_stride,  // [G, D]
     std::vector<float>& scores) {           // scratch, grown to [G, seq_len - first]
   if constexpr (kHeadSize > 0) head_size = kHeadSize;
@@ -75,7 +76,7 @@ void decode_one(
       for (int64_t t = 0; t < len; ++t) sg[t] = softcap_score(sg[t], variant.softcap);
     float max_score = std::numeric_limits<float>::lowest();
     for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, sg[t]);
-    float total = 0.f;
+    float total = variant.sink_weight(first_head + g, max_score);
     for (int64_t t = 0; t < len; ++t) {
       sg[t] = exp_nonpositive(sg[t] - max_score);
       total += sg[t];
@@ -452,7 +453,8 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
 #if defined(PAGODA_ISA_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> &&
                 (std::is_same_v<cache_t, c10::BFloat16> || pagoda::kIsFp8<cache_t>)) {
-    if (variant.window == 0 && variant.softcap == 0.f && block_size % 2 == 0 && (head_size == 64 || head_size == 128)) {
+    if (variant.window == 0 && variant.softcap == 0.f && variant.sinks == nullptr && block_size % 2 == 0 &&
+        (head_size == 64 || head_size == 128)) {
       auto decode = head_size == 64 ? decode_bf16<64, cache_t> : decode_bf16<128, cache_t>;
       // the fp8 rows are widened exactly, without upcast_fp8's 1 / kFp8ReadFactor
       const float score_scale = variant.q_scale / pagoda::kFp8ReadFactor<cache_t>;
@@ -486,7 +488,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
 #endif
 #if defined(PAGODA_ISA_AVX512)
   if constexpr (pagoda::kIsFp8<cache_t>) {
-    if (head_size == 64 || head_size == 128) {
+    if ((head_size == 64 || head_size == 128) && variant.sinks == nullptr) {
       auto decode = head_size == 64 ? decode_fp8<scalar_t, cache_t, 64> : decode_fp8<scalar_t, cache_t, 128>;
       pagoda::parallel_tasks(num_seqs * num_kv_heads, [&](int64_t item) {
         thread_local std::vector<float> scratch;
@@ -511,7 +513,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
       const int64_t first_head = h * group + g0;
       decode(q + i * q_seq + first_head * q_head, q_head, k + h * head_stride, v + h * head_stride, block_stride,
              pos_stride, tables + i * table_stride, first, lens[i], block_size, std::min(kMaxGroup, group - g0),
-             head_size, variant, o + i * o_seq + first_head * o_head, o_head, scores);
+             head_size, variant, first_head, o + i * o_seq + first_head * o_head, o_head, scores);
     }
   });
 }
@@ -525,9 +527,9 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                             at::Tensor out, double k_scale, double v_scale, int64_t sliding_window,
-                            double logit_softcap) {
+                            double logit_softcap, const std::optional<at::Tensor>& sinks) {
   check_attention_args("paged_decode_attention", query, key_cache, value_cache, out, k_scale, v_scale,
-                       sliding_window, logit_softcap);
+                       sliding_window, logit_softcap, sinks);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.stride(1) == 1 && seq_lens.is_contiguous(),
               "block_tables and seq_lens must be int32 with contiguous rows");
@@ -536,7 +538,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   with_dtypes("paged_decode_attention", query, key_cache, [&](auto scalar, auto cache) {
     using scalar_t = decltype(scalar);
     using cache_t = decltype(cache);
-    const Variant variant = make_variant<cache_t>(scale, k_scale, v_scale, sliding_window, logit_softcap);
+    const Variant variant = make_variant<cache_t>(scale, k_scale, v_scale, sliding_window, logit_softcap, sinks);
     decode_all<scalar_t, cache_t>(query, key_cache, value_cache, block_tables, seq_lens, variant, out);
   });
 }

@@ -181,6 +181,7 @@ void prefill_tile(
     const cache_t* k_cache, const cache_t* v_cache,  // at this KV head
     int64_t block_stride, int64_t pos_stride, const int32_t* block_table, int64_t block_size,
     int64_t first_pos, int64_t rows, int64_t group, int64_t head_size, const Variant& variant,
+    int64_t first_head,  // the group's first query head (its sinks)
     scalar_t* out, int64_t out_row_stride, int64_t out_head_stride) {
   if constexpr (kHeadSize > 0) head_size = kHeadSize;
   constexpr int kWidth = kHeadSize > 0 ? kHeadSize : kMaxHeadSize;
@@ -238,7 +239,7 @@ void prefill_tile(
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t v = r * group + g;
-      const float inv = variant.out_scale / st.row_sum[v];
+      const float inv = variant.out_scale / (st.row_sum[v] + variant.sink_weight(first_head + g, st.row_max[v]));
       for (int64_t d = 0; d < head_size; ++d)
         out[r * out_row_stride + g * out_head_stride + d] = from_float<scalar_t>(st.acc[v][d] * inv);
     }
@@ -519,7 +520,8 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
     tile(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0), query.stride(1),
          k + it.kv_head * head_stride, v + it.kv_head * head_stride, block_stride, pos_stride,
          tables + it.seq * block_tables.stride(0), block_size, lens[it.seq] - q_len + it.first_row, it.rows, it.heads,
-         head_size, variant, o + row * out.stride(0) + first_head * out.stride(1), out.stride(0), out.stride(1));
+         head_size, variant, first_head, o + row * out.stride(0) + first_head * out.stride(1), out.stride(0),
+         out.stride(1));
   });
 }
 
@@ -530,9 +532,10 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, at::Tensor out, double k_scale,
-                             double v_scale, int64_t sliding_window, double logit_softcap) {
+                             double v_scale, int64_t sliding_window, double logit_softcap,
+                             const std::optional<at::Tensor>& sinks) {
   check_attention_args("paged_prefill_attention", query, key_cache, value_cache, out, k_scale, v_scale,
-                       sliding_window, logit_softcap);
+                       sliding_window, logit_softcap, sinks);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
                   seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
@@ -542,7 +545,7 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
   with_dtypes("paged_prefill_attention", query, key_cache, [&](auto scalar, auto cache) {
     using scalar_t = decltype(scalar);
     using cache_t = decltype(cache);
-    const Variant variant = make_variant<cache_t>(scale, k_scale, v_scale, sliding_window, logit_softcap);
+    const Variant variant = make_variant<cache_t>(scale, k_scale, v_scale, sliding_window, logit_softcap, sinks);
     prefill_all<scalar_t, cache_t>(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, variant,
                                    out);
   });

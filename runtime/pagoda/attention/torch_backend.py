@@ -84,9 +84,9 @@ def paged_attention(
     denominator gains exp(sink) (gpt-oss's attention sinks)."""
     if query.device.type == "cpu" and query.shape[2] <= cpu_kernels.MAX_HEAD_SIZE and cpp_kernels_read(kv_cache) \
             and query.dtype in _FLOAT_DTYPES and (is_fp8(kv_cache) or kv_cache.dtype == query.dtype) \
-            and cpu_kernels.available() and sinks is None:
+            and cpu_kernels.available():
         return _paged_attention_cpu(query, kv_cache, metadata, scale,
-                                    _CppVariant(k_scale, v_scale, sliding_window, logit_softcap))
+                                    _CppVariant(k_scale, v_scale, sliding_window, logit_softcap, sinks))
     if sliding_window is not None or logit_softcap is not None or sinks is not None:
         return windowed_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap, k_scale, v_scale,
                                   sinks)
@@ -199,15 +199,17 @@ def paged_attention_in_torch(
 
 @dataclass(frozen=True)
 class _CppVariant:
-    """The kernels' arguments past the scale: fp8 scales, window and soft-cap (None: none)."""
+    """The kernels' arguments past the scale: fp8 scales, window, soft-cap and sinks (None: none)."""
 
     k_scale: float = 1.0
     v_scale: float = 1.0
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     def args(self) -> tuple:
-        return self.k_scale, self.v_scale, self.sliding_window, self.logit_softcap
+        sinks = None if self.sinks is None else self.sinks.float().contiguous()
+        return self.k_scale, self.v_scale, self.sliding_window, self.logit_softcap, sinks
 
 
 def _paged_attention_cpu(query, kv_cache, metadata: AttentionMetadata, scale: float,

@@ -47,10 +47,11 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     _check_kv_cache("paged_attention", kv_cache)
-    variant = {} if sliding_window is None and logit_softcap is None else \
-        dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    variant = {} if sliding_window is None and logit_softcap is None and sinks is None else \
+        dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if use_split_k(metadata, kv_cache.shape[3], query.device):
         partition_size = split_k_partition_size(metadata, kv_cache.shape[3], query.device)

@@ -25,25 +25,27 @@ class List;
 namespace pagoda::attention {
 
 // query/out [B, Hq, D]; caches [num_blocks, block_size, H_kv, D]; block_tables [B, max_blocks] int32;
-// seq_lens [B] int32; scale; out; k_scale, v_scale (fp8 caches); sliding_window (0: none); logit_softcap (0: none)
+// seq_lens [B] int32; scale; out; k_scale, v_scale (fp8 caches); sliding_window (0: none); logit_softcap (0: none);
+// sinks: none, or [Hq] float32 logits that join each head's softmax denominator (gpt-oss)
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                             at::Tensor out, double k_scale, double v_scale, int64_t sliding_window,
-                            double logit_softcap);
+                            double logit_softcap, const std::optional<at::Tensor>& sinks = std::nullopt);
 constexpr const char* kPagedDecodeAttentionSchema =
     "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor seq_lens, float scale, Tensor(a!) out, float k_scale, float v_scale, int sliding_window, "
-    "float logit_softcap) -> ()";
+    "float logit_softcap, Tensor? sinks=None) -> ()";
 
 // as paged_decode_attention, query/out [T, Hq, D] with query_start_loc [S + 1] int32 after block_tables
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, at::Tensor out, double k_scale,
-                             double v_scale, int64_t sliding_window, double logit_softcap);
+                             double v_scale, int64_t sliding_window, double logit_softcap,
+                             const std::optional<at::Tensor>& sinks = std::nullopt);
 constexpr const char* kPagedPrefillAttentionSchema =
     "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out, float k_scale, float v_scale, "
-    "int sliding_window, float logit_softcap) -> ()";
+    "int sliding_window, float logit_softcap, Tensor? sinks=None) -> ()";
 
 // key/value [T, Hkv, D] into an fp8 kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T] int64
 void write_kv_cache_fp8(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache,

@@ -78,18 +78,22 @@ struct Variant {
   float out_scale;  // 1, or v_scale * kFp8ReadFactor for an fp8 cache
   int64_t window;  // 0: none; else a query at position p sees p - window + 1 .. p
   float softcap;   // 0: none; else scores = softcap * tanh(scores / softcap)
+  const float* sinks = nullptr;  // none, or per query head a logit in the softmax's denominator only (gpt-oss)
 
-  bool plain() const { return window == 0 && softcap == 0.f && out_scale == 1.f; }
+  bool plain() const { return window == 0 && softcap == 0.f && out_scale == 1.f && sinks == nullptr; }
+  // exp(sink - max) for query head `head`, the sink's share of a softmax whose largest score is `max`; 0: none
+  float sink_weight(int64_t head, float max) const { return sinks ? std::exp(sinks[head] - max) : 0.f; }
   // the first position a query at `pos` sees
   int64_t first_visible(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 };
 
 template <typename cache_t>
-Variant make_variant(double scale, double k_scale, double v_scale, int64_t window, double logit_softcap) {
+Variant make_variant(double scale, double k_scale, double v_scale, int64_t window, double logit_softcap,
+                     const std::optional<at::Tensor>& sinks = std::nullopt) {
   const bool fp8 = pagoda::kIsFp8<cache_t>;  // a float cache ignores the scales (a checkpoint may carry them)
   return {static_cast<float>(scale * (fp8 ? k_scale * pagoda::kFp8ReadFactor<cache_t> : 1.0)),
           static_cast<float>(fp8 ? v_scale * pagoda::kFp8ReadFactor<cache_t> : 1.0), window,
-          static_cast<float>(logit_softcap)};
+          static_cast<float>(logit_softcap), sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
 }
 
 // Calls visit(row, i) for positions first + i < last of a context, row pointing at its entry in one KV
@@ -159,8 +163,12 @@ inline bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at
 
 inline void check_attention_args(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& out, double k_scale,
-                                 double v_scale, int64_t sliding_window, double logit_softcap) {
+                                 double v_scale, int64_t sliding_window, double logit_softcap,
+                                 const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.device().is_cpu(), op, " runs on CPU tensors");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->dim() == 1 && sinks->size(0) == query.size(1)),
+              op, ": sinks must be contiguous float32 [Hq], one logit per query head");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
               op, ": query must be [tokens, Hq, D] and the caches [num_blocks, block_size, H_kv, D]");
   TORCH_CHECK(key_cache.strides() == value_cache.strides() && key_cache.sizes() == value_cache.sizes() &&

@@ -21,6 +21,7 @@ from pagoda.kernels.paged_kv import (
     check_paged_inputs,
     dot_config,
     head_pad,
+    sinks_arg,
     softcap_arg,
     window_arg,
 )
@@ -105,6 +106,7 @@ def _reduce_kernel(
     partial_out_ptr,  # [num_seqs, num_heads, num_partitions, HEAD_PAD] f32
     seq_lens_ptr,  # [num_seqs] int32
     v_scale,  # fp8 cache: stored values times v_scale are the values (1.0 otherwise)
+    sinks_ptr,  # [num_heads] f32 sink logits (gpt-oss), read when HAS_SINKS
     stride_o_t, stride_o_h, stride_o_d,
     stride_pm_seq, stride_pm_head,
     stride_po_seq, stride_po_head, stride_po_part,
@@ -113,6 +115,7 @@ def _reduce_kernel(
     PARTITION_SIZE: tl.constexpr,
     NUM_PARTITIONS: tl.constexpr,  # the partition kernel's grid size
     PARTITIONS_PAD: tl.constexpr,  # NUM_PARTITIONS rounded up to a power of two
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -126,6 +129,8 @@ def _reduce_kernel(
     global_max = tl.max(part_max, 0)  # finite: the last partition holds the query's own position
     weights = tl.exp2(part_max - global_max)  # 0 for the masked partitions
     denominator = tl.sum(weights * part_sum, 0)
+    if HAS_SINKS:  # one more term, in the scores' log2 units
+        denominator += tl.exp2(tl.load(sinks_ptr + head) * 1.4426950408889634 - global_max)
 
     d = tl.arange(0, HEAD_PAD)
     acc = tl.zeros([HEAD_PAD], tl.float32)
@@ -152,6 +157,7 @@ def flash_decode(
     v_scale: float = 1.0,
     sliding_window: int | None = None,  # the query at position p sees p - sliding_window + 1 .. p
     logit_softcap: float | None = None,  # scores = cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in the softmax's denominator (gpt-oss)
 ) -> torch.Tensor:
     """Decode attention with each context split into partitions that run in parallel, then merged."""
     op = "flash_decode"
@@ -167,6 +173,7 @@ def flash_decode(
     check_tensor(op, "out", out, "[num_seqs, num_heads, head_size]", tuple(query.shape), query.dtype)
     device = check_device(op, _partition_kernel, query=query, key_cache=key_cache, value_cache=value_cache,
                           block_tables=block_tables, seq_lens=seq_lens, out=out)
+    sinks = sinks_arg(op, sinks, shapes.num_heads, device)
     if shapes.num_seqs == 0:
         return out
     if key_cache.dtype not in FP8_DTYPES:  # the scales describe fp8 storage only
@@ -189,8 +196,9 @@ def flash_decode(
         TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES, SOFTCAP=softcap,
         num_warps=4)
     _reduce_kernel[(shapes.num_seqs, shapes.num_heads)](
-        out, partial_max, partial_sum, partial_out, seq_lens, v_scale,
+        out, partial_max, partial_sum, partial_out, seq_lens, v_scale, out if sinks is None else sinks,
         *out.stride(), partial_max.stride(0), partial_max.stride(1), *partial_out.stride()[:3],
         HEAD_SIZE=shapes.head_size, HEAD_PAD=pad, PARTITION_SIZE=partition_size,
-        NUM_PARTITIONS=num_parts, PARTITIONS_PAD=triton.next_power_of_2(num_parts), num_warps=1 if pad <= 64 else 2)
+        NUM_PARTITIONS=num_parts, PARTITIONS_PAD=triton.next_power_of_2(num_parts), HAS_SINKS=sinks is not None,
+        num_warps=1 if pad <= 64 else 2)
     return out

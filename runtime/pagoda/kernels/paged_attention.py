@@ -23,6 +23,7 @@ from pagoda.kernels.paged_kv import (
     check_paged_inputs,
     dot_config,
     head_pad,
+    sinks_arg,
     softcap_arg,
     window_arg,
 )
@@ -67,6 +68,7 @@ def _mixed_batch_kernel(
     scale_log2,  # softmax scale * log2(e), times k_scale for an fp8 cache
     v_scale,  # fp8 cache: stored values times v_scale are the values (1.0 otherwise)
     window,  # sliding window (NO_WINDOW: none)
+    sinks_ptr,  # [num_heads] f32 sink logits (gpt-oss), read when HAS_SINKS
     stride_q_t, stride_q_h, stride_q_d,
     stride_o_t, stride_o_h, stride_o_d,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_d,
@@ -84,6 +86,7 @@ def _mixed_batch_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,6 +126,9 @@ def _mixed_batch_kernel(
         block_tables_ptr + seq.to(tl.int64) * stride_table,
         stride_k_block, stride_k_slot, stride_k_d, stride_v_block, stride_v_slot, stride_v_d,
         scale_log2, window, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, UPCAST_DOT, DOT_PRECISION, KV_FP8, SOFTCAP)
+    if HAS_SINKS:  # one more term in the denominator, in the scores' log2 units
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0)
+        l_i += tl.exp2(sink * 1.4426950408889634 - m_i)
     l_i = tl.where(row_mask, l_i, 1.0)  # padded rows: avoid 0/0 warnings; they are not stored
     out = acc / l_i[:, None]
     if KV_FP8:
@@ -165,6 +171,7 @@ def paged_attention(
     v_scale: float = 1.0,
     sliding_window: int | None = None,  # a query at position p sees p - sliding_window + 1 .. p
     logit_softcap: float | None = None,  # scores = cap * tanh(scores / cap)
+    sinks: torch.Tensor | None = None,  # [num_heads]: a logit per head in the softmax's denominator (gpt-oss)
 ) -> torch.Tensor:
     """Causal attention of every query chunk over its sequence's paged context, in one launch."""
     op = "paged_attention"
@@ -176,6 +183,7 @@ def paged_attention(
     check_tensor(op, "out", out, "[num_tokens, num_heads, head_size]", tuple(query.shape), query.dtype)
     check_device(op, _mixed_batch_kernel, query=query, key_cache=key_cache, value_cache=value_cache,
                  block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens, out=out)
+    sinks = sinks_arg(op, sinks, shapes.num_heads, query.device)
     if shapes.num_tokens == 0 or shapes.num_seqs == 0:
         return out
     if key_cache.dtype not in FP8_DTYPES:  # the scales describe fp8 storage only
@@ -186,11 +194,11 @@ def paged_attention(
     num_tiles = shapes.num_tokens if block_q == 1 else shapes.num_tokens // block_q + shapes.num_seqs
     _mixed_batch_kernel[(num_tiles, shapes.num_kv_heads)](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        shapes.num_seqs, scale * k_scale * math.log2(math.e), v_scale, window,
+        shapes.num_seqs, scale * k_scale * math.log2(math.e), v_scale, window, out if sinks is None else sinks,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         GROUP=shapes.group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_SIZE=shapes.head_size, HEAD_PAD=head_pad(shapes.head_size), BLOCK_SIZE=shapes.block_size,
         TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES, SOFTCAP=softcap,
-        num_warps=num_warps(block_m, shapes.head_size),
+        HAS_SINKS=sinks is not None, num_warps=num_warps(block_m, shapes.head_size),
         **launch_stages(query.dtype))
     return out

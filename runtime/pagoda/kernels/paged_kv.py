@@ -34,6 +34,16 @@ def softcap_arg(logit_softcap: float | None) -> float:
     return float(logit_softcap)
 
 
+def sinks_arg(op: str, sinks: torch.Tensor | None, num_heads: int, device) -> torch.Tensor | None:
+    """gpt-oss's per-head sink logits as the kernels read them: float32, contiguous, [num_heads], on device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,) or sinks.device != device:
+        got = list(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"{op}: sinks must be a [num_heads] = [{num_heads}] tensor on {device}; got {got}")
+    return sinks.float().contiguous()
+
+
 @triton.jit
 def context_offsets(
     block_table_ptr,  # this sequence's row of the block table, int32
