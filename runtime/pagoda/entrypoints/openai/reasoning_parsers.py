@@ -1,5 +1,6 @@
 """Reasoning parsers (`--reasoning-parser`, vLLM's names): a thinking model's output -> its reasoning and
-its content. DeepSeek-R1 and Qwen3 think in `<think>…</think>` before they answer.
+its content. DeepSeek-R1 and Qwen3 think in `<think>…</think>` before they answer; gpt-oss in its Harmony
+format's analysis channel (``openai_gptoss``: harmony_reasoning.py).
 
 The split works on the text, so it is the same however the output arrives: whole, or streamed in deltas cut
 anywhere (a tag split across deltas is held back until it is whole). The tags must be single tokens of the
@@ -90,6 +91,10 @@ class ReasoningParser:
                 return True
         return False
 
+    def output_params(self, params):
+        """The sampling parameters the split needs: these tags are text, so any will do."""
+        return params
+
     def thinking_disabled(self, chat_template_kwargs: dict | None) -> bool:
         return self.name == "qwen3" and (chat_template_kwargs or {}).get("enable_thinking", True) is False
 
@@ -120,14 +125,18 @@ class ReasoningParser:
         return count
 
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 
-def reasoning_parser(name: str, tokenizer) -> ReasoningParser:
+def reasoning_parser(name: str, tokenizer):
     """The parser for `--reasoning-parser NAME`; ValueError naming the flag when the tokenizer lacks the
     tags as single tokens."""
     if name not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser {name!r}: choose from {', '.join(REASONING_PARSERS)}")
+    if name == "openai_gptoss":
+        from pagoda.entrypoints.openai.harmony_reasoning import HarmonyReasoningParser
+
+        return HarmonyReasoningParser.for_tokenizer(tokenizer)
     vocab = tokenizer.get_vocab()
     missing = [tag for tag in (START, END) if tag not in vocab]
     if missing:

@@ -207,6 +207,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.validate_prompt({"prompt": text, "prompt_token_ids": token_ids}, params)
         params = grammar_after_reasoning(params, self.reasoning_parser, prompt["prompt_token_ids"],
                                          request.chat_template_kwargs)
+        if self.reasoning_parser is not None:  # gpt-oss's channel markers are special tokens the split reads
+            params = self.reasoning_parser.output_params(params)
         return prompt, params, lora_request, top_k
 
     @staticmethod
