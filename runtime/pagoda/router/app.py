@@ -115,7 +115,8 @@ def build_app(args: RouterArgs) -> FastAPI:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return ProxyResponse(router, request.method, target,
                              upstream_headers(request.scope["headers"], request_id_of(request)), body,
-                             routing_request(body, headers, router.config.session_header), arrived)
+                             routing_request(body, headers, router.config.session_header, request.url.path),
+                             arrived)
 
     return app
 

@@ -37,6 +37,7 @@ class RoutingRequest:
     # assistant message's head; a completion: nothing); None where the answer is not recorded
     answer_prefix: str | None = None
     body: dict | None = field(default=None, repr=False)  # the JSON body (precise: what to tokenize)
+    path: str | None = None  # the door the body was sent to (precise: how the server renders it)
     authorization: str | None = field(default=None, repr=False)  # the client's, for the replica's /tokenize
     token_ids: list[int] | None = field(default=None, repr=False)  # precise: the prompt's tokens, once known
     chains: dict = field(default_factory=dict, repr=False)  # precise: (block size, root) -> block hashes

@@ -1,8 +1,12 @@
 """The precise policy: route by what each replica's prefix cache holds now (its KV events, ``kv_index``),
 measured in the request's own blocks.
 
-The request's token ids come from a replica's ``POST /tokenize`` (the chat template applied there, as the
-engine will), or from the body when it already carries token ids. Their block hashes are the engine's
+The request's token ids come from a replica's ``POST /tokenize``, sent the door's own body
+(``{"endpoint": path, "request": body}``: chat with its tools and ``chat_template_kwargs``, Responses with
+its instructions, items and stored ``previous_response_id`` history, Messages with its system prompt), which
+the server renders by the code the door runs, so the tokens are the engine's; a completion's text prompt
+goes as ``{"prompt"}``, and a body of token ids is used as is. A Responses follow-up's history is stored on
+one replica: the others answer 404, and are tried in turn. Their block hashes are the engine's
 (``core.block_hash``, the adapter's root when the model is an adapter the events named); each replica scores
 the longest run of leading blocks it holds. The longest run, held by one replica, wins within the prefix
 policy's load bound. A request no single replica holds most of (a brand-new conversation: no run, a run
@@ -24,6 +28,7 @@ import time
 import aiohttp
 
 from pagoda.core.block_hash import BASE_ROOT, chain_hashes, lora_root
+from pagoda.http.doors import TOKENIZE_ENDPOINTS
 from pagoda.router.backends import Backend
 from pagoda.router.kv_index import KVIndex
 from pagoda.router.policies import (
@@ -38,6 +43,20 @@ from pagoda.router.policies import (
 logger = logging.getLogger(__name__)
 
 TOKENIZE_TIMEOUT = 5.0
+
+
+def tokenize_query(request: RoutingRequest) -> dict | None:
+    """What a replica's /tokenize is sent: a door's own body with its path, which the server renders as that
+    door does; a completion's text prompt in vLLM's shape; None when there is nothing to tokenize."""
+    body = request.body
+    door = request.path if request.path in TOKENIZE_ENDPOINTS else None
+    if request.path is None and isinstance(body.get("messages"), list):
+        door = "/v1/chat/completions"  # no path known (a caller of the policy alone): a chat body
+    if door is not None:
+        return {"model": body.get("model"), "endpoint": door, "request": body}
+    if isinstance(body.get("prompt"), str):
+        return {"model": body.get("model"), "prompt": body["prompt"]}
+    return None
 
 
 class Precise(Policy):
@@ -57,24 +76,25 @@ class Precise(Policy):
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             request.token_ids = prompt
             return
-        query = {"model": body.get("model")}
-        if isinstance(body.get("messages"), list):
-            query["messages"] = body["messages"]
-        elif isinstance(prompt, str):
-            query["prompt"] = prompt
-        else:
+        query = tokenize_query(request)
+        if query is None or session is None or not candidates:
             return
-        if session is None or not candidates:
-            return
-        backend = candidates[self.turn % len(candidates)]
+        n = len(candidates)
+        order = [candidates[(self.turn + i) % n] for i in range(n)]
+        # a Responses follow-up renders its stored history, which one replica holds: the others say 404
+        tries = order if query.get("endpoint") == "/v1/responses" and body.get("previous_response_id") else order[:1]
         headers = {"Authorization": request.authorization} if request.authorization else {}
-        try:
-            async with session.post(backend.url + "/tokenize", json=query, headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT)) as r:
-                if r.status == 200:
-                    request.token_ids = (await r.json()).get("tokens")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            logger.debug("tokenize on %s failed: %s", backend.url, e)
+        for backend in tries:
+            try:
+                async with session.post(backend.url + "/tokenize", json=query, headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT)) as r:
+                    if r.status == 200:
+                        request.token_ids = (await r.json()).get("tokens")
+                    if r.status != 404:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                logger.debug("tokenize on %s failed: %s", backend.url, e)
+                return
 
     def hashes_for(self, request: RoutingRequest, url: str) -> list[int]:
         entry = self.index.replicas.get(url)

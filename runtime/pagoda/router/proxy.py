@@ -54,9 +54,11 @@ class BackendFailed(Exception):
         self.reason = reason
 
 
-def routing_request(body: bytes, headers: dict[str, str], session_header: str) -> RoutingRequest:
-    """The fields policies read, from a JSON body; a body that is not JSON routes on nothing (the backend
-    will answer it with its own 400)."""
+def routing_request(body: bytes, headers: dict[str, str], session_header: str,
+                    path: str | None = None) -> RoutingRequest:
+    """The fields policies read, from a JSON body and the path it was sent to (`path`, else the `:path`
+    header the EPP gets from Envoy); a body that is not JSON routes on nothing (the backend will answer it
+    with its own 400)."""
     try:
         data = json.loads(body) if body else None
     except ValueError:
@@ -65,8 +67,9 @@ def routing_request(body: bytes, headers: dict[str, str], session_header: str) -
         return RoutingRequest(session_key=headers.get(session_header))
     model = data.get("model") if isinstance(data.get("model"), str) else None
     user = data.get("user") if isinstance(data.get("user"), str) else None
+    path = (path or headers.get(":path") or "").partition("?")[0] or None
     return RoutingRequest(prefix_text=prompt_text(data), session_key=headers.get(session_header) or user,
-                          model=model, answer_prefix=answer_prefix(data), body=data,
+                          model=model, answer_prefix=answer_prefix(data), body=data, path=path,
                           authorization=headers.get("authorization"))
 
 

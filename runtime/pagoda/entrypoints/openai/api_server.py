@@ -45,11 +45,12 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.protocol_messages import CountTokensRequest, MessagesRequest, openapi_extra
 from pagoda.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagoda.entrypoints.openai.serving_base import Admission
-from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagoda.entrypoints.openai.serving_messages import AnthropicServingMessages, handle
 from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagoda.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from pagoda.http.errors import APIError, ErrorResponse, error_response, install_error_handlers
 from pagoda.http.middleware import install_middleware
 from pagoda.lora.request import LoRARequest
@@ -72,6 +73,7 @@ class ServerState:
     embedding: OpenAIServingEmbedding | None = None
     responses: OpenAIServingResponses | None = None
     messages: AnthropicServingMessages | None = None
+    tokenize: OpenAIServingTokenize | None = None
     metrics: ServerMetrics | None = None
     admission: Admission | None = None
     on_fatal: Callable[[], None] = lambda: None
@@ -153,6 +155,7 @@ def _attach_engine(state: ServerState, engine) -> None:
     state.embedding = OpenAIServingEmbedding(engine, name, state.metrics, state.admission)
     state.responses = OpenAIServingResponses(state.chat, state.server_args.max_stored_responses)
     state.messages = AnthropicServingMessages(state.chat)
+    state.tokenize = OpenAIServingTokenize(state.chat, state.responses)
     adapters = lora_requests(state.server_args.lora_modules or [], engine)
     for serving in (state.completion, state.chat, state.embedding):
         serving.lora_modules = adapters  # one dict: loading and unloading at runtime reach all three
@@ -326,15 +329,7 @@ def build_app(engine_args: EngineArgs, server_args: ServerArgs,
 
     @app.post("/tokenize", dependencies=[Depends(require_ready)])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        state.completion.check_model(body.model)
-        tokenizer = state.engine.tokenizer
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
-        if body.messages is not None:
-            _, tokens = await asyncio.to_thread(render_chat, tokenizer, body.messages, body.add_generation_prompt,
-                                                chat_template=state.chat.chat_template)
-        else:
-            tokens = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await state.tokenize.tokenize(body)
         return TokenizeResponse(count=len(tokens), max_model_len=state.engine.config.model.max_model_len,
                                 tokens=tokens)
 

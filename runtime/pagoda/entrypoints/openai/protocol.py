@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from pagoda.entrypoints.openai.tool_choice import forced_tool_constraint
 from pagoda.errors import InvalidParam
+from pagoda.http.doors import TOKENIZE_ENDPOINTS
 from pagoda.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -481,11 +482,20 @@ class ModelList(OpenAIModel):
 
 
 class TokenizeRequest(OpenAIModel):
+    """vLLM's shapes: `prompt`, or `messages` (with the chat request's template fields); or a door's own body
+    as `request`, with the door's path as `endpoint` (what the precise router sends)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    endpoint: Literal[TOKENIZE_ENDPOINTS] | None = None
+    request: dict[str, Any] | None = None
 
 
 class TokenizeResponse(OpenAIModel):

@@ -174,12 +174,6 @@ class OpenAIServingChat(OpenAIServing):
         logprobs). Errors are APIErrors naming the field, raised before anything runs (the Responses and
         Messages APIs render through here too)."""
         lora_request = self.check_model(request.model)
-        if request.chat_template is not None and not self.trust_request_chat_template:
-            raise invalid_request("a chat_template in the request is refused: the server runs the model's own "
-                                  "template unless started with --trust-request-chat-template", "chat_template")
-        if request.continue_final_message and request.add_generation_prompt:
-            raise invalid_request("continue_final_message and add_generation_prompt cannot both be true: send "
-                                  "add_generation_prompt false to continue the last message", "continue_final_message")
         if request.top_logprobs is not None and not request.logprobs:
             raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
         top_k = (request.top_logprobs or 0) if request.logprobs else None
@@ -195,11 +189,7 @@ class OpenAIServingChat(OpenAIServing):
                 renamed["max_tokens"] = "max_completion_tokens"
             e.param = renamed.get(e.param, e.param)
             raise
-        text, token_ids = await asyncio.to_thread(render_chat, self.tokenizer, request.messages,
-                                                  request.add_generation_prompt, request.chat_template_kwargs,
-                                                  request.chat_template or self.chat_template,
-                                                  request.tools if request.tool_mode[0] != "none" else None,
-                                                  request.continue_final_message)
+        text, token_ids = await self.render(request)
         default_max = self.sampling_defaults.get("max_tokens")
         if request.requested_max_tokens is None and default_max is not None:
             # the model's max_new_tokens, as far as the context leaves room (vLLM's)
@@ -217,6 +207,20 @@ class OpenAIServingChat(OpenAIServing):
         async for out in stream:
             last = out
         return last
+
+    async def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt a chat request makes, as text and token ids: what prepare hands the engine, and what
+        /tokenize answers for every door (the precise router hashes these, so they must be the engine's)."""
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise invalid_request("a chat_template in the request is refused: the server runs the model's own "
+                                  "template unless started with --trust-request-chat-template", "chat_template")
+        if request.continue_final_message and request.add_generation_prompt:
+            raise invalid_request("continue_final_message and add_generation_prompt cannot both be true: send "
+                                  "add_generation_prompt false to continue the last message", "continue_final_message")
+        return await asyncio.to_thread(render_chat, self.tokenizer, request.messages, request.add_generation_prompt,
+                                       request.chat_template_kwargs, request.chat_template or self.chat_template,
+                                       request.tools if request.tool_mode[0] != "none" else None,
+                                       request.continue_final_message)
 
     def _response(self, request: ChatCompletionRequest, request_id: str, final: RequestOutput,
                   top_k: int | None) -> ChatCompletionResponse:

@@ -165,7 +165,10 @@ class OpenAIServingResponses:
         stored.response = {**stored.response, "status": "cancelled"}
         return stored.response
 
-    async def create(self, request: ResponsesRequest, raw: Request):
+    def chat_request(self, request: ResponsesRequest) -> tuple[ChatCompletionRequest, list[ChatMessage]]:
+        """The chat request a Responses request makes (instructions, the stored conversation of
+        previous_response_id, the input items), and the conversation a follow-up continues. /tokenize builds
+        it here too: the stored history is on this server, so the precise router asks it for the tokens."""
         try:
             request.check_supported()
             tools = request.function_tools()
@@ -175,10 +178,13 @@ class OpenAIServingResponses:
                 if previous is None:
                     raise not_found(request.previous_response_id, "previous_response_id")
                 history = list(previous.conversation)
-            new_messages = to_chat_messages(request)
-            chat_request = self._chat_request(request, tools, history + new_messages)
+            conversation = history + to_chat_messages(request)
+            return self._chat_request(request, tools, conversation), conversation
         except InvalidParam as e:
             raise invalid_request(str(e), e.param) from None
+
+    async def create(self, request: ResponsesRequest, raw: Request):
+        chat_request, conversation = self.chat_request(request)
         try:
             prompt, params, lora_request, _ = await self.chat.prepare(chat_request)
         except APIError as e:
@@ -187,7 +193,7 @@ class OpenAIServingResponses:
         response_id = f"resp_{uuid.uuid4().hex}"
         ids = ItemIds()
         base = self._base_object(request, response_id)
-        stored = StoredResponse(base, history + new_messages)
+        stored = StoredResponse(base, conversation)
         release = self.chat.admission.acquire()
         if request.store:
             self.store.put(response_id, stored)
