@@ -135,3 +135,108 @@ def test_epp_fallbacks_flag(capsys):
     with pytest.raises(SystemExit):
         parse("--epp-fallbacks", "-1")
     assert "--epp-fallbacks" in capsys.readouterr().err
+
+
+async def hold_streams(port: int, bodies: list[bytes], pool: BackendPool, finish_first: int = 0):
+    """Opens one ext_proc stream per body at once and reads each one's choice; the streams stay open (their
+    requests in flight) until every one has its choice. The first `finish_first` streams then report their
+    response complete (the last body chunk) before they close. Returns the endpoints picked (in the order of
+    the bodies) and each backend's in_flight while all were open."""
+    release = asyncio.Event()
+    picked: list[bytes | None] = [None] * len(bodies)
+    all_picked = asyncio.Event()
+    headers = ext_proc.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")]))
+
+    async def one(channel, i: int) -> None:
+        async def requests():
+            yield ext_proc.ProcessingRequest(request_headers=headers)
+            yield ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=bodies[i], end_of_stream=True))
+            await release.wait()
+            if i < finish_first:
+                yield ext_proc.ProcessingRequest(response_body=ext_proc.HttpBody(body=b"{}", end_of_stream=True))
+
+        call = ext_proc_grpc.ExternalProcessorStub(channel).Process(requests())
+        await call.read()  # the headers' answer
+        answer = await call.read()
+        picked[i] = answer.request_body.response.header_mutation.set_headers[0].header.raw_value
+        if all(p is not None for p in picked):
+            all_picked.set()
+        while await call.read() is not grpc.aio.EOF:  # the rest, until the picker ends the stream
+            pass
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        tasks = [asyncio.create_task(one(channel, i)) for i in range(len(bodies))]
+        await asyncio.wait_for(all_picked.wait(), timeout=30)
+        chosen, in_flight = list(picked), [backend.in_flight for backend in pool.all()]
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    return chosen, in_flight
+
+
+@pytest.mark.parametrize("policy", ["least-load", "prefix"])
+def test_a_burst_between_scrapes_spreads_over_the_pods(policy):
+    """Nine requests at once, before any /metrics scrape: each one picked counts in its pod's in_flight until
+    its stream ends, so least-load and the prefix policy's load bound spread them (they all went to the pod
+    that looked idle, or that held the prompt, while the picker counted nothing); the counts return to 0."""
+    prompt = "You are a careful assistant. " * 12
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+
+    async def scenario():
+        pool = BackendPool(["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"])
+        a, b, c = pool.all()
+        router = Router(pool, make_policy(policy), RouterConfig(policy=policy))
+        server = EPPServer(router, "127.0.0.1", free_port(), max_queue=100, session_header="x-session-id")
+        await server.start()
+        try:
+            for backend in (a, b, c):
+                backend.mark_up()
+            b.waiting = c.waiting = 1  # the last scrape: a looked idle
+            picked, during = await hold_streams(server.port, [body] * 9, pool, finish_first=3)
+            return picked, during, [x.in_flight for x in (a, b, c)]
+        finally:
+            await server.stop()
+
+    picked, during, after = asyncio.run(scenario())
+    counts = [picked.count(endpoint) for endpoint in (b"10.0.0.1:8000", b"10.0.0.2:8000", b"10.0.0.3:8000")]
+    if policy == "least-load":
+        assert min(counts) > 0 and max(counts) <= 4, counts
+    else:  # the pods that took the prompt hold it too: the bound spreads the burst over two of them
+        assert max(counts) <= 6 and sorted(counts)[1] > 0, counts
+    assert during == counts and after == [0, 0, 0]
+
+
+def test_a_complete_response_ends_the_count_before_the_stream_closes():
+    async def scenario():
+        pool = BackendPool(["http://10.0.0.1:8000"])
+        (a,) = pool.all()
+        a.mark_up()
+        router = Router(pool, make_policy("least-load"), RouterConfig(policy="least-load"))
+        server = EPPServer(router, "127.0.0.1", free_port(), max_queue=4, session_header="x-session-id")
+        await server.start()
+        try:
+            headers = ext_proc.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+                base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")]), end_of_stream=True)
+            done, close = asyncio.Event(), asyncio.Event()
+
+            async def requests():
+                yield ext_proc.ProcessingRequest(request_headers=headers)
+                await done.wait()
+                yield ext_proc.ProcessingRequest(response_body=ext_proc.HttpBody(body=b"{}", end_of_stream=True))
+                await close.wait()
+
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                call = ext_proc_grpc.ExternalProcessorStub(channel).Process(requests())
+                await call.read()
+                during = a.in_flight
+                done.set()
+                await call.read()  # the response body's answer: the picker has seen it
+                after_response = a.in_flight
+                close.set()
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return during, after_response, a.in_flight
+        finally:
+            await server.stop()
+
+    assert asyncio.run(scenario()) == (1, 0, 0)

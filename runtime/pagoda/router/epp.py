@@ -18,12 +18,18 @@ the router's policy among the healthy backends, and answers as the Endpoint Pick
   ``envoy.lb`` / ``x-gateway-destination-endpoint-served``, protocol v1.0): where it is not the one picked
   (the gateway retried elsewhere), the policy is told the request went there (``Policy.routed``), so what it
   believes each replica holds follows where the work was done.
+
+A picked request counts in its backend's ``in_flight`` (as the proxy's do) from the pick to its stream's end:
+the response complete (its last body chunk or trailers), the stream closed, or an error. Least-load and the
+prefix policy's load bound so see a burst that arrives between two /metrics scrapes; a request the gateway
+reports served elsewhere moves its count there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from contextlib import aclosing
 from urllib.parse import urlsplit
 
 import grpc
@@ -65,6 +71,23 @@ class Picked(Exception):
         self.message = message
 
 
+class InFlight:
+    """The backend one stream's request counts against in `Backend.in_flight`, once picked."""
+
+    def __init__(self) -> None:
+        self.backend: Backend | None = None
+
+    def start(self, backend: Backend) -> None:
+        self.end()
+        backend.in_flight += 1
+        self.backend = backend
+
+    def end(self) -> None:
+        if self.backend is not None:
+            self.backend.in_flight -= 1
+            self.backend = None
+
+
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router, max_queue: int, session_header: str = "x-session-id", fallbacks: int = 0):
         self.router = router
@@ -97,20 +120,31 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         others = sorted((b for b in open_ if b is not decision.backend), key=lambda b: b.load())
         return request, decision, others[: self.fallbacks]
 
-    def served(self, picked: tuple | None, metadata: base_pb2.Metadata) -> None:
-        """The gateway says which endpoint served the request: if not the one picked, the policy learns it."""
+    def served(self, picked: tuple | None, metadata: base_pb2.Metadata) -> Backend | None:
+        """The gateway says which endpoint served the request: if not the one picked, the policy learns it;
+        returns that other backend (None when it is the one picked, unknown or not said)."""
         endpoint = _served(metadata)
         if picked is None or endpoint is None or endpoint == endpoint_of(picked[1].backend):
-            return
+            return None
         backend = next((b for b in self.router.pool.all() if endpoint_of(b) == endpoint), None)
         if backend is None:
             logger.debug("served by %s, which is not in the pool", endpoint)
-            return
+            return None
         request, decision, _ = picked
         self.router.policy.routed(request, Decision(backend, "served", decision.matched_chars,
                                                     decision.prompt_chars))
+        return backend
 
     async def Process(self, request_iterator, context):  # noqa: N802 (the gRPC method's name)
+        in_flight = InFlight()
+        try:
+            async with aclosing(self._process(request_iterator, in_flight)) as answers:
+                async for answer in answers:
+                    yield answer
+        finally:  # the stream closed, normally, by the gateway's cancel, or on an error
+            in_flight.end()
+
+    async def _process(self, request_iterator, in_flight: InFlight):
         headers: dict[str, str] = {}
         body = b""
         subset = None
@@ -125,14 +159,16 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
             kind = message.WhichOneof("request")
             if message.HasField("metadata_context"):
                 if kind == "response_headers":
-                    self.served(picked[0], message.metadata_context)
+                    elsewhere = self.served(picked[0], message.metadata_context)
+                    if elsewhere is not None and in_flight.backend is not None:
+                        in_flight.start(elsewhere)
                 elif subset is None:
                     subset = _subset(message.metadata_context)
             if kind == "request_headers":
                 for h in message.request_headers.headers.headers:
                     headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
                 if message.request_headers.end_of_stream:
-                    yield await self._answer("request_headers", headers, b"", subset, picked)
+                    yield await self._answer("request_headers", headers, b"", subset, picked, in_flight)
                 elif duplex_request:
                     headers_pending = True
                 else:
@@ -146,30 +182,36 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                     continue
                 if headers_pending:  # the headers with the choice, then the body back to Envoy
                     headers_pending = False
-                    answer = await self._answer("request_headers", headers, body, subset, picked)
+                    answer = await self._answer("request_headers", headers, body, subset, picked, in_flight)
                     yield answer
                     if answer.HasField("immediate_response"):
                         return
                     yield _streamed("request_body", body, True)
                 else:
-                    yield await self._answer("request_body", headers, body, subset, picked)
+                    yield await self._answer("request_body", headers, body, subset, picked, in_flight)
             elif kind == "request_trailers":
                 yield ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
             elif kind == "response_headers":
+                if message.response_headers.end_of_stream:  # a response without a body: complete
+                    in_flight.end()
                 yield ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
             elif kind == "response_body":
+                if message.response_body.end_of_stream:  # the response is complete
+                    in_flight.end()
                 if duplex_response:  # every chunk as it comes: a stream's events are not held back
                     yield _streamed("response_body", message.response_body.body, message.response_body.end_of_stream)
                 else:
                     yield ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
             elif kind == "response_trailers":
+                in_flight.end()
                 yield ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
 
-    async def _answer(self, phase: str, headers: dict[str, str], body: bytes, subset,
-                      picked: list) -> ext_proc.ProcessingResponse:
+    async def _answer(self, phase: str, headers: dict[str, str], body: bytes, subset, picked: list,
+                      in_flight: InFlight) -> ext_proc.ProcessingResponse:
         try:
             picked[0] = await self.pick(headers, body, subset)
             _, decision, fallbacks = picked[0]
+            in_flight.start(decision.backend)
         except Picked as e:
             error = {"error": {"message": e.message, "type": "ServiceUnavailable" if e.status == 503
                                else "TooManyRequests", "param": None, "code": e.status}}
