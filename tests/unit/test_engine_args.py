@@ -28,7 +28,10 @@ def no_loading(monkeypatch):
 
 @pytest.mark.parametrize("name,value", [
     ("speculative_config", {"method": "eagle", "num_speculative_tokens": 4}), ("cpu_offload_gb", 4.0),
-    ("num_scheduler_steps", 8), ("data_parallel_size", 2), ("enable_sleep_mode", True),
+    ("num_scheduler_steps", 8), ("enable_sleep_mode", True),
+    # data parallelism runs; bad sizes and vLLM's many-node flags (not yet) are refused by name
+    ("data_parallel_size", 0), ("data_parallel_start_rank", 1), ("data_parallel_rank", 0),
+    ("data_parallel_address", "10.0.0.1"), ("data_parallel_rpc_port", 0), ("data_parallel_size_local", 2),
     ("tokenizer_mode", "mistral"), ("tokenizer_mode", "slow"), ("load_format", "pt"), ("load_format", "gguf"),
     ("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8_e4m3fn"), ("calculate_kv_scales", True),
     ("distributed_executor_backend", "dask"),

@@ -58,8 +58,9 @@ def test_iteration_tokens_histogram_and_vllm_names():
     for (name, labels), value in got.items():
         if name.startswith("pagoda:") and "lora" not in name:
             assert got[("vllm:" + name.removeprefix("pagoda:"), labels)] == value
-    assert got[("vllm:num_requests_waiting", (("model_name", "m"),))] == 3
-    assert got[("vllm:gpu_cache_usage_perc", (("model_name", "m"),))] == 0.25
+    # the series of one engine carry engine="<rank>", as vLLM's: "0" without data parallelism
+    assert got[("vllm:num_requests_waiting", (("engine", "0"), ("model_name", "m")))] == 3
+    assert got[("vllm:gpu_cache_usage_perc", (("engine", "0"), ("model_name", "m")))] == 0.25
     assert not any(name.startswith("vllm:") for name, _ in samples(ServerMetrics("m", lambda: stats)))
 
 
@@ -75,3 +76,18 @@ def test_moe_expert_tokens_counter_per_layer_and_expert():
     assert counts == {("0", "0"): 4, ("0", "1"): 1, ("0", "2"): 1, ("0", "3"): 4,
                       ("2", "0"): 1, ("2", "1"): 1, ("2", "2"): 1, ("2", "3"): 9}
     assert not any(name.startswith("pagoda:moe_") for name, _ in samples(ServerMetrics("m", lambda: EngineStats())))
+
+
+def test_data_parallel_ranks_are_series_of_their_own():
+    from pagoda.engine.outputs import RankStats
+
+    stats = EngineStats(num_requests_waiting=5, kv_cache_usage=0.3, generation_tokens=30,
+                        data_parallel=[RankStats(num_requests_waiting=2, kv_cache_usage=0.1, generation_tokens=10),
+                                       RankStats(num_requests_waiting=3, kv_cache_usage=0.5, generation_tokens=20)])
+    got = samples(ServerMetrics("m", lambda: stats))
+    for rank, (waiting, usage, tokens) in enumerate([(2, 0.1, 10), (3, 0.5, 20)]):
+        labels = (("engine", str(rank)), ("model_name", "m"))
+        assert got[("pagoda:num_requests_waiting", labels)] == waiting
+        assert got[("pagoda:kv_cache_usage_perc", labels)] == usage
+        assert got[("pagoda:generation_tokens_total", labels)] == tokens
+    assert not any(dict(labels).get("engine") == "2" for _, labels in got)

@@ -15,6 +15,7 @@ matches; when no rank has work nothing runs at all, so an idle engine costs noth
 from pagoda.config import EngineConfig
 from pagoda.core.sequence import Sequence
 from pagoda.engine.engine_core import CoreStep, EngineCore, StepObserver, StepTimer
+from pagoda.engine.outputs import RankStats
 
 # a rank this many sequences busier than the least loaded one may still take a request its cache holds
 PREFIX_SLACK = 2
@@ -68,6 +69,8 @@ class DataParallelCore:
         self.block_manager = _BlockManagers([core.block_manager for core in self.cores])
         self.prefix_caching = config.cache.enable_prefix_caching
         self.num_added = [0] * self.size  # sequences each rank was given
+        self.prompt_tokens = [0] * self.size
+        self.generation_tokens = [0] * self.size
 
     @property
     def schedulers(self):
@@ -103,6 +106,7 @@ class DataParallelCore:
     def add(self, seq: Sequence) -> None:
         rank = self.choose_rank(seq)
         self.num_added[rank] += 1
+        self.prompt_tokens[rank] += seq.num_tokens
         self.cores[rank].add(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
@@ -123,13 +127,32 @@ class DataParallelCore:
         staged, self.staged = self.staged, [None] * self.size
         self.results = self.executor.run_ranks(staged)
         merged = CoreStep()
-        for core, ran in zip(self.cores, started):
+        for rank, (core, ran) in enumerate(zip(self.cores, started)):
             if ran:
-                _merge(merged, core.finish_oldest(observer))
+                step = core.finish_oldest(observer)
+                self.generation_tokens[rank] += len(step.new_tokens)
+                _merge(merged, step)
             else:
                 core._flush_kv_events()
         self.results = [None] * self.size
         return merged
+
+    def rank_stats(self) -> list[RankStats]:
+        stats = []
+        for rank, core in enumerate(self.cores):
+            schedulers, blocks = core.schedulers, core.block_manager
+            stats.append(RankStats(
+                num_requests_running=sum(len(sc.running) for sc in schedulers),
+                num_requests_waiting=sum(len(sc.waiting) for sc in schedulers),
+                num_requests_swapped=sum(len(sc.swapped) for sc in schedulers),
+                kv_cache_usage=blocks.usage(), num_blocks_total=blocks.num_blocks,
+                num_blocks_used=blocks.num_used_blocks, num_cached_blocks=len(blocks.cached_blocks),
+                prefix_cache_queries=sum(sc.prefix_cache_queries for sc in schedulers),
+                prefix_cache_hits=sum(sc.prefix_cache_hits for sc in schedulers),
+                num_preemptions=sum(sc.num_preemptions for sc in schedulers),
+                num_requests_added=self.num_added[rank], prompt_tokens=self.prompt_tokens[rank],
+                generation_tokens=self.generation_tokens[rank], num_steps=core.timer.num_steps))
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return all([core.reset_prefix_cache() for core in self.cores])

@@ -241,12 +241,14 @@ class LLMEngine:
         timer = self.core.timer
         s.num_steps, s.step_forward_seconds = timer.num_steps, timer.forward_seconds
         s.num_step_gaps, s.step_gap_seconds = timer.num_gaps, timer.gap_seconds
+        if hasattr(self.core, "rank_stats"):  # data parallelism: each rank's share too
+            s.data_parallel = self.core.rank_stats()
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
                               "iteration_tokens_counts": list(s.iteration_tokens_counts),
                               "expert_tokens": {layer: list(c) for layer, c in s.expert_tokens.items()},
                               "running_lora_adapters": list(s.running_lora_adapters),
                               "waiting_lora_adapters": list(s.waiting_lora_adapters),
-                              "lora_requests": dict(s.lora_requests)})
+                              "lora_requests": dict(s.lora_requests), "data_parallel": list(s.data_parallel)})
 
     def shutdown(self) -> None:
         """Release the executor's workers and process group. Idempotent."""

@@ -70,6 +70,27 @@ ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 
 
 @dataclass
+class RankStats:
+    """One data-parallel rank's share (engine/data_parallel.py): what its scheduler and KV cache hold, and
+    what it was given and made. /metrics publishes these under engine="<rank>"."""
+
+    num_requests_running: int = 0  # sequences, by the rank's schedulers
+    num_requests_waiting: int = 0
+    num_requests_swapped: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_requests_added: int = 0  # sequences the balancer gave the rank
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+
+
+@dataclass
 class EngineStats:
     """A snapshot for /metrics: gauges now, counters since start."""
 
@@ -120,6 +141,8 @@ class EngineStats:
     step_forward_seconds: float = 0.0
     num_step_gaps: int = 0
     step_gap_seconds: float = 0.0
+    # data parallelism: each rank's share, by rank (empty with one rank)
+    data_parallel: list[RankStats] = field(default_factory=list)
 
     def add_expert_tokens(self, step: dict[int, list[int]]) -> None:
         for layer, counts in step.items():

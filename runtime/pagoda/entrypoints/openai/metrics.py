@@ -68,22 +68,36 @@ class EngineStatsCollector(Collector):
             family.add_metric(values, value)
             return family
 
-        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_requests_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_cache_usage)
-        yield gauge("kv_cache_used_blocks", "KV-cache blocks held by requests.", stats.num_blocks_used)
-        yield gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.", stats.num_blocks_total)
-        yield gauge("prefix_cache_blocks", "KV-cache blocks the prefix cache can find (held or evictable).",
-                    stats.num_cached_blocks)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        def per_engine(kind, name: str, doc: str, field: str):
+            """A series per engine (data-parallel rank), labelled engine="<rank>" as vLLM's; engine="0" alone
+            without data parallelism."""
+            family = kind(PREFIX + name, doc, labels=[*labels, "engine"])
+            for rank, share in enumerate(stats.data_parallel or [stats]):
+                family.add_metric([*values, str(rank)], getattr(share, field))
+            return family
+
+        yield per_engine(GaugeMetricFamily, "num_requests_running", "Requests in the running batch.",
+                         "num_requests_running")
+        yield per_engine(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.",
+                         "num_requests_waiting")
+        yield per_engine(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                         "kv_cache_usage")
+        yield per_engine(GaugeMetricFamily, "kv_cache_used_blocks", "KV-cache blocks held by requests.",
+                         "num_blocks_used")
+        yield per_engine(GaugeMetricFamily, "kv_cache_total_blocks", "KV-cache blocks in the pool.",
+                         "num_blocks_total")
+        yield per_engine(GaugeMetricFamily, "prefix_cache_blocks",
+                         "KV-cache blocks the prefix cache can find (held or evictable).", "num_cached_blocks")
+        yield per_engine(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                         "prefix_cache_queries")
+        yield per_engine(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                         "prefix_cache_hits")
         yield counter("prefix_cache_evicted_blocks", "Prefix-cache blocks evicted (taken for other tokens).",
                       stats.prefix_cache_evicted_blocks)
-        yield counter("prompt_tokens", "Prompt tokens received.", stats.prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
-        yield counter("num_preemptions", "Sequences preempted (swapped out or recomputed) for lack of KV blocks.",
-                      stats.num_preemptions)
+        yield per_engine(CounterMetricFamily, "prompt_tokens", "Prompt tokens received.", "prompt_tokens")
+        yield per_engine(CounterMetricFamily, "generation_tokens", "Tokens generated.", "generation_tokens")
+        yield per_engine(CounterMetricFamily, "num_preemptions",
+                         "Sequences preempted (swapped out or recomputed) for lack of KV blocks.", "num_preemptions")
         yield gauge("num_requests_swapped", "Requests whose KV blocks are in the swap space.",
                     stats.num_requests_swapped)
         yield gauge("cpu_cache_usage_perc", "Fraction of the swap space's host blocks in use (1 = full).",
@@ -114,7 +128,7 @@ class EngineStatsCollector(Collector):
         yield success
         yield self._iteration_tokens(stats)
         # the engine's step timer: forward passes, and the gaps between them while work waited
-        yield counter("engine_steps", "Batches run by the executor.", stats.num_steps)
+        yield per_engine(CounterMetricFamily, "engine_steps", "Batches run by the executor.", "num_steps")
         yield counter("engine_forward_seconds", "Seconds in the executor (submit to result).",
                       stats.step_forward_seconds)
         yield counter("engine_step_gaps", "Gaps between a batch's result and the next submit, work waiting.",
