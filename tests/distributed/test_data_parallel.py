@@ -143,3 +143,32 @@ def test_a_dead_rank_fails_the_engine_without_a_hang(tiny_model_factory):
         assert time.monotonic() - started < 30
     finally:
         llm.shutdown()
+
+
+def test_balancing_prefers_the_rank_whose_prefix_cache_holds_the_prompt(tiny_model_factory):
+    llm = dp_llm(tiny_model_factory("llama"))
+    engine, long_prompt = llm.engine, PROMPTS[1]
+    try:
+        run(llm, [long_prompt])  # rank 0 (both idle: the lower rank) caches its blocks
+        assert engine.core.num_added == [1, 0]
+        engine.add_request("busy", PROMPTS[0], GREEDY)  # rank 0 again (a tie)
+        engine.add_request("again", long_prompt, GREEDY)  # loads 1 and 0 are close: the cache decides
+        assert engine.core.num_added == [3, 0]
+        engine.add_request("other", PROMPTS[2], GREEDY)  # nothing cached anywhere: the least loaded
+        assert engine.core.num_added == [3, 1]
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in engine.step()})
+        assert outputs["again"].num_cached_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_kv_events_carry_the_rank_and_each_rank_publishes_on_its_own_port():
+    from pagoda.config.kv_events import KVEventsConfig
+
+    config = KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": "tcp://*:5557",
+                                   "replay_endpoint": "ipc:///tmp/replay"})
+    assert config.for_data_parallel_rank(0) is config
+    one = config.for_data_parallel_rank(1)
+    assert (one.endpoint, one.replay_endpoint) == ("tcp://*:5558", "ipc:///tmp/replay_dp1")
