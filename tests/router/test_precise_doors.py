@@ -15,7 +15,7 @@ from live_server import API_KEY, free_port
 
 pytestmark = pytest.mark.server
 
-SYSTEM = "You are a weather agent. Answer briefly and call a tool whenever a city is named. " * 2
+SYSTEM = "You are a weather agent: answer briefly, and call a tool whenever a city is named."  # the tiny BPE: ~1 token a character, 512 positions
 PREFIX_MATCH = "pagoda_router:routing_decisions_total{policy=precise,reason=prefix-match}"
 
 
@@ -118,7 +118,7 @@ def test_messages_with_a_system_prompt_follow_their_prefix(cluster):
               "input_schema": WEATHER_TOOL["function"]["parameters"]}]
     messages = [{"role": "user", "content": "Weather in Rome today?"}]
     ask = lambda: client.messages.with_raw_response.create(  # noqa: E731
-        model=MODEL, system=SYSTEM, messages=messages, tools=tools, max_tokens=4, temperature=0)
+        model=MODEL, system=SYSTEM, messages=messages, tools=tools, max_tokens=4)
     first, _, message = turn(ask, first=True)
     text = "".join(block.text for block in message.content if block.type == "text")
     messages += [{"role": "assistant", "content": text or "Let me look."},

@@ -129,3 +129,12 @@ def test_a_replica_not_heard_from_counts_at_the_others_mean_churn():
     assert policy.choose(new, backends(0, 0, 0)).backend.url == B  # 2 < C's 6 (the mean) < 10
     feed(index, B, list(range(200, 240)))  # B: 12 blocks; C now counts at 11
     assert policy.choose(new, backends(0, 0, 0)).backend.url == A
+
+
+def test_a_responses_requests_max_output_tokens_count_as_expected_blocks():
+    index = KVIndex()
+    feed(index, A, list(range(8)))  # 2 blocks
+    policy = Precise(index)
+    r = RoutingRequest(token_ids=list(range(100, 140)), body={"input": "hi", "max_output_tokens": 8})
+    policy.routed(r, policy.choose(r, backends(0)))
+    assert index.churn(A) == pytest.approx(2 + (40 + 8) // BS, rel=0.01)

@@ -154,7 +154,7 @@ class Precise(Policy):
         if not request.token_ids or entry is None or not entry.block_size:
             return
         body = request.body or {}
-        answer = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        answer = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens") or 0
         answer = answer if isinstance(answer, int) and answer > 0 else 0
         total = (len(request.token_ids) + answer) // entry.block_size
         self.index.expect(url, total - self.index.match(url, self.hashes_for(request, url)))
