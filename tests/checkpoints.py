@@ -100,6 +100,23 @@ ARCH_CONFIGS = {
                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 64,
                                      "rope_theta": 150000.0}),
+    # multi-head latent attention (q_proj, YaRN with mscale), shared + routed experts routed by group, the first
+    # layer dense; needs num_kv_heads == num_heads (transformers' MLA expands K and V per head)
+    "deepseek-v2": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", kv_lora_rank=32,
+                        q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=1.5, tie_word_embeddings=False,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                         "rope_theta": 10000.0}),
+    # MLA with q_lora_rank (q_a_proj, its norm, q_b_proj) and interleaved rope; sigmoid routing with the
+    # correction bias, grouped top-k, renormalised and scaled
+    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", kv_lora_rank=32,
+                        q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, rope_interleave=True, tie_word_embeddings=False),
 }
 
 
@@ -137,6 +154,9 @@ def write_tiny_model(out: Path, arch: str = "llama", num_kv_heads: int = 2, num_
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("sinks"):  # strong enough to matter beside the scores
                 p.copy_(2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias (a buffer): not all zero
+                b.copy_(0.3 * torch.randn_like(b))
     max_shard = None if shards == 1 else f"{sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1}KB"
     model.save_pretrained(out, **({"max_shard_size": max_shard} if max_shard else {}))
     return out

@@ -22,10 +22,15 @@ def reference(tiny_model_factory):
 
     def get(arch):
         if arch not in cache:
-            cache[arch] = hf_greedy(tiny_model_factory(arch), PROMPTS, MAX_TOKENS)
+            cache[arch] = hf_greedy(checkpoint(tiny_model_factory, arch), PROMPTS, MAX_TOKENS)
         return cache[arch]
 
     return get
+
+
+def checkpoint(tiny_model_factory, arch):
+    # MLA (DeepSeek): transformers expands K and V per head, so its config has as many KV heads as heads
+    return tiny_model_factory(arch, num_kv_heads=4) if arch.startswith("deepseek") else tiny_model_factory(arch)
 
 
 def parallel_greedy(path, **parallel):
@@ -41,14 +46,16 @@ def parallel_greedy(path, **parallel):
 SPLITS = {"tp2": TP2, "ep2": EP2, "pp2": PP2, "ep2-pp2": dict(EP2, pipeline_parallel_size=2)}
 CASES = [*[(arch, split) for arch in ("gemma2", "gemma3", "phi3", "mistral-window") for split in ("tp2", "pp2")],
          *[(arch, split) for arch in ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe") for split in ("tp2", "ep2", "pp2")],
-         ("mixtral", "ep2-pp2"), ("gpt-oss", "tp2"), ("gpt-oss", "ep2")]
+         ("mixtral", "ep2-pp2"), ("gpt-oss", "tp2"), ("gpt-oss", "ep2"),
+         *[(arch, split) for arch in ("deepseek-v2", "deepseek-v3") for split in ("tp2", "ep2", "pp2")]]
 
 
 @pytest.mark.parametrize("arch,split", CASES, ids=[f"{a}-{s}" for a, s in CASES])
 def test_parallel_greedy_equals_transformers(tiny_model_factory, reference, arch, split):
-    got, stats = parallel_greedy(tiny_model_factory(arch), **SPLITS[split])
+    got, stats = parallel_greedy(checkpoint(tiny_model_factory, arch), **SPLITS[split])
     assert got == reference(arch)
     # the expert load counted is the last stage's layers' (every rank routes alike); qwen2-moe's last stage
     # at PP=2 holds only its dense layer
-    if arch in ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss") and (arch, split) != ("qwen2-moe", "pp2"):
+    if arch in ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "gpt-oss", "deepseek-v2", "deepseek-v3") \
+            and (arch, split) not in (("qwen2-moe", "pp2"), ("deepseek-v2", "pp2"), ("deepseek-v3", "pp2")):
         assert sum(sum(c) for c in stats.expert_tokens.values()) > 0

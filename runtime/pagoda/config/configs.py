@@ -12,9 +12,11 @@ DEFAULT_GPU_SWAP_SPACE_GIB = 4.0  # as vLLM
 DEFAULT_CPU_SWAP_SPACE_GIB = 0.5
 
 
-def kv_block_bytes(block_size: int, num_kv_heads: int, head_size: int, itemsize: int, num_layers: int) -> int:
-    """Bytes one KV block takes over num_layers layers: a key and a value per token, head and layer."""
-    return 2 * block_size * num_kv_heads * head_size * itemsize * num_layers
+def kv_block_bytes(block_size: int, num_kv_heads: int, head_size: int, itemsize: int, num_layers: int,
+                   planes: int = 2) -> int:
+    """Bytes one KV block takes over num_layers layers: a key and a value (planes=2) per token, head and layer;
+    MLA's latent cache is one plane of one "head" kv_lora_rank + qk_rope_head_dim wide."""
+    return planes * block_size * num_kv_heads * head_size * itemsize * num_layers
 
 
 @dataclass(frozen=True)

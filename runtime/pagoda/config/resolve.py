@@ -209,6 +209,9 @@ def _kv_block_bytes_per_stage(hf_config, itemsize: int, block_size: int, tp: int
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     layers = max(partition) if partition else -(-hf_config.num_hidden_layers // pp)
+    if getattr(hf_config, "kv_lora_rank", None):  # MLA (DeepSeek): one latent row per token, on every rank
+        return kv_block_bytes(block_size, 1, hf_config.kv_lora_rank + hf_config.qk_rope_head_dim, itemsize,
+                              max(layers, 1), planes=1)
     return kv_block_bytes(block_size, max(1, kv_heads // tp), head_size, itemsize, max(layers, 1))
 
 

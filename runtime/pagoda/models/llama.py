@@ -116,9 +116,11 @@ class LlamaDecoderLayer(Module):
     With sandwich_norms (Gemma 2/3) the attention and MLP outputs are normed too, before they join the stream:
     post_attention_layernorm is then that output norm and pre_feedforward_layernorm the MLP's input norm."""
 
+    attention_class = LlamaAttention  # DeepSeek's layers take their latent attention here
+
     def __init__(self, config, options: FamilyOptions, layer_index: int, mlp: Module | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, layer_index)
+        self.self_attn = self.attention_class(config, options, layer_index)
         self.mlp = mlp or make_mlp(config, options, layer_index)
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, options.norm_weight_offset)  # noqa: E731
         self.input_layernorm = norm()

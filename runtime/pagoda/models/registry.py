@@ -16,6 +16,8 @@ MODEL_REGISTRY = {
     "Qwen3MoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
     "OlmoeForCausalLM": "pagoda.models.llama:LlamaForCausalLM",
     "GptOssForCausalLM": "pagoda.models.gpt_oss:GptOssForCausalLM",
+    "DeepseekV2ForCausalLM": "pagoda.models.deepseek:DeepseekForCausalLM",
+    "DeepseekV3ForCausalLM": "pagoda.models.deepseek:DeepseekForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 SUPPORT_TABLE = "docs/models.md#supported-architectures"

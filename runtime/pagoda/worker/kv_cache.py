@@ -10,6 +10,11 @@ from pagoda.config.configs import kv_block_bytes
 logger = logging.getLogger(__name__)
 
 
+def _planes(layer) -> int:
+    """2 (a key and a value per KV head), or 1 for a layer that caches one latent row per token (MLA)."""
+    return getattr(layer, "kv_planes", 2)
+
+
 class PagedKVCache:
     def __init__(self, attention_layers: list, block_size: int, dtype: torch.dtype, device: torch.device,
                  calculate_kv_scales: bool = False):
@@ -22,17 +27,17 @@ class PagedKVCache:
         self.swap_caches: list[torch.Tensor] = []  # host copies of swapped-out blocks, one per layer
 
     def bytes_per_block(self) -> int:
-        layer = self.attention_layers[0]
-        return kv_block_bytes(self.block_size, layer.num_kv_heads, layer.head_size, self.dtype.itemsize,
-                              len(self.attention_layers))
+        return sum(kv_block_bytes(self.block_size, layer.num_kv_heads, layer.head_size, self.dtype.itemsize, 1,
+                                  _planes(layer)) for layer in self.attention_layers)
 
     def _blocks(self, num_blocks: int, device, pin_memory: bool = False, zeroed: bool = True) -> list[torch.Tensor]:
         # head-major in memory, [2, num_blocks, num_kv_heads, block_size, head_size], so one head's block is
         # contiguous (long copies when decode gathers it); the attention backends see it through the
         # [2, num_blocks, block_size, num_kv_heads, head_size] view and honour its strides
         make = torch.zeros if zeroed else torch.empty
-        return [make(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_size, dtype=self.dtype,
-                     device=device, pin_memory=pin_memory).transpose(2, 3) for layer in self.attention_layers]
+        return [make(_planes(layer), num_blocks, layer.num_kv_heads, self.block_size, layer.head_size,
+                     dtype=self.dtype, device=device, pin_memory=pin_memory).transpose(2, 3)
+                for layer in self.attention_layers]
 
     def allocate(self, num_blocks: int) -> None:
         self.caches = self._blocks(num_blocks, self.device)
