@@ -1,11 +1,13 @@
 """The precise policy's KV-event subscriber against Pagoda's real publisher on ipc sockets, no engine: a
 router that starts after the replica fills the batches it missed from the replay socket; a replica that
-restarts (a new publisher, numbering from 0 again) is cleared; without replay a late join keeps only what it
-saw."""
+restarts (a new publisher, numbering from 0 again) is cleared, also when the router sees only its batches
+numbered past the old ones or the next number after reconnecting; without replay a late join keeps only what
+it saw."""
 
 import asyncio
 
 import pytest
+import zmq
 
 from pagoda.config.kv_events import KVEventsConfig
 from pagoda.core.block_hash import chain_hashes
@@ -44,6 +46,7 @@ async def test_late_join_replays_and_a_restart_clears(tmp_path):
     index = KVIndex()
     pub = publisher(tmp_path)
     early = [store(pub, list(range(i * 100, i * 100 + 8))) for i in range(3)]  # before anyone listens
+    await until(lambda: len(pub.buffer) == 3, "the early batches sent (to nobody)")
     subscriber = KVEventSubscriber(BackendPool([URL]), index, f"ipc://{tmp_path}/kv-{{port}}",
                                    f"ipc://{tmp_path}/replay-{{port}}")
     task = asyncio.create_task(subscriber.run())
@@ -138,4 +141,76 @@ async def test_a_gap_is_filled_from_replay_or_clears_the_entry(tmp_path):
         assert entry.gaps == 1 and entry.clears == 1 and entry.device == set(chains[3])
         subscriber.context.destroy(linger=0)
     finally:
+        pub.shutdown()
+
+
+async def test_a_restart_numbered_past_the_old_publisher_is_not_a_gap_to_fill(tmp_path):
+    """The replica restarts and its new publisher's numbers go past the old one's before the router hears it:
+    a gap that the new publisher's replay would "fill" with its own batches, leaving the old blocks. The replay
+    no longer holds the last batch applied as it was: the entry starts over from the new history."""
+    old = publisher(tmp_path)
+    try:
+        old_chains = [store(old, [4, i, 4, 4]) for i in range(2)]
+        old_batches = []
+        while len(old_batches) < 2:
+            old_batches = replayed(tmp_path, 0)
+    finally:
+        old.shutdown()
+    index = KVIndex()
+    subscriber = KVEventSubscriber(BackendPool([URL]), index, f"ipc://{tmp_path}/kv-{{port}}",
+                                   f"ipc://{tmp_path}/replay-{{port}}")
+    for batch in old_batches:
+        await subscriber.receive(URL, *batch)
+    entry = index.replicas[URL]
+    assert entry.device == {h for c in old_chains for h in c}
+    new = publisher(tmp_path)
+    try:
+        new_chains = [store(new, [6, i, 6, 6]) for i in range(5)]
+        new_batches = []
+        while len(new_batches) < 5:
+            new_batches = replayed(tmp_path, 0)
+        await subscriber.receive(URL, *new_batches[4])  # 2 and 3 look missed; 0 and 1 reuse the old numbers
+        assert entry.device == {h for c in new_chains for h in c}
+        assert entry.last_seq == 4 and entry.gaps == 1 and entry.clears == 1
+    finally:
+        subscriber.context.destroy(linger=0)
+        new.shutdown()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_a_restart_seen_first_at_the_next_number_is_caught_by_the_reconnection(tmp_path, replay):
+    """The router saw batch 0 of the old publisher; the replica restarts, and the new publisher's batch 0 goes
+    out before the subscription reconnects: batch 1 is the next number. The reconnection (the SUB socket's
+    monitor) makes it prove it continues; it cannot, so the old blocks go (with replay, the new publisher's
+    batch 0 comes back from it)."""
+    index = KVIndex()
+    pub = publisher(tmp_path, replay)
+    subscriber = KVEventSubscriber(BackendPool([URL]), index, f"ipc://{tmp_path}/kv-{{port}}",
+                                   f"ipc://{tmp_path}/replay-{{port}}" if replay else None)
+    subscriber.context.setsockopt(zmq.RECONNECT_IVL, 1000)  # a new publisher's first batch goes to nobody
+    task = asyncio.create_task(subscriber.run())
+    try:
+        await asyncio.sleep(0.5)  # subscribed (the PUB drops what is sent before)
+        store(pub, [8, 0, 8, 8])
+        await until(lambda: URL in index.replicas and index.replicas[URL].last_seq == 0, "batch 0 seen")
+        entry = index.replicas[URL]
+        for _ in range(3):  # until the new publisher's batch 0 is missed (the reconnection comes after it)
+            old = set(entry.device)
+            restarts = entry.restarts
+            pub.shutdown()
+            pub = publisher(tmp_path, replay)
+            new = store(pub, [2, 0, 2, 2])
+            await asyncio.sleep(0.3)
+            if entry.restarts == restarts:
+                break
+        assert entry.restarts == restarts and entry.last_seq == 0, "the new batch 0 was not missed"
+        await asyncio.sleep(1.5)  # reconnected: batch 1 is the next number, not a gap
+        while entry.last_seq == 0:
+            new += store(pub, [3, len(new), 3, 3])
+            await asyncio.sleep(0.5)
+        assert old and not entry.device & old
+        assert entry.device == set(new) if replay else entry.device < set(new)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         pub.shutdown()

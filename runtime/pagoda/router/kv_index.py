@@ -3,8 +3,12 @@ its cached device blocks, kept in step with BlockStored / BlockRemoved / AllBloc
 
 Sequence numbers are checked: a live batch numbered at or below the last one seen is a restarted publisher
 (the replica came back with an empty cache: its entry is cleared first); a jump past the next number is a
-gap. The subscriber fills gaps (and a late start) from the replay socket or, failing that, clears the entry
-(an entry that missed a removal would send requests to blocks that are gone).
+gap. A restarted publisher numbers from 0 again, but the subscriber may see only later batches, numbered
+past the last one it had: a gap, or even the next number after a reconnection, can hide a restart. So a
+gap, and the first batch after the subscription reconnected, are trusted only once the replay socket shows
+the stream continues: it still holds the last batch applied, byte for byte (`last_digest`), and every one
+after it. Short of that the entry starts over, from whatever history the replay holds (an entry that kept
+a block it missed the removal of would send requests to blocks that are gone).
 
 Each entry also keeps its replica's cache **churn**: the device blocks it stored lately (BlockStored),
 decayed with a half-life of ``CHURN_HALF_LIFE`` seconds, plus the blocks the router expects of requests it
@@ -68,6 +72,8 @@ class ReplicaBlocks:
     block_size: int | None = None
     lora_names: set[str] = field(default_factory=set)
     last_seq: int | None = None
+    last_digest: bytes | None = None  # of the last batch applied: the replay must hold it to show continuity
+    reconnected: bool = False  # the subscription dropped and came back: the next batch must show continuity
     batches: int = 0
     gaps: int = 0  # sequence gaps seen (filled by replay or not)
     restarts: int = 0  # sequence numbers that went back: a new publisher
@@ -93,13 +99,18 @@ class KVIndex:
 
     def expects(self, url: str, seq: int) -> str:
         """How live batch `seq` fits: "next" (in order), "first" (the first seen), "restart" (numbers went
-        back: the live stream never repeats one, so this is a new publisher) or "gap" (batches were missed)."""
-        last = self.replica(url).last_seq
+        back: the live stream never repeats one, so this is a new publisher), "gap" (batches were missed, or
+        a new publisher got past the old one's numbers) or "reconnected" (the next number, but the first
+        since the subscription reconnected: maybe a new publisher's)."""
+        entry = self.replica(url)
+        last = entry.last_seq
         if last is None:
             return "first"
-        if seq == last + 1:
-            return "next"
-        return "restart" if seq <= last else "gap"
+        if seq <= last:
+            return "restart"
+        if seq > last + 1:
+            return "gap"
+        return "reconnected" if entry.reconnected else "next"
 
     def apply(self, url: str, seq: int, batch: KVEventBatch, now: float | None = None, churn: bool = True) -> None:
         """`now`: the batch's time on the monotonic clock (default: from its wall-clock `ts`, so a batch that
@@ -109,6 +120,7 @@ class KVIndex:
             now = time.monotonic() - max(0.0, time.time() - batch.ts) if batch.ts else time.monotonic()
         entry = self.replica(url)
         entry.last_seq = seq
+        entry.reconnected = False
         entry.batches += 1
         for event in batch.events:
             if isinstance(event, BlockStored):
@@ -135,7 +147,8 @@ class KVIndex:
         entry = self.replica(url)
         entry.clear()
         entry.restarts += 1
-        entry.last_seq = None
+        entry.last_seq = entry.last_digest = None
+        entry.reconnected = False
 
     def lost(self, url: str, resume_at: int) -> None:
         """Batches before `resume_at` are gone for good: nothing known can be trusted."""
