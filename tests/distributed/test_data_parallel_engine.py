@@ -172,3 +172,29 @@ def test_kv_events_carry_the_rank_and_each_rank_publishes_on_its_own_port():
     assert config.for_data_parallel_rank(0) is config
     one = config.for_data_parallel_rank(1)
     assert (one.endpoint, one.replay_endpoint) == ("tcp://*:5558", "ipc:///tmp/replay_dp1")
+
+
+def test_engine_core_process_runs_the_dp_ranks(tiny_model_factory, reference, monkeypatch):
+    """The engine core in a process of its own (the default with a GPU) holds the DP ranks the same way."""
+    import asyncio
+
+    from pagoda.engine.core_client import AsyncMPEngine
+
+    monkeypatch.setenv("PAGODA_ENABLE_ENGINE_CORE_PROCESS", "1")
+    engine = AsyncMPEngine.from_engine_args(EngineArgs(
+        model=str(tiny_model_factory("mixtral")), dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=16,
+        data_parallel_size=2, enable_expert_parallel=True))
+
+    async def generate(index, prompt):
+        async for out in engine.generate(prompt, GREEDY, str(index)):
+            last = out
+        return last.outputs[0].token_ids
+
+    async def everything():
+        return await asyncio.gather(*(generate(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        assert asyncio.run(everything()) == reference("mixtral")
+        assert [rank.num_requests_added for rank in engine.get_stats().data_parallel] == [2, 2]
+    finally:
+        engine.shutdown()

@@ -28,7 +28,8 @@ def setup(tiny_model_factory, tmp_path_factory):
 @pytest.mark.parametrize("kwargs", [
     dict(tensor_parallel_size=2),
     dict(pipeline_parallel_size=2, max_num_batched_tokens=16),
-], ids=["tp2", "pp2-chunked"])
+    dict(data_parallel_size=2),  # each DP rank loads the adapters its requests bring
+], ids=["tp2", "pp2-chunked", "dp2"])
 def test_parallel_lora_equals_peft(setup, kwargs):
     base, a, b, reference = setup
     prompts, loras, expected = [], [], []
