@@ -95,3 +95,11 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(checkpoint, tmp_path, caplog):
         _, got = pagoda_greedy(tmp_path / "m")
     assert got == reference
     assert "MTP layer(s) in the checkpoint are skipped" in caplog.text
+
+
+def test_an_fp8_latent_cache_is_refused_by_name(checkpoint):
+    from pagoda.errors import InvalidParam
+
+    path, _ = checkpoint("deepseek-v2")
+    with pytest.raises(InvalidParam, match="kv_cache_dtype 'fp8' is not supported for DeepseekV2ForCausalLM"):
+        LLM(str(path), dtype="float32", kv_cache_memory=0.02, kv_cache_dtype="fp8")

@@ -45,6 +45,9 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     path = resolve_model_path(args.model, args.revision)
     hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
     _check_heads_split(hf_config, args.tensor_parallel_size)
+    if getattr(hf_config, "kv_lora_rank", None) and args.kv_cache_dtype != "auto":
+        raise InvalidParam("kv_cache_dtype", f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported for "
+                                             f"{hf_config.architectures[0]}'s latent (MLA) KV cache yet: use 'auto'")
     dtype, dtype_reason = choose_dtype(args.dtype, device)
     max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
     quantization = resolve_quantization(args.quantization, args.quantization_group_size, hf_config,

@@ -24,7 +24,13 @@ from torch import nn
 from pagoda.distributed.parallel_state import get_parallel_state, tp_all_reduce
 from pagoda.layers.attention import Attention, current_forward_context
 from pagoda.layers.layernorm import RMSNorm
-from pagoda.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, copy_checked, divide
+from pagoda.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    copy_checked,
+    divide,
+)
 from pagoda.layers.module import Module
 from pagoda.layers.moe import MoEOptions, SparseMoE
 from pagoda.layers.quantization.kv_scales import is_fp8
