@@ -135,8 +135,12 @@ async def test_keda_installed_later_replaces_the_hpa_by_a_scaled_object(kmock, c
     kmock.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
         kind="ScaledObject", namespaced=True, verbs=VERBS)
     await cluster.update_spec("llama", {"autoscaling": {"maxReplicas": 3}})
-    found = await eventually(has(cluster, SCALED_OBJECTS, {"llama"}), what="ScaledObject llama")
-    assert found["llama"]["spec"]["maxReplicaCount"] == 3
+    # A reconcile already under way with the old spec may create the ScaledObject first (maxReplicas 2): the
+    # update's own reconcile then patches it, so wait for the final state.
+    async def scaled_object_follows_the_update():
+        found = await objects(cluster, SCALED_OBJECTS)
+        return found.get("llama", {}).get("spec", {}).get("maxReplicaCount") == 3
+    await eventually(scaled_object_follows_the_update, what="ScaledObject llama with maxReplicaCount 3")
     await eventually(has(cluster, HPAS, set()), what="our HPA deleted (KEDA runs its own)")
     await eventually(lambda: _autoscaler_is(cluster, "ScaledObject"), what="status says ScaledObject")
 
