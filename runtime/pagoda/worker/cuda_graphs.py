@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.attention import AttentionMetadata
+from pagoda.config.compilation import cuda_graph_stand_in
 from pagoda.layers.attention import forward_context
 from pagoda.layers.moe import SparseMoE
 
@@ -88,7 +89,7 @@ def eager_reason(config, model, device: torch.device, lora: bool) -> str | None:
     """Why this engine captures no graph, or None. config: the EngineConfig."""
     if not config.cudagraph_capture_sizes:
         return "enforce_eager, no capture sizes, or no CUDA"
-    if device.type != "cuda" and not _stand_in_wanted():
+    if device.type != "cuda" and not cuda_graph_stand_in():
         return f"no CUDA graphs on {device.type}"
     if device.type == "cuda" and config.attention_backend != "triton":
         return "the torch attention backend reads the batch's lengths on the host"
@@ -103,12 +104,6 @@ def eager_reason(config, model, device: torch.device, lora: bool) -> str | None:
     if any(isinstance(m, SparseMoE) for m in model.modules()):
         return "mixture-of-experts layers read their routing counts on the host"
     return None
-
-
-def _stand_in_wanted() -> bool:
-    from pagoda.config.compilation import cuda_graph_stand_in
-
-    return cuda_graph_stand_in()
 
 
 class DecodeGraphs:

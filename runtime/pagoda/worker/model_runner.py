@@ -120,7 +120,7 @@ class ModelRunner:
             self.drafter.kv_cache.allocate(num_blocks)
         self.kv_cache.allocate_swap_space(self.config.cache.num_swap_blocks)
         # decode steps' CUDA graphs, captured over the cache just allocated (None: every step eager)
-        self.graphs: DecodeGraphs | None = capture_decode_graphs(
+        self.graphs = capture_decode_graphs(
             self.model, self.config, self.device, self.attn_backend, self.triton_ops, self.lora is not None,
             -(-self.config.model.max_model_len // self.block_size), self.attention_layers[0].num_kv_heads)
 
