@@ -107,6 +107,12 @@ def test_parse_load_reads_the_servers_gauges():
     text = ('# TYPE pagoda:num_requests_waiting gauge\npagoda:num_requests_waiting{model_name="m"} 3.0\n'
             '# TYPE pagoda:kv_cache_usage_perc gauge\npagoda:kv_cache_usage_perc{model_name="m"} 0.5\n')
     assert parse_load(text) == {"waiting": 3.0, "kv_usage": 0.5}
+    # a data-parallel replica: a series per engine, queues summed, cache usage averaged
+    dp = ('# TYPE pagoda:num_requests_waiting gauge\npagoda:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+          'pagoda:num_requests_waiting{engine="1",model_name="m"} 1.0\n'
+          '# TYPE pagoda:kv_cache_usage_perc gauge\npagoda:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+          'pagoda:kv_cache_usage_perc{engine="1",model_name="m"} 0.25\n')
+    assert parse_load(dp) == {"waiting": 4.0, "kv_usage": 0.375}
 
 
 def test_unknown_policy_and_missing_backends_are_usage_errors(capsys):

@@ -24,14 +24,20 @@ LOAD_METRICS = {"pagoda:num_requests_waiting": "waiting", "pagoda:num_requests_r
 
 
 def parse_load(text: str) -> dict[str, float]:
-    """The load gauges of a replica's /metrics, summed over their labels (one model per replica); vLLM's names
-    where Pagoda's are missing."""
+    """The load gauges of a replica's /metrics, summed over their labels (one model per replica; a
+data-parallel replica's engines, engine="<rank>"), KV-cache usage averaged over them; vLLM's names where
+Pagoda's are missing."""
     values: dict[str, float] = {}
+    usages: list[float] = []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             field = LOAD_METRICS.get(sample.name)
-            if field is not None:
+            if field == "kv_usage":
+                usages.append(sample.value)
+            elif field is not None:
                 values[field] = values.get(field, 0.0) + sample.value
+    if usages:
+        values["kv_usage"] = sum(usages) / len(usages)
     if not values:  # a vLLM server (or one without pagoda: names): the names the Gateway API extension reads
         from pagoda.router.model_server_metrics import read_model_server_metrics
 
