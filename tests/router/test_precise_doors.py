@@ -150,3 +150,45 @@ def test_the_epp_finds_the_door_in_envoys_path_header():
     assert tokenize_query(request)["endpoint"] == "/v1/responses"
     completion = routing_request(b'{"model": "m", "prompt": "hi"}', {":path": "/v1/completions"}, "x-session-id")
     assert tokenize_query(completion) == {"model": "m", "prompt": "hi"}
+
+
+async def test_a_responses_follow_up_is_tokenized_where_its_history_is_stored():
+    """The first replica asked does not hold the previous response (404): the next one is asked."""
+    import aiohttp
+    from aiohttp import web
+
+    from pagoda.router.backends import Backend
+    from pagoda.router.policies import RoutingRequest
+    from pagoda.router.precise import Precise
+
+    asked = []
+
+    def replica(name: str, status: int):
+        async def tokenize(request: web.Request) -> web.Response:
+            asked.append((name, await request.json()))
+            return web.json_response({"tokens": [1, 2, 3]} if status == 200 else {"error": {}}, status=status)
+
+        app = web.Application()
+        app.router.add_post("/tokenize", tokenize)
+        return app
+
+    runners = []
+    try:
+        urls = []
+        for name, status in (("elsewhere", 404), ("holder", 200)):
+            runner = web.AppRunner(replica(name, status))
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{port}")
+        body = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
+        request = RoutingRequest(body=body, path="/v1/responses")
+        async with aiohttp.ClientSession() as session:
+            await Precise().prepare(request, [Backend(url, healthy=True) for url in urls], session)
+        assert request.token_ids == [1, 2, 3]
+        assert [name for name, _ in asked] == ["elsewhere", "holder"]
+        assert asked[0][1] == {"model": "m", "endpoint": "/v1/responses", "request": body}
+    finally:
+        for runner in runners:
+            await runner.cleanup()
