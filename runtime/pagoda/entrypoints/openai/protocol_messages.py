@@ -4,9 +4,8 @@ serves, as the `anthropic` SDK sends it; and its error shape."""
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
-
-from pagoda.errors import InvalidParam
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 # status -> Anthropic's error type
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -38,14 +37,15 @@ def openapi_extra(request_model: type[BaseModel], streams: bool) -> dict:
 
 
 def _inline(schema, defs: dict):
-    """The schema with its `$defs` references replaced by the definitions (these models nest, never recur)."""
+    """The schema with its `$defs` references replaced by the definitions (these models nest, never recur).
+    A `discriminator` goes: its mapping names the `$defs`, and each branch's `type` const says the same."""
     if isinstance(schema, list):
         return [_inline(s, defs) for s in schema]
     if not isinstance(schema, dict):
         return schema
     if "$ref" in schema:
         return _inline(defs[schema["$ref"].rsplit("/", 1)[-1]], defs)
-    return {k: _inline(v, defs) for k, v in schema.items()}
+    return {k: _inline(v, defs) for k, v in schema.items() if k != "discriminator"}
 
 
 def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -55,14 +55,91 @@ def anthropic_error(status: int, message: str, headers: dict[str, str] | None = 
 
 
 class AnthropicModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # unknown fields are refused by name, as Anthropic's API refuses them (`extra inputs are not permitted`)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+# a `cache_control` breakpoint is a hint: the prefix cache caches every prompt anyway
+CacheControl = dict[str, Any] | None
+
+
+class TextBlock(AnthropicModel):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl = None
+    citations: list[dict[str, Any]] | None = None
+
+
+def _str_or_list(value) -> str:
+    return "str" if isinstance(value, str) else "list"
+
+
+# where a union picks its branch: left out of the field an error names (`messages.0.content`, not
+# `messages.0.content.list`)
+_BRANCH_TAGS = frozenset({"str", "list"})
+
+
+def text_or_blocks(block):
+    """A string, or a list of `block`s. The branch is chosen by the value's JSON type, so an error names
+    the one that applies (`Input should be a valid list`), not both."""
+    return Annotated[Annotated[str, Tag("str")] | Annotated[list[block], Tag("list")], Discriminator(_str_or_list)]
+
+
+class ToolUseBlock(AnthropicModel):
+    """An assistant's tool call (assistant messages only)."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+    caller: dict[str, Any] | None = None  # the SDK sends back what it got: accepted, not used
+    toolset_name: str | None = None
+
+
+class ToolResultBlock(AnthropicModel):
+    """A tool's answer (user messages only): its content a string or text blocks."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: text_or_blocks(TextBlock) | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl = None
+    toolset_name: str | None = None
+
+
+class ThinkingBlock(AnthropicModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingBlock(AnthropicModel):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+# a block of another type (image, document, ...) is refused naming its place and the types served
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                         Field(discriminator="type")]
 
 
 class Tool(AnthropicModel):
+    """A client tool; a server tool (`web_search_...`, any other `type`) is refused by its type."""
+
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: str | None = None
     input_schema: dict[str, Any]
-    type: str | None = None  # "custom" or absent: a client tool; server tools (web_search_...) are refused
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tools_only(cls, value):
+        if isinstance(value, dict) and value.get("type") not in (None, "custom"):
+            raise PydanticCustomError("server_tool", "server tool type {kind} is not supported: this server runs "
+                                                     "client tools only", {"kind": repr(value.get("type"))})
+        return value
 
 
 class ToolChoice(AnthropicModel):
@@ -71,34 +148,28 @@ class ToolChoice(AnthropicModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class Metadata(AnthropicModel):
+    user_id: str | None = None
+
+
 class Message(AnthropicModel):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: text_or_blocks(ContentBlock)
 
 
 class CountTokensRequest(AnthropicModel):
     model: str
     messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    system: text_or_blocks(TextBlock) | None = None
+    tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-
-    def client_tools(self) -> list[Tool]:
-        tools = []
-        for i, tool in enumerate(self.tools or []):
-            if tool.get("type") not in (None, "custom"):
-                raise InvalidParam(f"tools.{i}.type", f"tools.{i}: server tool type {tool.get('type')!r} is not "
-                                                      "supported: this server runs client tools only")
-            try:
-                tools.append(Tool.model_validate(tool))
-            except ValueError as e:
-                raise InvalidParam(f"tools.{i}", f"tools.{i}: {e}") from None
-        return tools
+    thinking: dict[str, Any] | None = None  # accepted: a thinking model thinks anyway (--reasoning-parser shows it)
+    cache_control: CacheControl = None
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
             return self.system
-        return "".join(block_text(block, f"system.{i}") for i, block in enumerate(self.system))
+        return "".join(block.text for block in self.system)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -108,13 +179,13 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # accepted: a thinking model thinks anyway (--reasoning-parser shows it)
+    metadata: Metadata | None = None
     service_tier: str | None = None
 
 
-def block_text(block, where: str) -> str:
-    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-        raise InvalidParam(f"{where}.type", f"{where}: content block type {block.get('type')!r} is not supported "
-                                            "here (text only)")
-    return block["text"]
+def validation_message(error: ValidationError) -> str:
+    """The first error as Anthropic words it: `messages.0.content.1.tool_result.content.0: Input should be
+    ...` (a block's type is part of its place, as in Anthropic's messages)."""
+    first = error.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part not in _BRANCH_TAGS)
+    return f"{where}: {first['msg']}" if where else first["msg"]

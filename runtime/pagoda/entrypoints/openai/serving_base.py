@@ -158,6 +158,14 @@ async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[Re
     return finals
 
 
+async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """A stream's final output (None if it ended before any): what a non-streamed answer is made of."""
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run a non-streaming handler's work, cancelling it (so the engine aborts) if the client goes away."""
     task = asyncio.ensure_future(work)

@@ -40,11 +40,12 @@ from pagoda.entrypoints.openai.serving_base import (
     EventStreamResponse,
     OpenAIServing,
     cancel_on_disconnect,
+    last_output,
     sse,
     usage_of,
 )
 from pagoda.entrypoints.openai.serving_completion import finish_reason, prompt_logprobs_field
-from pagoda.entrypoints.openai.tool_choice import forced_tool_calls
+from pagoda.entrypoints.openai.tool_choice import output_tool_calls
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedToolCall
 from pagoda.http.errors import APIError, invalid_request
 from pagoda.lora.request import LoRARequest
@@ -144,16 +145,6 @@ class OpenAIServingChat(OpenAIServing):
         self.chat_template = chat_template  # --chat-template: used instead of the model's
         self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
 
-    def _tool_calls(self, request: ChatCompletionRequest, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """A finished choice's text -> (content, tool calls), by the request's tool mode."""
-        mode, name = request.tool_mode
-        if mode in ("named", "required"):
-            return None, forced_tool_calls(text, mode, name)
-        if mode == "auto":
-            extracted = self.tool_parser.extract(text)
-            return extracted.content, extracted.tool_calls
-        return text, []
-
     async def create(self, request: ChatCompletionRequest, raw: Request):
         prompt, params, lora_request, top_k = await self.prepare(request)
         request_id = self.request_id(raw, "chatcmpl")
@@ -163,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
             return EventStreamResponse(self._stream(request, request_id, stream, top_k, release,
                                                     prompt["prompt_token_ids"]), release)
         try:
-            final = await cancel_on_disconnect(raw, self._last(stream))
+            final = await cancel_on_disconnect(raw, last_output(stream))
         finally:
             release()
         return self._response(request, request_id, final, top_k)
@@ -201,13 +192,6 @@ class OpenAIServingChat(OpenAIServing):
             params = self.reasoning_parser.output_params(params)
         return prompt, params, lora_request, top_k
 
-    @staticmethod
-    async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        last = None
-        async for out in stream:
-            last = out
-        return last
-
     async def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt a chat request makes, as text and token ids: what prepare hands the engine, and what
         /tokenize answers for every door (the precise router hashes these, so they must be the engine's)."""
@@ -235,7 +219,7 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning, text = self.reasoning_parser.split(c.text, final.prompt_token_ids,
                                                               request.chat_template_kwargs)
                 text = text or ""
-            content, calls = (self._tool_calls(request, text) if reason == "stop" and request.tool_mode[0] != "none"
+            content, calls = (output_tool_calls(text, *request.tool_mode, self.tool_parser) if reason == "stop"
                               else (text, []))
             if reasoning is not None and not content:
                 content = None  # vLLM's: an answer that is all thinking has null content
@@ -323,7 +307,8 @@ class OpenAIServingChat(OpenAIServing):
                         delta = DeltaMessage(tool_calls=[call])
                         reason = "tool_calls" if reason == "stop" else reason
                     else:  # required, auto: the output is whole
-                        _, calls = self._tool_calls(request, c.text) if reason == "stop" else (None, [])
+                        _, calls = (output_tool_calls(c.text, mode, name, self.tool_parser) if reason == "stop"
+                                    else (None, []))
                         end = len(c.text)
                         if calls:  # the content is what comes before the first call
                             end = self.tool_parser.content_prefix(c.text) if mode == "auto" else 0

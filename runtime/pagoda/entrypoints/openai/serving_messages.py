@@ -7,6 +7,7 @@ messages and tool calls); the output becomes content blocks: `thinking` (with --
 message_delta, message_stop). Errors, including a bad body, are in Anthropic's shape."""
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from pagoda.engine.outputs import RequestOutput
+from pagoda.entrypoints.openai.agent_turns import StreamedTurn, Turn, split_turn
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -28,34 +30,41 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.protocol_messages import (
     CountTokensRequest,
     MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
     anthropic_error,
-    block_text,
+    validation_message,
 )
-from pagoda.entrypoints.openai.serving_base import EventStreamResponse, cancel_on_disconnect
+from pagoda.entrypoints.openai.serving_base import EventStreamResponse, cancel_on_disconnect, last_output
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagoda.entrypoints.openai.serving_responses import Turn, split_turn
 from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall
 from pagoda.errors import InvalidParam
 from pagoda.http.errors import APIError
+
+logger = logging.getLogger(__name__)
 
 
 async def handle(raw: Request, model: type[BaseModel], checks: Callable[[], None],
                  work: Callable[[BaseModel], Awaitable]):
     """Run an Anthropic route: its checks (key, readiness), the body parsed, the work; any error in
-    Anthropic's shape."""
+    Anthropic's shape (a malformed body: 400 naming the field)."""
     try:
         checks()
         try:
             body = model.model_validate_json(await raw.body())
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise APIError(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg"))) from None
+            raise APIError(400, validation_message(e)) from None
         return await work(body)
     except InvalidParam as e:
         return anthropic_error(400, str(e))
     except APIError as e:
         return anthropic_error(e.status, e.message, e.headers)
+    except Exception as e:  # a bug: still Anthropic's shape, so the client's SDK reads it
+        logger.exception("unexpected error while serving an Anthropic request")
+        return anthropic_error(500, f"internal server error: {e!r}")
 
 
 def to_chat_messages(request: CountTokensRequest) -> list[ChatMessage]:
@@ -72,26 +81,22 @@ def to_chat_messages(request: CountTokensRequest) -> list[ChatMessage]:
             continue
         texts, calls, results = [], [], []
         for j, block in enumerate(m.content):
-            where, kind = f"messages.{i}.content.{j}", block.get("type")
-            if kind == "text":
-                texts.append(block_text(block, where))
-            elif kind == "tool_use" and m.role == "assistant":
-                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-                    raise InvalidParam(where, f"{where}: a tool_use block needs an id and a name")
-                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
-                calls.append(ToolCall(id=block["id"], function=FunctionCall(name=block["name"], arguments=arguments)))
-            elif kind == "tool_result" and m.role == "user":
-                if not isinstance(block.get("tool_use_id"), str):
-                    raise InvalidParam(where, f"{where}: a tool_result block needs a tool_use_id")
-                content = block.get("content") or ""
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock) and m.role == "assistant":
+                arguments = json.dumps(block.input, ensure_ascii=False)
+                calls.append(ToolCall(id=block.id, function=FunctionCall(name=block.name, arguments=arguments)))
+            elif isinstance(block, ToolResultBlock) and m.role == "user":
+                content = block.content or ""
                 if not isinstance(content, str):
-                    content = "".join(block_text(b, f"{where}.content.{k}") for k, b in enumerate(content))
-                results.append(ChatMessage(role="tool", content=content, tool_call_id=block["tool_use_id"]))
-            elif kind in ("thinking", "redacted_thinking"):
+                    content = "".join(part.text for part in content)
+                results.append(ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id))
+            elif isinstance(block, ThinkingBlock | RedactedThinkingBlock):
                 continue
             else:
-                raise InvalidParam(f"{where}.type", f"{where}: content block type {kind!r} is not supported in a "
-                                                    f"{m.role} message")
+                where = f"messages.{i}.content.{j}"
+                raise InvalidParam(f"{where}.type", f"{where}: content block type {block.type!r} is not supported "
+                                                    f"in a {m.role} message")
         messages.extend(results)
         if m.role == "assistant":
             messages.append(ChatMessage(role="assistant", content="".join(texts), tool_calls=calls or None))
@@ -102,7 +107,7 @@ def to_chat_messages(request: CountTokensRequest) -> list[ChatMessage]:
 
 def chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
     tools = [ChatTool(type="function", function=FunctionDefinition(
-        name=t.name, description=t.description, parameters=t.input_schema)) for t in request.client_tools()]
+        name=t.name, description=t.description, parameters=t.input_schema)) for t in request.tools or []]
     choice, parallel = None, None
     if request.tool_choice is not None:
         kind = request.tool_choice.type
@@ -161,7 +166,7 @@ class AnthropicServingMessages:
             return EventStreamResponse(self._events(request, chat, message_id, prompt["prompt_token_ids"], stream,
                                                     release), release, framing=anthropic_events)
         try:
-            final = await cancel_on_disconnect(raw, _last(stream))
+            final = await cancel_on_disconnect(raw, last_output(stream))
         finally:
             release()
         turn = split_turn(self.chat, chat, final)
@@ -187,45 +192,18 @@ class AnthropicServingMessages:
             yield {"type": "message_start",
                    "message": self._message(message_id, [], None, None, len(prompt_token_ids), 0)}
             blocks = _Blocks()
-            mode, name = chat.tool_mode
-            parser = self.chat.reasoning_parser
-            splitter = parser.splitter(prompt_token_ids) if parser is not None else None
-            final, content, sent = None, "", 0
-            async for out in stream:
-                final = out
-                c = out.outputs[0]
-                if splitter is not None:
-                    thinking = splitter.feed(c.text, final=c.finish_reason is not None)
-                    for event in blocks.delta("thinking", thinking):
-                        yield event
-                    content = splitter.content
-                else:
-                    content = c.text
-                if mode == "named":  # the output is the arguments: stream them as they come
-                    for event in blocks.delta("tool_use", content[sent:], name):
-                        yield event
-                    sent = len(content)
-                    continue
-                if mode == "none":
-                    safe = len(content)
-                elif mode == "auto" and c.finish_reason is None:
-                    safe = self.chat.tool_parser.content_prefix(content)
-                else:
-                    continue  # required, or auto once whole: the calls come with the final output
-                for event in blocks.delta("text", content[sent:safe]):
+            streamed = StreamedTurn(self.chat, chat, prompt_token_ids)
+            async for kind, text in streamed.deltas(stream):
+                for event in blocks.delta(_BLOCK_KINDS[kind], text, streamed.name):
                     yield event
-                sent = max(sent, safe)
-            turn = split_turn(self.chat, chat, final)
-            if mode in ("none", "auto"):
-                end = self.chat.tool_parser.content_prefix(content) if turn.calls else len(content)
-                for event in blocks.delta("text", content[sent:end]):
+            turn = split_turn(self.chat, chat, streamed.final)
+            for event in blocks.delta("text", streamed.unsent_text(turn)):
+                yield event
+            for call in streamed.calls_to_send(turn):
+                for event in blocks.delta("tool_use", call.arguments, call.name):
                     yield event
-            if mode != "named":
-                for call in turn.calls:
-                    for event in blocks.delta("tool_use", call.arguments, call.name):
-                        yield event
-                    for event in blocks.close():  # each call is its own block
-                        yield event
+                for event in blocks.close():  # each call is its own block
+                    yield event
             for event in blocks.close():
                 yield event
             reason, sequence = stop_reason(turn, request)
@@ -234,6 +212,10 @@ class AnthropicServingMessages:
             yield {"type": "message_stop"}
         finally:
             release()
+
+
+# a streamed turn's pieces -> the blocks they go in
+_BLOCK_KINDS = {"reasoning": "thinking", "text": "text", "arguments": "tool_use"}
 
 
 class _Blocks:
@@ -264,13 +246,6 @@ class _Blocks:
         delta = {"thinking": {"type": "thinking_delta", "thinking": text}, "text": {"type": "text_delta", "text": text},
                  "tool_use": {"type": "input_json_delta", "partial_json": text}}[kind]
         return events + [{"type": "content_block_delta", "index": self.index, "delta": delta}]
-
-
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    last = None
-    async for out in stream:
-        last = out
-    return last
 
 
 async def anthropic_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:

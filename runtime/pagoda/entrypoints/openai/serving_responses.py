@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from pagoda.engine.outputs import RequestOutput
+from pagoda.entrypoints.openai.agent_turns import StreamedTurn, Turn, split_turn
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -40,9 +41,8 @@ from pagoda.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     content_text,
 )
-from pagoda.entrypoints.openai.serving_base import EventStreamResponse, cancel_on_disconnect
-from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat, reasoning_tokens
-from pagoda.entrypoints.openai.serving_completion import finish_reason
+from pagoda.entrypoints.openai.serving_base import EventStreamResponse, cancel_on_disconnect, last_output
+from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall
 from pagoda.errors import InvalidParam
 from pagoda.http.errors import APIError, invalid_request
@@ -109,38 +109,6 @@ class ItemIds:
         return self.get(f"fc{i}", "fc"), self.get(f"call{i}", "call")
 
 
-@dataclass
-class Turn:
-    """One response's output, split: what the items are made of."""
-
-    reasoning: str | None
-    content: str | None
-    calls: list[ParsedToolCall]
-    status: str  # completed | incomplete | cancelled
-    usage: dict | None
-    stop_reason: int | str | None = None  # the stop string or token id that ended it
-
-
-def split_turn(chat: OpenAIServingChat, chat_request: ChatCompletionRequest, final: RequestOutput,
-               cancelled: bool = False) -> Turn:
-    """A finished (n=1) output as reasoning, content and tool calls, with its status and usage (the
-    Responses API's names; the Messages API renames them)."""
-    c = final.outputs[0]
-    parser = chat.reasoning_parser
-    reasoning, content = parser.split(c.text, final.prompt_token_ids) if parser is not None else (None, c.text)
-    reason = finish_reason(c)
-    calls = []
-    if reason == "stop" and chat_request.tool_mode[0] != "none" and not cancelled:
-        content, calls = chat._tool_calls(chat_request, content or "")
-    status = "cancelled" if cancelled else ("incomplete" if reason == "length" else "completed")
-    thinking = reasoning_tokens(parser, c, final.prompt_token_ids) if parser is not None else 0
-    prompt, output = len(final.prompt_token_ids), len(c.token_ids)
-    usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": thinking},
-             "total_tokens": prompt + output}
-    return Turn(reasoning, content or None, calls, status, usage, c.stop_reason)
-
-
 class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, max_stored: int = DEFAULT_MAX_STORED):
         self.chat = chat
@@ -202,7 +170,7 @@ class OpenAIServingResponses:
         if request.stream:
             return EventStreamResponse(self._events(base, finish, stream, release), release, framing=typed_events)
         try:
-            final = await cancel_on_disconnect(raw, _last(stream))
+            final = await cancel_on_disconnect(raw, last_output(stream))
         except BaseException:
             finish.failed()
             raise
@@ -256,50 +224,19 @@ class OpenAIServingResponses:
             yield {"type": "response.created", "response": base}
             yield {"type": "response.in_progress", "response": base}
             emitter = _StreamedItems(finish.ids)
-            chat_request = finish.chat_request
-            mode, name = chat_request.tool_mode
-            parser = self.chat.reasoning_parser
-            splitter = parser.splitter(finish.prompt_token_ids) if parser is not None else None
-            final = None
-            content = ""
-            sent = 0  # content characters streamed
-            async for out in stream:
-                final = out
-                c = out.outputs[0]
-                if splitter is not None:
-                    for event in emitter.reasoning(splitter.feed(c.text, final=c.finish_reason is not None)):
-                        yield event
-                    content = splitter.content
-                else:
-                    content = c.text
-                if mode == "none":
-                    safe = len(content)
-                elif mode == "auto" and c.finish_reason is None:
-                    safe = self.chat.tool_parser.content_prefix(content)
-                elif mode == "named":
-                    if len(content) > sent:
-                        for event in emitter.arguments(name, content[sent:]):
-                            yield event
-                        sent = len(content)
-                    continue
-                else:
-                    continue  # required, or auto once whole: the calls come with the final output
-                if safe > sent:
-                    for event in emitter.text(content[sent:safe]):
-                        yield event
-                    sent = safe
-            response = finish(final)
-            turn = finish.last_turn
-            if mode in ("none", "auto"):  # the text not streamed yet: up to the first call, if any
-                end = self.chat.tool_parser.content_prefix(content) if turn.calls else len(content)
-                for event in emitter.text(content[sent:end]):
+            streamed = StreamedTurn(self.chat, finish.chat_request, finish.prompt_token_ids)
+            async for kind, text in streamed.deltas(stream):
+                events = {"reasoning": emitter.reasoning, "text": emitter.text,
+                          "arguments": lambda delta: emitter.arguments(streamed.name, delta)}[kind](text)
+                for event in events:
                     yield event
-            for event in emitter.close_open():
+            response = finish(streamed.final)
+            turn = finish.last_turn
+            for event in emitter.text(streamed.unsent_text(turn)) + emitter.close_open():
                 yield event
-            if mode != "named":
-                for i, call in enumerate(turn.calls):
-                    for event in emitter.call(i, call):
-                        yield event
+            for i, call in enumerate(streamed.calls_to_send(turn)):
+                for event in emitter.call(i, call):
+                    yield event
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
                 response["status"], "response.incomplete")
             yield {"type": kind, "response": response}
@@ -520,13 +457,6 @@ async def until(stream: AsyncIterator[RequestOutput], cancelled: asyncio.Event) 
     finally:
         waiter.cancel()
         await stream.aclose()
-
-
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    last = None
-    async for out in stream:
-        last = out
-    return last
 
 
 async def typed_events(events: AsyncIterator[dict]) -> AsyncIterator[str]:

@@ -1,10 +1,11 @@
 """A forced tool choice as a grammar: a named function's output is its arguments (a JSON object of its
 parameters' schema); `required` is a JSON array of {"name", "parameters"} calls. The grammar engine then
-makes any model call tools, and the output is turned back into calls here."""
+makes any model call tools, and the output is turned back into calls here (`auto`'s by the tool parser):
+for every door that serves tools (chat, Responses, Messages)."""
 
 import json
 
-from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall
+from pagoda.entrypoints.openai.tool_parsers import ParsedToolCall, ToolParser
 from pagoda.errors import InvalidParam
 from pagoda.sampling_params import StructuredOutputsParams
 
@@ -37,3 +38,15 @@ def forced_tool_calls(text: str, mode: str, name: str | None) -> list[ParsedTool
         return [ParsedToolCall(name, text)]
     return [ParsedToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
             for call in json.loads(text)]
+
+
+def output_tool_calls(text: str, mode: str, name: str | None,
+                      tool_parser: ToolParser | None) -> tuple[str | None, list[ParsedToolCall]]:
+    """A finished output's text as (content, tool calls), by the request's tool mode: a forced one's output
+    is all calls; `auto`'s are what the tool parser finds (the text around them is the content)."""
+    if mode in ("named", "required"):
+        return None, forced_tool_calls(text, mode, name)
+    if mode == "auto":
+        extracted = tool_parser.extract(text)
+        return extracted.content, extracted.tool_calls
+    return text, []
