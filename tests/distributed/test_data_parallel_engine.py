@@ -198,3 +198,40 @@ def test_engine_core_process_runs_the_dp_ranks(tiny_model_factory, reference, mo
         assert [rank.num_requests_added for rank in engine.get_stats().data_parallel] == [2, 2]
     finally:
         engine.shutdown()
+
+
+def test_dp_over_two_nodes_with_a_headless_node(tiny_model_factory, reference, tmp_path):
+    """DP=2 with one DP rank per node (here two processes on loopback): the head runs rank 0 and the engine, a
+    `pagoda serve --headless` node rank 1 (only /health and /metrics on its port); experts over both."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    path, rpc_port = tiny_model_factory("mixtral"), free_port()
+    nodes = ["-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+             "--data-parallel-rpc-port", str(rpc_port)]
+    log = open(tmp_path / "headless.log", "wb")
+    headless = subprocess.Popen([str(Path(sys.executable).parent / "pagoda"), "serve", str(path), "--headless",
+                                 "--data-parallel-start-rank", "1", "--port", str(free_port()), "--dtype", "float32",
+                                 "--kv-cache-memory", "0.02", "--max-num-batched-tokens", "16",
+                                 "--enable-expert-parallel", "--distributed-timeout", "60", *nodes],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        llm = dp_llm(path, enable_expert_parallel=True, data_parallel_size_local=1, distributed_timeout=60,
+                     data_parallel_address="127.0.0.1", data_parallel_rpc_port=rpc_port)
+        try:
+            assert run(llm) == reference("mixtral")
+            assert all(n > 0 for n in served_ranks(llm))
+        finally:
+            llm.shutdown()
+        assert headless.wait(30) == 0, (tmp_path / "headless.log").read_text()[-3000:]
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+            headless.wait()

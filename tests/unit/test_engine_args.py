@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def no_loading(monkeypatch):
     """Fail the test if anything is resolved or loaded: refusals must come first."""
-    import pagoda.worker.loader.model_loader as loader
+    import pagoda.config.model_files as loader
 
     def boom(*args, **kwargs):
         raise AssertionError("the model was resolved or loaded before the arguments were checked")
@@ -29,9 +29,9 @@ def no_loading(monkeypatch):
 @pytest.mark.parametrize("name,value", [
     ("speculative_config", {"method": "eagle", "num_speculative_tokens": 4}), ("cpu_offload_gb", 4.0),
     ("num_scheduler_steps", 8), ("enable_sleep_mode", True),
-    # data parallelism runs; bad sizes and vLLM's many-node flags (not yet) are refused by name
+    # data parallelism runs; bad sizes, ranks and ports, and external load balancing (not yet), are refused by name
     ("data_parallel_size", 0), ("data_parallel_start_rank", 1), ("data_parallel_rank", 0),
-    ("data_parallel_address", "10.0.0.1"), ("data_parallel_rpc_port", 0), ("data_parallel_size_local", 2),
+    ("data_parallel_rpc_port", 0), ("data_parallel_size_local", 2),
     ("tokenizer_mode", "mistral"), ("tokenizer_mode", "slow"), ("load_format", "pt"), ("load_format", "gguf"),
     ("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8_e4m3fn"), ("calculate_kv_scales", True),
     ("distributed_executor_backend", "dask"),
@@ -60,9 +60,9 @@ def test_swap_mode_without_swap_space_is_refused(no_loading):
 
 
 def test_ray_backend_without_ray_installed_names_the_extra(no_loading, monkeypatch):
-    from pagoda.executor import ray_cluster
+    from pagoda.config import ray_presence
 
-    monkeypatch.setattr(ray_cluster, "ray_installed", lambda: False)
+    monkeypatch.setattr(ray_presence, "ray_installed", lambda: False)
     with pytest.raises(InvalidParam, match=r"needs Ray, which is not installed: pip install 'pagoda\[ray\]'") as err:
         create_engine_config(EngineArgs(model="/not/loaded", distributed_executor_backend="ray", tensor_parallel_size=2))
     assert err.value.param == "distributed_executor_backend"

@@ -218,15 +218,12 @@ def check_data_parallel_nodes(args: EngineArgs) -> None:
     if not (isinstance(args.data_parallel_rpc_port, int) and 0 < args.data_parallel_rpc_port < 65536):
         raise InvalidParam("data_parallel_rpc_port", f"data_parallel_rpc_port must be a port (1-65535); "
                                                      f"got {args.data_parallel_rpc_port!r}")
-    many_nodes = {"data_parallel_size_local": local is not None and local < dp,
-                  "data_parallel_address": args.data_parallel_address is not None,
-                  "data_parallel_start_rank": args.data_parallel_start_rank != 0,
-                  "data_parallel_rank": args.data_parallel_rank is not None}
-    for name, asked in many_nodes.items():
-        if asked:
-            raise InvalidParam(name, f"{name}: data parallelism over many nodes (or one endpoint per DP rank) is "
-                                     "not supported by Pagoda yet; one node runs every DP rank "
-                                     "(docs/distributed.md)")
+    if args.data_parallel_start_rank % (local or dp):
+        raise InvalidParam("data_parallel_start_rank", f"data_parallel_start_rank ({args.data_parallel_start_rank}) "
+                                                       f"must be a multiple of data_parallel_size_local ({local})")
+    if args.data_parallel_rank is not None:
+        raise InvalidParam("data_parallel_rank", "data_parallel_rank: one endpoint per DP rank (external load "
+                                                 "balancing) is not supported by Pagoda yet (docs/distributed.md)")
 
 
 def check_lora_args(args: EngineArgs) -> None:

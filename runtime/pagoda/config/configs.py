@@ -80,6 +80,8 @@ class ParallelConfig:
     pipeline_fill: bool = True  # keep up to pipeline_parallel_size batches in flight
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1  # engines, each over its own TP group; the ranks are DP-major
+    data_parallel_size_local: int = 0  # DP ranks on this node (0: all of them); fewer: DP over many nodes
+    data_parallel_start_rank: int = 0  # the first DP rank this node runs (a --headless node: > 0)
 
     @property
     def world_size(self) -> int:

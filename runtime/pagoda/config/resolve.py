@@ -95,14 +95,14 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                   max_loras=args.max_loras if args.enable_lora else None,
                                   target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy,
                                   async_scheduling=_async_scheduling(args, speculative, device, backend)),
-        parallel=ParallelConfig(
+        parallel=dataclasses.replace(ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=backend, pp_layer_partition=args.pp_layer_partition,
             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, distributed_timeout=args.distributed_timeout,
             pipeline_fill=args.pipeline_fill, enable_expert_parallel=args.enable_expert_parallel,
-            data_parallel_size=args.data_parallel_size),
+            data_parallel_size=args.data_parallel_size), **_data_parallel_nodes(args)),
         device=device,
         attention_backend=attention_backend,
         seed=args.seed,
@@ -129,6 +129,16 @@ def _cudagraph_capture_sizes(args: EngineArgs, device: str) -> tuple[int, ...]:
             logger.info("compilation_config: no CUDA graphs on %s; every step runs eagerly", device)
         return ()
     return capture_sizes(args.compilation_config, args.max_num_seqs)
+
+
+def _data_parallel_nodes(args: EngineArgs) -> dict:
+    """DP over many nodes: this node's ranks, and the head's --data-parallel-address/--data-parallel-rpc-port,
+    where every node's ranks meet (the group's rendezvous store, in place of --master-addr/--master-port)."""
+    local = args.data_parallel_size_local or args.data_parallel_size
+    if local == args.data_parallel_size and args.data_parallel_address is None:
+        return {}
+    return dict(data_parallel_size_local=local, data_parallel_start_rank=args.data_parallel_start_rank,
+                master_addr=args.data_parallel_address or "127.0.0.1", master_port=args.data_parallel_rpc_port)
 
 
 def _kv_events(raw):

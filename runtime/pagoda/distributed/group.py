@@ -36,7 +36,7 @@ def free_port() -> int:
 def rank_info(config: EngineConfig, rank: int) -> RankInfo:
     p = config.parallel
     return RankInfo(rank, p.world_size, p.tensor_parallel_size, p.pipeline_parallel_size, p.nnodes,
-                    p.data_parallel_size)
+                    p.data_parallel_size, p.data_parallel_size_local)
 
 
 def group_settings(config: EngineConfig) -> dict:

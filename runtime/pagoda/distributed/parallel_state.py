@@ -114,7 +114,7 @@ def dp_all_gather_rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     global comm_seconds
     start = time.perf_counter()
     group = _state.dp_group
-    count = torch.tensor([x.shape[0]], dtype=torch.int64)
+    count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)  # (NCCL gathers device tensors)
     counts = [torch.empty_like(count) for _ in range(_state.dp_size)]
     dist.all_gather(counts, count, group=group)
     counts = [int(c.item()) for c in counts]

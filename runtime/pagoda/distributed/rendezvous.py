@@ -35,6 +35,7 @@ class RankInfo:
     pp_size: int
     nnodes: int
     dp_size: int = 1  # ranks are DP-major: rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank
+    dp_size_local: int = 0  # DP ranks per node (0: all on one node); fewer: DP over many nodes
 
     @property
     def tp_rank(self) -> int:
@@ -55,8 +56,12 @@ class RankInfo:
 
     @property
     def node_rank(self) -> int:
-        # one node per pipeline stage when nnodes > 1; everything on node 0 otherwise
-        return self.pp_rank if self.nnodes > 1 else 0
+        # one node per pipeline stage when nnodes > 1; dp_size_local DP ranks per node; else everything on node 0
+        if self.nnodes > 1:
+            return self.pp_rank
+        if 0 < self.dp_size_local < self.dp_size:
+            return self.dp_rank // self.dp_size_local
+        return 0
 
     @property
     def local_rank(self) -> int:
@@ -64,6 +69,8 @@ class RankInfo:
 
     @property
     def ranks_per_node(self) -> int:
+        if 0 < self.dp_size_local < self.dp_size:
+            return self.dp_size_local * self.tp_size * self.pp_size
         return self.world_size // self.nnodes
 
 

@@ -69,7 +69,7 @@ def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         create_engine_config(engine_args)
     except (ValueError, OSError) as e:
         parser.error(flagify(str(e)))
-    if engine_args.node_rank > 0:
+    if engine_args.node_rank > 0 or server_args.headless:
         from pagoda.entrypoints.openai.worker_server import run_worker_server
 
         run_rank = _find_worker_rank_runner()

@@ -6,7 +6,7 @@ import dataclasses
 import weakref
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.group import free_port
+from pagoda.distributed.group import free_port, rank_info
 from pagoda.executor.driver import DriverExecutor
 from pagoda.executor.worker import ProcessWatcher, spawn_local_workers
 
@@ -16,10 +16,10 @@ class MultiprocExecutor(DriverExecutor):
 
     def _start_other_ranks(self, config: EngineConfig, eos_token_ids: set[int]) -> tuple[EngineConfig, int]:
         p = config.parallel
-        if p.nnodes == 1 and p.master_port == 29500:  # one machine: never collide with another group
+        ranks_on_node = rank_info(config, 0).ranks_per_node  # (DP over many nodes: this node's DP ranks')
+        if ranks_on_node == p.world_size and p.master_port == 29500:  # one machine: never collide with another group
             config = dataclasses.replace(config, parallel=dataclasses.replace(p, master_port=free_port()))
-        local_ranks = range(1, p.world_size) if p.nnodes == 1 else range(1, self.tp_size)
-        ranks_on_node = p.world_size if p.nnodes == 1 else self.tp_size
+        local_ranks = range(1, ranks_on_node)
         # before multiprocessing's own exit hook (atexit runs the last registered first), which would kill
         # the children while the group still holds them: a script that never calls shutdown() ends cleanly
         shutdown = weakref.WeakMethod(self.shutdown)

@@ -21,6 +21,7 @@ from pagoda.distributed.group import (
     init_group,
     local_device,
     min_over_group,
+    rank_info,
 )
 from pagoda.distributed.parallel_state import reset_parallel_state
 from pagoda.distributed.rendezvous import RendezvousError
@@ -153,11 +154,14 @@ def run_worker_rank(engine_args: EngineArgs, mark_ready) -> None:
     Returns when the group shuts down cleanly; raises (so the process exits non-zero) otherwise."""
     config = create_engine_config(engine_args)
     p = config.parallel
-    info_first = p.node_rank * p.tensor_parallel_size
+    if p.data_parallel_start_rank > 0:  # a --headless node: its DP ranks, each with its TP group
+        info_first = p.data_parallel_start_rank * p.tensor_parallel_size
+    else:
+        info_first = p.node_rank * p.tensor_parallel_size
+    on_node = rank_info(config, info_first).ranks_per_node if p.data_parallel_start_rank else p.tensor_parallel_size
     eos = eos_token_ids_for(config)
-    children = spawn_local_workers(config, list(range(info_first + 1, info_first + p.tensor_parallel_size)),
-                                   eos, p.tensor_parallel_size)
-    torch.set_num_threads(cpu_threads_per_rank(p.tensor_parallel_size))
+    children = spawn_local_workers(config, list(range(info_first + 1, info_first + on_node)), eos, on_node)
+    torch.set_num_threads(cpu_threads_per_rank(on_node))
     # a local rank that dies takes the node down at once: the group cannot continue without it
     watcher = ProcessWatcher(children, lambda child: child.exitcode != 0 and _die(
         f"local rank {child.name} exited with code {child.exitcode}"))

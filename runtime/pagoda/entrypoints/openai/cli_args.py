@@ -57,7 +57,7 @@ class ServerArgs:
     allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     metrics_vllm_names: bool = False  # also publish every metric under vLLM's `vllm:` names
-    headless: bool = False  # vLLM's: a node that runs DP ranks and no API server (not supported yet)
+    headless: bool = False  # vLLM's: a node that runs DP ranks (from --data-parallel-start-rank) and no API server
     lora_modules: list["LoRAModulePath"] | None = None  # adapters served by name (--enable-lora)
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
@@ -253,16 +253,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
           help="engines behind this server, each with its own scheduler and KV cache and TP inside it; requests "
                "go to the least loaded (docs/distributed.md)")
     p.add("--data-parallel-size-local", type=positive_int,
-          help="DP ranks on this node (many nodes: not supported yet)")
-    p.add("--data-parallel-address", help="the head node's address for DP ranks (many nodes: not supported yet)")
+          help="DP ranks on this node (default: all); fewer: DP over many nodes, the others --headless")
+    p.add("--data-parallel-address", help="the head node's address, where every node's DP ranks meet")
     p.add("--data-parallel-rpc-port", default=d["data_parallel_rpc_port"], type=port_number,
-          help="the head's port for DP control messages (many nodes: not supported yet)")
+          help="the head's port where every node's DP ranks meet")
     p.add("--data-parallel-start-rank", default=d["data_parallel_start_rank"], type=non_negative_int,
-          help="the first DP rank this node runs (many nodes: not supported yet)")
+          help="the first DP rank this node runs (a --headless node)")
     p.add("--data-parallel-rank", type=non_negative_int,
           help="external load balancing: this server is DP rank R alone (not supported yet)")
     p.add("--headless", default=ServerArgs.headless, boolean=True,
-          help="run DP ranks and no API server (many nodes: not supported yet)")
+          help="run this node's DP ranks (--data-parallel-start-rank) and no API server: only /health and "
+               "/metrics on --port")
     p.add("--nnodes", default=d["nnodes"], type=positive_int)
     p.add("--node-rank", default=d["node_rank"], type=non_negative_int)
     p.add("--master-addr", default=d["master_addr"])
@@ -406,9 +407,9 @@ def split_args(ns: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
         raise ValueError(invalid[0])
     engine = EngineArgs(**{name: value for name, value in values.items() if name in _ENGINE_FIELDS})
     server = ServerArgs(**{name: value for name, value in values.items() if name in _SERVER_FIELDS})
-    if server.headless:
-        raise ValueError("--headless: a node that runs DP ranks without an API server needs data parallelism over "
-                         "many nodes, which is not supported by Pagoda yet (docs/distributed.md)")
+    if server.headless and engine.data_parallel_start_rank == 0:
+        raise ValueError("--headless runs DP ranks without an API server: give it --data-parallel-start-rank > 0 "
+                         "(the node with rank 0 serves the API)")
     if server.lora_modules and not engine.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if server.lora_modules and len({m.name for m in server.lora_modules}) < len(server.lora_modules):
