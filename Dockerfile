@@ -98,7 +98,7 @@ ENV PAGODA_PREBUILT_KERNELS=/opt/pagoda/kernels
 # runAsNonRoot with runAsUser 10001 (the restricted Pod Security Standard).
 USER 10001
 # Convert the default model at build time: pods start serving it without writing anything.
-RUN python -c "from pagoda.worker.loader.default_model import default_model_path; print(default_model_path())"
+RUN python -c "from pagoda.config.default_model import default_model_path; print(default_model_path())"
 EXPOSE 8000 29500
 ENTRYPOINT ["pagoda"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

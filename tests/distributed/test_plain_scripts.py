@@ -13,8 +13,8 @@ import pytest
 from ray_nodes import RayNode, wait_for_nodes
 
 from pagoda import LLM, SamplingParams
+from pagoda.config.default_model import cache_dir
 from pagoda.distributed.group import free_port
-from pagoda.worker.loader.default_model import cache_dir
 
 pytestmark = pytest.mark.distributed
 

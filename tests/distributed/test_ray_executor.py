@@ -18,7 +18,7 @@ from ray_nodes import RayNode, wait_for_nodes
 
 from pagoda import LLM, EngineArgs, SamplingParams
 from pagoda.config import create_engine_config
-from pagoda.worker.loader.default_model import default_model_path
+from pagoda.config.default_model import default_model_path
 
 pytestmark = pytest.mark.distributed
 

@@ -200,7 +200,7 @@ def write_weights_and_adapter(claim: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pagoda.worker.loader.default_model import default_model_path
+    from pagoda.config.default_model import default_model_path
 
     shutil.copytree(default_model_path(), claim, dirs_exist_ok=True)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fake_hub import FakeHub, HubRepo
 
-from pagoda.worker.loader import hub as pagoda_hub
+from pagoda.config import hub as pagoda_hub
 
 pytestmark = pytest.mark.server
 
@@ -212,7 +212,7 @@ def test_is_repo_id(text, is_id):
 
 @pytest.mark.unit
 def test_revision_with_a_local_directory_is_refused(tiny_dir):
-    from pagoda.worker.loader.model_loader import resolve_model_path
+    from pagoda.config.model_files import resolve_model_path
 
     with pytest.raises(ValueError, match="applies to Hub model ids"):
         resolve_model_path(str(tiny_dir), "v1")

@@ -15,8 +15,8 @@ def test_bench_adapters_are_peft_directories(tiny_llama_dir, tmp_path):
     from checkpoints import load_hf_reference
     from peft import PeftModel
 
+    from pagoda.config.model_files import load_hf_config
     from pagoda.lora.adapter import check_adapter
-    from pagoda.worker.loader.model_loader import load_hf_config
 
     hf_config = load_hf_config(str(tiny_llama_dir))
     path = bench.write_adapter(tmp_path / "a", hf_config, rank=4, seed=0)

@@ -40,7 +40,7 @@ def test_conversion_is_cached_and_atomic(default_llm, tmp_path, monkeypatch):
 
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    from pagoda.worker.loader.default_model import ensure_converted, find_default_gguf
+    from pagoda.config.default_model import ensure_converted, find_default_gguf
 
     # transformers' loader swaps process-wide functions while it runs: two loads at once in one process
     # could leave them swapped (later checkpoints then loaded untied, with garbage RoPE buffers)

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from live_server import free_port
 
-from pagoda.worker.loader.default_model import default_model_path
+from pagoda.config.default_model import default_model_path
 
 pytestmark = pytest.mark.server
 

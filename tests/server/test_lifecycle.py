@@ -212,7 +212,7 @@ def test_a_drained_server_that_converted_the_default_model_ends_with_the_drain(t
     """The first `make serve` on a machine: an empty $PAGODA_CACHE_DIR, so the default model is converted
     from GGUF first. After SIGTERM the output ends with the drain: no "nanobind: leaked ..." report (the
     conversion used to import triton into the server), no traceback."""
-    from pagoda.worker.loader.default_model import cache_dir
+    from pagoda.config.default_model import cache_dir
 
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -168,11 +168,6 @@ UPWARD_IMPORTS = {
     # the n-gram proposer is torch-free and proposes on the scheduler's side, from the tokens it holds
     ("pagoda.core.scheduler", "pagoda.spec_decode.ngram_proposer"),
     ("pagoda.core.scheduler", "pagoda.spec_decode.stats"),
-    # resolution reads the model's config.json, names the attention backend and asks about a Ray cluster,
-    # by imports made when called (pagoda.config itself stays a torch-free leaf)
-    ("pagoda.config.resolve", "pagoda.worker.loader.model_loader"),
-    ("pagoda.config.resolve", "pagoda.attention"),
-    ("pagoda.config.resolve", "pagoda.executor.ray_cluster"),
 }
 
 
@@ -190,6 +185,29 @@ def test_runtime_packages_import_downwards_only():
     upward = sorted((a, b) for a, targets in graph.items() for b in targets
                     if layer_of(b) > layer_of(a) and (a, b) not in UPWARD_IMPORTS)
     assert upward == []
+
+
+def above_the_config(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports from pagoda.config into a higher layer, function-local ones included: the leaf has none,
+    not even by an allowance in UPWARD_IMPORTS."""
+    config = layer_of("pagoda.config")
+    return sorted((a, b) for a, targets in graph.items() if layer_of(a) == config and a.startswith("pagoda.config")
+                  for b in targets if layer_of(b) > config)
+
+
+def test_the_config_imports_nothing_above_it():
+    assert above_the_config(import_graph(ROOT / "runtime" / "pagoda")) == []
+
+
+def test_the_config_check_sees_an_import_made_when_called(tmp_path):
+    package = tmp_path / "pagoda"
+    for sub in ("config", "worker"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "worker" / "loader.py").write_text("def load():\n    pass\n")
+    (package / "config" / "resolve.py").write_text("def create():\n    from pagoda.worker.loader import load\n")
+    assert above_the_config(import_graph(package)) == [("pagoda.config.resolve", "pagoda.worker.loader")]
 
 
 def test_the_router_may_not_import_the_server():

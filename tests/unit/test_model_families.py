@@ -4,8 +4,8 @@ layer loop, MoE routing options; and the refusal of an unsupported architecture 
 import pytest
 from transformers import AutoConfig
 
+from pagoda.config.model_files import check_supported
 from pagoda.models.family import family_options, layer_windows
-from pagoda.worker.loader.model_loader import check_supported
 
 pytestmark = pytest.mark.unit
 

@@ -4,12 +4,8 @@ import sys
 
 import pytest
 
-from pagoda.executor.ray_cluster import (
-    describe_cluster,
-    node_capacities,
-    plan_placement,
-    ray_backend_wanted,
-)
+from pagoda.config.ray_presence import ray_backend_wanted
+from pagoda.executor.ray_cluster import describe_cluster, node_capacities, plan_placement
 
 pytestmark = pytest.mark.unit
 

@@ -117,7 +117,7 @@ def first_token_ms(llm: LLM, request, lora) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
+    from pagoda.config.model_files import load_hf_config, resolve_model_path
 
     model = resolve_model_path(args.model)
     hf_config = load_hf_config(model)

@@ -32,7 +32,7 @@ def write_moe_checkpoint(out: str | Path, hidden_size: int = 1024, num_layers: i
     model's) so that both engines tokenise alike."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from pagoda.worker.loader.default_model import default_model_path
+    from pagoda.config.default_model import default_model_path
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,8 @@ def parse_args(argv):
 
 def splittable_default_model() -> str:
     """The default model with 8 attention heads over 2 KV heads (head size 72) and random weights."""
+    from pagoda.config.default_model import default_model_path, write_model_dir_once
     from pagoda.config.paths import cache_dir
-    from pagoda.worker.loader.default_model import default_model_path, write_model_dir_once
 
     source = Path(default_model_path())
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
+    from pagoda.config.model_files import load_hf_config, resolve_model_path
 
     path = resolve_model_path(args.model) if args.model else splittable_default_model()
     args.model = path

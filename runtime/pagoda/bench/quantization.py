@@ -153,7 +153,7 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> tuple[float, 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from pagoda.worker.loader.model_loader import resolve_model_path
+    from pagoda.config.model_files import resolve_model_path
 
     path = resolve_model_path(args.model)
     results, tokens = [], {}

@@ -53,7 +53,7 @@ def speculative_config(args, name: str) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                 "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
     if name == "draft":
-        from pagoda.worker.loader.model_loader import resolve_model_path
+        from pagoda.config.model_files import resolve_model_path
 
         return {"model": args.draft_model or resolve_model_path(args.model),
                 "num_speculative_tokens": args.num_speculative_tokens}

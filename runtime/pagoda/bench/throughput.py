@@ -150,7 +150,7 @@ def request_tpot(out) -> float:
 
 def run_vllm(python: str, args, path: str, dtype: str, requests):
     """The same requests through vLLM (same model directory, dtype, seed and max_num_seqs), in its own venv."""
-    from pagoda.worker.loader.model_loader import load_hf_config
+    from pagoda.config.model_files import load_hf_config
 
     max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     max_model_len = min(load_hf_config(path).max_position_embeddings, max(2048, max_len))
@@ -168,7 +168,7 @@ def run_hf(args, requests, batch_size: int):
     from transformers import AutoModelForCausalLM
 
     from pagoda.config import resolve_device, resolve_dtype
-    from pagoda.worker.loader.model_loader import resolve_model_path
+    from pagoda.config.model_files import resolve_model_path
     from pagoda.worker.model_runner import TORCH_DTYPES
 
     path = resolve_model_path(args.model)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--isa: {e}") from None
     from transformers import AutoTokenizer
 
-    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
+    from pagoda.config.model_files import load_hf_config, resolve_model_path
 
     path = resolve_model_path(args.model)
     hf_config = load_hf_config(path)

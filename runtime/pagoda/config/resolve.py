@@ -1,9 +1,10 @@
-"""Resolution: EngineArgs -> EngineConfig. The one place configuration reaches outside the config package
-(the model's config.json, the attention backend's name, a Ray cluster), through imports made when called,
-so importing pagoda.config stays torch-free and cheap."""
+"""Resolution: EngineArgs -> EngineConfig: the model's files and config.json (config/model_files.py), the
+attention backend's name, a Ray cluster (config/ray_presence.py), through imports made when called, so
+importing pagoda.config stays torch-free and cheap. Nothing here imports a layer above the configuration."""
 
 import dataclasses
 import logging
+import os
 
 from pagoda.config.args import EngineArgs
 from pagoda.config.configs import (
@@ -25,13 +26,14 @@ from pagoda.errors import InvalidParam
 
 logger = logging.getLogger(__name__)
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
 
 def create_engine_config(args: EngineArgs) -> EngineConfig:
     """EngineArgs -> EngineConfig: every argument checked, the model's config read, each "auto" resolved."""
     import torch
 
-    from pagoda.attention import resolve_backend_name
-    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
+    from pagoda.config.model_files import load_hf_config, resolve_model_path
 
     args.validate()  # every check that needs only the arguments: nothing is converted or loaded for a bad value
     speculative = None
@@ -40,7 +42,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     world = args.data_parallel_size * args.tensor_parallel_size * args.pipeline_parallel_size
     device = resolve_device(args.device)
     backend = _resolve_executor_backend(args, world, device)
-    attention_backend = resolve_backend_name(args.attention_backend, torch.device(device).type)
+    attention_backend = resolve_attention_backend(args.attention_backend, torch.device(device).type)
 
     path = resolve_model_path(args.model, args.revision)
     hf_config = load_hf_config(path, trust_remote_code=args.trust_remote_code)
@@ -153,7 +155,7 @@ def _kv_events(raw):
 def _draft_model_config(spec: SpeculativeConfig, target_hf_config, dtype: str, max_model_len: int,
                         args: "EngineArgs") -> ModelConfig:
     """The draft checkpoint, checked against the target: it must share the tokenizer (the same vocabulary)."""
-    from pagoda.worker.loader.model_loader import load_hf_config, resolve_model_path
+    from pagoda.config.model_files import load_hf_config, resolve_model_path
 
     try:
         path = resolve_model_path(spec.model, None)
@@ -176,7 +178,7 @@ def _draft_model_config(spec: SpeculativeConfig, target_hf_config, dtype: str, m
 def _resolve_executor_backend(args: "EngineArgs", world: int, device: str) -> str:
     """The explicit choice, else vLLM's: `ray` inside a Ray cluster whose local node cannot hold every rank,
     `mp` for more than one rank, `uni` for one."""
-    from pagoda.executor.ray_cluster import RAY_INSTALL_HINT, ray_backend_wanted, ray_installed
+    from pagoda.config.ray_presence import RAY_INSTALL_HINT, ray_backend_wanted, ray_installed
 
     backend = args.distributed_executor_backend
     if backend is None:
@@ -286,3 +288,15 @@ def _async_scheduling(args: "EngineArgs", speculative, device: str, backend: str
                            why)
         return False
     return True
+
+
+def resolve_attention_backend(name: str, device_type: str) -> str:
+    """attention_backend "auto" -> triton on CUDA, torch elsewhere; a name that cannot run here: ValueError."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    if name == "auto":
+        return "triton" if device_type == "cuda" else "torch"
+    if name == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend 'triton' needs a CUDA device, not {device_type} (or TRITON_INTERPRET=1 "
+                         "to run the kernels in Triton's interpreter, for tests); use 'torch' or 'auto'")
+    return name

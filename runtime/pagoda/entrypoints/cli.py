@@ -83,9 +83,9 @@ def serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
 
 def download(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from pagoda.config import hub
+    from pagoda.config.model_files import load_hf_config
     from pagoda.entrypoints.openai.cli_args import flagify
-    from pagoda.worker.loader import hub
-    from pagoda.worker.loader.model_loader import load_hf_config
 
     if not hub.is_repo_id(ns.model):
         parser.error(f"argument ORG/NAME: {ns.model!r} is not a Hub model id")

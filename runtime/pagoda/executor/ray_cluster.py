@@ -9,36 +9,16 @@ distinct nodes when the cluster has enough nodes that can each hold one (STRICT_
 as tightly as the cluster allows (TP collectives then cross the network, as in vLLM's Ray layout).
 """
 
-import importlib.util
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-RAY_INSTALL_HINT = "pip install 'pagoda[ray]'"
 RAY_TOKEN_HINT = ("if `ray start` logged 'Token authentication is enabled', set RAY_AUTH_MODE=token here and make "
                   "the cluster's token readable: copy the head's ~/.ray/auth_token to this machine's home (or set "
                   "RAY_AUTH_TOKEN to its contents)")
 
 logger = logging.getLogger(__name__)
-
-
-def ray_installed() -> bool:
-    return importlib.util.find_spec("ray") is not None
-
-
-def device_resource(device: str) -> str:
-    """The Ray resource one rank takes."""
-    return "GPU" if device.startswith("cuda") else "CPU"
-
-
-def inside_ray_cluster() -> bool:
-    """This process joined a Ray cluster: it called ray.init(), or it is a Ray task or actor (which Ray
-    initialises), placement groups included. Only asks an initialised Ray: most of Ray's API, placement
-    group lookups among them, would otherwise start a local cluster just by being called."""
-    ray = sys.modules.get("ray")  # a process that never imported Ray has not joined a cluster
-    return ray is not None and ray.is_initialized()
 
 
 def ray_token_available() -> bool:
@@ -72,22 +52,6 @@ def connect_to_ray(logging_level: int = logging.WARNING) -> None:
     except (ConnectionError, RuntimeError) as e:
         address = os.environ.get("RAY_ADDRESS", "the local cluster")
         raise ConnectionError(f"could not connect to the Ray cluster at {address}: {e}; {RAY_TOKEN_HINT}") from e
-
-
-def current_node() -> dict:
-    """This process's Ray node, as ray.nodes() describes it (NodeID, NodeManagerAddress, Resources)."""
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    return next(n for n in ray.nodes() if n["NodeID"] == node_id)
-
-
-def ray_backend_wanted(world_size: int, device: str) -> bool:
-    """vLLM's automatic choice: Ray when this process runs inside a Ray cluster and its own node cannot
-    hold every rank."""
-    if world_size == 1 or not inside_ray_cluster():
-        return False
-    return current_node()["Resources"].get(device_resource(device), 0) < world_size
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,10 @@ from collections import Counter
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.config.ray_presence import current_node, device_resource
 from pagoda.distributed.group import cpu_threads_per_rank, free_port
 from pagoda.executor.driver import DriverExecutor
-from pagoda.executor.ray_cluster import (
-    connect_to_ray,
-    current_node,
-    describe_cluster,
-    device_resource,
-    node_capacities,
-    plan_placement,
-)
+from pagoda.executor.ray_cluster import connect_to_ray, describe_cluster, node_capacities, plan_placement
 from pagoda.executor.worker import run_worker
 
 logger = logging.getLogger(__name__)

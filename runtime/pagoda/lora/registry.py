@@ -36,7 +36,7 @@ class LoRARegistry:
             return resolved
         path = request.lora_path
         if not os.path.isdir(path):
-            from pagoda.worker.loader.hub import download_adapter, is_repo_id
+            from pagoda.config.hub import download_adapter, is_repo_id
 
             if not is_repo_id(path):
                 raise InvalidParam("lora_request", f"adapter {request.lora_name!r}: {path!r} is neither a "

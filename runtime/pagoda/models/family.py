@@ -7,8 +7,7 @@ Torch-free: the configuration checks a model with it before anything loads.
 import math
 from dataclasses import dataclass, field
 
-# The activations of gate/up MLPs we run, by their transformers names.
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+from pagoda.config.architectures import ACTIVATIONS, MOE_ARCHITECTURES, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -16,10 +15,6 @@ class LayerAttention:
     """One decoder layer's attention: its sliding window (None: the whole context) and rope parameters."""
     sliding_window: int | None
     rope: dict = field(hash=False)
-
-
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     "GptOssForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -93,29 +88,6 @@ class FamilyOptions:
 
 def _rope_key(rope: dict) -> tuple:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope.items()))
-
-
-def rope_parameters(config, layer_type: str | None = None) -> dict:
-    """rope_theta and the scaling dict, from either the transformers 5 or the older layout (and Gemma 3's
-    rope parameters per layer type)."""
-    params = getattr(config, "rope_parameters", None)
-    if params and layer_type is not None and isinstance(params.get(layer_type), dict):
-        params = params[layer_type]
-    elif params and isinstance(params.get("full_attention"), dict):
-        params = params["full_attention"]
-    if params:
-        params = dict(params)
-    else:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    if params["rope_type"] == "su":  # Phi-3's first name for LongRoPE
-        params["rope_type"] = "longrope"
-    if params["rope_type"] in ("longrope", "yarn"):
-        params.setdefault("original_max_position_embeddings",
-                          getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
-        params.setdefault("max_position_embeddings", config.max_position_embeddings)
-    return params
 
 
 def layer_windows(config) -> list[int | None]:

@@ -22,10 +22,10 @@ from pagoda.config import (
     choose_dtype,
 )
 from pagoda.config.args import SCHEDULING_POLICIES
+from pagoda.config.default_model import DEFAULT_MODEL_NAME
 from pagoda.config.quantization import GROUP_SIZES, METHODS
 from pagoda.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from pagoda.worker.loader.default_model import DEFAULT_MODEL_NAME
 
 ENV_PREFIX = "PAGODA_"
 _TRUE = {"1", "true", "yes", "on"}

@@ -84,7 +84,7 @@ def convert_gguf_in_child(gguf_path: Path, out_dir: Path) -> None:
     "nanobind: leaked N instances" after a clean drain); nor does the float32 copy stay in this heap."""
     import pagoda
 
-    code = "import sys; from pathlib import Path; from pagoda.worker.loader.default_model import convert_gguf; " \
+    code = "import sys; from pathlib import Path; from pagoda.config.default_model import convert_gguf; " \
            "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
     root = str(Path(pagoda.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
