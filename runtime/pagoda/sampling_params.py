@@ -4,6 +4,7 @@ passes can be turned into tensors and generators without raising (ranges as vLLM
 import math
 from dataclasses import dataclass, field
 
+from pagoda.config.kv_transfer import parse_kv_transfer_params
 from pagoda.errors import InvalidParam
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -85,6 +86,9 @@ class SamplingParams:
     # bad_words as token sequences, with and without a leading space: the input processor fills them
     # (an init field so dataclasses.replace, as a fork does, keeps them)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # P/D disaggregation (vLLM's shape, config.kv_transfer): do_remote_decode to a prefill engine, the prefill's
+    # returned params to a decode engine; a dict is parsed into KVTransferParams
+    kv_transfer_params: object = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +105,9 @@ class SamplingParams:
                                                  f"{self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self.kv_transfer_params = parse_kv_transfer_params(self.kv_transfer_params)
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise InvalidParam("kv_transfer_params", "kv_transfer_params needs n = 1")
         if self.top_k == 0:
             self.top_k = -1
 

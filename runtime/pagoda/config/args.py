@@ -110,6 +110,9 @@ class EngineArgs:
     # KV cache events as vLLM's dict (or its JSON text): {"enable_kv_cache_events": true, "publisher": "zmq",
     # "endpoint": "tcp://*:5557", "replay_endpoint": ..., "buffer_steps", "hwm", "topic"} (docs/router.md)
     kv_events_config: dict | str | None = None
+    # P/D disaggregation as vLLM's dict (or its JSON text): {"kv_connector": "NixlConnector", "kv_role":
+    # "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}} (docs/disaggregation.md)
+    kv_transfer_config: dict | str | None = None
 
     def validate(self) -> None:
         """The checks that need only the arguments, in the order a user meets them; InvalidParam names the field."""
@@ -152,6 +155,10 @@ class EngineArgs:
             from pagoda.config.kv_events import KVEventsConfig
 
             KVEventsConfig.parse(self.kv_events_config)
+        if self.kv_transfer_config is not None:
+            from pagoda.config.kv_transfer import check_kv_transfer_args
+
+            check_kv_transfer_args(self)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise InvalidParam("distributed_executor_backend", "distributed_executor_backend must be one of "

@@ -179,5 +179,6 @@ class EngineConfig:
     draft_model: ModelConfig | None = None  # speculative method draft_model: the draft checkpoint
     lora: LoRAConfig | None = None  # enable_lora
     kv_events: object = None  # a core.kv_events.KVEventsConfig that publishes, or None
+    kv_transfer: object = None  # P/D disaggregation: a config.kv_transfer.KVTransferConfig, or None
     # decode batch sizes captured as CUDA graphs (worker/cuda_graphs.py), ascending; () = every step eager
     cudagraph_capture_sizes: tuple[int, ...] = ()

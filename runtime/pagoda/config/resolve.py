@@ -21,6 +21,7 @@ from pagoda.config.configs import (
     kv_block_bytes,
 )
 from pagoda.config.kv_cache import kv_cache_itemsize
+from pagoda.config.kv_transfer import resolve_kv_transfer_config
 from pagoda.config.quantization import resolve_quantization
 from pagoda.errors import InvalidParam
 
@@ -115,6 +116,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         lora=LoRAConfig(args.max_loras, args.max_lora_rank, max(args.max_cpu_loras or 0, args.max_loras))
         if args.enable_lora else None,
         kv_events=_kv_events(args.kv_events_config),
+        kv_transfer=resolve_kv_transfer_config(args.kv_transfer_config),
         cudagraph_capture_sizes=_cudagraph_capture_sizes(args, device),
     )
 

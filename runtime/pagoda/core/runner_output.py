@@ -29,3 +29,4 @@ class ModelRunnerOutput:
     results: dict[int, Any] = field(default_factory=dict)
     # MoE layer index -> rows routed to each of its experts this step (the sampling rank's layers)
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)
+    kv_connector_output: Any = None  # P/D: the KV connector's finished and failed loads (kv_transfer.base)

@@ -44,8 +44,10 @@ AUTO_TARGET_FACTOR = 2.75
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 speculative: SpeculativeConfig | None = None, step_costs: StepCostModel | None = None):
+                 speculative: SpeculativeConfig | None = None, step_costs: StepCostModel | None = None,
+                 kv_connector=None):
         self.config = config
+        self.kv_connector = kv_connector  # P/D (kv_transfer): supplies prompt KV, holds finished prompts' blocks
         self.step_costs = step_costs if step_costs is not None else StepCostModel()
         self.by_priority = config.scheduling_policy == "priority"
         self.block_manager = block_manager
@@ -132,6 +134,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
+        if self.kv_connector is not None:  # blocks held for a decode engine: pulled, or timed out
+            for held in self.kv_connector.take_freeable():
+                self.block_manager.free(held)
         budget = self.config.max_num_batched_tokens
         prefill_left = self.prefill_budget()
         if self.by_priority:  # the most urgent first: they get the blocks, the least urgent are preempted
@@ -208,7 +213,10 @@ class Scheduler:
             every_token = seq.kind.reads_every_prompt_token(seq.request_params)
             cached = [] if every_token else self.block_manager.find_cached_prefix(seq)
             num_computed = len(cached) * self.block_manager.block_size
-            remaining = seq.num_tokens - num_computed
+            external = 0  # prompt tokens a KV connector supplies (P/D: pulled from a prefill engine)
+            if self.kv_connector is not None and seq.status == SequenceStatus.WAITING:
+                external, _ = self.kv_connector.get_num_new_matched_tokens(seq, num_computed)
+            remaining = seq.num_tokens - num_computed - external
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
@@ -216,14 +224,17 @@ class Scheduler:
                 if prefill_left == 0:
                     break
                 num_new = min(num_new, prefill_left)
-            copies = self.block_manager.allocate(seq, num_new, cached)
+            copies = self.block_manager.allocate(seq, external + num_new, cached)
             if copies is None:
                 break
+            if external:
+                self.kv_connector.update_state_after_alloc(seq, self.block_manager.block_table(seq), external)
+            num_computed += external
             del self.waiting[index]
             if seq.status == SequenceStatus.WAITING:  # first admission, not a resumed preemption
-                seq.num_cached_tokens = num_computed
+                seq.num_cached_tokens = num_computed - external
                 self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += num_computed
+                self.prefix_cache_hits += num_computed - external
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             seq.needs_reset = True
@@ -237,6 +248,8 @@ class Scheduler:
             self.in_flight.add(s.seq_id)
             self.steps_in_flight[s.seq_id] = self.steps_in_flight.get(s.seq_id, 0) + 1
             self.samples_in_flight[s.seq_id] = s.num_samples if not s.num_draft_tokens else 0
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
 
     def _decodes_now(self, seq: Sequence) -> bool:
@@ -358,6 +371,8 @@ class Scheduler:
     def step_done(self, out: SchedulerOutput, result: ModelRunnerOutput | None = None) -> None:
         """The runner finished out: the scheduled tokens' KV is now in the cache (of drafts, the accepted
         ones' only: the slots past them are released)."""
+        if self.kv_connector is not None and result is not None:
+            self.kv_connector.update_connector_output(result.kv_connector_output)
         for s in out.scheduled:
             left = self.steps_in_flight.pop(s.seq_id, 1) - 1
             if left:  # its next step, scheduled ahead, is still running
@@ -387,11 +402,15 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
-        self.block_manager.free(seq)
-        self._live.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        held = False  # P/D: a prefill's blocks stay until a decode engine pulls them (kv_transfer)
+        if self.kv_connector is not None:
+            held, seq.kv_transfer_params = self.kv_connector.request_finished(seq, self.block_manager.block_table(seq))
+        if not held:
+            self.block_manager.free(seq)
+        self._live.pop(seq.seq_id, None)
         self._finished_seq_ids.append(seq.seq_id)
         self.in_flight.discard(seq.seq_id)
         self.steps_in_flight.pop(seq.seq_id, None)

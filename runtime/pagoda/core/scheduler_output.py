@@ -49,6 +49,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     finished_seq_ids: list[int] = field(default_factory=list)  # the runner may drop their state
+    kv_connector_metadata: object = None  # P/D: the KV connector's loads for this step (kv_transfer)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -46,6 +46,7 @@ class Sequence:
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
         self.needs_reset = True
+        self.kv_transfer_params: dict | None = None  # P/D: what its output tells a decode engine (kv_transfer)
 
     @property
     def num_tokens(self) -> int:

@@ -104,8 +104,14 @@ class EngineCore:
         depth = executor.pipeline_depth
         per_batch = dataclasses.replace(config.scheduler, max_num_seqs=-(-config.scheduler.max_num_seqs // depth))
         self.step_costs = StepCostModel()  # every batch's tokens and time: the latency target's chunk sizes
-        self.schedulers = [Scheduler(per_batch, self.block_manager, config.speculative, self.step_costs)
-                           for _ in range(depth)]
+        self.kv_connector = None  # P/D disaggregation: the scheduler side of kv_transfer_config's connector
+        if config.kv_transfer is not None:
+            from pagoda.kv_transfer.factory import create_scheduler_connector
+
+            self.kv_connector = create_scheduler_connector(config.kv_transfer, cache.block_size)
+            self.kv_connector.set_handshake_metadata(executor.kv_connector_handshake_metadata())
+        self.schedulers = [Scheduler(per_batch, self.block_manager, config.speculative, self.step_costs,
+                                     self.kv_connector) for _ in range(depth)]
         # (scheduler, its output, when it was submitted, executor handle), oldest first
         self.in_flight: deque = deque()
         self.schedule_seconds = 0.0  # time spent scheduling (for the benchmarks' overhead figures)
@@ -179,6 +185,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Publish the last events and close the publisher's sockets. Idempotent."""
         events, self.kv_events = self.kv_events, None
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         if events is not None:
             self.block_manager.events = None
             events.shutdown()

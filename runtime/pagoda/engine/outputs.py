@@ -48,6 +48,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then token id -> Logprob per token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     embedding: list[float] | None = None  # an embedding request's pooled vector (PoolingParams)
+    kv_transfer_params: dict | None = None  # P/D: a prefill's, for the decode engine (vLLM's, kv_transfer)
 
 
 @dataclass

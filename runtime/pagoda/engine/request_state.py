@@ -79,7 +79,8 @@ class RequestState:
             prompt_logprobs = list(self.prompt_logprobs)  # once the whole prompt is scored, as vLLM's
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
                              self.metrics, self.seqs[0].num_cached_tokens if self.seqs else 0, self.error,
-                             prompt_logprobs=prompt_logprobs, **self._result_field())
+                             prompt_logprobs=prompt_logprobs, **self._result_field(),
+                             kv_transfer_params=self.seqs[0].kv_transfer_params if self.seqs else None)
 
     def _result_field(self) -> dict[str, Any]:
         """The RequestOutput field the kind's result fills (`embedding`), once it is made."""

@@ -76,6 +76,11 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.kv_dtype, self.device,
                                      config.cache.calculate_kv_scales)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache is allocated
+        self.kv_connector = None  # P/D: the worker side of kv_transfer_config's connector (pagoda.kv_transfer)
+        if config.kv_transfer is not None:
+            from pagoda.kv_transfer.factory import create_worker_connector
+
+            self.kv_connector = create_worker_connector(config.kv_transfer, self.block_size)
         self.batch = InputBatch(self.block_size, self.device)
         self.seqs: dict[int, RunnerSeq] = self.batch.seqs
         self.seq_generators: dict[int, torch.Generator] = {}
@@ -119,6 +124,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.kv_cache.allocate(num_blocks)
         self.kv_cache.allocate_swap_space(self.config.cache.num_swap_blocks)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_cache.caches)
         # decode steps' CUDA graphs, captured over the cache just allocated (None: every step eager)
         self.graphs = capture_decode_graphs(
             self.model, self.config, self.device, self.attn_backend, self.triton_ops, self.lora is not None,
@@ -155,6 +162,8 @@ class ModelRunner:
             self.kv_cache.copy(out.blocks_to_copy)
             if self.drafter is not None:
                 self.drafter.kv_cache.copy(out.blocks_to_copy)
+        if self.kv_connector is not None:  # P/D: READ a prefill engine's blocks into the ones just allocated
+            self.kv_connector.start_load_kv(out.kv_connector_metadata)
         if self.drafter is not None:
             self.drafter.propose(out, self.seqs)
 
@@ -162,7 +171,13 @@ class ModelRunner:
     def run_step(self, out: SchedulerOutput, intermediate: IntermediateTensors | None = None
                  ) -> ModelRunnerOutput | IntermediateTensors | None:
         """The second half of execute: the forward pass, then sampling and verification."""
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_layer_load(0)
         result = self._run_step(out, intermediate)
+        if self.kv_connector is not None and isinstance(result, ModelRunnerOutput):
+            result.kv_connector_output = self.kv_connector.get_finished()
+            if result.kv_connector_output is not None:  # its KV never came: the request fails, it alone
+                result.failed.update(result.kv_connector_output.failed_recving)
         if self.samples and isinstance(result, ModelRunnerOutput):
             result.expert_tokens = take_expert_tokens(self.model)  # MoE load balance, for the stats
         return result
