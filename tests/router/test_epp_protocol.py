@@ -240,3 +240,44 @@ def test_a_complete_response_ends_the_count_before_the_stream_closes():
             await server.stop()
 
     assert asyncio.run(scenario()) == (1, 0, 0)
+
+
+def test_a_request_served_elsewhere_counts_there():
+    """The gateway retried on another endpoint (protocol v1.0 reports it): the request's in-flight count
+    moves there until its stream ends."""
+    async def scenario():
+        pool = BackendPool(["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        a, b = pool.all()
+        router = Router(pool, make_policy("least-load"), RouterConfig(policy="least-load"))
+        server = EPPServer(router, "127.0.0.1", free_port(), max_queue=4, session_header="x-session-id")
+        await server.start()
+        try:
+            a.mark_up(), b.mark_up()
+            b.in_flight = 1  # the picker prefers a
+            served = base_pb2.Metadata()
+            served.filter_metadata["envoy.lb"].update({"x-gateway-destination-endpoint-served": "10.0.0.2:8000"})
+            headers = ext_proc.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+                base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")]), end_of_stream=True)
+            answered, close = asyncio.Event(), asyncio.Event()
+
+            async def requests():
+                yield ext_proc.ProcessingRequest(request_headers=headers)
+                await answered.wait()
+                yield ext_proc.ProcessingRequest(response_headers=ext_proc.HttpHeaders(), metadata_context=served)
+                await close.wait()
+
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                call = ext_proc_grpc.ExternalProcessorStub(channel).Process(requests())
+                await call.read()
+                picked = (a.in_flight, b.in_flight)
+                answered.set()
+                await call.read()  # the response headers' answer
+                moved = (a.in_flight, b.in_flight)
+                close.set()
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return picked, moved, (a.in_flight, b.in_flight)
+        finally:
+            await server.stop()
+
+    assert asyncio.run(scenario()) == ((1, 1), (0, 2), (0, 1))
