@@ -132,29 +132,36 @@ class SparseMoE(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         if self.across_dp:
             return self.forward_across_dp(x)
-        weights, ids = route(self.gate(x), self.options)
+        weights, ids = self.choose_experts(x)
         self.load.add(ids)
         out = self.routed_experts(x, weights, ids)
         if self.tp_size > 1:  # TP: partial sums over each expert's split; EP: over this rank's experts
             out = tp_all_reduce(out)
         if self.shared_expert is not None:  # its down projection all-reduces on its own
-            shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + self.shared_output(x)
         return out
+
+    def choose_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k]); DeepSeek's routing overrides."""
+        return route(self.gate(x), self.options)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's share of the output: Qwen2-MoE's, gated by a sigmoid; DeepSeek's ungated."""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def forward_across_dp(self, x: torch.Tensor) -> torch.Tensor:
         """Experts over every DP x TP rank: all-gather every DP rank's tokens, run this rank's experts over
         all of them, reduce-scatter each DP rank's rows back to it, then sum over the TP shards. A rank with no
         work passes 0 rows (its dummy batch), so the collectives match (docs/distributed.md)."""
         everyone, counts = dp_all_gather_rows(x)
-        weights, ids = route(self.gate(everyone), self.options)
+        weights, ids = self.choose_experts(everyone)
         mine = sum(counts[: get_parallel_state().dp_rank])
         self.load.add(ids[mine : mine + x.shape[0]])  # this DP rank's tokens: each rank counts its own
         out = dp_reduce_scatter_rows(self.routed_experts(everyone, weights, ids), counts)
         if self.tp_size > 1 and x.shape[0]:
             out = tp_all_reduce(out)
         if self.shared_expert is not None and x.shape[0]:  # (TP peers run the same batch: they skip alike)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + self.shared_output(x)
         return out
 
     def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

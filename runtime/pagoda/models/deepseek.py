@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.config.architectures import rope_parameters
-from pagoda.distributed.parallel_state import get_parallel_state, tp_all_reduce
+from pagoda.distributed.parallel_state import get_parallel_state
 from pagoda.layers.attention import Attention, current_forward_context
 from pagoda.layers.layernorm import RMSNorm
 from pagoda.layers.linear import (
@@ -36,7 +35,7 @@ from pagoda.layers.module import Module
 from pagoda.layers.moe import MoEOptions, SparseMoE
 from pagoda.layers.quantization.kv_scales import is_fp8
 from pagoda.layers.rotary import RotaryEmbedding, yarn_mscale
-from pagoda.models.family import FamilyOptions
+from pagoda.models.family import FamilyOptions, rope_parameters
 from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
@@ -212,18 +211,17 @@ class DeepseekMoE(SparseMoE):
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts,
                                                                          dtype=torch.float32), requires_grad=False)
             self.gate.e_score_correction_bias.weight_loader = self.gate.weight.weight_loader
-        self.shared_experts = LlamaMLP(config, "silu", config.moe_intermediate_size * config.n_shared_experts) \
+        # the checkpoint's shared_experts (DeepseekForCausalLM.checkpoint_to_param maps the name)
+        self.shared_expert = LlamaMLP(config, "silu", config.moe_intermediate_size * config.n_shared_experts) \
             if config.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def choose_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.gate.weight.float())
-        weights, ids = _route_v3(logits, self.gate.e_score_correction_bias, self.config) if self.v3 else \
+        return _route_v3(logits, self.gate.e_score_correction_bias, self.config) if self.v3 else \
             _route_v2(logits, self.config)
-        self.load.add(ids)
-        out = self.grouped_experts(x, ids - self.first_expert, weights)
-        if self.tp_size > 1:
-            out = tp_all_reduce(out)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared_expert(x)  # ungated
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
@@ -250,4 +248,4 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def checkpoint_to_param(self, name: str):
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= self.config.num_hidden_layers:
             return None  # an MTP layer
-        return super().checkpoint_to_param(name)
+        return super().checkpoint_to_param(name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
