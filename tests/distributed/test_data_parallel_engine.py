@@ -235,3 +235,17 @@ def test_dp_over_two_nodes_with_a_headless_node(tiny_model_factory, reference, t
         if headless.poll() is None:
             headless.kill()
             headless.wait()
+
+
+def test_an_idle_engine_outlives_the_group_timeout(tiny_model_factory):
+    """The other DP ranks wait for their next schedule longer than distributed_timeout while nothing comes
+    (a point-to-point recv would time out there and take the rank down)."""
+    import time
+
+    llm = dp_llm(tiny_model_factory("llama"), distributed_timeout=10)  # (a loaded machine joins in time)
+    try:
+        first = run(llm, PROMPTS[:2])
+        time.sleep(14)
+        assert run(llm, PROMPTS[:2]) == first
+    finally:
+        llm.shutdown()

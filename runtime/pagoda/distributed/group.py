@@ -25,6 +25,9 @@ class GroupHandles:
     cpu_group: object  # gloo, for pickled objects (None = the default group, when that is gloo)
     tp_cpu_group: object  # gloo, this stage's TP ranks (None when TP = 1)
     heartbeat: Heartbeat | None = None
+    # data parallelism: gloo groups of rank 0 and each DP rank's leader, by DP rank (rank 0 holds them all, a
+    # leader its own): schedules go out by broadcast, which waits idle for ever where a recv times out
+    dp_links: dict[int, object] | None = None
 
 
 def free_port() -> int:
@@ -92,6 +95,12 @@ def init_group(config: EngineConfig, rank: int, on_failure, failure: Callable[[]
         if rank in ranks:
             tp_group, tp_cpu_group = group, cpu
     dp_group = dp_peer_group(info)
+    dp_links = {}
+    for d in range(1, info.dp_size):  # every rank creates every group, in the same order
+        leader = d * info.tp_size * info.pp_size
+        link = dist.new_group([0, leader], backend="gloo")
+        if rank in (0, leader):
+            dp_links[d] = link
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     tp_shm = None
     if backend == "gloo" and info.tp_size > 1:  # CPU: the TP ranks of a node share memory instead of loopback
@@ -105,7 +114,7 @@ def init_group(config: EngineConfig, rank: int, on_failure, failure: Callable[[]
     heartbeat = Heartbeat(p.master_addr, p.master_port, rank, watched, on_failure).start()
     logger.info("rank %d joined: tp_rank=%d pp_rank=%d node=%d backend=%s", rank, info.tp_rank, info.pp_rank,
                 info.node_rank, backend)
-    return GroupHandles(info, store, cpu_group, tp_cpu_group, heartbeat)
+    return GroupHandles(info, store, cpu_group, tp_cpu_group, heartbeat, dp_links)
 
 
 def dp_peer_group(info: RankInfo):

@@ -132,7 +132,7 @@ class DriverExecutor:
             for d in range(1, self.dp_size):
                 out = outs[d] if outs[d] is not None else DUMMY if self.dummy_batches else None
                 if out is not None:
-                    comm.send_object(out, d * self.tp_size, self.group.cpu_group, self.pending)
+                    dist.broadcast_object_list([out], src=0, group=self.group.dp_links[d])
                     sent.append(d if out is not DUMMY else None)
             results: list[ModelRunnerOutput | None] = [None] * self.dp_size
             if outs[0] is not None:
@@ -167,7 +167,7 @@ class DriverExecutor:
         if group is not None and self.failure is None:
             try:
                 for d in range(1, self.dp_size):
-                    comm.send_object(SHUTDOWN, d * self.tp_size, group.cpu_group)
+                    dist.broadcast_object_list([SHUTDOWN], src=0, group=group.dp_links[d])
                 if self.tp_size > 1:
                     dist.broadcast_object_list([SHUTDOWN], src=0, group=group.tp_cpu_group)
                 if self.pp_size > 1:

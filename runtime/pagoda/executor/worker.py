@@ -74,7 +74,9 @@ def _serve_schedules(runner, group: GroupHandles) -> None:
     while True:
         intermediate = None
         if info.rank == leader:  # another DP rank's leader: its schedules come from the driver
-            out = comm.recv_object(0, group.cpu_group)
+            holder = [None]
+            torch.distributed.broadcast_object_list(holder, src=0, group=group.dp_links[info.dp_rank])
+            out = holder[0]
             if info.tp_size > 1:
                 torch.distributed.broadcast_object_list([out], src=leader, group=group.tp_cpu_group)
         elif info.pp_rank == 0:  # a TP peer of the leader: same schedule, broadcast
