@@ -74,7 +74,8 @@ class KVTransferConfig:
         role = raw.get("kv_role", "kv_both")
         if role not in KV_ROLES:
             raise InvalidParam(f"{name}.kv_role", f"{name}.kv_role must be one of {', '.join(KV_ROLES)}; got {role!r}")
-        extra = raw.get("kv_connector_extra_config") or {}
+        extra = raw.get("kv_connector_extra_config")
+        extra = {} if extra is None else extra
         if not isinstance(extra, dict):
             raise InvalidParam(f"{name}.kv_connector_extra_config",
                                f"{name}.kv_connector_extra_config must be a JSON object")
