@@ -63,3 +63,24 @@ def test_params_need_one_output():
     with pytest.raises(InvalidParam) as e:
         SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True})
     assert e.value.param == "kv_transfer_params"
+
+
+def test_serve_flag_reaches_engine_args():
+    import argparse
+
+    from pagoda.entrypoints.openai.cli_args import add_serve_arguments, split_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    ns = parser.parse_args(["m", "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'])
+    engine, _ = split_args(ns)
+    assert engine.kv_transfer_config == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+
+
+def test_request_field_is_checked_by_name():
+    from pagoda.entrypoints.openai.protocol import CompletionRequest
+
+    request = CompletionRequest(model="m", prompt="x", kv_transfer_params={**GOOD, "remote_port": "x"})
+    with pytest.raises(InvalidParam) as e:
+        request.sampling_params(1, None)
+    assert e.value.param == "kv_transfer_params.remote_port"

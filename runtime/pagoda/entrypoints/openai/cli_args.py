@@ -339,6 +339,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                '"zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv"}\' (BlockStored, '
                'BlockRemoved, AllBlocksCleared over ZMQ PUB; `pagoda router --policy precise` reads them). '
                'See docs/router.md')
+    p.add("--kv-transfer-config", type=json_object,
+          help='prefill/decode disaggregation as vLLM\'s: \'{"kv_connector": "NixlConnector", "kv_role": '
+               '"kv_producer" | "kv_consumer" | "kv_both"}\' (KV blocks pulled over NIXL; the side channel on '
+               'VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT). See docs/disaggregation.md')
     p.add("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
           help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: keys and values in 8 bits with per-layer "
                "scales, twice the blocks in the same memory")

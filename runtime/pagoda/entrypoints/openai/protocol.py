@@ -112,6 +112,8 @@ class SamplingFields(OpenAIModel):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     allowed_token_ids: list[NonNegativeInt64] | None = None
     bad_words: list[str] | None = None
+    # P/D disaggregation (vLLM's): checked by SamplingParams, a malformed field is a 400 naming it
+    kv_transfer_params: Any = None
     # Fields OpenAI or vLLM define that Pagoda does not implement yet. A value that asks for something
     # (anything but null, empty or the neutral value) is refused with a 400 naming the field: a client
     # must never get an answer that silently ignored what it asked for.
@@ -197,6 +199,7 @@ class SamplingFields(OpenAIModel):
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
