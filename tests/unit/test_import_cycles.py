@@ -155,6 +155,7 @@ RUNTIME_LAYERS = [
     {"core", "structured_output"},  # torch-free: scheduling, blocks, sequences, step contracts, grammars
     {"distributed", "kernels", "attention", "layers", "models"},  # collectives and the nn code
     {"sample", "spec_decode"},  # sampling, pooling, logprobs, rejection sampling, draft proposers
+    {"kv_transfer"},  # KV connectors (P/D disaggregation): the scheduler's and the runner's halves, over NIXL
     {"worker", "lora"},  # the model runner, KV cache, loading models; LoRA adapters (slots, the layers' hook)
     {"executor"},  # uni, mp, ray: where the runners run
     {"engine"},  # input processing, the engine core, output processing
