@@ -118,3 +118,69 @@ def test_errors_come_in_anthropics_shape(server, client):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=5, messages=USER)
     assert e.value.body["error"]["type"] == "authentication_error"
+
+
+TOOL_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "locate",
+                                              "input": {"city": "Paris"}}]}
+
+
+def tool_result(content):
+    return [*USER, TOOL_USE, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": content}]}]
+
+
+# (messages, other fields, the field the error names): each a 400 in Anthropic's shape, never a 500
+MALFORMED = {
+    "a tool_result's content holds a plain string": (
+        tool_result(["Not there."]), {}, "messages.2.content.0.tool_result.content.0:"),
+    "a tool_result's content holds a number": (tool_result([7]), {}, "messages.2.content.0.tool_result.content.0:"),
+    "a tool_result's content is a number": (tool_result(7), {}, "messages.2.content.0.tool_result.content:"),
+    "a content block is a number": (
+        [{"role": "user", "content": [{"type": "text", "text": "Hi"}, 5]}], {}, "messages.0.content.1:"),
+    "a content block is a string": ([{"role": "user", "content": ["Hi"]}], {}, "messages.0.content.0:"),
+    "content is a number": ([{"role": "user", "content": 5}], {}, "messages.0.content:"),
+    "a text block without text": ([{"role": "user", "content": [{"type": "text"}]}], {},
+                                  "messages.0.content.0.text.text:"),
+    "a block field the API does not have": (
+        [{"role": "user", "content": [{"type": "text", "text": "Hi", "colour": "red"}]}], {},
+        "messages.0.content.0.text.colour:"),
+    "a tool_use in a user message": ([{"role": "user", "content": TOOL_USE["content"]}], {}, "messages.0.content.0:"),
+    "a system block that is a number": (USER, {"system": [3]}, "system.0:"),
+    "an unknown top-level field": (USER, {"frequency_penalty": 0.5}, "frequency_penalty:"),
+    "a server tool": (USER, {"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0:"),
+    "a tool that is a string": (USER, {"tools": ["locate"]}, "tools.0:"),
+    "metadata with an unknown field": (USER, {"metadata": {"user_id": "u", "team": "a"}}, "metadata.team:"),
+}
+
+
+@pytest.mark.parametrize("messages, fields, where", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_body_is_a_400_naming_the_field(client, messages, fields, where):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=5, messages=messages, extra_body=fields)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.body["error"]["message"].startswith(where), e.value.body["error"]["message"]
+
+
+def test_count_tokens_refuses_what_create_refuses(client):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.count_tokens(model=MODEL, messages=tool_result(["Not there."]))
+    assert e.value.body["error"]["message"].startswith("messages.2.content.0.tool_result.content.0:")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.count_tokens(model=MODEL, messages=USER, extra_body={"max_tokens": 5})
+    assert e.value.body["error"]["message"].startswith("max_tokens:")  # count_tokens has no max_tokens
+
+
+def test_what_the_sdk_sends_back_is_accepted(client):
+    """An agent sends the reply's blocks back as the SDK dumps them (`citations`, `caller`, ... as null),
+    with cache_control breakpoints and a tool_result of text blocks: all accepted."""
+    first = create(client, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=150)
+    use = first.content[-1]
+    cached = {"type": "ephemeral"}
+    second = create(client, tools=[{**TOOLS[0], "cache_control": cached}],
+                    system=[{"type": "text", "text": "Be brief.", "cache_control": cached}],
+                    metadata={"user_id": "u-1"}, messages=[
+        *USER, {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "is_error": False,
+                                      "content": [{"type": "text", "text": "Not there.", "cache_control": cached}]},
+                                     {"type": "text", "text": "Where then?"}]}])
+    assert second.stop_reason == "end_turn" and second.content[-1].text == ANSWER
