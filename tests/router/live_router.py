@@ -83,14 +83,16 @@ class RouterProcess:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """A server's or router's /metrics: samples by name (+ sorted labels other than model_name)."""
+    """A server's or router's /metrics: samples by name (+ sorted labels other than model_name and engine),
+    the data-parallel ranks' series (label engine) summed."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    values = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
+            key = s.name + (f"{{{labels}}}" if labels else "")
+            values[key] = values.get(key, 0.0) + s.value
     return values
 
 
