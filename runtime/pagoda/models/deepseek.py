@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.config.architectures import rope_parameters
 from pagoda.distributed.parallel_state import get_parallel_state
 from pagoda.layers.attention import Attention, current_forward_context
 from pagoda.layers.layernorm import RMSNorm
@@ -35,7 +36,7 @@ from pagoda.layers.module import Module
 from pagoda.layers.moe import MoEOptions, SparseMoE
 from pagoda.layers.quantization.kv_scales import is_fp8
 from pagoda.layers.rotary import RotaryEmbedding, yarn_mscale
-from pagoda.models.family import FamilyOptions, rope_parameters
+from pagoda.models.family import FamilyOptions
 from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
