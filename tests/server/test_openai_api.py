@@ -50,13 +50,15 @@ def http(server):
 
 
 def metrics(http) -> dict[str, float]:
-    """Samples by name (+ sorted labels other than model_name), parsed by prometheus_client."""
+    """Samples by name (+ sorted labels other than model_name and engine), parsed by prometheus_client; the
+    data-parallel ranks' series (label engine, vLLM's) summed."""
     text = http.get("/metrics").text
-    values = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            values[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
+            key = s.name + (f"{{{labels}}}" if labels else "")
+            values[key] = values.get(key, 0.0) + s.value
     return values
 
 

@@ -189,7 +189,7 @@ def test_vllm_names_mirror_every_metric(vllm_server):
                  "vllm:time_to_first_token_seconds_bucket"):
         assert any(s.name == name for s in found), name
     waiting = [s for s in found if s.name == "vllm:num_requests_waiting"]
-    assert waiting[0].labels == {"model_name": MODEL}
+    assert waiting[0].labels == {"model_name": MODEL, "engine": "0"}  # vLLM labels each engine core's series
     lora = [s for s in found if s.name == "vllm:lora_requests_info"][0]
     assert lora.labels == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
 
