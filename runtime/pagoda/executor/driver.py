@@ -8,6 +8,7 @@ engines).
 """
 
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,9 @@ from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# the process watcher reports a local rank that exited within its 1 s join (executor/worker.py ProcessWatcher)
+FAILURE_REPORT_GRACE_S = 3.0
+
 
 class DriverExecutor:
     pipeline_depth: int = 1  # the pipeline's stages with pipeline_fill
@@ -35,6 +39,7 @@ class DriverExecutor:
         self.dp_size = p.data_parallel_size
         self.pipeline_depth = self.pp_size if p.pipeline_fill else 1
         self.failure: str | None = None
+        self._failed = threading.Event()
         self._callbacks: list[Callable[[str], None]] = []
         self._shutting_down = False
         try:
@@ -79,7 +84,10 @@ class DriverExecutor:
 
     def _raise_with_cause(self, error: BaseException) -> None:
         """A collective fails with a generic error (a closed connection) when a rank is gone: say why
-        it is gone when the group knows."""
+        it is gone when the group knows. The collective can fail first, while the watcher that reports the
+        dead rank is still reaping it: give it a moment."""
+        if isinstance(error, Exception) and not self._shutting_down:
+            self._failed.wait(FAILURE_REPORT_GRACE_S)
         if self.failure is not None and isinstance(error, Exception):
             raise RuntimeError(f"distributed group failed: {self.failure}") from error
         raise error
@@ -88,6 +96,7 @@ class DriverExecutor:
         if self.failure is not None:
             return
         self.failure = message
+        self._failed.set()
         logger.error("distributed group failed: %s", message)
         if get_parallel_state().tp_shm is not None:  # a collective waiting on the dead rank fails now
             get_parallel_state().tp_shm.abort()
