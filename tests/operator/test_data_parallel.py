@@ -289,3 +289,12 @@ def test_dp_pod_args_parse_with_the_runtime_cli(monkeypatch):
         assert ns.data_parallel_address == HEAD.format(0) and ns.data_parallel_rpc_port == 29550
         assert ns.headless == (ordinal > 0) and ns.enable_expert_parallel
         assert ns.data_parallel_start_rank == ordinal * 2
+
+
+def test_dp_rpc_port_default_is_vllms_in_the_runtime_and_the_operator():
+    """vLLM's ParallelConfig.data_parallel_rpc_port defaults to 29550: the runtime's flag and the operator's
+    spec.parallelism.dataRPCPort default to it too, so a pod without the flag still meets its head."""
+    args = pytest.importorskip("pagoda.config.args", reason="the runtime package is not importable")
+    from pagoda_operator.spec import DEFAULT_DATA_RPC_PORT
+
+    assert args.EngineArgs(model="m").data_parallel_rpc_port == DEFAULT_DATA_RPC_PORT == 29550

@@ -67,7 +67,7 @@ class EngineArgs:
     # many nodes, as vLLM's flags: checked, and refused past their defaults until the node runtime lands
     data_parallel_size_local: int | None = None  # DP ranks on this node (default: all of them)
     data_parallel_address: str | None = None  # the head node's address, where the ranks meet
-    data_parallel_rpc_port: int = 13345  # the head's port for the ranks' control messages (vLLM's default)
+    data_parallel_rpc_port: int = 29550  # the head's port for the ranks' control messages (vLLM's default)
     data_parallel_start_rank: int = 0  # the first DP rank this node runs
     data_parallel_rank: int | None = None  # external load balancing: this server is DP rank R alone
     nnodes: int = 1
