@@ -16,6 +16,7 @@ from pagoda.http.errors import error_response, install_error_handlers
 from pagoda.http.middleware import RequestIdMiddleware, request_id_of
 from pagoda.router.args import RouterArgs
 from pagoda.router.backends import BackendPool
+from pagoda.router.disaggregated import PREFILL_METRICS_PREFIX, DisaggregatedResponse, Disaggregation
 from pagoda.router.health import HealthMonitor
 from pagoda.router.metrics import CONTENT_TYPE
 from pagoda.router.policies import make_policy
@@ -26,19 +27,29 @@ logger = logging.getLogger(__name__)
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
-def _discovery(args: RouterArgs, pool: BackendPool, router: Router):
-    if args.k8s_service is None:
+def _discovery(service: str | None, namespace: str | None, router: Router):
+    if service is None:
         return None
     from pagoda.router.kubernetes import EndpointSliceWatcher
 
     def update(urls: list[str]) -> None:
-        added, removed = pool.set_urls(urls)
+        added, removed = router.pool.set_urls(urls)
         for url in removed:
             router.policy.forget(url)
         if added or removed:
-            logger.info("backends of service %s: +%s -%s", args.k8s_service, added, removed)
+            logger.info("backends of service %s: +%s -%s", service, added, removed)
 
-    return EndpointSliceWatcher(args.k8s_service, args.namespace, update).run()
+    return EndpointSliceWatcher(service, namespace, update).run()
+
+
+def _disaggregation(args: RouterArgs, router: Router):
+    """P/D mode: the prefill backends, their policy, and the choice (None without prefill backends)."""
+    if not args.disaggregated:
+        return None
+    prefill = Router(BackendPool(args.prefill_backends), make_policy(args.prefill_policy), RouterConfig(
+        policy=args.prefill_policy, max_in_flight_per_backend=args.max_in_flight_per_backend,
+        session_header=args.session_header), metrics_prefix=PREFILL_METRICS_PREFIX)
+    return Disaggregation(prefill, args.pd_threshold, router.metrics.registry)
 
 
 def build_app(args: RouterArgs) -> FastAPI:
@@ -48,14 +59,23 @@ def build_app(args: RouterArgs) -> FastAPI:
         policy=args.policy, max_in_flight_per_backend=args.max_in_flight_per_backend,
         session_header=args.session_header))
     monitor = HealthMonitor(pool, router.backend_changed, api_key=args.backend_api_key)
+    pd = _disaggregation(args, router)
+    prefill_monitor = None if pd is None else HealthMonitor(pd.prefill.pool, pd.prefill.backend_changed,
+                                                            api_key=args.backend_api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await router.start()
         loops = [monitor.run()]
-        discovery = _discovery(args, pool, router)
+        discovery = _discovery(args.k8s_service, args.namespace, router)
         if discovery is not None:
             loops.append(discovery)
+        if pd is not None:
+            await pd.prefill.start()
+            loops.append(prefill_monitor.run())
+            prefill_discovery = _discovery(args.prefill_k8s_service, args.namespace, pd.prefill)
+            if prefill_discovery is not None:
+                loops.append(prefill_discovery)
         if args.policy == "precise":
             from pagoda.router.kv_subscriber import KVEventSubscriber
 
@@ -67,10 +87,12 @@ def build_app(args: RouterArgs) -> FastAPI:
             from pagoda.router.epp import EPPServer
 
             epp = EPPServer(router, args.host, args.epp_port, args.epp_max_queue, args.session_header,
-                            args.epp_fallbacks)
+                            args.epp_fallbacks, pd)
             await epp.set_serving(False)
             await epp.start()
         await monitor_first_round(monitor)
+        if prefill_monitor is not None:
+            await monitor_first_round(prefill_monitor)
         if epp is not None:
             await epp.set_serving(True)  # backends known (readiness: the picker's view is synced)
         try:
@@ -82,6 +104,8 @@ def build_app(args: RouterArgs) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await router.close()
+            if pd is not None:
+                await pd.prefill.close()
 
     app = FastAPI(title="pagoda router", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.router = router
@@ -97,7 +121,8 @@ def build_app(args: RouterArgs) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+        prefill = b"" if pd is None else pd.prefill.metrics.render()  # its own names: pagoda_router:prefill_*
+        return Response(router.metrics.render() + prefill, media_type=CONTENT_TYPE)
 
     @app.get("/debug/kv-index")
     async def kv_index() -> Response:
@@ -113,10 +138,11 @@ def build_app(args: RouterArgs) -> FastAPI:
         body = await request.body()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.scope["headers"]}
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return ProxyResponse(router, request.method, target,
-                             upstream_headers(request.scope["headers"], request_id_of(request)), body,
-                             routing_request(body, headers, router.config.session_header, request.url.path),
-                             arrived)
+        forwarded = (router, request.method, target, upstream_headers(request.scope["headers"], request_id_of(request)),
+                     body, routing_request(body, headers, router.config.session_header, request.url.path), arrived)
+        if pd is not None:
+            return DisaggregatedResponse(pd, *forwarded)
+        return ProxyResponse(*forwarded)
 
     return app
 

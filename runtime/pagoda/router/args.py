@@ -24,3 +24,13 @@ class RouterArgs:
     epp_port: int = 9002
     epp_max_queue: int = 128  # waiting requests past which a backend takes no more (all such: 429)
     epp_fallbacks: int = 0  # endpoints named after the chosen one, for a gateway that retries down the list
+    # P/D disaggregation (pagoda.router.disaggregated): on when prefill backends are given; the backends
+    # above are then the decode backends
+    prefill_backends: list[str] = field(default_factory=list)
+    prefill_k8s_service: str | None = None
+    prefill_policy: str = "prefix"
+    pd_threshold: int = 0  # prompts under this many tokens (estimated as llm-d does) skip the prefill
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_backends or self.prefill_k8s_service)

@@ -33,15 +33,17 @@ def _non_negative_int(text: str) -> int:
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RouterArgs()
     source = parser.add_mutually_exclusive_group()  # PAGODA_ROUTER_BACKEND / _K8S_SERVICE: see router_args
-    source.add_argument("--backend", action="append", dest="backends", metavar="URL",
+    source.add_argument("--backend", "--decode-backend", action="append", dest="backends", metavar="URL",
                         help="a `pagoda serve` replica's root URL, e.g. http://10.0.0.5:8000 (repeatable; "
-                             "PAGODA_ROUTER_BACKEND takes a comma-separated list)")
+                             "PAGODA_ROUTER_BACKEND takes a comma-separated list); with --prefill-backend, "
+                             "a decode backend")
     source.add_argument("--k8s-service", metavar="NAME",
                         help="discover the replicas from this Kubernetes Service's EndpointSlices (watched)")
     parser.add_argument("--namespace", metavar="NS", default=_env("namespace"),
                         help="the Service's namespace (default: the pod's own, else `default`)")
-    parser.add_argument("--policy", choices=POLICIES, default=_env("policy", defaults.policy),
-                        help="how a backend is chosen (default: %(default)s)")
+    parser.add_argument("--policy", choices=POLICIES, default=_env("policy"),
+                        help=f"how a backend is chosen (default: {defaults.policy}; least-load for the decode "
+                             "backends in P/D mode)")
     parser.add_argument("--host", default=_env("host", defaults.host))
     # string defaults: argparse converts them with `type`, so a bad variable is an error naming the flag
     parser.add_argument("--port", type=int, default=_env("port", str(defaults.port)))
@@ -79,6 +81,21 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--epp: name up to this many other endpoints after the chosen one (least loaded "
                              "first), `ip:port,ip:port,...`, for a gateway that retries down the list; Envoy's "
                              "ORIGINAL_DST cluster reads one endpoint only (default: %(default)s)")
+    prefill = parser.add_mutually_exclusive_group()  # P/D disaggregation (pagoda.router.disaggregated)
+    prefill.add_argument("--prefill-backend", action="append", dest="prefill_backends", metavar="URL",
+                         help="P/D mode: a prefill backend (`pagoda serve --kv-transfer-config` with kv_role "
+                              "kv_producer or kv_both) (repeatable; PAGODA_ROUTER_PREFILL_BACKEND takes a "
+                              "comma-separated list); --backend then names the decode backends")
+    prefill.add_argument("--prefill-k8s-service", metavar="NAME",
+                         help="P/D mode: discover the prefill backends from this Service's EndpointSlices")
+    parser.add_argument("--prefill-policy", choices=[p for p in POLICIES if p != "precise"],
+                        default=_env("prefill-policy", defaults.prefill_policy),
+                        help="P/D mode: how a prefill backend is chosen (default: %(default)s)")
+    parser.add_argument("--pd-threshold", type=_non_negative_int,
+                        default=_env("pd-threshold", str(defaults.pd_threshold)),
+                        help="P/D mode: a prompt under this many tokens (estimated as llm-d does: its bytes / 4) "
+                             "skips the prefill backends and goes to a decode backend alone (default: "
+                             "%(default)s: every prompt takes the P/D path)")
     parser.add_argument("--log-level", default=_env("log-level", defaults.log_level),
                         choices=("debug", "info", "warning", "error", "critical"))
 
@@ -101,12 +118,25 @@ def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Rout
             load_config(ns.namespace)  # no API to talk to is a usage error now, not a crash at start-up
         except (ValueError, OSError, KeyError, StopIteration) as e:
             parser.error(f"--k8s-service: cannot reach the Kubernetes API: {e}")
-    backends = []
-    for url in ns.backends or []:
-        try:
-            backends.append(normalize_url(url))
-        except ValueError as e:
-            parser.error(str(e))
+    if not ns.prefill_backends and not ns.prefill_k8s_service:
+        env_prefill = _env("prefill-backend")
+        ns.prefill_backends = [u for u in env_prefill.split(",") if u.strip()] if env_prefill else None
+        ns.prefill_k8s_service = None if ns.prefill_backends else _env("prefill-k8s-service")
+    if ns.prefill_k8s_service and not ns.k8s_service:
+        parser.error("--prefill-k8s-service goes with --k8s-service (the decode backends' Service)")
+    disaggregated = bool(ns.prefill_backends or ns.prefill_k8s_service)
+    backends, prefill_backends = [], []
+    for urls, normalized, flag in ((ns.backends, backends, "--backend"),
+                                   (ns.prefill_backends, prefill_backends, "--prefill-backend")):
+        for url in urls or []:
+            try:
+                normalized.append(normalize_url(url))
+            except ValueError as e:
+                parser.error(str(e).replace("--backend", flag, 1))
+    if set(backends) & set(prefill_backends):
+        parser.error(f"{sorted(set(backends) & set(prefill_backends))[0]} is both a --backend (decode) and a "
+                     "--prefill-backend; a backend has one role")
+    policy = ns.policy or ("least-load" if disaggregated else RouterArgs().policy)
     for flag in ("kv_events_endpoint", "kv_events_replay_endpoint"):
         template = getattr(ns, flag)
         if template is not None:
@@ -118,13 +148,15 @@ def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Rout
         parser.error(f"--epp-port {ns.epp_port} is not a TCP port")
     if not 0 < ns.port < 65536:
         parser.error(f"--port {ns.port} is not a TCP port")
-    return RouterArgs(backends=backends, k8s_service=ns.k8s_service, namespace=ns.namespace, policy=ns.policy,
+    return RouterArgs(backends=backends, k8s_service=ns.k8s_service, namespace=ns.namespace, policy=policy,
                       host=ns.host, port=ns.port, max_in_flight_per_backend=ns.max_in_flight_per_backend,
                       session_header=ns.session_header.lower(), backend_api_key=ns.backend_api_key,
                       log_level=ns.log_level, kv_events_endpoint=ns.kv_events_endpoint,
                       kv_events_replay_endpoint=ns.kv_events_replay_endpoint, kv_events_topic=ns.kv_events_topic,
                       epp=ns.epp, epp_port=ns.epp_port, epp_max_queue=ns.epp_max_queue,
-                      epp_fallbacks=ns.epp_fallbacks)
+                      epp_fallbacks=ns.epp_fallbacks, prefill_backends=prefill_backends,
+                      prefill_k8s_service=ns.prefill_k8s_service, prefill_policy=ns.prefill_policy,
+                      pd_threshold=ns.pd_threshold)
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:

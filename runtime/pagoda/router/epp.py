@@ -13,6 +13,11 @@ the router's policy among the healthy backends, and answers as the Endpoint Pick
   limits the choice to those endpoints;
 - 503 (ImmediateResponse) when no backend (of the subset) is ready; 429 when every one's queue is past
   ``--epp-max-queue`` waiting requests (scraped from its /metrics);
+- P/D mode (``--prefill-backend`` / ``--prefill-k8s-service``, pagoda.router.disaggregated): the chosen
+  endpoint is a decode backend, and a request that takes the P/D path also gets llm-d's
+  ``x-prefiller-host-port: ip:port`` header naming a prefill backend (the prefill policy's choice), for the
+  routing sidecar beside the decode pod to run the prefill first; a request below ``--pd-threshold``, or with
+  no prefill backend ready, gets none (a client's own such header is removed), so it is decoded alone;
 - gRPC health (``grpc.health.v1``) for "", ``liveness``, ``readiness`` and the ext_proc service;
 - the endpoint that served the request, when the gateway reports it with the response headers (metadata
   ``envoy.lb`` / ``x-gateway-destination-endpoint-served``, protocol v1.0): where it is not the one picked
@@ -42,6 +47,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagoda.router.backends import Backend
+from pagoda.router.disaggregated import PREFILLER_HEADER, Disaggregation
 from pagoda.router.policies import Decision, RoutingRequest
 from pagoda.router.proxy import Router, routing_request
 
@@ -89,15 +95,18 @@ class InFlight:
 
 
 class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router, max_queue: int, session_header: str = "x-session-id", fallbacks: int = 0):
+    def __init__(self, router: Router, max_queue: int, session_header: str = "x-session-id", fallbacks: int = 0,
+                 pd: Disaggregation | None = None):
         self.router = router
         self.max_queue = max_queue
         self.session_header = session_header
         self.fallbacks = fallbacks
+        self.pd = pd
 
     async def pick(self, headers: dict[str, str], body: bytes, subset: list[str] | None
-                   ) -> tuple[RoutingRequest, Decision, list[Backend]]:
-        """The request, the policy's decision, and the fallback endpoints (least loaded first)."""
+                   ) -> tuple[RoutingRequest, Decision, list[Backend], Decision | None]:
+        """The request, the policy's decision, the fallback endpoints (least loaded first), and in P/D mode
+        the prefill backend's decision (None: decode alone)."""
         router = self.router
         healthy = router.pool.healthy()
         if subset is not None:
@@ -118,7 +127,11 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         router.metrics.decisions.labels(router.policy.name, decision.reason).inc()
         router.policy.routed(request, decision)
         others = sorted((b for b in open_ if b is not decision.backend), key=lambda b: b.load())
-        return request, decision, others[: self.fallbacks]
+        prefill = None
+        if self.pd is not None:
+            await self.pd.prefill.prepare(request)
+            prefill = self.pd.prefill_for(headers.get(":method", "POST"), headers.get(":path"), request)
+        return request, decision, others[: self.fallbacks], prefill
 
     def served(self, picked: tuple | None, metadata: base_pb2.Metadata) -> Backend | None:
         """The gateway says which endpoint served the request: if not the one picked, the policy learns it;
@@ -130,21 +143,24 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         if backend is None:
             logger.debug("served by %s, which is not in the pool", endpoint)
             return None
-        request, decision, _ = picked
+        request, decision = picked[0], picked[1]
         self.router.policy.routed(request, Decision(backend, "served", decision.matched_chars,
                                                     decision.prompt_chars))
         return backend
 
     async def Process(self, request_iterator, context):  # noqa: N802 (the gRPC method's name)
         in_flight = InFlight()
+        prefilling = InFlight()  # P/D: the prefill backend's count, until the decode's response starts
         try:
-            async with aclosing(self._process(request_iterator, in_flight)) as answers:
+            async with aclosing(self._process(request_iterator, in_flight, prefilling)) as answers:
                 async for answer in answers:
                     yield answer
         finally:  # the stream closed, normally, by the gateway's cancel, or on an error
             in_flight.end()
+            prefilling.end()
 
-    async def _process(self, request_iterator, in_flight: InFlight):
+    async def _process(self, request_iterator, in_flight: InFlight, prefilling: InFlight | None = None):
+        prefilling = prefilling or InFlight()
         headers: dict[str, str] = {}
         body = b""
         subset = None
@@ -168,7 +184,8 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 for h in message.request_headers.headers.headers:
                     headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
                 if message.request_headers.end_of_stream:
-                    yield await self._answer("request_headers", headers, b"", subset, picked, in_flight)
+                    yield await self._answer("request_headers", headers, b"", subset, picked, in_flight,
+                                             prefilling)
                 elif duplex_request:
                     headers_pending = True
                 else:
@@ -182,16 +199,19 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                     continue
                 if headers_pending:  # the headers with the choice, then the body back to Envoy
                     headers_pending = False
-                    answer = await self._answer("request_headers", headers, body, subset, picked, in_flight)
+                    answer = await self._answer("request_headers", headers, body, subset, picked, in_flight,
+                                                prefilling)
                     yield answer
                     if answer.HasField("immediate_response"):
                         return
                     yield _streamed("request_body", body, True)
                 else:
-                    yield await self._answer("request_body", headers, body, subset, picked, in_flight)
+                    yield await self._answer("request_body", headers, body, subset, picked, in_flight,
+                                             prefilling)
             elif kind == "request_trailers":
                 yield ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())
             elif kind == "response_headers":
+                prefilling.end()  # the sidecar ran the prefill before the decode answered
                 if message.response_headers.end_of_stream:  # a response without a body: complete
                     in_flight.end()
                 yield ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
@@ -207,11 +227,13 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                 yield ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())
 
     async def _answer(self, phase: str, headers: dict[str, str], body: bytes, subset, picked: list,
-                      in_flight: InFlight) -> ext_proc.ProcessingResponse:
+                      in_flight: InFlight, prefilling: InFlight) -> ext_proc.ProcessingResponse:
         try:
             picked[0] = await self.pick(headers, body, subset)
-            _, decision, fallbacks = picked[0]
+            _, decision, fallbacks, prefill = picked[0]
             in_flight.start(decision.backend)
+            if prefill is not None:
+                prefilling.start(prefill.backend)
         except Picked as e:
             error = {"error": {"message": e.message, "type": "ServiceUnavailable" if e.status == 503
                                else "TooManyRequests", "param": None, "code": e.status}}
@@ -221,8 +243,13 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
                                                              _header("retry-after", "1")]),
                 details=e.message))
         endpoint = ",".join(endpoint_of(b) for b in [decision.backend, *fallbacks])
+        set_headers, remove_headers = [_header(DESTINATION, endpoint)], []
+        if prefill is not None:
+            set_headers.append(_header(PREFILLER_HEADER, endpoint_of(prefill.backend)))
+        elif PREFILLER_HEADER in headers:  # a client's own: the sidecar must not prefill where it says
+            remove_headers.append(PREFILLER_HEADER)
         common = ext_proc.CommonResponse(header_mutation=ext_proc.HeaderMutation(
-            set_headers=[_header(DESTINATION, endpoint)]), clear_route_cache=True)
+            set_headers=set_headers, remove_headers=remove_headers), clear_route_cache=True)
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION: endpoint}})
         if phase == "request_headers":
@@ -269,10 +296,10 @@ class EPPServer:
     """The gRPC server: ext_proc and health, on the router's event loop."""
 
     def __init__(self, router: Router, host: str, port: int, max_queue: int, session_header: str,
-                 fallbacks: int = 0):
+                 fallbacks: int = 0, pd: Disaggregation | None = None):
         self.server = grpc.aio.server()
         ext_proc_grpc.add_ExternalProcessorServicer_to_server(
-            EndpointPicker(router, max_queue, session_header, fallbacks), self.server)
+            EndpointPicker(router, max_queue, session_header, fallbacks, pd), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

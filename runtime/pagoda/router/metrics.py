@@ -16,16 +16,18 @@ _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.0
 
 
 class BackendCollector(Collector):
-    def __init__(self, pool: BackendPool):
+    def __init__(self, pool: BackendPool, prefix: str = PREFIX):
         self.pool = pool
+        self.prefix = prefix
 
     def collect(self):
+        prefix = self.prefix
         families = {
-            "backend_healthy": GaugeMetricFamily(PREFIX + "backend_healthy", "1 while the backend is in the "
+            "backend_healthy": GaugeMetricFamily(prefix + "backend_healthy", "1 while the backend is in the "
                                                  "rotation.", labels=["backend"]),
-            "backend_in_flight": GaugeMetricFamily(PREFIX + "backend_in_flight", "Requests the router has open "
+            "backend_in_flight": GaugeMetricFamily(prefix + "backend_in_flight", "Requests the router has open "
                                                    "to the backend.", labels=["backend"]),
-            "backend_load": GaugeMetricFamily(PREFIX + "backend_load", "The load least-load compares (in-flight "
+            "backend_load": GaugeMetricFamily(prefix + "backend_load", "The load least-load compares (in-flight "
                                               "+ the backend's waiting queue + a full-KV-cache term).",
                                               labels=["backend"]),
         }
@@ -37,30 +39,31 @@ class BackendCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, pool: BackendPool, policy: str):
+    def __init__(self, pool: BackendPool, policy: str, prefix: str = PREFIX):
+        """`prefix`: the names' start (`pagoda_router:prefill_` for a P/D router's prefill pool)."""
         self.registry = CollectorRegistry()
         self.policy = policy
-        self.requests = Counter(PREFIX + "requests", "Requests forwarded, by backend and the status it answered "
+        self.requests = Counter(prefix + "requests", "Requests forwarded, by backend and the status it answered "
                                 "(`error` when it answered nothing).", ["backend", "status"],
                                 registry=self.registry)
-        self.decisions = Counter(PREFIX + "routing_decisions", "Routing decisions by policy and reason.",
+        self.decisions = Counter(prefix + "routing_decisions", "Routing decisions by policy and reason.",
                                  ["policy", "reason"], registry=self.registry)
-        self.prefix_prompt_chars = Counter(PREFIX + "prefix_prompt_chars", "Prompt characters routed by the "
+        self.prefix_prompt_chars = Counter(prefix + "prefix_prompt_chars", "Prompt characters routed by the "
                                            "prefix policy.", registry=self.registry)
-        self.prefix_hit_chars = Counter(PREFIX + "prefix_hit_chars", "Of those, the characters the chosen "
+        self.prefix_hit_chars = Counter(prefix + "prefix_hit_chars", "Of those, the characters the chosen "
                                         "backend is believed to hold already (the prefix-hit estimate is "
                                         "hit/prompt).", registry=self.registry)
-        self.retries = Counter(PREFIX + "retries", "Requests retried on another backend before any byte was "
+        self.retries = Counter(prefix + "retries", "Requests retried on another backend before any byte was "
                                "sent, by reason.", ["reason"], registry=self.registry)
-        self.rejected = Counter(PREFIX + "rejected", "Requests answered by the router itself: no healthy "
+        self.rejected = Counter(prefix + "rejected", "Requests answered by the router itself: no healthy "
                                 "backend (503) or every backend saturated (429).", ["reason"],
                                 registry=self.registry)
-        self.stream_errors = Counter(PREFIX + "stream_errors", "Responses cut short because the backend failed "
+        self.stream_errors = Counter(prefix + "stream_errors", "Responses cut short because the backend failed "
                                      "mid-stream.", ["backend"], registry=self.registry)
-        self.overhead = Histogram(PREFIX + "proxy_overhead_seconds", "Time the router adds to a request: from "
+        self.overhead = Histogram(prefix + "proxy_overhead_seconds", "Time the router adds to a request: from "
                                   "its arrival to forwarding it, plus from the backend's first bytes to "
                                   "passing them on.", buckets=_OVERHEAD_BUCKETS, registry=self.registry)
-        self.registry.register(BackendCollector(pool))
+        self.registry.register(BackendCollector(pool, prefix))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -115,11 +115,11 @@ def answer_prefix(data: dict) -> str | None:
 class Router:
     """What every request shares: the backends, the policy, the metrics and the upstream connections."""
 
-    def __init__(self, pool: BackendPool, policy: Policy, config: RouterConfig):
+    def __init__(self, pool: BackendPool, policy: Policy, config: RouterConfig, metrics_prefix: str | None = None):
         self.pool = pool
         self.policy = policy
         self.config = config
-        self.metrics = RouterMetrics(pool, policy.name)
+        self.metrics = RouterMetrics(pool, policy.name, *([metrics_prefix] if metrics_prefix else []))
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -177,6 +177,7 @@ class ProxyResponse(Response):
         self.request = request
         self.arrived = arrived
         self.overhead = 0.0
+        self.extra_headers: list[tuple[bytes, bytes]] = []  # added to the response's (P/D: the prefill backend)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as tasks:
@@ -256,6 +257,7 @@ class ProxyResponse(Response):
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.items()
                    if k.lower() not in _NOT_PASSED_BACK]
         headers.append((BACKEND_HEADER.encode(), backend.url.encode()))
+        headers += self.extra_headers
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": first, "more_body": bool(first)})
         self.overhead += time.perf_counter() - got_first
