@@ -18,9 +18,10 @@ import json
 import math
 from typing import Any
 
+from . import disaggregation as pd
 from .records import ANNOTATION_EPOCH, GroupRecord
 from .scheduling import VOLCANO_API, place_pods, pod_group_name, pod_group_spec
-from .spec import DeploymentSpec
+from .spec import DeploymentSpec, prefill_view
 
 GROUP_API = "pagoda.dev"
 API_VERSION = f"{GROUP_API}/v1alpha1"
@@ -80,7 +81,7 @@ def headless_service_name(spec: DeploymentSpec) -> str:
 
 
 def statefulset_name(spec: DeploymentSpec, group: int, role: str) -> str:
-    return f"{spec.name}-g{group}-{role}"
+    return f"{spec.name}-{pd.group_letter(spec)}{group}-{role}"
 
 
 def master_addr(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.local") -> str:
@@ -111,11 +112,11 @@ def deployment_labels(spec: DeploymentSpec) -> dict[str, str]:
 
 
 def group_selector(spec: DeploymentSpec, group: int, role: str) -> dict[str, str]:
-    return {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group), LABEL_ROLE: role}
+    return {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group), LABEL_ROLE: role, **pd.role_selector(spec)}
 
 
 def head_selector(spec: DeploymentSpec) -> dict[str, str]:
-    return {LABEL_DEPLOYMENT: spec.name, LABEL_ROLE: "head"}
+    return {LABEL_DEPLOYMENT: spec.name, LABEL_ROLE: "head", **pd.head_role_selector(spec)}
 
 
 def selector_string(labels: dict[str, str]) -> str:
@@ -197,7 +198,7 @@ def build_args(spec: DeploymentSpec, group: int, cluster_domain: str = "cluster.
             args += [flag, str(value)]
     if e.enable_prefix_caching is not None:
         args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
-    return args + lora_args(spec) + kv_events_args(spec) + list(e.extra_args)
+    return args + lora_args(spec) + kv_events_args(spec) + pd.kv_transfer_args(spec) + list(e.extra_args)
 
 
 def data_parallel_args(spec: DeploymentSpec, group: int, cluster_domain: str, role: str) -> list[str]:
@@ -258,7 +259,7 @@ def build_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
          "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-    ]
+    ] + pd.side_channel_env(spec)
     owned = {item["name"] for item in env}
     user = [item for item in spec.env or [] if item.get("name") not in owned]
     named = {item.get("name") for item in user}
@@ -310,7 +311,8 @@ def build_container(spec: DeploymentSpec, group: int, cluster_domain: str = "clu
              if spec.data_parallel_size > 1 else [])
           + ([{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
               {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"}]
-             if publishes_kv_events(spec) else []),
+             if publishes_kv_events(spec) else [])
+          + pd.side_channel_ports(spec),
         "resources": build_resources(spec),
         "volumeMounts": mounts,
         # an engine that exits on an error it logged (a flag the model cannot honour): its log's tail becomes
@@ -346,8 +348,9 @@ def build_pod_template(
 
 def _pod_template(spec: DeploymentSpec, group: int, role: str, cluster_domain: str) -> dict[str, Any]:
     """The pod template without its revision label (which is the hash of this)."""
-    labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role)}
-    group_pods = {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group)}
+    labels = {**(spec.pod_labels or {}), **deployment_labels(spec), **group_selector(spec, group, role),
+              **pd.role_labels(spec)}
+    group_pods = {LABEL_DEPLOYMENT: spec.name, LABEL_GROUP: str(group), **pd.role_selector(spec)}
     pod_spec: dict[str, Any] = {
         "containers": [build_container(spec, group, cluster_domain, role)],
         **NO_SERVICE_LINKS,
@@ -395,7 +398,7 @@ def build_statefulset(
         "metadata": {
             "name": statefulset_name(spec, group, role),
             "namespace": spec.namespace,
-            "labels": {**deployment_labels(spec), LABEL_GROUP: str(group), LABEL_ROLE: role,
+            "labels": {**deployment_labels(spec), LABEL_GROUP: str(group), LABEL_ROLE: role, **pd.role_labels(spec),
                        LABEL_REVISION: group_revision(spec, group, record.epoch, cluster_domain)},
             "annotations": annotations,
             "ownerReferences": [owner_reference(owner)],
@@ -460,6 +463,23 @@ def build_head_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str,
     })
 
 
+def build_prefill_service(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
+    """Service X-prefill (spec.prefill): the prefill heads, which the router discovers from its EndpointSlices."""
+    view = prefill_view(spec)
+    return with_applied_hash({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": pd.prefill_service_name(spec), "namespace": spec.namespace,
+                     "labels": {**deployment_labels(spec), **pd.role_labels(view)},
+                     "ownerReferences": [owner_reference(owner)]},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": head_selector(view),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    })
+
+
 def build_disruption_budget(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:
     """One budget over every pod of the deployment, allowing one pod at a time.
 
@@ -492,6 +512,11 @@ def build_all(
                  build_disruption_budget(spec, owner)]
     for group in range(spec.replicas):
         manifests += build_group(spec, owner, group, records.get(group, GroupRecord()), cluster_domain)
+    if spec.prefill is not None:  # the prefill groups (their records are not these)
+        view = prefill_view(spec)
+        manifests.append(build_prefill_service(spec, owner))
+        for group in range(view.replicas):
+            manifests += build_group(view, owner, group, GroupRecord(), cluster_domain)
     return manifests
 
 

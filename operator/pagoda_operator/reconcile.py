@@ -25,6 +25,7 @@ import kubernetes
 
 from . import adapters as ad
 from . import builders as b
+from . import disaggregation as pd
 from . import model_cache as mc
 from .autoscaling import KEDA_API, AutoscalerPlan, plan_autoscaler, with_autoscaler_status
 from .kube import Cluster
@@ -33,7 +34,7 @@ from .records import GroupRecord, backoff_after
 from .router import INFERENCE_POOL_API, ROUTER_KINDS, build_inference_pool, build_router, router_name
 from .scheduling import VOLCANO_API
 from .settings import OperatorSettings
-from .spec import DeploymentSpec, InvalidSpec, parse_spec, with_replicas
+from .spec import DeploymentSpec, InvalidSpec, parse_spec, prefill_view, with_replicas
 from .status import (
     GroupObservation,
     build_status,
@@ -41,6 +42,7 @@ from .status import (
     pod_revision_of,
     rejected_status,
     status_changed,
+    with_prefill_status,
     with_spec_unrealised,
 )
 from .times import from_iso, seconds_since, to_iso, utcnow
@@ -221,18 +223,60 @@ class Reconciler:
         # consistently. Pods change most and are many: read them from the API server's watch cache.
         statefulsets = self.cluster.list_statefulsets(namespace, owned, cached=False)
         pods = self.cluster.list_pods(namespace, owned)
+        groups, extra = self._reconcile_groups(spec, body, statefulsets, pods, deleted, model_is_ready)
+        # spec.prefill: the prefill role's groups, rolled and recreated on their own by the same pass
+        prefill = prefill_view(spec)
+        prefill_groups, prefill_extra = [], 0
+        if spec.prefill is not None:
+            self.cluster.apply(b.build_prefill_service(spec, body))
+        elif previous.get("prefill") is not None:
+            self.cluster.delete("Service", namespace, pd.prefill_service_name(spec))
+        if spec.prefill is not None or any(pd.role_of(s) == pd.PREFILL for s in statefulsets):
+            prefill_groups, prefill_extra = self._reconcile_groups(prefill, body, statefulsets, pods, deleted,
+                                                                   model_is_ready)
+
+        adapter_status = self._sync_adapters(spec, body, groups, adapters, ready, previous)
+        plan, autoscaler = self._apply_autoscaler(spec, body, previous)
+        status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
+                              spec_error=spec_error, now=self.clock(), model_ready=model_ready)
+        status = with_prefill_status(status, prefill, prefill_groups, extra_groups=prefill_extra, previous=previous,
+                                     now=self.clock(), model_ready=model_ready)
+        status = with_autoscaler_status(status, autoscaler)
+        status = {**status, **self._apply_router(spec, body, previous), **adapter_status}
+        if plan.error:
+            unrealised.append(("AutoscalingUnsupported", plan.error))
+        status = with_spec_unrealised(status, unrealised, previous, to_iso(self.clock()))
+        self.metrics.observe_status(namespace, name, spec.replicas, status)
+        before, after = _condition_of(previous, "Degraded"), _condition_of(status, "Degraded")
+        if after.get("status") == "True" and after.get("reason") not in ("InvalidSpec", "GroupRestarting") and (
+                before.get("status") != "True" or before.get("reason") != after.get("reason")):
+            self._event(body, "Warning", after["reason"], after.get("message", ""))
+        self._write_status(namespace, name, status, previous)
+        return status
+
+    def _reconcile_groups(self, spec: DeploymentSpec, body: dict[str, Any], statefulsets: list[dict[str, Any]],
+                          pods: list[dict[str, Any]], deleted: list[dict[str, Any]], model_is_ready: bool
+                          ) -> tuple[list[GroupObservation], int]:
+        """One role's groups (the main groups, or with spec.prefill the prefill groups of prefill_view): create,
+        repair, recreate, roll and scale them, seeing only that role's StatefulSets and pods. Returns the groups
+        observed after acting and how many groups above replicas are still being removed."""
+        def mine(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [o for o in objects if (pd.role_of(o) == pd.PREFILL) == pd.is_prefill(spec)]
+
+        statefulsets, pods, deleted = mine(statefulsets), mine(pods), mine(deleted)
         extra = self._remove_extra_groups(spec, body, statefulsets)
         groups = self._observe(spec, statefulsets, pods)
         if any(g.lost for g in groups):
             # The cached read may be a moment behind: confirm a loss with a consistent read before
             # recreating a whole group on it.
-            pods = self.cluster.list_pods(namespace, owned, cached=False)
+            pods = mine(self.cluster.list_pods(spec.namespace, {b.LABEL_DEPLOYMENT: spec.name}, cached=False))
             groups = self._observe(spec, statefulsets, pods)
         listed = Listed(statefulsets)
 
         creating = [g.index for g in groups if not g.exists]
         if creating and model_is_ready:
-            self._event(body, "Normal", "ScalingUp", f"replicas is {spec.replicas}: creating groups {creating}")
+            self._event(body, "Normal", "ScalingUp", f"{pd.replicas_field(spec)} is {spec.replicas}: creating "
+                        f"{pd.group_word(spec)}s {creating}")
         for group in groups:
             if not group.stale and (group.exists or model_is_ready):
                 # Create missing groups; repair drift (a deleted or edited StatefulSet) and finish a
@@ -249,23 +293,7 @@ class Reconciler:
             if record != group.record and not group.stale:
                 self._apply_group(spec, body, group.index, record, listed)
                 group.record = record
-
-        adapter_status = self._sync_adapters(spec, body, groups, adapters, ready, previous)
-        plan, autoscaler = self._apply_autoscaler(spec, body, previous)
-        status = build_status(spec, groups, generation=generation, extra_groups=extra, previous=previous,
-                              spec_error=spec_error, now=self.clock(), model_ready=model_ready)
-        status = with_autoscaler_status(status, autoscaler)
-        status = {**status, **self._apply_router(spec, body, previous), **adapter_status}
-        if plan.error:
-            unrealised.append(("AutoscalingUnsupported", plan.error))
-        status = with_spec_unrealised(status, unrealised, previous, to_iso(self.clock()))
-        self.metrics.observe_status(namespace, name, spec.replicas, status)
-        before, after = _condition_of(previous, "Degraded"), _condition_of(status, "Degraded")
-        if after.get("status") == "True" and after.get("reason") not in ("InvalidSpec", "GroupRestarting") and (
-                before.get("status") != "True" or before.get("reason") != after.get("reason")):
-            self._event(body, "Warning", after["reason"], after.get("message", ""))
-        self._write_status(namespace, name, status, previous)
-        return status
+        return groups, extra
 
     # ----- the model cache (spec.model.name) -----
 
@@ -467,7 +495,8 @@ class Reconciler:
                           if _group_of(s) >= spec.replicas and not s["metadata"].get("deletionTimestamp")
                           and _label(s, b.LABEL_ROLE) == "head")
         if removing:
-            self._event(body, "Normal", "ScalingDown", f"replicas is {spec.replicas}: removing groups {removing}")
+            self._event(body, "Normal", "ScalingDown", f"{pd.replicas_field(spec)} is {spec.replicas}: removing "
+                        f"{pd.group_word(spec)}s {removing}")
         for sts in statefulsets:
             if _group_of(sts) >= spec.replicas:
                 self.cluster.delete_statefulset(spec.namespace, sts["metadata"]["name"])
@@ -518,7 +547,7 @@ class Reconciler:
             if not group.record.pending:
                 log.info("group %s of %s/%s lost a pod; recreating in %.0fs (backoff)",
                          group.index, spec.namespace, spec.name, wait)
-                self._event(body, "Warning", "BackOff", f"group {group.index} broke again "
+                self._event(body, "Warning", "BackOff", f"{pd.group_word(spec)} {group.index} broke again "
                             f"({group.record.recreations} recreations in a row): recreating it in {wait:.0f}s")
                 group.record = replace(group.record, pending=True)
                 self._apply_group_metadata(spec, body, group, listed)
@@ -526,7 +555,8 @@ class Reconciler:
         why = (f"pods {lost} were lost" if lost else "a pod restarted" if group.restarted
                else "a pod restarted or was lost while it waited for its backoff")
         log.info("recreating group %s of %s/%s: %s", group.index, spec.namespace, spec.name, why)
-        self._event(body, "Warning", "RecreatingGroup", f"group {group.index}: {why}; replacing all its pods "
+        self._event(body, "Warning", "RecreatingGroup", f"{pd.group_word(spec)} {group.index}: {why}; replacing "
+                    "all its pods "
                     f"(recreation {group.record.recreations + 1} in a row)")
         record = GroupRecord(epoch=group.record.epoch + 1, recreations=group.record.recreations + 1,
                                recreated_at=to_iso(self.clock()), pending=False)
@@ -567,11 +597,12 @@ class Reconciler:
             # operator's rendering of it did.
             if group.record.generation and group.record.generation == str(body["metadata"].get("generation")):
                 self._event(body, "Warning", "TemplateChanged",
-                            f"replacing group {group.index}: its pod template changed without a spec edit "
+                            f"replacing {pd.group_word(spec)} {group.index}: its pod template changed without a "
+                            "spec edit "
                             "(an operator upgrade or a new default runtime image)")
             else:
                 self._event(body, "Normal", "RollingUpdate",
-                            f"replacing group {group.index} with revision {group.wanted_revision}")
+                            f"replacing {pd.group_word(spec)} {group.index} with revision {group.wanted_revision}")
             self._replace(spec, body, group, replace(group.record, pending=False, members=()), listed)
 
     # ----- children of other projects' APIs: autoscalers (spec.autoscaling), PodGroups (spec.scheduling) -----

@@ -29,6 +29,7 @@ from .builders import (
     router_service_name,
     with_applied_hash,
 )
+from .disaggregation import prefill_service_name
 from .spec import DeploymentSpec
 
 INFERENCE_POOL_API = ("inference.networking.k8s.io", "v1", "inferencepools")
@@ -66,6 +67,8 @@ def _metadata(spec: DeploymentSpec, owner: dict[str, Any], name: str | None = No
 
 def router_args(spec: DeploymentSpec) -> list[str]:
     assert spec.router is not None
+    if spec.prefill is not None:
+        return disaggregated_router_args(spec)
     args = ["router", "--k8s-service", head_service_name(spec), "--namespace", spec.namespace,
             "--policy", spec.router.policy, "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
     if spec.router.policy == "precise":  # the heads' KV events (their --kv-events-config): pod IP, fixed ports
@@ -73,6 +76,16 @@ def router_args(spec: DeploymentSpec) -> list[str]:
     if spec.router.mode == "epp":
         args += ["--epp", "--epp-port", str(ENDPOINT_PICKER_PORT)]
     return args
+
+
+def disaggregated_router_args(spec: DeploymentSpec) -> list[str]:
+    """spec.prefill: the router's P/D mode (pagoda.router.disaggregated). The decode heads come from Service X,
+    the prefill heads from Service X-prefill; a prefill pod is chosen by router.policy (prefix: the pod most
+    likely to hold the prompt's prefix), a decode pod by load."""
+    assert spec.router is not None
+    return ["router", "--k8s-service", head_service_name(spec), "--prefill-k8s-service", prefill_service_name(spec),
+            "--namespace", spec.namespace, "--policy", "least-load", "--prefill-policy", spec.router.policy,
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
 
 
 def build_router_service_account(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:

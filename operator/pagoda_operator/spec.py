@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -104,6 +104,11 @@ class DeploymentSpec:
     # spec.adapters (LoRA): None without the field (and without engine.enableLora: true); present (even
     # empty), the pods run with LoRA enabled
     adapters: tuple[AdapterSpec, ...] | None = None
+    # spec.prefill (P/D disaggregation): the prefill role's own groups; None without the field
+    prefill: PrefillSpec | None = None
+    # Which P/D role these groups play: None without spec.prefill, "decode" for the main groups with it,
+    # "prefill" in disaggregation.prefill_view's copy that builds the prefill groups
+    pd_role: str | None = None
     # The spec as the user wrote it, minus replicas: recorded on a child so that the last valid spec
     # keeps being reconciled while a later edit is invalid. Not a pod-shaping field.
     source: str = field(default="", compare=False)
@@ -318,9 +323,12 @@ def _parse_spec(body: dict[str, Any], *, default_image: str, max_world_size: int
         router=parse_router(spec.get("router")),
         adapters=_lora_adapters(parse_adapters(name, spec.get("adapters"), hub_model, model.get("servedName") or name),
                                 enable_lora),
+        prefill=parse_prefill(spec.get("prefill"), resources),
+        pd_role="decode" if spec.get("prefill") is not None else None,
         source=spec_source(spec),
     )
     check_scheduling(parsed)
+    check_prefill(parsed)
     gpus = parsed.gpus_per_pod
     if gpus and gpus < tp:
         raise InvalidSpec(f"resources give {gpus} {gpu_resource_name} per pod but tensorParallelSize is {tp}: "
@@ -723,3 +731,105 @@ def parse_adapters(deployment: str, raw: Any, base_hub: HubModel | None, served:
             name=hub.name, revision=hub.revision, token_secret=hub.token_secret, claim_name=base_hub.claim_name,
             existing_claim=base_hub.existing_claim)))
     return tuple(adapters)
+
+
+# ----- spec.prefill (P/D disaggregation; KServe LLMInferenceService's name) -----
+
+PREFILL_FIELDS = ("replicas", "parallelism", "resources")
+PREFILL_PARALLELISM_FIELDS = ("tensor", "pipeline", "data", "dataLocal")
+# Set by the operator on both roles with spec.prefill (builders via disaggregation.py).
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """spec.prefill: the groups that run prompts (kv_producer) for the main groups to decode (kv_consumer)."""
+    replicas: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    resources: dict[str, Any] | None = None  # None: spec.resources, as the main groups
+
+
+def parse_prefill(raw: Any, main_resources: dict[str, Any] | None) -> PrefillSpec | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidSpec(f"prefill must be an object {{replicas, parallelism, resources}}, got {raw!r}")
+    unknown = sorted(set(raw) - set(PREFILL_FIELDS))
+    if unknown:
+        raise InvalidSpec(f"prefill.{unknown[0]} is not a field of spec.prefill ({', '.join(PREFILL_FIELDS)})")
+    replicas = _int(raw.get("replicas", 1), "prefill.replicas", 1)
+    shape = raw.get("parallelism")
+    shape = {} if shape is None else shape
+    if not isinstance(shape, dict):
+        raise InvalidSpec(f"prefill.parallelism must be an object {{tensor, pipeline}}, got {shape!r}")
+    unknown = sorted(set(shape) - set(PREFILL_PARALLELISM_FIELDS))
+    if unknown:
+        raise InvalidSpec(f"prefill.parallelism.{unknown[0]} is not a field of prefill.parallelism "
+                          "(tensor, pipeline, data, dataLocal)")
+    for key in ("data", "dataLocal"):
+        value = _int(shape.get(key, 1), f"prefill.parallelism.{key}", 1)
+        if value != 1:
+            raise InvalidSpec(f"prefill.parallelism.{key} {value} is not supported: a prefill group is one engine "
+                              "(scale prefill with prefill.replicas)")
+    resources = raw.get("resources")
+    if resources is not None and not isinstance(resources, dict):
+        raise InvalidSpec(f"prefill.resources must be a resources block (requests, limits), got {resources!r}")
+    return PrefillSpec(replicas=replicas, tensor=_int(shape.get("tensor", 1), "prefill.parallelism.tensor", 1),
+                       pipeline=_int(shape.get("pipeline", 1), "prefill.parallelism.pipeline", 1),
+                       resources=resources or main_resources)
+
+
+def prefill_view(spec: DeploymentSpec) -> DeploymentSpec:
+    """The spec the prefill groups are built from: the main spec with spec.prefill's replicas, shape and
+    resources and the prefill role; without spec.prefill, no groups (the pass removes any left over). The
+    autoscaler scales the main (decode) groups only."""
+    prefill = spec.prefill or PrefillSpec(replicas=0)
+    return replace(spec, replicas=prefill.replicas, tensor_parallel_size=prefill.tensor,
+                   pipeline_parallel_size=prefill.pipeline, data_parallel_size=1, data_parallel_size_local=1,
+                   resources=prefill.resources if spec.prefill else spec.resources, autoscaling=None,
+                   adapters=None, pd_role="prefill")
+
+
+def check_prefill(spec: DeploymentSpec) -> None:
+    """Rules across spec.prefill and the rest of the spec."""
+    if spec.prefill is None:
+        return
+    router = spec.router
+    if router is None or router.mode != "proxy":
+        raise InvalidSpec("spec.prefill needs spec.router with enabled: true and mode proxy: the router sends each "
+                          "request's prompt to a prefill pod, then its decode to a main pod (mode epp would need a "
+                          "routing sidecar beside the decode pods, which the operator does not deploy)")
+    if router.policy == "precise":
+        raise InvalidSpec("router.policy precise is not supported with spec.prefill: the router picks the prefill "
+                          "pod by router.policy (prefix, least-load, session or round-robin) and the decode pod by "
+                          "load")
+    if spec.adapters is not None:
+        raise InvalidSpec("spec.prefill with spec.adapters (or engine.enableLora) is not supported yet: the prefill "
+                          "pods would need the same adapters loaded")
+    if spec.scheduling is not None and spec.scheduling.gang != "none":
+        raise InvalidSpec(f"spec.prefill with scheduling.gang {spec.scheduling.gang} is not supported yet: the "
+                          "prefill groups would need their own pod groups")
+    if spec.data_parallel_size > 1:
+        raise InvalidSpec(f"parallelism.data {spec.data_parallel_size} with spec.prefill is not supported: the "
+                          "KV connector serves engines without data parallelism; scale with replicas")
+    # The runtime's NixlConnector moves the KV cache of one-rank engines for now (config/kv_transfer.py):
+    # refuse here, naming the field, rather than let every pod fail at start.
+    prefill = spec.prefill
+    for what, value in (("tensorParallelSize", spec.tensor_parallel_size),
+                        ("pipelineParallelSize", spec.pipeline_parallel_size),
+                        ("prefill.parallelism.tensor", prefill.tensor),
+                        ("prefill.parallelism.pipeline", prefill.pipeline)):
+        if value != 1:
+            raise InvalidSpec(f"{what} {value} with spec.prefill is not supported yet: the runtime's NixlConnector "
+                              "moves the KV cache between one-rank engines (tensor and pipeline parallelism 1 on "
+                              "both roles)")
+    for arg in spec.engine.extra_args:
+        if arg.split("=", 1)[0] == KV_TRANSFER_FLAG:
+            raise InvalidSpec(f"engine.extraArgs must not set {KV_TRANSFER_FLAG} with spec.prefill: the operator "
+                              "sets it on both roles (kv_producer on the prefill pods, kv_consumer on the others)")
+    view = prefill_view(spec)
+    gpus = view.gpus_per_pod
+    if gpus and gpus < view.ranks_per_pod:
+        raise InvalidSpec(f"prefill.resources give {gpus} {spec.gpu_resource_name} per pod but "
+                          f"prefill.parallelism.tensor is {prefill.tensor}: each pod needs one GPU per rank")

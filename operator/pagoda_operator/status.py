@@ -324,3 +324,42 @@ def with_spec_unrealised(status: dict[str, Any], problems: list[tuple[str, str]]
     condition = _condition("SpecValid", False, problems[0][0], "; ".join(message for _, message in problems))
     (condition,) = merge_conditions([condition], (previous or {}).get("conditions"), timestamp)
     return {**status, "conditions": [condition if c["type"] == "SpecValid" else c for c in status["conditions"]]}
+
+
+def with_prefill_status(status: dict[str, Any], view: DeploymentSpec, groups: list[GroupObservation], *,
+                        extra_groups: int = 0, previous: dict[str, Any] | None = None,
+                        now: datetime.datetime | None = None, model_ready: dict[str, str] | None = None
+                        ) -> dict[str, Any]:
+    """spec.prefill: status.prefill says how the prefill groups stand (`view` is spec.prefill_view, `groups` its
+    groups 0..replicas-1); their rollout and failures show in Progressing, Degraded and the phase as the main
+    groups' do, prefixed "prefill". Available stays the main (decode) groups': they answer alone (the router
+    falls back to decode-only) while no prefill group is Ready. Without spec.prefill: status.prefill is
+    cleared once."""
+    prev = previous or {}
+    if view.prefill is None:
+        return {**status, "prefill": None} if prev.get("prefill") is not None else status
+    now = now or utcnow()
+    role = build_status(view, groups, generation=None, extra_groups=extra_groups, now=now, model_ready=model_ready)
+    mine = {c["type"]: c for c in role["conditions"]}
+    conditions = list(status["conditions"])
+    for ctype in ("Degraded", "Progressing"):
+        main = next(c for c in conditions if c["type"] == ctype)
+        theirs = mine[ctype]
+        takes_over = main["status"] == "False" and theirs["status"] == "True" or (
+            ctype == "Progressing" and theirs["reason"] == "ProgressDeadlineExceeded"
+            and main["reason"] != "ProgressDeadlineExceeded")
+        if not takes_over:
+            continue
+        new = _condition(ctype, theirs["status"] == "True", theirs["reason"], f"prefill {theirs['message']}")
+        (new,) = merge_conditions([new], prev.get("conditions"), to_iso(now))
+        conditions = [new if c["type"] == ctype else c for c in conditions]
+    by_type = {c["type"]: c for c in conditions}
+    phase = status["phase"]
+    if by_type["Degraded"]["status"] == "True":
+        phase = "Degraded"
+    elif by_type["Progressing"]["status"] == "True" and phase in ("Ready", "ScaledToZero"):
+        phase = "Progressing"
+    ready = role["readyReplicas"]
+    return {**status, "phase": phase, "conditions": conditions, "prefill": {
+        "replicas": role["replicas"], "readyReplicas": ready, "updatedReplicas": role["updatedReplicas"],
+        "ready": f"{ready}/{view.replicas}", "selector": role["selector"], "parallelism": role["parallelism"]}}
