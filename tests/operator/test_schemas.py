@@ -56,8 +56,8 @@ def test_crd_names_columns_and_subresources():
     assert crd["names"]["shortNames"] == ["llmd"] and crd["scope"] == "Namespaced"
     version = crd["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "TP", "PP", "DP", "Replicas", "Ready", "Phase", "Model", "ModelReady", "Router", "Adapters", "Endpoint",
-        "Age"]
+        "TP", "PP", "DP", "Replicas", "Ready", "Prefill", "Phase", "Model", "ModelReady", "Router", "Adapters",
+        "Endpoint", "Age"]
     # the shape in force (status.parallelism): tensorParallelSize and parallelism.tensor are one field
     assert [c["jsonPath"] for c in version["additionalPrinterColumns"][:3]] == [
         ".status.parallelism.tensor", ".status.parallelism.pipeline", ".status.parallelism.data"]
