@@ -8,12 +8,16 @@ running sequence is preempted: with preemption_mode "swap" its blocks are copied
 and back when it resumes (swapped sequences resume before waiting ones are admitted); with "recompute",
 or when the swap space is full, its KV is dropped and its tokens recomputed later.
 
-With a latency target (`target_itl_ms`) and decodes running, a step's prefill share is what the learnt
-step costs (core.step_cost: a fixed cost, a price per prompt token, one per decode) leave within the target
-once the decodes are counted, at least a block: a long prompt is cut into as many chunks as that needs,
-instead of one step that stalls every decode. The target "auto" is relative: AUTO_TARGET_FACTOR times what
-a step of decodes alone costs, at the number of sequences running or waiting (those that will decode): as
-measured on the recent steps of about that many decodes alone (before any, estimated from narrower ones).
+The prefill budget, as vLLM's chunked prefill and Sarathi-Serve's stall-free batching: prompts are served first
+come, first served under one token budget, the oldest first and to its end (a running prompt's next chunk goes
+before any newer prompt is admitted; only the last prompt admitted in a step is cut). While no decode is running
+nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, a latency target
+(`target_itl_ms`) bounds the step: its prompt share is what the target leaves beyond the measured step of those
+decodes alone, at the engine's own measured price per prompt token (core.step_cost), at least a block so that
+prompts always move. The target "auto" is relative: AUTO_TARGET_FACTOR times what a step of decodes alone costs,
+at the number of sequences running or waiting (those that will decode). Without chunked prefill there is no
+prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
+
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
 
@@ -37,8 +41,9 @@ from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagoda.spec_decode.stats import SpecDecodeStats
 
 # "auto" latency target: a step that carries prompt tokens may take this many times what a step of the running
-# decodes alone would, so the inter-token latency's tail stays within 3x its median (measured on the served
-# bursts of docs/benchmarks.md: 2.75 kept p99 at 2.7-3.05x, 3 let it reach 3.2-3.5x, 4 gave 4-4.4x)
+# decodes alone would. Most steps under load are decodes alone, so the ITL median is about that step, and no step
+# exceeds this multiple of it: the ITL tail is held under 3x its median (the issue's target), less a quarter for
+# the machine's own jitter (served, docs/benchmarks.md: 2.75 kept p99 at 2.7-3.05x its median, 3 at 3.2-3.5x)
 AUTO_TARGET_FACTOR = 2.75
 
 
@@ -89,26 +94,26 @@ class Scheduler:
             self.waiting.append(seq)
 
     def prefill_budget(self) -> int | None:
-        """The prompt tokens this step may compute under the latency target (None: no cap)."""
+        """The prompt tokens this step may compute beside the running decodes (None: no cap beyond
+        max_num_batched_tokens)."""
         target = self.config.target_itl_ms
         if not target or not self.config.enable_chunked_prefill:
             return None
         decodes = sum(1 for q in self.running if self._decodes_now(q))
-        if not decodes:  # no token is waited for: prompts go at full speed
+        if not decodes:  # no token is waited for: prompts take the whole budget
             return None
-        if target == AUTO_TARGET:  # relative: a few times what a step of the decodes alone costs
+        if target == AUTO_TARGET:
             # counting the sequences that will decode once their prompts are in: sized from the decodes running
             # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
             soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-            rows = max(decodes, soon)
-            decode_step = self.step_costs.decode_step_seconds(rows)
+            decode_step = self.step_costs.decode_step_seconds(max(decodes, soon))
             seconds = None if decode_step is None else AUTO_TARGET_FACTOR * decode_step
         else:
             seconds = target / 1000
-        fit = None if seconds is None else self.step_costs.prompt_tokens_within(seconds, num_decodes=decodes)
-        if fit is None:  # no step measured yet
+        tokens = None if seconds is None else self.step_costs.prompt_tokens_within(seconds, num_decodes=decodes)
+        if tokens is None:  # no step measured yet
             return None
-        return max(fit, self.block_manager.block_size)
+        return max(tokens, self.block_manager.block_size)
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """Output `index` of an n > 1 request, forked from `parent` at the end of its prompt: it shares the

@@ -1,44 +1,33 @@
-"""What a step costs, learnt from the steps the engine ran (no torch): seconds ≈ fixed + per prompt token × the
-prompt tokens it computed + per decode × its decodes, least squares through the recent steps and the last wide
-ones. A decode costs more than a prompt token (its logits, its sample, its attention over the whole context: 0.71
-against 0.56 ms for the default model on 2 Zen 4 cores): one price for both put a step of decodes alone, which the
-relative budget ("auto") is a multiple of, a quarter under what it took. The scheduler asks how many prompt
-tokens fit in a latency budget (`--target-itl-ms`) beside the running decodes, so a long prompt is cut into as
-many chunks as the budget needs; and what a step of the running decodes alone costs, which it answers from the
-steps of about that many decodes alone that it ran last, where it has them. At a burst's edge, after a run of
-decode steps, a prompt step is priced from the measured decode step instead of the fit (FEW_PROMPT_STEPS)."""
+"""What a step costs, learnt online from the steps the engine runs (no torch). The scheduler asks two things:
+
+- what a step of `d` decodes alone takes: the median of the last such steps the engine ran (of about that
+  width), else extrapolated from the widest narrower one measured (`decode_step_seconds`);
+- what a prompt token adds to a step: `prompt_token_seconds`, the least-squares price through the recent steps
+  (seconds = fixed + per prompt token x prompt tokens + per decode x decodes), never under what the recent steps
+  that carried prompt tokens beside decodes took per prompt token beyond their decodes alone.
+
+A step of `d` decodes and `p` prompt tokens is then priced decode_step_seconds(d) + p x prompt_token_seconds(),
+and `prompt_tokens_within(seconds, d)` is the `p` that keeps it within `seconds` (the ITL target). Every figure is
+the engine's own measurement on its own machine: nothing is fitted offline but DECODE_PRICE_RATIO, used only
+before any step of about that many decodes alone has run."""
 
 from collections import deque
 from dataclasses import dataclass
 
-# steps seen before the model answers: one is enough for the pessimistic line (all its time is the tokens'),
-# and the first steps matter most: a burst of requests would otherwise run whole-budget steps over decodes
-MIN_STEPS = 1
-# the two prices are told apart only where the steps' mixes differ enough: below this share of the variance
-# that the prompt tokens and the decodes do not share, one price for every token (the line through the totals)
+# the two fitted prices are told apart only where the steps' mixes differ enough: below this share of the
+# variance that the prompt tokens and the decodes do not share, one price for every token (the line through the
+# totals). Numerical, not tuned: it only rejects a near-singular 2x2 system
 MIN_INDEPENDENT_VARIANCE = 0.05
-# steps of decodes alone, kept apart by width (the last few of each), and how many of about the asked width make a
-# measured figure: a budget that is a multiple of a step of decodes alone takes it from such steps, not from the
-# fitted prices, whose fixed cost wanders while a run of decode steps all of one width leaves only the last wide
-# steps to draw them through (served at concurrency 32: 47-86 ms for a step that took 45)
+# steps of decodes alone are kept apart by width (the last few of each); a measured figure is the median of at
+# least MIN_DECODE_STEPS of them, so one step slowed by the machine (another process, a page fault) does not set it
 DECODE_STEPS_PER_WIDTH = 8
 MIN_DECODE_STEPS = 3
-# a decode's price against a prompt token's, until a step of about that many decodes alone is measured: a decode
-# runs its row through the same layers, then reads its whole context's KV (a prompt chunk reads it once for all
-# its rows), its logits and its sample. Measured for the default model on 2 Zen 4 cores: 0.78 against 0.55 ms
-# offline (decode steps' slope at 256-300 tokens of context, 256-token prefill), 1.0-1.2 against 0.68 served;
-# over 52 served step logs 1.5 put a step of 32 decodes alone at 0.91x what it then took (median; 0.85-1.01x for
-# 80 % of them; on the low side, as a budget too long costs the inter-token latency's tail) where a decode at a
-# prompt token's price put it at 0.73x (the budget a quarter short, the first burst's prompts paced slower)
+# a decode's price against a prompt token's, used only until a step of about that many decodes alone is measured
+# (a server's first burst): a decode runs its row through the same layers, then reads its whole context's KV,
+# its logits and its sample. Measured for the default model on 2 Zen 4 cores: 0.78 against 0.55 ms offline,
+# 1.0-1.2 against 0.68 served (docs/benchmarks.md, appendix); 1.5 put a step of 32 decodes alone at 0.91x what it
+# then took (median of 52 served step logs). Wrong by a little, it only sizes the first burst's chunks
 DECODE_PRICE_RATIO = 1.5
-# a burst's edge: after a run of decode steps, the window holds fewer than this many steps that computed prompt
-# tokens, and the fit has little but those decode steps (all of one width) and the last wide steps to draw its
-# line through: one price for every token, 0.42-0.45 ms where a prompt token beyond a measured step of 32 decodes
-# took 0.60-0.66 (served on 2 Zen 4 cores; the edge's steps ran 173 and 181 ms against budgets of 129 and 132).
-# There a step is the measured step of its decodes alone plus each prompt token at what the window's prompt steps
-# took beyond their own decodes alone (the wide ones' while it has none), and with none in the window, half that:
-# the wide steps are older than the machine's present pace, and the half step measures it
-FEW_PROMPT_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -50,38 +39,46 @@ class StepCosts:
 
 class StepCostModel:
     def __init__(self, window: int = 64, wide_window: int = 8):
+        # window: the recent steps the prices are fitted through (about a second of steps: they follow the
+        # machine's pace, which moves 10-30 % from minute to minute on a shared host)
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens computed, decodes, seconds)
         # the last steps wider than twice the recent mean, by their number among all steps: a long run of
         # decode-only steps (all of one width) would otherwise leave no second width to draw the line through
         # when the next prompts come
         self.wide: deque[tuple[int, int, int, float]] = deque(maxlen=wide_window)
+        # likewise the last steps that computed prompt tokens beside decodes: a prompt token's price beyond the
+        # decodes' own step, when the window has none (a burst's edge, after a run of decode steps)
+        self.mixed: deque[tuple[int, int, float]] = deque(maxlen=wide_window)
         self._observed = 0  # steps seen in all
         self._tokens_in_window = 0  # the sum of self.steps' tokens
-        self._prompt_steps_in_window = 0  # self.steps' steps that computed prompt tokens
-        self._costs: StepCosts | None = None  # fitted once per new step, asked once or twice a step
-        self._price_beyond: float | None = None  # likewise (0.0: none to tell)
+        self._mixed_in_window = 0  # self.steps' steps that computed prompt tokens beside decodes
+        self._costs: StepCosts | None = None  # cached until the next step
+        self._price: float | None = None  # likewise
         self.decode_steps: dict[int, deque[float]] = {}  # decodes -> the seconds of the last steps of them alone
 
     def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0) -> None:
         """A step ran: `num_tokens` computed, `num_decodes` of them one-token decodes, in `seconds`."""
-        if num_tokens > 0 and seconds > 0:
-            if not self.steps or num_tokens * len(self.steps) > 2 * self._tokens_in_window:  # > 2x the mean
-                self.wide.append((self._observed, num_tokens, num_decodes, seconds))
-            if len(self.steps) == self.steps.maxlen:
-                oldest_tokens, oldest_decodes, _ = self.steps[0]
-                self._tokens_in_window -= oldest_tokens
-                self._prompt_steps_in_window -= oldest_tokens > oldest_decodes
-            self.steps.append((num_tokens, num_decodes, seconds))
-            self._tokens_in_window += num_tokens
-            self._prompt_steps_in_window += num_tokens > num_decodes
-            self._observed += 1
-            self._costs = self._price_beyond = None
-            if num_decodes == num_tokens:
-                self.decode_steps.setdefault(num_decodes, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(seconds)
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        if not self.steps or num_tokens * len(self.steps) > 2 * self._tokens_in_window:  # > 2x the mean
+            self.wide.append((self._observed, num_tokens, num_decodes, seconds))
+        if len(self.steps) == self.steps.maxlen:
+            oldest_tokens, oldest_decodes, _ = self.steps[0]
+            self._tokens_in_window -= oldest_tokens
+            self._mixed_in_window -= oldest_tokens > oldest_decodes > 0
+        self.steps.append((num_tokens, num_decodes, seconds))
+        self._tokens_in_window += num_tokens
+        self._mixed_in_window += num_tokens > num_decodes > 0
+        if num_tokens > num_decodes > 0:
+            self.mixed.append((num_tokens, num_decodes, seconds))
+        self._observed += 1
+        self._costs = self._price = None
+        if num_decodes == num_tokens:
+            self.decode_steps.setdefault(num_decodes, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(seconds)
 
     def costs(self) -> StepCosts | None:
-        """The fitted prices, or None before MIN_STEPS steps."""
-        if len(self.steps) < MIN_STEPS:
+        """The fitted prices, or None before any step."""
+        if not self.steps:
             return None
         if self._costs is None:
             self._costs = _fit(self._points())
@@ -93,7 +90,8 @@ class StepCostModel:
         return [*self.steps, *((t, d, y) for i, t, d, y in self.wide if i < first_in_window)]
 
     def seconds_for(self, num_tokens: int, num_decodes: int = 0) -> float | None:
-        """What a step of `num_tokens`, `num_decodes` of them decodes, costs; None while unknown."""
+        """What a step of `num_tokens`, `num_decodes` of them decodes, costs by the fitted prices; None while
+        unknown."""
         costs = self.costs()
         if costs is None:
             return None
@@ -101,17 +99,14 @@ class StepCostModel:
 
     def decode_step_seconds(self, num_decodes: int) -> float | None:
         """What a step of `num_decodes` decodes alone takes: the median of the recent such steps within an eighth
-        of that width. Before there are any (a server's first burst), from the widest narrower decode steps
-        measured, each further decode at DECODE_PRICE_RATIO times a prompt token's price (that price: what the
-        recent steps took beyond those narrower ones, shared out so); without narrower ones, the line through
-        the steps' totals. Not the two fitted prices: on a burst's first steps (prompt tokens near constant,
-        decodes growing one a step) a decode came out at 3.3 ms where it takes 1. Nor the line alone there:
-        once the window has only the burst's steps of 100-125 tokens it read 59 ms where it had read 23-30.
-        None while unknown."""
+        of that width. Before there are any (a server's first burst), the widest narrower width measured plus
+        each further decode at DECODE_PRICE_RATIO times a prompt token's price; without narrower ones, the line
+        through the steps' totals. Not the two fitted prices: on a burst's first steps (prompt tokens near
+        constant, decodes growing one a step) they put a decode at 3.3 ms where it takes 1. None while unknown."""
         near = self._decode_step_measured(num_decodes)
         if near is not None:
             return near
-        if len(self.steps) < MIN_STEPS:
+        if not self.steps:
             return None
         narrower = [width for width in self.decode_steps if width < num_decodes]
         if narrower:
@@ -128,22 +123,38 @@ class StepCostModel:
         fixed, per_token = _line([(t, y) for t, _, y in self._points()])
         return fixed + per_token * num_decodes
 
-    def prompt_tokens_within(self, seconds: float, num_decodes: int = 0) -> int | None:
-        """The most prompt tokens one step may compute beside `num_decodes` decodes to take at most `seconds`;
-        None while unknown. From the fitted prices, except at a burst's edge, where the window holds fewer than
-        FEW_PROMPT_STEPS steps that computed prompt tokens (see there)."""
+    def prompt_token_seconds(self) -> float | None:
+        """What a prompt token adds to a step: the fitted price, never under what the window's steps that
+        computed prompt tokens beside decodes took per prompt token beyond their decodes alone (else the last such
+        steps before it). The second guards the burst's edge: after a long run of decode steps of one width the
+        fit has little else to draw its line through and puts a prompt token a third under its price (served on
+        2 Zen 4 cores: 0.42-0.45 against 0.60-0.66 ms). An under-priced token overruns the ITL target; an
+        over-priced one costs a few tokens of one chunk. None while unknown."""
         costs = self.costs()
         if costs is None:
             return None
-        base = costs.fixed + costs.per_decode * num_decodes
-        price = costs.per_prompt_token
-        if num_decodes and self._prompt_steps_in_window < FEW_PROMPT_STEPS:
-            measured = self._decode_step_measured(num_decodes)
-            beyond = self._prompt_price_beyond_decodes()
-            if measured is not None and beyond:
-                base, price = measured, max(price, beyond)
-        tokens = max(int((seconds - base) / price + 1e-6), 0)  # 1e-6: a float's rounding, not a token
-        return tokens if self._prompt_steps_in_window or not num_decodes else tokens // 2
+        if self._price is None:
+            base: dict[int, float | None] = {}  # decodes -> their step alone, looked up once a width
+            excess = prompt = 0.0
+            for tokens, decodes, seconds in self.steps if self._mixed_in_window else self.mixed:
+                if tokens > decodes > 0:
+                    if decodes not in base:
+                        base[decodes] = self.decode_step_seconds(decodes)
+                    if base[decodes] is not None:
+                        excess += seconds - base[decodes]
+                        prompt += tokens - decodes
+            beyond = excess / prompt if excess > 0 and prompt > 0 else 0.0
+            self._price = max(costs.per_prompt_token, beyond)
+        return self._price
+
+    def prompt_tokens_within(self, seconds: float, num_decodes: int = 0) -> int | None:
+        """The most prompt tokens one step may compute beside `num_decodes` decodes to take at most `seconds`;
+        None while unknown."""
+        price = self.prompt_token_seconds()
+        if price is None:
+            return None
+        base = self.decode_step_seconds(num_decodes) if num_decodes else self.costs().fixed
+        return max(int((seconds - base) / price + 1e-6), 0)  # 1e-6: a float's rounding, not a token
 
     def _decode_step_measured(self, num_decodes: int) -> float | None:
         """The median of the recent steps of decodes alone within an eighth of `num_decodes` (not every width is
@@ -151,23 +162,6 @@ class StepCostModel:
         reach = num_decodes // 8
         return _median([s for width in range(num_decodes - reach, num_decodes + reach + 1)
                         for s in self.decode_steps.get(width, ())])
-
-    def _prompt_price_beyond_decodes(self) -> float:
-        """Seconds per prompt token beyond what a step of the same step's decodes alone takes (measured, else
-        estimated), through the window's steps that computed prompt tokens beside decodes, else the wide ones
-        before it; 0.0 where none did. Cached until the next step."""
-        if self._price_beyond is None:
-            base: dict[int, float | None] = {}  # decodes -> their step alone, looked up once a width
-            excess = prompt = 0.0
-            for tokens, decodes, seconds in self.steps if self._prompt_steps_in_window else self._points():
-                if tokens > decodes and decodes:
-                    if decodes not in base:
-                        base[decodes] = self.decode_step_seconds(decodes)
-                    if base[decodes] is not None:
-                        excess += seconds - base[decodes]
-                        prompt += tokens - decodes
-            self._price_beyond = excess / prompt if excess > 0 and prompt > 0 else 0.0
-        return self._price_beyond
 
 
 def _fit(points: list[tuple[int, int, float]]) -> StepCosts:

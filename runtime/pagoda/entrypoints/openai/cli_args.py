@@ -24,6 +24,7 @@ from pagoda.config import (
 from pagoda.config.args import SCHEDULING_POLICIES
 from pagoda.config.default_model import DEFAULT_MODEL_NAME
 from pagoda.config.quantization import GROUP_SIZES, METHODS
+from pagoda.core.scheduler import AUTO_TARGET_FACTOR
 from pagoda.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -281,10 +282,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--max-num-seqs", default=d["max_num_seqs"], type=positive_int)
     p.add("--max-num-batched-tokens", type=positive_int)
     p.add("--target-itl-ms", default=AUTO_TARGET, type=itl_target,
-          help="inter-token latency to keep for running requests, in ms: each step's prompt tokens are sized "
-               "from measured step costs, long prompts cut into as many chunks as that needs; 'auto': a step "
-               "with prompt tokens takes at most 4x a step of the running decodes alone; 'off': no cap "
-               "(default: %(default)s; docs/server.md)")
+          help="inter-token latency to keep for running requests, in ms: while decodes run, each step's prompt "
+               "tokens are what the target leaves beyond the decodes' own step at the measured price per prompt "
+               "token, long prompts cut into as many chunks as that needs (with no decode running prompts take "
+               f"the whole --max-num-batched-tokens); 'auto': a step with prompt tokens takes at most "
+               f"{AUTO_TARGET_FACTOR:g}x a step of the running decodes alone; 'off': no cap (default: "
+               "%(default)s; docs/server.md)")
     p.add("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
           help="fcfs: first come, first served; priority: by each request's `priority` (lower first), then "
                "arrival")

@@ -1,0 +1,204 @@
+"""The prefill budget (core/scheduler.py, core/step_cost.py): first come, first served prompts under one token
+budget, the whole --max-num-batched-tokens while no decode waits, a chunk bounded by --target-itl-ms while
+decodes run. Fake step costs: no model, no clock."""
+
+import pytest
+
+from pagoda.config import SchedulerConfig
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.scheduler import AUTO_TARGET_FACTOR, Scheduler
+from pagoda.core.sequence import Sequence
+from pagoda.core.step_cost import StepCostModel
+from pagoda.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+FIXED_S, PER_PROMPT_S, PER_DECODE_S = 0.005, 0.0001, 0.00015  # a fake machine
+
+
+def fake_cost(tokens: int, decodes: int = 0) -> float:
+    return FIXED_S + PER_PROMPT_S * (tokens - decodes) + PER_DECODE_S * decodes
+
+
+def make(target_itl_ms=None, budget=2048, max_seqs=64, chunked=True, num_blocks=2048):
+    config = SchedulerConfig(max_seqs, budget, chunked, 10_000, target_itl_ms=target_itl_ms)
+    return Scheduler(config, BlockManager(num_blocks, 16, False))
+
+
+def seq(n, start=0, req="r", max_tokens=1000):
+    return Sequence(req, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(sched):
+    """Play the runner and the engine core: finish the step, charge its fake cost, sample where due."""
+    out = sched.schedule()
+    sched.step_done(out)
+    sched.step_costs.observe(out.num_batched_tokens, fake_cost(out.num_batched_tokens, out.num_decodes),
+                             out.num_decodes)
+    for s in out.scheduled:
+        if s.num_samples:
+            sched._live[s.seq_id].append_token(7)
+    return out
+
+
+def teach(model: StepCostModel):
+    """Steps of several mixes, as a real engine's first seconds show."""
+    for tokens, decodes in ((600, 0), (40, 4), (4, 4), (300, 8), (8, 8), (8, 8), (8, 8), (150, 2), (4, 4),
+                            (4, 4)):
+        model.observe(tokens, fake_cost(tokens, decodes), decodes)
+
+
+def with_decodes(sched, n):
+    decodes = [seq(8, start=100_000 + 1000 * i, req=f"d{i}") for i in range(n)]
+    for d in decodes:
+        sched.add(d)
+    run_step(sched)  # their prompts
+    return decodes
+
+
+@pytest.mark.parametrize("target", [30.0, "auto"])
+def test_the_oldest_prompt_finishes_its_prefill_before_newer_ones_start(target):
+    sched = make(target_itl_ms=target)
+    teach(sched.step_costs)
+    with_decodes(sched, 4)
+    old = seq(1200, req="old")
+    newer = [seq(40, start=10_000 * (i + 1), req=f"new{i}") for i in range(6)]
+    sched.add(old)
+    for s in newer:
+        sched.add(s)
+    finished_at = {}
+    started_at = {}
+    for step in range(200):
+        out = run_step(sched)
+        for s in out.scheduled:
+            started_at.setdefault(s.seq_id, step)
+        for s in [old, *newer]:
+            if s.seq_id not in finished_at and s.num_computed_tokens >= s.num_prompt_tokens:
+                finished_at[s.seq_id] = step
+        if len(finished_at) == 7:
+            break
+    assert len(finished_at) == 7
+    # no newer prompt takes a token of the budget while the old one still has prompt tokens to compute
+    assert all(started_at[s.seq_id] >= finished_at[old.seq_id] for s in newer)
+    # and they go in their order of arrival
+    assert [finished_at[s.seq_id] for s in newer] == sorted(finished_at[s.seq_id] for s in newer)
+
+
+def test_only_the_last_admitted_prompt_is_chunked():
+    sched = make(target_itl_ms=None, budget=256)
+    prompts = [seq(100, start=10_000 * i, req=f"p{i}") for i in range(4)]
+    for p in prompts:
+        sched.add(p)
+    out = run_step(sched)
+    assert [s.num_new_tokens for s in out.scheduled] == [100, 100, 56]
+
+
+@pytest.mark.parametrize("target", [20.0, "auto"])
+def test_with_no_decode_running_prompts_take_the_whole_max_num_batched_tokens(target):
+    sched = make(target_itl_ms=target, budget=1024)
+    teach(sched.step_costs)
+    for i in range(8):
+        sched.add(seq(300, start=10_000 * i, req=f"p{i}"))
+    assert sched.prefill_budget() is None
+    assert run_step(sched).num_batched_tokens == 1024
+
+
+def test_a_prompt_alone_after_decodes_finish_gets_the_whole_budget_again():
+    sched = make(target_itl_ms=20.0, budget=1024)
+    teach(sched.step_costs)
+    decodes = with_decodes(sched, 2)
+    for d in decodes:
+        sched.finish(d, "stop")
+    sched.add(seq(3000, req="long"))
+    assert run_step(sched).num_batched_tokens == 1024
+
+
+@pytest.mark.parametrize("target_ms", [12.0, 20.0, 40.0])
+def test_with_decodes_running_the_chunk_keeps_the_step_within_the_itl_target(target_ms):
+    sched = make(target_itl_ms=target_ms)
+    teach(sched.step_costs)
+    decodes = with_decodes(sched, 8)
+    long_prompt = seq(3000, req="long")
+    sched.add(long_prompt)
+    chunks = []
+    while long_prompt.num_computed_tokens < long_prompt.num_prompt_tokens:
+        out = run_step(sched)
+        by_id = {s.seq_id: s.num_new_tokens for s in out.scheduled}
+        assert all(by_id[d.seq_id] == 1 for d in decodes)  # no decode stalls
+        assert fake_cost(out.num_batched_tokens, out.num_decodes) <= target_ms / 1000 + 1e-9
+        chunks.append(by_id[long_prompt.seq_id])
+    assert sum(chunks) == 3000
+    # the chunk is what the target leaves beside the decodes, not the whole 2048
+    expected = int((target_ms / 1000 - fake_cost(8, 8)) / PER_PROMPT_S + 1e-6)
+    assert chunks[0] == pytest.approx(expected, abs=1) and chunks[0] < 2048
+
+
+def test_the_auto_target_bounds_the_chunk_to_a_multiple_of_the_decode_step():
+    sched = make(target_itl_ms="auto", max_seqs=9)
+    teach(sched.step_costs)
+    decodes = with_decodes(sched, 8)
+    for _ in range(3):
+        run_step(sched)  # steps of the 8 decodes alone: measured
+    sched.add(seq(3000, req="long"))
+    out = run_step(sched)
+    step_alone = fake_cost(9, 9)  # 9 rows soon: the 8 and the prompt's
+    assert sched.step_costs.decode_step_seconds(9) == pytest.approx(step_alone, rel=0.05)
+    assert fake_cost(out.num_batched_tokens, len(decodes)) <= AUTO_TARGET_FACTOR * step_alone * 1.05
+    assert out.num_batched_tokens - len(decodes) < 2048
+
+
+def test_a_target_below_the_decodes_own_step_still_moves_a_block_a_step():
+    sched = make(target_itl_ms=1.0)
+    teach(sched.step_costs)
+    with_decodes(sched, 8)
+    long_prompt = seq(100, req="long")
+    sched.add(long_prompt)
+    out = run_step(sched)
+    assert {s.seq_id: s.num_new_tokens for s in out.scheduled}[long_prompt.seq_id] == 16  # one block
+
+
+def test_without_chunked_prefill_there_is_no_prefill_budget():
+    sched = make(target_itl_ms=20.0, chunked=False)
+    teach(sched.step_costs)
+    with_decodes(sched, 4)
+    assert sched.prefill_budget() is None
+
+
+def test_the_price_of_a_prompt_token_is_learnt_online_from_the_steps():
+    model = StepCostModel()
+    assert model.prompt_token_seconds() is None and model.prompt_tokens_within(0.02, 4) is None
+    teach(model)
+    assert model.prompt_token_seconds() == pytest.approx(PER_PROMPT_S, rel=0.01)
+    # the machine slows down by half: the price follows the steps it runs
+    for tokens, decodes in ((200, 8), (8, 8), (120, 8), (8, 8)) * 20:
+        model.observe(tokens, 1.5 * fake_cost(tokens, decodes), decodes)
+    assert model.prompt_token_seconds() == pytest.approx(1.5 * PER_PROMPT_S, rel=0.02)
+
+
+def test_a_run_of_decode_steps_of_one_width_prices_the_next_prompt_step_from_its_last_prompt_steps():
+    # a burst's edge: many steps of one width, then the next prompts. The price per prompt token comes from
+    # the last steps that carried prompt tokens beside decodes (kept apart from the window), the base from the
+    # measured decode step; once that step has run, its own price sizes the next
+    model = StepCostModel()
+    for tokens, decodes in ((600, 0), (160, 14), (161, 15), (161, 16), (160, 17)):
+        model.observe(tokens, fake_cost(tokens, decodes), decodes)
+    for _ in range(200):
+        model.observe(32, fake_cost(32, 32), 32)
+    target = 0.030
+    tokens = model.prompt_tokens_within(target, num_decodes=31)
+    assert tokens > 16 and fake_cost(31 + tokens, 31) <= 1.05 * target
+    model.observe(31 + tokens, fake_cost(31 + tokens, 31), 31)
+    tokens = model.prompt_tokens_within(target, num_decodes=31)
+    assert fake_cost(31 + tokens, 31) <= target + 1e-9
+
+
+def test_the_help_of_target_itl_ms_states_the_factor_the_code_uses():
+    import argparse
+
+    from pagoda.entrypoints.openai.cli_args import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    (action,) = [a for a in parser._actions if "--target-itl-ms" in a.option_strings]
+    assert f"at most {AUTO_TARGET_FACTOR:g}x a step of the running decodes alone" in action.help
+    assert "4x" not in action.help
