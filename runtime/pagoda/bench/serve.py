@@ -6,6 +6,10 @@ Reports request and token throughput and TTFT, TPOT, ITL and end-to-end latency 
 
 `--offline MODEL` runs the same requests, with the same concurrency, through an in-process
 `AsyncLLMEngine` instead of HTTP: the difference is what the server adds.
+
+`--matrix` runs the named loads of pagoda/bench/matrix.py instead of one (prompts 32-1,500 tokens, answers
+16-512, concurrency 1-64, Poisson arrivals, random lengths), with `--vllm-python` each beside vLLM's in
+alternating pairs, and prints one table (`--table FILE` also writes it).
 """
 
 import argparse
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagoda.bench import matrix
 from pagoda.platform.isa import ALL_LEVELS
 
 _WORDS = ("the of and to in is was for on are with as by at from his her they be this that have which "
@@ -358,6 +363,14 @@ def parse_args(argv):
     p.add_argument("--vllm-model", default=None, metavar="DIR",
                    help="the model directory vLLM serves (default: the Pagoda server's, from /v1/models)")
     p.add_argument("--result-json", default=None, help="also write the summary to this file")
+    p.add_argument("--matrix", action="store_true",
+                   help="run the load matrix (" + ", ".join(load.name for load in matrix.MATRIX) + ") instead of "
+                        "one load: --input-len, --output-len, --range-ratio, --max-concurrency, --request-rate "
+                        "and --num-prompts come from each load; with --vllm-python, vLLM's server runs beside in "
+                        "alternating pairs (Pagoda, vLLM, then vLLM, Pagoda); prints one table")
+    p.add_argument("--matrix-loads", default=None, metavar="NAMES",
+                   help="with --matrix: only these loads (comma-separated names)")
+    p.add_argument("--table", default=None, metavar="FILE", help="with --matrix: also write the table (Markdown)")
     p.add_argument("--isa", default=None, choices=ALL_LEVELS, metavar="LEVEL",
                    help="with --offline: run the engine's kernels (and torch's ATen, MKL, oneDNN) at this CPU ISA "
                         f"level ({', '.join(ALL_LEVELS)}); with --vllm-python: run vLLM's peer at it (start "
@@ -368,6 +381,15 @@ def parse_args(argv):
                 "start a Pagoda server with PAGODA_CPU_ISA=LEVEL")
     if args.vllm_python and args.offline:
         p.error("--vllm-python compares servers: it cannot be combined with --offline")
+    if args.matrix and args.dataset != "random":
+        p.error("--matrix runs synthetic loads: it cannot be combined with --dataset jsonl")
+    if (args.matrix_loads or args.table) and not args.matrix:
+        p.error("--matrix-loads and --table apply to --matrix")
+    if args.matrix_loads:
+        try:
+            matrix.loads(args.matrix_loads)
+        except ValueError as e:
+            p.error(str(e))
     if args.dataset == "jsonl" and not args.dataset_path:
         p.error("--dataset jsonl needs --dataset-path")
     for name in ("num_prompts", "input_len", "output_len"):
@@ -417,6 +439,9 @@ async def main_async(args) -> dict:
         sender = HTTPSender(args.base_url, model, args.api_key, args.endpoint, args.temperature)
         tokenizer = await asyncio.to_thread(load_tokenizer, args.tokenizer or root)
         title = "Serving Benchmark Result"
+    if args.matrix:
+        return await main_matrix(args, sender, tokenizer, model, None if args.offline else root,
+                                 engine if args.offline else None)
     if args.dataset == "jsonl":
         requests = jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
     else:
@@ -440,6 +465,29 @@ async def main_async(args) -> dict:
     isa = platform.cpu_isa()
     summary.update(cpu=isa.model, isa_level=isa.level, isa_forced=isa.forced)
     return summary
+
+
+async def main_matrix(args, sender, tokenizer, model: str, model_dir: str | None, engine=None) -> dict:
+    """--matrix: every load, printed as one table; the summary holds each load's figures."""
+    try:
+        results = await matrix.run_matrix(
+            args, sender, tokenizer, model, args.vllm_model or model_dir, measure=measure,
+            synthetic_requests=synthetic_requests,
+            http_sender=lambda url, name: HTTPSender(url, name, None, args.endpoint, args.temperature))
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    print(cpu_line(bool(args.offline)))
+    text = matrix.table(results)
+    print(text)
+    if args.table:
+        Path(args.table).write_text(text + "\n")
+    from pagoda import platform
+
+    isa = platform.cpu_isa()
+    return {"matrix": [{"load": load.name, "pagoda": mine, "vllm": theirs} for load, mine, theirs in results],
+            "table": text, "failed": sum(m["failed"] + (t["failed"] if t else 0) for _, m, t in results),
+            "cpu": isa.model, "isa_level": isa.level, "isa_forced": isa.forced}
 
 
 async def measure(sender, warmup, requests, args) -> dict:

@@ -1,0 +1,161 @@
+"""`pagoda bench serve --matrix`: a named matrix of serving loads, each run against Pagoda and (with
+`--vllm-python`) against vLLM's CPU build, reported as one table.
+
+A scheduler tuned on one load can lose on the next (issue 54: time to first token worse on every load but the one
+it was fitted on), so the matrix spans the shapes users send: prompts of 32 to 1,500 tokens, answers of 16 to 512,
+concurrency 1 to 64, one load of Poisson arrivals and one of random length ratios. The engines run in alternating
+pairs, Pagoda then vLLM on one load, vLLM then Pagoda on the next: a shared machine's pace drifts over minutes
+(docs/benchmarks.md), and alternating gives each engine the same share of its slow and fast phases.
+"""
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    input_len: int  # prompt tokens (center)
+    output_len: int  # answer tokens (center)
+    concurrency: int | None  # requests in flight at most (None: as many as arrive)
+    num_prompts: int
+    range_ratio: float = 0.0  # lengths uniform within +- this fraction of the centers
+    request_rate: float = float("inf")  # Poisson arrivals per second (inf: all at once)
+    what: str = ""  # the user it stands for
+
+
+MATRIX: tuple[Load, ...] = (
+    Load("single", 256, 128, 1, 16, what="one user: the time a token takes (TPOT at one sequence)"),
+    Load("long-prompt-c4", 1500, 64, 4, 16, what="documents in, short answers, a few users"),
+    Load("mid-c8", 768, 128, 8, 32, what="retrieval-augmented chat"),
+    Load("long-short-c16", 1500, 16, 16, 48, what="classification or extraction over long inputs"),
+    Load("chat-c32", 256, 128, 32, 96, what="the headline load (README)"),
+    Load("short-long-c64", 32, 512, 64, 128, what="short questions, long answers, many users"),
+    Load("random-ratio-c16", 512, 256, 16, 64, range_ratio=0.9,
+         what="mixed lengths: prompts 51-972, answers 25-486 tokens"),
+    Load("poisson-2rps", 256, 128, 64, 96, request_rate=2.0,
+         what="open loop: requests arrive at 2/s (Poisson), at most 64 in flight"),
+    Load("tiny-c32", 32, 16, 32, 128, what="short calls: scheduling and HTTP overhead dominate"),
+)
+
+
+def loads(names: str | None) -> list[Load]:
+    """The matrix, or the loads named (comma-separated), in the matrix's order."""
+    if not names:
+        return list(MATRIX)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = {load.name for load in MATRIX}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise ValueError(f"--matrix-loads: unknown load(s) {', '.join(unknown)}; the matrix has "
+                         f"{', '.join(load.name for load in MATRIX)}")
+    return [load for load in MATRIX if load.name in wanted]
+
+
+def engine_order(index: int, with_vllm: bool) -> tuple[str, ...]:
+    """Who runs first on the index-th load: Pagoda, vLLM, then vLLM, Pagoda, and so on (alternating pairs)."""
+    if not with_vllm:
+        return ("pagoda",)
+    return ("pagoda", "vllm") if index % 2 == 0 else ("vllm", "pagoda")
+
+
+def load_args(args: argparse.Namespace, load: Load) -> argparse.Namespace:
+    """`pagoda bench serve`'s arguments for one load."""
+    return argparse.Namespace(**{**vars(args), "input_len": load.input_len, "output_len": load.output_len,
+                                 "range_ratio": load.range_ratio, "max_concurrency": load.concurrency,
+                                 "request_rate": load.request_rate, "num_prompts": load.num_prompts})
+
+
+# --- the table ---------------------------------------------------------------------------------------
+
+def _ms(value: float) -> str:
+    return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.0f} ms"
+
+
+def _pair(pagoda: dict, vllm: dict | None, key: str, stat: str) -> str:
+    mine = _ms(pagoda[key][stat])
+    return mine if vllm is None else f"{mine} / {_ms(vllm[key][stat])}"
+
+
+def row(load: Load, pagoda: dict, vllm: dict | None) -> list[str]:
+    """One load's cells: its shape, output tok/s (and the ratio to vLLM's), TTFT median and p90, ITL median and
+    p99, each as Pagoda's / vLLM's."""
+    shape = f"{load.input_len}/{load.output_len}" + (f" ±{load.range_ratio:.0%}" if load.range_ratio else "")
+    arrivals = f"c={load.concurrency}" if load.request_rate == float("inf") else \
+        f"{load.request_rate:g}/s" + (f", c≤{load.concurrency}" if load.concurrency else "")
+    tok_s = f"{pagoda['output_token_throughput']:.0f}"
+    if vllm is not None:
+        theirs = vllm["output_token_throughput"]
+        tok_s += f" / {theirs:.0f} (**{pagoda['output_token_throughput'] / theirs:.2f}x**)" if theirs else " / 0"
+    failed = pagoda["failed"] + (vllm["failed"] if vllm is not None else 0)
+    return [load.name + (f" ({failed} failed)" if failed else ""), shape, arrivals, tok_s,
+            _pair(pagoda, vllm, "ttft_ms", "median"), _pair(pagoda, vllm, "ttft_ms", "p90"),
+            _pair(pagoda, vllm, "itl_ms", "median"), _pair(pagoda, vllm, "itl_ms", "p99")]
+
+
+HEADER = ("load", "prompt/answer tokens", "arrivals", "output tok/s", "TTFT median", "TTFT p90", "ITL median",
+          "ITL p99")
+
+
+def table(results: list[tuple[Load, dict, dict | None]]) -> str:
+    """The matrix as one Markdown table; with vLLM's figures, each cell is Pagoda's / vLLM's."""
+    with_vllm = any(v is not None for _, _, v in results)
+    header = list(HEADER)
+    if with_vllm:
+        header[3] = "output tok/s (ratio)"
+        header[4:] = [f"{h}, Pagoda / vLLM" for h in header[4:]]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(row(load, p, v)) + " |" for load, p, v in results]
+    return "\n".join(lines)
+
+
+def empty_table() -> str:
+    """The table's rows with no figures: for docs/benchmarks.md until it is measured on a quiet machine."""
+    header = list(HEADER)
+    header[3] = "output tok/s, Pagoda / vLLM (ratio)"
+    header[4:] = [f"{h}, Pagoda / vLLM" for h in header[4:]]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for load in MATRIX:
+        shape = f"{load.input_len}/{load.output_len}" + (f" ±{load.range_ratio:.0%}" if load.range_ratio else "")
+        arrivals = f"c={load.concurrency}" if load.request_rate == float("inf") else \
+            f"{load.request_rate:g}/s, c≤{load.concurrency}"
+        lines.append("| " + " | ".join([load.name, shape, arrivals] + ["–"] * (len(header) - 3)) + " |")
+    return "\n".join(lines)
+
+
+# --- the run -----------------------------------------------------------------------------------------
+
+async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: str, model_dir: str | None,
+                     *, measure, synthetic_requests, http_sender) -> list[tuple[Load, dict, dict | None]]:
+    """Every load on Pagoda (`pagoda_sender`) and, with args.vllm_python, on one `vllm serve` kept up for the
+    whole matrix, in alternating pairs. The callables are serve.py's (passed in: serve.py imports this module)."""
+    from contextlib import nullcontext
+    from pathlib import Path
+
+    peer = nullcontext(None)
+    if args.vllm_python:
+        from pagoda.bench.vllm_peer import check_vllm_python, vllm_server
+
+        if not model_dir or not Path(model_dir).is_dir():
+            raise SystemExit(f"--vllm-python needs the model directory: the server reports {model_dir!r}; "
+                             "give --vllm-model DIR")
+        peer = vllm_server(check_vllm_python(args.vllm_python), model_dir, model, dtype=args.vllm_dtype,
+                           kv_cache_dtype=args.vllm_kv_cache_dtype, kv_cache_gib=args.vllm_kv_cache_gib)
+    results = []
+    with peer as vllm_url:
+        vllm_sender = None if vllm_url is None else http_sender(vllm_url, model)
+        for index, load in enumerate(loads(args.matrix_loads)):
+            per_load = load_args(args, load)
+            requests = synthetic_requests(load.num_prompts + args.warmup, load.input_len, load.output_len,
+                                          load.range_ratio, args.seed, tokenizer)
+            warmup, measured = requests[: args.warmup], requests[args.warmup:]
+            figures: dict[str, dict] = {}
+            for engine in engine_order(index, vllm_sender is not None):
+                sender = pagoda_sender if engine == "pagoda" else vllm_sender
+                figures[engine] = await measure(sender, warmup, measured, per_load)
+                print(f"[matrix] {load.name}: {engine} {figures[engine]['output_token_throughput']:.0f} tok/s, "
+                      f"TTFT median {figures[engine]['ttft_ms']['median']:.0f} ms", flush=True)
+            results.append((load, figures["pagoda"], figures.get("vllm")))
+            await asyncio.sleep(0)
+    return results

@@ -1,0 +1,130 @@
+"""`pagoda bench serve --matrix`: the loads it names, the order the engines run in, and the one table it
+prints. No server: the senders are stand-ins that answer at once."""
+
+import asyncio
+from contextlib import contextmanager
+
+import pytest
+
+from pagoda.bench import matrix
+from pagoda.bench.serve import RequestResult, parse_args, summarize, synthetic_requests
+
+pytestmark = pytest.mark.unit
+
+VLLM_PEER_MAX_MODEL_LEN = 2048  # vllm_peer.vllm_server's default: every load must fit it
+
+
+def test_the_matrix_spans_the_shapes_users_send():
+    loads = matrix.MATRIX
+    assert len(loads) >= 8 and len({load.name for load in loads}) == len(loads)
+    assert min(load.input_len for load in loads) == 32 and max(load.input_len for load in loads) == 1500
+    assert min(load.output_len for load in loads) == 16 and max(load.output_len for load in loads) == 512
+    closed = {load.concurrency for load in loads if load.request_rate == float("inf")}
+    assert {1, 4, 8, 16, 32, 64} <= closed
+    assert any(load.request_rate != float("inf") for load in loads)  # Poisson arrivals
+    assert any(load.range_ratio > 0 for load in loads)  # random length ratios
+    for load in loads:
+        longest = (load.input_len + load.output_len) * (1 + load.range_ratio)
+        assert longest <= VLLM_PEER_MAX_MODEL_LEN, load.name
+        assert load.num_prompts >= (load.concurrency or 1), load.name  # every slot is used at least once
+        assert load.what
+
+
+def test_named_loads_keep_the_matrix_order_and_unknown_names_are_refused():
+    assert [load.name for load in matrix.loads("chat-c32,single")] == ["single", "chat-c32"]
+    assert matrix.loads(None) == list(matrix.MATRIX)
+    with pytest.raises(ValueError, match="unknown load.*nope"):
+        matrix.loads("single,nope")
+
+
+def test_the_engines_run_in_alternating_pairs():
+    order = [engine for i in range(4) for engine in matrix.engine_order(i, with_vllm=True)]
+    assert order == ["pagoda", "vllm", "vllm", "pagoda", "pagoda", "vllm", "vllm", "pagoda"]
+    assert matrix.engine_order(1, with_vllm=False) == ("pagoda",)
+
+
+def test_each_load_sets_the_run_arguments():
+    args = parse_args(["--matrix", "--max-concurrency", "3", "--input-len", "99"])
+    load = matrix.loads("poisson-2rps")[0]
+    per_load = matrix.load_args(args, load)
+    assert (per_load.input_len, per_load.output_len, per_load.max_concurrency, per_load.request_rate,
+            per_load.num_prompts) == (256, 128, 64, 2.0, 96)
+    assert args.input_len == 99  # the caller's arguments are left as they were
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--matrix", "--matrix-loads", "single,bogus"], "unknown load"),
+    (["--matrix", "--dataset", "jsonl", "--dataset-path", "x.jsonl"], "--matrix runs synthetic loads"),
+    (["--table", "t.md"], "apply to --matrix"),
+])
+def test_bad_matrix_arguments_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def summary(ttft_s: float, itl_s: float, tokens: int, duration: float = 10.0) -> dict:
+    results = [RequestResult(ok=True, ttft=ttft_s * (1 + i / 10), latency=ttft_s + 1.0, itl=[itl_s * (1 + i / 10)] * 3,
+                             prompt_tokens=8, output_tokens=tokens) for i in range(10)]
+    return summarize(results, duration)
+
+
+def test_the_table_puts_each_figure_beside_vllms_with_the_throughput_ratio():
+    single, chat = matrix.loads("single,chat-c32")
+    mine, theirs = summary(0.2, 0.010, 40), summary(0.5, 0.030, 30)
+    text = matrix.table([(single, mine, theirs), (chat, summary(2.0, 0.05, 40), summary(1.0, 0.06, 20))])
+    lines = text.splitlines()
+    assert lines[0].startswith("| load | prompt/answer tokens | arrivals | output tok/s (ratio) | TTFT median, Pagoda")
+    assert len(lines) == 4 and all(line.count("|") == 9 for line in lines)
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:4] == ["single", "256/128", "c=1", "40 / 30 (**1.33x**)"]
+    assert cells[4] == f"{mine['ttft_ms']['median']:.0f} ms / {theirs['ttft_ms']['median']:.0f} ms"
+    assert cells[7] == f"{mine['itl_ms']['p99']:.0f} ms / {theirs['itl_ms']['p99']:.0f} ms"
+    chat_cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert chat_cells[3].endswith("(**2.00x**)") and chat_cells[4].endswith(" s")  # seconds past 1,000 ms
+
+
+def test_the_table_without_vllm_and_the_empty_one_for_the_docs():
+    (poisson,) = matrix.loads("poisson-2rps")
+    failed = summarize([RequestResult(error="HTTP 500")], 1.0)
+    text = matrix.table([(poisson, failed, None)])
+    assert "Pagoda / vLLM" not in text and "| poisson-2rps (1 failed) | 256/128 | 2/s, c≤64 | 0 |" in text
+    empty = matrix.empty_table().splitlines()
+    assert len(empty) == 2 + len(matrix.MATRIX) and all(line.count("|") == 9 for line in empty)
+    assert "| random-ratio-c16 | 512/256 ±90% | c=16 | – |" in matrix.empty_table()
+
+
+class StandInSender:
+    """Answers every request at once, logging which engine ran when."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+
+def test_run_matrix_alternates_the_engines_on_one_vllm_server(monkeypatch, tmp_path):
+    import pagoda.bench.vllm_peer as vllm_peer
+
+    log, started = [], []
+
+    @contextmanager
+    def fake_vllm_server(python, model_dir, served_name, **kwargs):
+        started.append(model_dir)
+        yield "http://127.0.0.1:1"
+
+    monkeypatch.setattr(vllm_peer, "check_vllm_python", lambda python: python)
+    monkeypatch.setattr(vllm_peer, "vllm_server", fake_vllm_server)
+
+    async def fake_measure(sender, warmup, requests, args):
+        log.append((sender.name, args.max_concurrency, len(requests), len(warmup)))
+        return summary(0.1, 0.01, 4)
+
+    args = parse_args(["--matrix", "--matrix-loads", "single,mid-c8,chat-c32", "--vllm-python", "py",
+                       "--warmup", "2"])
+    results = asyncio.run(matrix.run_matrix(
+        args, StandInSender("pagoda", log), None, "m", str(tmp_path), measure=fake_measure,
+        synthetic_requests=synthetic_requests, http_sender=lambda url, name: StandInSender("vllm", log)))
+    assert started == [str(tmp_path)]  # one vLLM server for the whole matrix
+    assert [(name, c) for name, c, _, _ in log] == [("pagoda", 1), ("vllm", 1), ("vllm", 8), ("pagoda", 8),
+                                                    ("pagoda", 32), ("vllm", 32)]
+    assert [(n, w) for _, _, n, w in log][:2] == [(16, 2), (16, 2)]
+    assert [load.name for load, _, theirs in results if theirs is not None] == ["single", "mid-c8", "chat-c32"]
