@@ -329,6 +329,8 @@ class AsyncMPEngine(AsyncEngineBase):
                 state.add_seq(child, copy_from=first)
                 by_index[seq_delta.index] = child
         first.num_cached_tokens = delta.num_cached_tokens
+        if delta.kv_transfer_params is not None:  # P/D: where a finished prefill's blocks wait for the decode
+            first.kv_transfer_params = delta.kv_transfer_params
         metrics = state.metrics
         metrics.first_scheduled_time = delta.metrics.first_scheduled_time
         for start, scored in delta.prompt_logprobs:

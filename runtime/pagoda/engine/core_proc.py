@@ -69,9 +69,11 @@ class CoreEngine(LLMEngine):
 
     def _make_output(self, state: RequestState) -> wire.RequestDelta:
         seqs, prompt_logprobs = self.output_processor.take(state)
+        first = state.seqs[0] if state.seqs else None
         return wire.RequestDelta(state.request_id, seqs, state.metrics,
-                                 state.seqs[0].num_cached_tokens if state.seqs else 0, prompt_logprobs,
-                                 state.result, state.error, None, state.finished)
+                                 first.num_cached_tokens if first else 0, prompt_logprobs,
+                                 state.result, state.error, None, state.finished,
+                                 first.kv_transfer_params if first else None)
 
     def handle(self, message) -> wire.RequestDelta | None:
         """One message from the server; the delta to answer with, if any."""

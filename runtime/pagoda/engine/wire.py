@@ -71,6 +71,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error: str | None = None  # the request failed inside the core
     invalid: str | None = None  # the core refused the request: the field it names ("" for none)
     finished: bool = False  # the core is done with the request (its blocks are free)
+    kv_transfer_params: dict | None = None  # P/D: a finished prefill's, for the decode engine (kv_transfer)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

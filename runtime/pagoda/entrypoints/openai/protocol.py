@@ -289,6 +289,8 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # P/D (vLLM's): a prefill's answer to do_remote_decode, what the decode request sends (the last chunk's)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # --- chat ----------------------------------------------------------------------------------------
@@ -427,6 +429,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D (vLLM's): as CompletionResponse's
 
 
 class DeltaFunctionCall(OpenAIModel):
@@ -465,6 +468,7 @@ class ChatCompletionChunk(OpenAIModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None  # on the first chunk after the prompt was scored
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: on the chunk that finishes the choice
 
 
 # --- models, tokenizer, version ------------------------------------------------------------------

@@ -62,6 +62,7 @@ class OpenAIServing:
         self.admission = admission
         self.sampling_defaults = default_sampling_params(engine.config.model)  # the model's generation config
         self.lora_modules: dict[str, LoRARequest] = {}  # --lora-modules: adapters clients name as `model`
+        self.kv_transfer = engine.config.kv_transfer  # --kv-transfer-config (P/D), or None
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for a model not served."""
@@ -81,9 +82,21 @@ class OpenAIServing:
                     prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             check_priority(getattr(request, "priority", 0), self.scheduling_policy)
-            return request.sampling_params(max_tokens, logprobs, self.sampling_defaults, prompt_logprobs)
+            params = request.sampling_params(max_tokens, logprobs, self.sampling_defaults, prompt_logprobs)
         except (ValueError, TypeError) as e:
             raise invalid_request(str(e), getattr(e, "param", None)) from None
+        self.check_kv_transfer(params)
+        return params
+
+    def check_kv_transfer(self, params: SamplingParams) -> None:
+        """P/D asked of a server without a KV connector is a 400: answering it as a plain request would leave
+        the caller (a P/D proxy) waiting for blocks that no one holds."""
+        asked = params.kv_transfer_params
+        if self.kv_transfer is None and asked is not None and (asked.do_remote_decode or asked.do_remote_prefill):
+            what = "do_remote_decode" if asked.do_remote_decode else "do_remote_prefill"
+            raise invalid_request(f"kv_transfer_params.{what}: this server has no KV connector; start it with "
+                                  "--kv-transfer-config to serve prefill/decode disaggregation",
+                                  f"kv_transfer_params.{what}")
 
     async def validate_prompt(self, prompt, params: SamplingParams) -> dict:
         """Tokenize (off the event loop) and check the length now, so errors come before a stream starts."""

@@ -229,7 +229,8 @@ class OpenAIServingChat(OpenAIServing):
                                       finish_reason="tool_calls" if calls else reason, stop_reason=c.stop_reason))
         return ChatCompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices,
                                       usage=self._usage(request, final),
-                                      prompt_logprobs=_prompt_logprobs(request, final))
+                                      prompt_logprobs=_prompt_logprobs(request, final),
+                                      kv_transfer_params=final.kv_transfer_params)
 
     def _usage(self, request: ChatCompletionRequest, final: RequestOutput) -> UsageInfo:
         usage = usage_of([final])
@@ -243,9 +244,10 @@ class OpenAIServingChat(OpenAIServing):
                       top_k: int | None, release, prompt_token_ids: list[int]) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+                  kv_transfer_params: dict | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.response_model(request.model),
-                                           choices=choices, usage=usage))
+                                           choices=choices, usage=usage, kv_transfer_params=kv_transfer_params))
 
         try:
             # the role first, before any token: clients show the assistant turn as soon as it exists
@@ -323,7 +325,7 @@ class OpenAIServingChat(OpenAIServing):
                     choices.append(ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                                     finish_reason=reason, stop_reason=stop_reason))
                 if choices:
-                    yield chunk(choices)
+                    yield chunk(choices, kv_transfer_params=out.kv_transfer_params if out.finished else None)
             if request.include_usage_in_stream and final is not None:
                 yield chunk([], self._usage(request, final))
         finally:

@@ -100,6 +100,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(raw_prompts) > self.admission.limit:  # 429 would ask to retry something that can never fit
             raise invalid_request(f"{len(raw_prompts)} prompts in one request, more than this server admits at "
                                   f"once ({self.admission.limit}): split the batch", "prompt")
+        if params.kv_transfer_params is not None and len(raw_prompts) > 1:  # one answer carries one prefill's
+            raise invalid_request("kv_transfer_params needs a single prompt", "kv_transfer_params")
         prompts = [await self.validate_prompt(p, params) for p in raw_prompts]
         request_id = self.request_id(raw, "cmpl")
         release = self.admission.acquire(len(prompts))
@@ -157,7 +159,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 stop_reason=c.stop_reason, prompt_logprobs=scored))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         usage.prompt_tokens_details = usage_of(finals).prompt_tokens_details
-        return CompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=self.response_model(request.model), choices=choices, usage=usage,
+                                  kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
 
     async def _stream(self, request: CompletionRequest, request_id: str, prompts: list[dict],
                       streams, release) -> AsyncIterator[str]:
@@ -167,9 +170,10 @@ class OpenAIServingCompletion(OpenAIServing):
         cached_tokens: dict[int, int] = {}
         completion_tokens: dict[tuple[int, int], int] = {}
 
-        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None,
+                  kv_transfer_params: dict | None = None) -> str:
             return sse(CompletionResponse(id=request_id, created=created, model=self.response_model(request.model), choices=choices,
-                                          usage=usage))
+                                          usage=usage, kv_transfer_params=kv_transfer_params))
 
         try:
             async for i, out in merge(streams):
@@ -210,7 +214,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                     self._prompt_logprobs_field(request, out)))
                     so_far.scored_sent = True
                 if choices:
-                    yield chunk(choices)
+                    yield chunk(choices, kv_transfer_params=out.kv_transfer_params if out.finished else None)
             if request.include_usage_in_stream:
                 used = sum(completion_tokens.values())
                 total = sum(prompt_tokens.values())
