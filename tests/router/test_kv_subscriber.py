@@ -214,3 +214,36 @@ async def test_a_restart_seen_first_at_the_next_number_is_caught_by_the_reconnec
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         pub.shutdown()
+
+
+async def test_a_data_parallel_replica_is_followed_on_every_engines_stream(tmp_path):
+    """A DP replica publishes one stream per engine, rank r on the endpoint + r (_dp<r> for ipc, as vLLM); the
+    subscriber follows the engines the replica's /metrics labels, each its own entry, and the replica holds
+    a prefix when any of its ranks does (its own balancer sends the request there)."""
+    base = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/kv-8000")
+    pubs = [ZmqEventPublisher(base.for_data_parallel_rank(rank), rank) for rank in (0, 1)]
+    pool = BackendPool([URL])
+    (backend,) = pool.all()
+    backend.engines = (0, 1)  # what the health monitor reads from engine="0" and engine="1"
+    index = KVIndex()
+    subscriber = KVEventSubscriber(pool, index, f"ipc://{tmp_path}/kv-{{port}}")
+    task = asyncio.create_task(subscriber.run())
+    rank1 = URL + "#engine=1"
+    try:
+        ones, deadline = [], asyncio.get_running_loop().time() + 20
+        while index.replicas.get(rank1) is None or index.replicas.get(URL) is None:
+            assert asyncio.get_running_loop().time() < deadline, f"streams followed: {sorted(index.replicas)}"
+            ones.append(store(pubs[1], [5, len(ones), 5, 5, 5, 5, 5, 5]))
+            store(pubs[0], [6, len(ones), 6, 6])
+            await asyncio.sleep(0.1)
+        assert index.replicas[rank1].device >= set(ones[-1]) and not index.replicas[URL].device & set(ones[-1])
+        assert index.match(URL, ones[-1]) == 2  # held by rank 1 only
+        # a replica that turns out to run only rank 1 (a --data-parallel-rank 1 server): rank 0's entry goes
+        backend.engines = (1,)
+        await until(lambda: URL not in index.replicas, "engine 0's stream dropped")
+        assert rank1 in index.replicas and index.match(URL, ones[-1]) == 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for pub in pubs:
+            pub.shutdown()

@@ -6,6 +6,8 @@ structured outputs work whichever rank serves; /metrics has a series per engine;
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -114,3 +116,37 @@ def test_serve_dp2_with_expert_parallel(server_factory, mixtral, one_process_ans
         time.sleep(0.1)
     assert 503 in statuses
     assert server.process.wait(30) != 0
+
+
+def test_external_load_balancing_each_rank_its_own_endpoint(server_factory, tiny_llama_dir):
+    """--data-parallel-rank R (vLLM's external load balancing): each DP rank its own `pagoda serve`, here
+    independent engines of a dense model. Both answer as one process would, and each labels its series
+    engine="R"."""
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=0.02)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        reference = [o.outputs[0].text for o in outs]
+    finally:
+        llm.shutdown()
+    ranks = [server_factory("--api-key", API_KEY, "--dtype", "float32", "--data-parallel-size", "2",
+                            "--data-parallel-rank", str(rank)) for rank in (0, 1)]
+    for rank, server in enumerate(ranks):
+        client = server.client(API_KEY, timeout=120)
+        answers = [client.completions.create(model=str(tiny_llama_dir), prompt=p, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS]
+        assert answers == reference
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "pagoda:prompt_tokens_total", str(rank)) > 0
+        assert metric(text, "pagoda:e2e_request_latency_seconds_count", str(rank)) == len(PROMPTS)
+        success = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f'pagoda:request_success_total{{engine="{rank}",finished_reason="length"')]
+        assert success == [len(PROMPTS)]
+        other = str(1 - rank)
+        assert f'engine="{other}"' not in text  # this server runs its rank only
+
+
+def test_external_load_balancing_refuses_experts_over_independent_ranks(mixtral):
+    pagoda = str(Path(sys.executable).parent / "pagoda")
+    done = subprocess.run([pagoda, "serve", str(mixtral), "--data-parallel-size", "2", "--data-parallel-rank", "1",
+                           "--enable-expert-parallel"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--enable-expert-parallel with --data-parallel-rank" in done.stderr

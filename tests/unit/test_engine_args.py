@@ -29,8 +29,8 @@ def no_loading(monkeypatch):
 @pytest.mark.parametrize("name,value", [
     ("speculative_config", {"method": "eagle", "num_speculative_tokens": 4}), ("cpu_offload_gb", 4.0),
     ("num_scheduler_steps", 8), ("enable_sleep_mode", True),
-    # data parallelism runs; bad sizes, ranks and ports, and external load balancing (not yet), are refused by name
-    ("data_parallel_size", 0), ("data_parallel_start_rank", 1), ("data_parallel_rank", 0),
+    # data parallelism runs; bad sizes, ranks and ports are refused by name
+    ("data_parallel_size", 0), ("data_parallel_start_rank", 1), ("data_parallel_rank", 1),
     ("data_parallel_rpc_port", 0), ("data_parallel_size_local", 2),
     ("tokenizer_mode", "mistral"), ("tokenizer_mode", "slow"), ("load_format", "pt"), ("load_format", "gguf"),
     ("kv_cache_dtype", "int8"), ("kv_cache_dtype", "fp8_e4m3fn"), ("calculate_kv_scales", True),
@@ -40,6 +40,19 @@ def no_loading(monkeypatch):
 def test_unsupported_or_bad_values_are_refused_by_name_before_loading(no_loading, name, value):
     with pytest.raises(InvalidParam) as err:
         create_engine_config(EngineArgs(model="/not/loaded", **{name: value}))
+    assert err.value.param == name and name in str(err.value)
+
+
+@pytest.mark.parametrize("values,name", [
+    (dict(data_parallel_rank=1, enable_expert_parallel=True), "enable_expert_parallel"),
+    (dict(data_parallel_rank=1, data_parallel_size_local=2), "data_parallel_size_local"),
+    (dict(data_parallel_rank=0, data_parallel_start_rank=1), "data_parallel_start_rank"),
+])
+def test_external_load_balancing_refuses_what_its_independent_ranks_cannot_run(no_loading, values, name):
+    """--data-parallel-rank R: this server is rank R alone, an independent engine; experts over every rank
+    (each rank its own endpoint) and many local ranks are refused, naming the field."""
+    with pytest.raises(InvalidParam) as err:
+        create_engine_config(EngineArgs(model="/not/loaded", data_parallel_size=2, **values))
     assert err.value.param == name and name in str(err.value)
 
 

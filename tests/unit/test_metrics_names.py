@@ -91,3 +91,35 @@ def test_data_parallel_ranks_are_series_of_their_own():
         assert got[("pagoda:kv_cache_usage_perc", labels)] == usage
         assert got[("pagoda:generation_tokens_total", labels)] == tokens
     assert not any(dict(labels).get("engine") == "2" for _, labels in got)
+
+
+def test_request_families_carry_the_engine_that_served_each_request():
+    """vLLM labels the request histograms and request_success with engine="<DP rank>": each request's series
+    is its rank's; with --data-parallel-rank R the one engine is R, not 0."""
+    from pagoda.engine.outputs import RankStats
+
+    stats = EngineStats(finished_reasons={"stop": 3, "length": 1},
+                        data_parallel=[RankStats(finished_reasons={"stop": 1}),
+                                       RankStats(finished_reasons={"stop": 2, "length": 1})])
+    metrics = ServerMetrics("m", lambda: stats, max_model_len=100, engines=range(2))
+    out = finished(5)
+    out.metrics.data_parallel_rank = 1
+    metrics.tracker(SamplingParams(max_tokens=9)).observe(out)
+    got = samples(metrics)
+    count = lambda family, engine: got[(f"pagoda:{family}_count", (("engine", engine), ("model_name", "m")))]  # noqa: E731
+    assert (count("e2e_request_latency_seconds", "0"), count("e2e_request_latency_seconds", "1")) == (0, 1)
+    assert (count("request_prompt_tokens", "0"), count("time_to_first_token_seconds", "1")) == (0, 1)
+    success = {(dict(labels)["engine"], dict(labels)["finished_reason"]): v for (name, labels), v in got.items()
+               if name == "pagoda:request_success_total"}
+    assert (success["0", "stop"], success["1", "stop"], success["1", "length"], success["0", "length"]) == (1, 2, 1, 0)
+
+    external = EngineStats(num_requests_waiting=2, finished_reasons={"stop": 4}, data_parallel_rank=3)
+    metrics = ServerMetrics("m", lambda: external, engines=[3])
+    out = finished(2)
+    out.metrics.data_parallel_rank = 3
+    metrics.tracker().observe(out)
+    got = samples(metrics)
+    assert got[("pagoda:num_requests_waiting", (("engine", "3"), ("model_name", "m")))] == 2
+    assert got[("pagoda:request_success_total", (("engine", "3"), ("finished_reason", "stop"), ("model_name", "m")))] == 4
+    assert got[("pagoda:e2e_request_latency_seconds_count", (("engine", "3"), ("model_name", "m")))] == 1
+    assert not any(dict(labels).get("engine") == "0" for _, labels in got)

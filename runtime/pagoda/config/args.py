@@ -192,7 +192,7 @@ def check_vllm_args(args: EngineArgs) -> None:
 def check_data_parallel_args(args: EngineArgs) -> None:
     """data_parallel_size > 1: the combinations the data-parallel engine does not run, refused by name."""
     check_data_parallel_nodes(args)
-    if args.data_parallel_size == 1:
+    if args.data_parallel_size == 1 or args.data_parallel_rank is not None:  # one rank: an ordinary engine
         return
     refused = {
         "pipeline_parallel_size": (args.pipeline_parallel_size > 1, "pipeline parallelism inside a DP rank"),
@@ -229,8 +229,27 @@ def check_data_parallel_nodes(args: EngineArgs) -> None:
         raise InvalidParam("data_parallel_start_rank", f"data_parallel_start_rank ({args.data_parallel_start_rank}) "
                                                        f"must be a multiple of data_parallel_size_local ({local})")
     if args.data_parallel_rank is not None:
-        raise InvalidParam("data_parallel_rank", "data_parallel_rank: one endpoint per DP rank (external load "
-                                                 "balancing) is not supported by Pagoda yet (docs/distributed.md)")
+        check_external_load_balancing(args)
+
+
+def check_external_load_balancing(args: EngineArgs) -> None:
+    """--data-parallel-rank R (vLLM's external load balancing): this server runs DP rank R alone, its own
+    endpoint; a router in front balances over the ranks. Here the ranks are independent engines, so experts
+    spread over ranks that other servers run are refused by name."""
+    if args.data_parallel_size_local not in (None, 1):
+        raise InvalidParam("data_parallel_size_local", f"data_parallel_size_local must be 1 (or unset) with "
+                                                       f"data_parallel_rank: each server runs its one rank; "
+                                                       f"got {args.data_parallel_size_local!r}")
+    if args.data_parallel_start_rank != 0:
+        raise InvalidParam("data_parallel_start_rank", "data_parallel_start_rank is for --headless nodes of one "
+                                                       "server's DP group; with data_parallel_rank each server is "
+                                                       "its own rank: leave it unset")
+    if args.enable_expert_parallel and args.data_parallel_size > 1:
+        raise InvalidParam("enable_expert_parallel", "enable_expert_parallel with data_parallel_rank (experts over "
+                                                     "every rank, each rank its own endpoint) is not supported by "
+                                                     "Pagoda yet: externally balanced ranks are independent engines; "
+                                                     "serve the group from one server (-dp N, with --headless "
+                                                     "nodes) for experts over every rank (docs/distributed.md)")
 
 
 def check_lora_args(args: EngineArgs) -> None:

@@ -82,6 +82,9 @@ class ParallelConfig:
     data_parallel_size: int = 1  # engines, each over its own TP group; the ranks are DP-major
     data_parallel_size_local: int = 0  # DP ranks on this node (0: all of them); fewer: DP over many nodes
     data_parallel_start_rank: int = 0  # the first DP rank this node runs (a --headless node: > 0)
+    # --data-parallel-rank R (external load balancing): this engine is DP rank R alone (data_parallel_size 1
+    # here): its KV events' data_parallel_rank and endpoint offset, its metrics' engine label
+    data_parallel_rank: int = 0
 
     @property
     def world_size(self) -> int:

@@ -40,7 +40,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     speculative = None
     if args.speculative_config is not None:
         speculative = SpeculativeConfig.from_dict(args.speculative_config)
-    world = args.data_parallel_size * args.tensor_parallel_size * args.pipeline_parallel_size
+    world = engine_data_parallel_size(args) * args.tensor_parallel_size * args.pipeline_parallel_size
     device = resolve_device(args.device)
     backend = _resolve_executor_backend(args, world, device)
     attention_backend = resolve_attention_backend(args.attention_backend, torch.device(device).type)
@@ -105,7 +105,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, distributed_timeout=args.distributed_timeout,
             pipeline_fill=args.pipeline_fill, enable_expert_parallel=args.enable_expert_parallel,
-            data_parallel_size=args.data_parallel_size), **_data_parallel_nodes(args)),
+            data_parallel_size=engine_data_parallel_size(args), data_parallel_rank=args.data_parallel_rank or 0),
+            **_data_parallel_nodes(args)),
         device=device,
         attention_backend=attention_backend,
         seed=args.seed,
@@ -135,11 +136,17 @@ def _cudagraph_capture_sizes(args: EngineArgs, device: str) -> tuple[int, ...]:
     return capture_sizes(args.compilation_config, args.max_num_seqs)
 
 
+def engine_data_parallel_size(args: EngineArgs) -> int:
+    """The DP ranks this engine runs: all of them, or with --data-parallel-rank (external load balancing) its
+    one rank, an independent engine."""
+    return 1 if args.data_parallel_rank is not None else args.data_parallel_size
+
+
 def _data_parallel_nodes(args: EngineArgs) -> dict:
     """DP over many nodes: this node's ranks, and the head's --data-parallel-address/--data-parallel-rpc-port,
     where every node's ranks meet (the group's rendezvous store, in place of --master-addr/--master-port)."""
     local = args.data_parallel_size_local or args.data_parallel_size
-    if local == args.data_parallel_size and args.data_parallel_address is None:
+    if args.data_parallel_rank is not None or (local == args.data_parallel_size and args.data_parallel_address is None):
         return {}
     return dict(data_parallel_size_local=local, data_parallel_start_rank=args.data_parallel_start_rank,
                 master_addr=args.data_parallel_address or "127.0.0.1", master_port=args.data_parallel_rpc_port)
@@ -184,7 +191,7 @@ def _resolve_executor_backend(args: "EngineArgs", world: int, device: str) -> st
 
     backend = args.distributed_executor_backend
     if backend is None:
-        if args.data_parallel_size > 1:  # the data-parallel engine drives its ranks from this process
+        if engine_data_parallel_size(args) > 1:  # the data-parallel engine drives its ranks from this process
             return "mp"
         if args.nnodes == 1 and ray_backend_wanted(world, device):
             logger.info("inside a Ray cluster and this node cannot hold all %d ranks: using the ray executor", world)
@@ -281,7 +288,7 @@ def _async_scheduling(args: "EngineArgs", speculative, device: str, backend: str
     if not wanted:
         return False
     why = ("tensor or pipeline parallelism" if args.tensor_parallel_size * args.pipeline_parallel_size > 1
-           else "data parallelism" if args.data_parallel_size > 1
+           else "data parallelism" if engine_data_parallel_size(args) > 1
            else f"the {backend} executor" if backend != "uni"
            else "speculative decoding" if speculative is not None else None)
     if why is not None:

@@ -333,6 +333,7 @@ class AsyncMPEngine(AsyncEngineBase):
             first.kv_transfer_params = delta.kv_transfer_params
         metrics = state.metrics
         metrics.first_scheduled_time = delta.metrics.first_scheduled_time
+        metrics.data_parallel_rank = delta.metrics.data_parallel_rank
         for start, scored in delta.prompt_logprobs:
             processor.process_prompt_logprobs(state, start, scored)
         produced = delta.result is not None

@@ -92,7 +92,7 @@ class CoreEngine(LLMEngine):
             seq = next((s for s in state.seqs if s.index == message.index), None)
             if seq is not None and not seq.is_finished:
                 self.core.finish(seq, message.reason, message.stop_reason)
-                self._count_finish(message.reason)
+                self._count_finish(message.reason, state)
         if not state.finished:
             return None
         self.requests.remove(state.request_id)

@@ -115,11 +115,12 @@ class DataParallelCore:
                 return rank
         return None
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence) -> int:
+        """Queue a sequence on the rank the balancer chooses; that rank."""
         rank = self.choose_rank(seq)
         self.num_added[rank] += 1
         self.prompt_tokens[rank] += seq.num_tokens
-        self.cores[rank].add(seq)
+        return self.cores[rank].add(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         rank = self.rank_of(seq.seq_id)
@@ -189,4 +190,4 @@ def create_core(config: EngineConfig, executor, num_blocks: int):
     """The engine's core: one EngineCore, or with data_parallel_size > 1 one per DP rank."""
     if config.parallel.data_parallel_size > 1:
         return DataParallelCore(config, executor, num_blocks)
-    return EngineCore(config, executor, num_blocks)
+    return EngineCore(config, executor, num_blocks, config.parallel.data_parallel_rank)

@@ -90,6 +90,7 @@ class StepTimer:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor, num_blocks: int, data_parallel_rank: int = 0):
         self.executor = executor
+        self.data_parallel_rank = data_parallel_rank
         cache = config.cache
         window = droppable_kv_window(config)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
@@ -118,8 +119,10 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling and depth == 1
         self.timer = StepTimer()
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence) -> int:
+        """Queue a sequence; the DP rank that serves it (this core's)."""
         min(self.schedulers, key=lambda sc: sc.num_unfinished).add(seq)
+        return self.data_parallel_rank
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """End a sequence (stopped, aborted, failed): its blocks are freed at once."""

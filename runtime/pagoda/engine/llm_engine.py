@@ -69,7 +69,9 @@ class LLMEngine:
         self.requests = RequestTable()
         dp = config.parallel.data_parallel_size  # every DP rank holds its own cache of num_blocks
         self.stats = EngineStats(num_blocks_total=num_blocks * dp,
-                                 num_swap_blocks_total=config.cache.num_swap_blocks * dp)
+                                 num_swap_blocks_total=config.cache.num_swap_blocks * dp,
+                                 data_parallel_rank=config.parallel.data_parallel_rank)
+        self.finished_by_rank: dict[int, dict[str, int]] = {}  # data parallelism: finished requests per rank
         self.stats_logger = StatsLogger(config.stats_log_interval) if config.log_stats else None
         hf = model.hf_config
         logger.info("loaded %s (%s, %d layers) dtype=%s dp=%d tp=%d pp=%d device=%s attention=%s in %.1fs",
@@ -135,7 +137,7 @@ class LLMEngine:
         state.add_seq(seq)
         self.requests.add(state)
         self.stats.prompt_tokens += len(prompt_token_ids)
-        self.core.add(seq)
+        state.metrics.data_parallel_rank = self.core.add(seq)
 
     def check_priority(self, priority: int) -> None:
         check_priority(priority, self.config.scheduler.scheduling_policy)
@@ -148,7 +150,7 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self.core.finish(seq, "abort")
-                self._count_finish("abort")
+                self._count_finish("abort", state)
         return state.to_output()
 
     def has_unfinished_requests(self) -> bool:
@@ -199,10 +201,12 @@ class LLMEngine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self.core.finish(seq, "error")
-        self._count_finish("error")
+        self._count_finish("error", state)
 
-    def _count_finish(self, reason: str) -> None:
+    def _count_finish(self, reason: str, state: RequestState) -> None:
         self.stats.finished_reasons[reason] = self.stats.finished_reasons.get(reason, 0) + 1
+        by_reason = self.finished_by_rank.setdefault(state.metrics.data_parallel_rank, {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
 
     def get_stats(self) -> EngineStats:
         s = self.stats
@@ -243,6 +247,8 @@ class LLMEngine:
         s.num_step_gaps, s.step_gap_seconds = timer.num_gaps, timer.gap_seconds
         if hasattr(self.core, "rank_stats"):  # data parallelism: each rank's share too
             s.data_parallel = self.core.rank_stats()
+            for rank, share in enumerate(s.data_parallel):
+                share.finished_reasons = dict(self.finished_by_rank.get(rank, {}))
         return EngineStats(**{**vars(s), "finished_reasons": dict(s.finished_reasons),
                               "iteration_tokens_counts": list(s.iteration_tokens_counts),
                               "expert_tokens": {layer: list(c) for layer, c in s.expert_tokens.items()},
@@ -298,7 +304,7 @@ class _EngineStepObserver(StepObserver):
             return
         state.result = result
         self.engine.core.finish(seq, "stop")
-        self.engine._count_finish("stop")
+        self.engine._count_finish("stop", state)
         state.metrics.first_token_time = state.metrics.last_token_time = self.now
         self.changed[state.request_id] = state
 
@@ -316,7 +322,7 @@ class _EngineStepObserver(StepObserver):
         else:
             if stop is not None:
                 engine.core.finish(seq, stop.reason, stop.stop_reason)
-                engine._count_finish(stop.reason)
+                engine._count_finish(stop.reason, state)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = self.now
             state.metrics.last_token_time = self.now

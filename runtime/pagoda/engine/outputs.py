@@ -33,6 +33,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    data_parallel_rank: int = 0  # the DP rank (engine) that served it: its request metrics' engine label
 
 
 @dataclass
@@ -89,6 +90,7 @@ class RankStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
+    finished_reasons: dict[str, int] = field(default_factory=dict)  # the rank's finished requests by reason
 
 
 @dataclass
@@ -144,6 +146,8 @@ class EngineStats:
     step_gap_seconds: float = 0.0
     # data parallelism: each rank's share, by rank (empty with one rank)
     data_parallel: list[RankStats] = field(default_factory=list)
+    # the DP rank of this engine's first (or only) rank: --data-parallel-rank R's R, else 0; /metrics' engine label
+    data_parallel_rank: int = 0
 
     def add_expert_tokens(self, step: dict[int, list[int]]) -> None:
         for layer, counts in step.items():

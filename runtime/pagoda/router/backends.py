@@ -35,6 +35,9 @@ class Backend:
     running: float = 0.0  # pagoda:num_requests_running, scraped
     kv_usage: float = 0.0  # pagoda:kv_cache_usage_perc, scraped (0..1)
     models: frozenset[str] = frozenset()  # the ids its /v1/models lists (base model, resident adapters)
+    # its engines (DP ranks), the engine labels of its /metrics: rank r publishes KV events on the port + r
+    # (0..N-1 behind one `serve -dp N`; R alone for a `--data-parallel-rank R` server)
+    engines: tuple[int, ...] = (0,)
     last_error: str | None = None
     down_since: float | None = field(default_factory=time.monotonic)
 

@@ -46,6 +46,19 @@ Pagoda's are missing."""
     return values
 
 
+def parse_engines(text: str) -> tuple[int, ...]:
+    """The engines (DP ranks) a replica's /metrics labels its queue with, engine="<rank>" (vLLM's and
+    Pagoda's); (0,) for a server without the label."""
+    ranks = set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("pagoda:num_requests_waiting", "vllm:num_requests_waiting"):
+                engine = sample.labels.get("engine", "")
+                if engine.isdigit():
+                    ranks.add(int(engine))
+    return tuple(sorted(ranks)) or (0,)
+
+
 class HealthMonitor:
     def __init__(self, pool: BackendPool, on_change: Callable[[Backend, bool], None] | None = None,
                  interval: float = PROBE_INTERVAL, timeout: float = PROBE_TIMEOUT, api_key: str | None = None):
@@ -65,8 +78,10 @@ class HealthMonitor:
             if healthy and scrape:
                 async with self.session.get(backend.url + "/metrics") as r:
                     if r.status == 200:
-                        for field, value in parse_load(await r.text()).items():
+                        text = await r.text()
+                        for field, value in parse_load(text).items():
                             setattr(backend, field, value)
+                        backend.engines = parse_engines(text)
                 async with self.session.get(backend.url + "/v1/models", headers=self.auth) as r:
                     if r.status == 200:  # without the key (401) the router just doesn't route by model
                         data = (await r.json()).get("data") or []

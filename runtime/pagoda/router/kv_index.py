@@ -16,6 +16,10 @@ has routed there and whose blocks have not arrived yet (so a burst of requests d
 replica before its events tell). Under cache pressure a replica evicts about what it stores, and a cached
 history survives about (its cache) / (its churn): the precise policy sends new conversations where the
 churn is lowest, which spreads the evictions.
+
+A data-parallel replica has one event stream per engine (DP rank), each with its own numbers and cache: an
+entry per stream, keyed `stream_key(url, engine)`; what the precise policy asks of a replica (its longest
+run held, its churn) is read over its streams: the run of the rank that holds the most, the churn summed.
 """
 
 from __future__ import annotations
@@ -90,9 +94,31 @@ class ReplicaBlocks:
                 "clears": self.clears, "churn": round(self.churn.value(time.monotonic()), 1)}
 
 
+ENGINE_SEPARATOR = "#engine="
+
+
+def stream_key(url: str, engine: int = 0) -> str:
+    """The index key of a replica's engine `engine`'s events: the URL itself for engine 0."""
+    return url if engine == 0 else f"{url}{ENGINE_SEPARATOR}{engine}"
+
+
+def split_stream_key(key: str) -> tuple[str, int]:
+    url, _, engine = key.partition(ENGINE_SEPARATOR)
+    return url, int(engine or 0)
+
+
 class KVIndex:
     def __init__(self) -> None:
-        self.replicas: dict[str, ReplicaBlocks] = {}
+        self.replicas: dict[str, ReplicaBlocks] = {}  # by stream_key (a replica's URL for its engine 0)
+
+    def entries(self, url: str) -> list[ReplicaBlocks]:
+        """The entries of a replica's streams (one per engine heard from)."""
+        return [entry for key, entry in self.replicas.items() if split_stream_key(key)[0] == url]
+
+    def entry(self, url: str) -> ReplicaBlocks | None:
+        """One of the replica's entries that knows its block size (all its engines share the model's)."""
+        entries = self.entries(url)
+        return next((e for e in entries if e.block_size is not None), entries[0] if entries else None)
 
     def replica(self, url: str) -> ReplicaBlocks:
         return self.replicas.setdefault(url, ReplicaBlocks())
@@ -158,29 +184,36 @@ class KVIndex:
         entry.last_seq = resume_at - 1
 
     def match(self, url: str, hashes: list[int]) -> int:
-        """How many leading blocks of the chain the replica's cache holds now."""
-        entry = self.replicas.get(url)
-        if entry is None:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in entry.device:
-                break
-            n += 1
-        return n
+        """How many leading blocks of the chain the replica's cache holds now (its engine that holds most:
+        the replica's own balancer sends a request to the rank whose cache holds its prompt)."""
+        best = 0
+        for entry in self.entries(url):
+            n = 0
+            for h in hashes:
+                if h not in entry.device:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
 
     def churn(self, url: str, now: float | None = None) -> float:
-        """The replica's cache churn now (blocks, decayed; 0 for a replica not heard from)."""
-        entry = self.replicas.get(url)
-        return 0.0 if entry is None else entry.churn.value(time.monotonic() if now is None else now)
+        """The replica's cache churn now, over its engines (blocks, decayed; 0 for a replica not heard from)."""
+        now = time.monotonic() if now is None else now
+        return sum(entry.churn.value(now) for entry in self.entries(url))
 
     def expect(self, url: str, blocks: float, now: float | None = None) -> None:
         """The router sent the replica a request that will store about `blocks` new blocks."""
         if blocks > 0:
-            self.replica(url).churn.add_expected(blocks, time.monotonic() if now is None else now)
+            entry = self.entry(url) or self.replica(url)
+            entry.churn.add_expected(blocks, time.monotonic() if now is None else now)
 
     def forget(self, url: str) -> None:
-        self.replicas.pop(url, None)
+        """Drop a replica: the entries of all its streams."""
+        for key in [k for k in self.replicas if split_stream_key(k)[0] == url]:
+            del self.replicas[key]
+
+    def forget_stream(self, key: str) -> None:
+        self.replicas.pop(key, None)
 
     def summary(self) -> dict[str, dict]:
         return {url: entry.summary() for url, entry in sorted(self.replicas.items())}

@@ -3,7 +3,9 @@
 A backend's event endpoints come from templates over its URL (``--kv-events-endpoint``, default
 ``tcp://{host}:5557``; ``--kv-events-replay-endpoint``, e.g. ``tcp://{host}:5558``), so the same discovery
 that finds the backends (flags or EndpointSlices) finds their events. Membership is followed: a backend
-that joins is subscribed, one that leaves is dropped with its entry.
+that joins is subscribed, one that leaves is dropped with its entry. A data-parallel backend publishes one
+stream per engine (DP rank r on the endpoint's port + r, as vLLM offsets them): the subscriber follows each
+engine its /metrics labels (`Backend.engines`), each stream its own index entry (kv_index.stream_key).
 
 A publisher that restarts (numbering from 0 again) must not leave its old blocks in the index: a number at
 or below the last one is a restart; a gap, and the first batch after the subscription reconnected (a ZMQ
@@ -23,9 +25,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pagoda.config.kv_events import offset_endpoint
 from pagoda.core.kv_events import KVEventBatch
 from pagoda.router.backends import BackendPool
-from pagoda.router.kv_index import KVIndex
+from pagoda.router.kv_index import KVIndex, split_stream_key, stream_key
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +37,15 @@ REPLAY_TIMEOUT = 5.0
 MEMBERSHIP_INTERVAL = 0.5
 
 
-def endpoint_for(template: str, backend_url: str) -> str:
-    """`tcp://{host}:5557` -> `tcp://10.0.0.5:5557` for http://10.0.0.5:8000 ({port}: the HTTP port)."""
+def endpoint_for(template: str, backend_url: str, engine: int = 0) -> str:
+    """`tcp://{host}:5557` -> `tcp://10.0.0.5:5557` for http://10.0.0.5:8000 ({port}: the HTTP port);
+    engine r (a DP rank) -> port 5557 + r."""
     parts = urlsplit(backend_url)
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    return template.format(host=host, port=parts.port or (443 if parts.scheme == "https" else 80))
+    endpoint = template.format(host=host, port=parts.port or (443 if parts.scheme == "https" else 80))
+    return offset_endpoint(endpoint, engine) if engine else endpoint
 
 
 class KVEventSubscriber:
@@ -58,12 +63,12 @@ class KVEventSubscriber:
     async def run(self) -> None:
         try:
             while True:
-                wanted = {b.url for b in self.pool.all()}
-                for url in wanted - set(self.tasks):
-                    self.tasks[url] = asyncio.create_task(self.follow(url))
-                for url in set(self.tasks) - wanted:
-                    self.tasks.pop(url).cancel()
-                    self.index.forget(url)
+                wanted = {stream_key(b.url, engine) for b in self.pool.all() for engine in b.engines}
+                for key in wanted - set(self.tasks):
+                    self.tasks[key] = asyncio.create_task(self.follow(key))
+                for key in set(self.tasks) - wanted:
+                    self.tasks.pop(key).cancel()
+                    self.index.forget_stream(key)
                 await asyncio.sleep(MEMBERSHIP_INTERVAL)
         finally:
             for task in self.tasks.values():
@@ -72,9 +77,10 @@ class KVEventSubscriber:
             self.context.destroy(linger=0)
 
     async def follow(self, url: str) -> None:
+        """Follow one stream: `url` is its stream key (a backend's URL, with its engine past engine 0)."""
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        endpoint = endpoint_for(self.endpoint, url)
+        endpoint = endpoint_for(self.endpoint, *split_stream_key(url))
         # a reconnection may be to a restarted publisher whose first batches were sent to nobody
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(endpoint)  # ZMQ reconnects by itself while the replica is down or restarting
@@ -167,7 +173,7 @@ class KVEventSubscriber:
         if self.replay_endpoint is None:
             return None
         dealer = self.context.socket(zmq.DEALER)
-        dealer.connect(endpoint_for(self.replay_endpoint, url))
+        dealer.connect(endpoint_for(self.replay_endpoint, *split_stream_key(url)))
         got = {}
         try:
             await dealer.send_multipart((b"", first.to_bytes(8, "big")))

@@ -97,7 +97,7 @@ class Precise(Policy):
                 return
 
     def hashes_for(self, request: RoutingRequest, url: str) -> list[int]:
-        entry = self.index.replicas.get(url)
+        entry = self.index.entry(url)
         if not request.token_ids or entry is None or entry.block_size is None:
             return []
         root = lora_root(request.model) if request.model in entry.lora_names else BASE_ROOT
@@ -118,7 +118,7 @@ class Precise(Policy):
         n = len(candidates)
         order = [candidates[(self.turn + i) % n] for i in range(n)]
         allowed = [b for b in order if within_bound(b, candidates)] or order
-        known = {b.url: self.index.churn(b.url, now) for b in candidates if b.url in self.index.replicas}
+        known = {b.url: self.index.churn(b.url, now) for b in candidates if self.index.entries(b.url)}
         unknown = sum(known.values()) / len(known) if known else 0.0
         return min(allowed, key=lambda b: (known.get(b.url, unknown), -matches.get(b.url, 0), b.load()))
 
@@ -150,7 +150,7 @@ class Precise(Policy):
         """Count the blocks the request will store there (its prompt past the run held, and its answer's, at
         most) until the replica's events bring the real ones."""
         url = decision.backend.url
-        entry = self.index.replicas.get(url)
+        entry = self.index.entry(url)
         if not request.token_ids or entry is None or not entry.block_size:
             return
         body = request.body or {}

@@ -143,7 +143,9 @@ def _attach_engine(state: ServerState, engine) -> None:
     state.metrics = ServerMetrics(name, engine.get_stats, max_model_len=config.model.max_model_len,
                                   cache_info=cache_info,
                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                                  vllm_names=state.server_args.metrics_vllm_names)
+                                  vllm_names=state.server_args.metrics_vllm_names,
+                                  engines=range(config.parallel.data_parallel_rank, config.parallel.data_parallel_rank
+                                                + config.parallel.data_parallel_size))
     state.admission = Admission(config.scheduler.max_num_seqs, state.server_args.max_queued_requests)
     state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission)
     state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission,

@@ -2,14 +2,16 @@
 
 Gauges and counters are read from the engine's `EngineStats` at scrape time (a custom collector: the
 engine already counts, so nothing is counted twice); per-request histograms are observed here, from each
-request's timestamps and sizes, as its outputs arrive. With `vllm_names` (`--metrics-vllm-names`) every
+request's timestamps and sizes, as its outputs arrive. Per-engine families (the request histograms, request
+success, the scheduler's gauges) carry engine="<DP rank>", as vLLM's: "0" without data parallelism, R on a
+--data-parallel-rank R server. With `vllm_names` (`--metrics-vllm-names`) every
 family is published a second time under `vllm:` (and `pagoda:kv_cache_usage_perc` also as V0's
 `vllm:gpu_cache_usage_perc`), so dashboards, autoscaler triggers and the Gateway API Inference Extension
 written for vLLM read Pagoda unchanged.
 """
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -72,7 +74,7 @@ class EngineStatsCollector(Collector):
             """A series per engine (data-parallel rank), labelled engine="<rank>" as vLLM's; engine="0" alone
             without data parallelism."""
             family = kind(PREFIX + name, doc, labels=[*labels, "engine"])
-            for rank, share in enumerate(stats.data_parallel or [stats]):
+            for rank, share in enumerate(stats.data_parallel or [stats], start=stats.data_parallel_rank):
                 family.add_metric([*values, str(rank)], getattr(share, field))
             return family
 
@@ -122,9 +124,10 @@ class EngineStatsCollector(Collector):
                 per_pos.add_metric([self.model_name, str(position)], accepted)
             yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests by finish reason.",
-                                      labels=["model_name", "finished_reason"])
-        for reason in sorted({"stop", "length", "abort", *stats.finished_reasons}):
-            success.add_metric([self.model_name, reason], stats.finished_reasons.get(reason, 0))
+                                      labels=["model_name", "engine", "finished_reason"])
+        for rank, share in enumerate(stats.data_parallel or [stats], start=stats.data_parallel_rank):
+            for reason in sorted({"stop", "length", "abort", *share.finished_reasons}):
+                success.add_metric([self.model_name, str(rank), reason], share.finished_reasons.get(reason, 0))
         yield success
         yield self._iteration_tokens(stats)
         # the engine's step timer: forward passes, and the gaps between them while work waited
@@ -198,7 +201,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, get_stats: Callable[[], EngineStats | None], *, max_model_len: int = 8192,
                  cache_info: dict[str, str] | None = None, max_num_batched_tokens: int | None = None,
-                 vllm_names: bool = False):
+                 vllm_names: bool = False, engines: Iterable[int] = (0,)):
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(get_stats, model_name, cache_info, max_num_batched_tokens))
         self.vllm_registry: CollectorRegistry | None = None
@@ -207,30 +210,37 @@ class ServerMetrics:
             self.vllm_registry.register(VllmNamesCollector(self.registry))
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(PREFIX + name, doc, ["model_name", "engine"], buckets=buckets, registry=self.registry)
 
+        self.model_name = model_name
         self.max_model_len = max_model_len
         token_buckets = buckets_1_2_5(max_model_len)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
-        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Per request: decode time over its output tokens after the first.", _TPOT_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                 _LATENCY_BUCKETS)
-        self.decode = histogram("request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS)
-        self.inference = histogram("request_inference_time_seconds", "First scheduled to last token.",
-                                   _LATENCY_BUCKETS)
-        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.",
-                                       token_buckets)
-        self.generation_tokens = histogram("request_generation_tokens",
-                                           "Generated tokens per finished request (all its n outputs).",
-                                           token_buckets)
-        self.params_n = histogram("request_params_n", "The n of finished requests.", _PARAMS_N_BUCKETS)
-        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of finished requests.",
-                                           token_buckets)
+        self.families = dict(
+            ttft=histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+            itl=histogram("inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS),
+            e2e=histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS),
+            queue=histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS),
+            tpot=histogram("request_time_per_output_token_seconds",
+                           "Per request: decode time over its output tokens after the first.", _TPOT_BUCKETS),
+            prefill=histogram("request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS),
+            decode=histogram("request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS),
+            inference=histogram("request_inference_time_seconds", "First scheduled to last token.",
+                                _LATENCY_BUCKETS),
+            prompt_tokens=histogram("request_prompt_tokens", "Prompt tokens per finished request.", token_buckets),
+            generation_tokens=histogram("request_generation_tokens",
+                                        "Generated tokens per finished request (all its n outputs).", token_buckets),
+            params_n=histogram("request_params_n", "The n of finished requests.", _PARAMS_N_BUCKETS),
+            params_max_tokens=histogram("request_params_max_tokens", "The max_tokens of finished requests.",
+                                        token_buckets))
+        self._engines: dict[int, EngineHistograms] = {}
+        for rank in engines:  # each engine's series exported (at zero) before its first request
+            self.engine(rank)
+
+    def engine(self, rank: int) -> "EngineHistograms":
+        """The per-request histograms of engine (DP rank) `rank`."""
+        if rank not in self._engines:
+            self._engines[rank] = EngineHistograms(self.families, self.model_name, rank)
+        return self._engines[rank]
 
     def render(self) -> bytes:
         body = generate_latest(self.registry)
@@ -240,6 +250,14 @@ class ServerMetrics:
 
     def tracker(self, params: SamplingParams | None = None) -> "RequestTracker":
         return RequestTracker(self, params)
+
+
+class EngineHistograms:
+    """One engine's series of each per-request histogram (ServerMetrics.families' names)."""
+
+    def __init__(self, families: dict[str, Histogram], model_name: str, rank: int):
+        for name, family in families.items():
+            setattr(self, name, family.labels(model_name, str(rank)))
 
 
 class RequestTracker:
@@ -257,10 +275,11 @@ class RequestTracker:
         m = out.metrics
         if m is None or self.done:
             return
+        engine = self.metrics.engine(m.data_parallel_rank)
         if m.first_token_time is not None and self.last_token_time is None:
-            self.metrics.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
+            engine.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
             if m.first_scheduled_time is not None:
-                self.metrics.queue.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+                engine.queue.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
             self.last_token_time = m.first_token_time
             # the first step's token of each choice is the TTFT's; later ones are inter-token intervals
             self.num_tokens = {c.index: min(len(c.token_ids), 1) for c in out.outputs}
@@ -273,7 +292,7 @@ class RequestTracker:
                     continue
                 # outputs may bunch up behind a slow client: spread the interval over the tokens it carried
                 for _ in range(new):
-                    self.metrics.itl.observe(interval / new)
+                    engine.itl.observe(interval / new)
                 self.num_tokens[c.index] = len(c.token_ids)
                 observed = True
             if observed:
@@ -282,18 +301,18 @@ class RequestTracker:
             self.done = True
             end = m.finished_time or m.last_token_time
             if end is not None:
-                self.metrics.e2e.observe(max(end - m.arrival_time, 0.0))
-            self._observe_finished(out)
+                engine.e2e.observe(max(end - m.arrival_time, 0.0))
+            self._observe_finished(out, engine)
 
-    def _observe_finished(self, out: RequestOutput) -> None:
-        m, metrics = out.metrics, self.metrics
+    def _observe_finished(self, out: RequestOutput, metrics: EngineHistograms) -> None:
+        m = out.metrics
         metrics.prompt_tokens.observe(len(out.prompt_token_ids))
         metrics.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
         if isinstance(self.params, SamplingParams):  # not an embedding request's PoolingParams
             metrics.params_n.observe(self.params.n)
             max_tokens = self.params.max_tokens  # None: up to the context length
             metrics.params_max_tokens.observe(max_tokens if max_tokens is not None
-                                              else max(metrics.max_model_len - len(out.prompt_token_ids), 0))
+                                              else max(self.metrics.max_model_len - len(out.prompt_token_ids), 0))
         if m.first_token_time is None or m.last_token_time is None:  # ended before its first token
             return
         decode = max(m.last_token_time - m.first_token_time, 0.0)
