@@ -198,6 +198,10 @@ def plan(out: Path, dry_run: bool, workers: int) -> list[Step]:
               *throughput], 150, json_file="bench-throughput.json"),
         Step("serve", "pagoda serve on the device (engine core process), one completion over HTTP",
              [sys.executable, here, "serve-smoke", "--out", str(out)], 60),
+        Step("data-parallel", "a tiny MoE with experts split over the ranks (enable_expert_parallel) vs not: "
+                              "greedy tokens equal, tokens/s of each; DP=1 with EP over TP on one GPU, DP=2 + EP "
+                              "too where two GPUs answer",
+             [sys.executable, here, "data-parallel"], 60),
     ]
     if dry_run:  # the interpreter on a shared CPU: the same steps, slower
         for step in steps:
@@ -739,6 +743,64 @@ def serve_smoke(args) -> int:
             server.wait()
 
 
+def data_parallel_check(args) -> int:
+    """Data parallelism with experts over every rank (docs/distributed.md) on this device: a float32 tiny
+    Mixtral (4 experts, top-2), its experts split over the ranks (enable_expert_parallel) against one process
+    without: greedy tokens equal, and each one's generated tokens/s over a batch. One GPU holds DP=1 (EP over
+    its TP group); DP=2 + EP runs where two GPUs answer (NCCL takes one device per rank), and in the CPU
+    rehearsal. Prints one JSON line."""
+    import gc
+
+    import torch
+
+    from pagoda import LLM, SamplingParams
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from checkpoints import write_tiny_model
+
+    cuda = torch.cuda.is_available()
+    model = SCRATCH / "dp-tiny-mixtral"
+    if not (model / "config.json").exists():
+        write_tiny_model(model, "mixtral", num_layers=2)
+    prompts = [f"Prompt {i}: the experts of layer {i % 3} answer" for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def run(**kwargs) -> tuple[list, float]:
+        llm = LLM(str(model), dtype="float32", kv_cache_memory=0.2 if cuda else 0.05, max_num_seqs=16, **kwargs)
+        try:
+            llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+        finally:
+            llm.shutdown()
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        tokens = [o.outputs[0].token_ids for o in outs]
+        return tokens, sum(map(len, tokens)) / seconds
+
+    result: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (rehearsal: timings meaningless)",
+                    "model": "tiny random Mixtral, float32", "requests": len(prompts), "max_tokens": 32}
+    reference, result["one_process_tok_s"] = run()
+    shapes = {"dp1_ep": dict(enable_expert_parallel=True)}
+    if not cuda or torch.cuda.device_count() >= 2:  # (the rehearsal: two CPU processes over gloo)
+        shapes["dp2_ep"] = dict(enable_expert_parallel=True, data_parallel_size=2)
+    else:
+        result["dp2_ep"] = "skipped: DP=2 needs two devices (one GPU: DP=1 with EP over TP is the comparison)"
+    ok = True
+    for name, kwargs in shapes.items():
+        tokens, rate = run(**kwargs)
+        equal = tokens == reference
+        ok &= equal
+        result[name] = {"tokens_equal_one_process": equal, "tok_s": round(rate, 1),
+                        "vs_one_process": round(rate / result["one_process_tok_s"], 2)}
+    result["one_process_tok_s"] = round(result["one_process_tok_s"], 1)
+    result["passed"] = ok
+    print(f"data-parallel: {json.dumps(result)}")
+    return 0 if ok else 1
+
+
 # ---- the command line ----
 
 def parse_args(argv):
@@ -771,6 +833,7 @@ def parse_args(argv):
     g = sub.add_parser("cuda-graphs")
     g.add_argument("--model-dir", required=True)
     g.add_argument("--out", required=True)
+    sub.add_parser("data-parallel")
     args = p.parse_args(argv)
     if args.command in ("run", "plan", "check-args"):
         if args.budget is None:
@@ -819,7 +882,8 @@ def main(argv=None) -> int:
     if args.command == "check-args":
         return check_args(args)
     return {"run": run, "environment": environment, "throughput": throughput,
-            "serve-smoke": serve_smoke, "cuda-graphs": cuda_graphs_check}[args.command](args)
+            "serve-smoke": serve_smoke, "cuda-graphs": cuda_graphs_check,
+            "data-parallel": data_parallel_check}[args.command](args)
 
 
 if __name__ == "__main__":

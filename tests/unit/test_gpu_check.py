@@ -152,7 +152,7 @@ def test_plan_keeps_to_what_comes_back(tmp_path):
     for dry_run in (False, True):
         steps = gpu_check.plan(tmp_path, dry_run, 8)
         assert [s.name for s in steps] == ["environment", "kernels", "engine", "cuda-graphs", "bench-kernels",
-                                           "bench-throughput", "serve"]
+                                           "bench-throughput", "serve", "data-parallel"]
         outputs = {"gpu-check.log", "gpu-check.json"} | {s.junit for s in steps if s.junit} | \
             {s.json_file for s in steps if s.json_file}
         assert len(outputs) <= 8
@@ -165,7 +165,7 @@ def test_plan_keeps_to_what_comes_back(tmp_path):
 
 def test_check_args_and_errors(tmp_path, capsys):
     assert gpu_check.main(["check-args", "--out", str(tmp_path / "out")]) == 0
-    assert "7 steps: environment, kernels" in capsys.readouterr().out
+    assert "8 steps: environment, kernels" in capsys.readouterr().out
     for argv, message in ((["--only", "nope"], "--only: unknown step(s) nope"),
                           (["--budget", "10"], "--budget must be at least 60"),
                           (["--workers", "0"], "--workers must be >= 1"),
@@ -183,7 +183,8 @@ def test_the_shell_entry_point_checks_its_arguments_without_torch(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--check-args"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "7 steps: environment, kernels, engine, cuda-graphs, bench-kernels, bench-throughput, serve" in done.stdout
+    assert ("8 steps: environment, kernels, engine, cuda-graphs, bench-kernels, bench-throughput, serve, "
+            "data-parallel") in done.stdout
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--plan", "--only", "engine"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("engine (limit") and "tests/gpu" in done.stdout
