@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import copy
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -82,8 +83,11 @@ def expand(text: str, env: dict[str, str]) -> str:
                   lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
-def field_ref(pod: dict[str, Any], path: str) -> str:
-    """The downward API's value (the pod's address is not known before its container starts)."""
+def field_ref(pod: dict[str, Any], path: str, ip: str = "") -> str:
+    """The downward API's value; status.podIP only where the runner fixed the pod's address before its start
+    (`ip`, see PodRunner._address)."""
+    if path == "status.podIP" and ip:
+        return ip
     meta = pod["metadata"]
     simple = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
               "metadata.uid": meta.get("uid", ""), "spec.nodeName": NODE_NAME,
@@ -149,6 +153,8 @@ class PodRunner:
         self.pods: dict[str, PodState] = {}
         self.terminating: dict[str, asyncio.Task] = {}
         self.gateway = ""
+        self.subnet = ""
+        self.addresses: set[str] = set()  # fixed with --ip for pods that read status.podIP
         self.http: aiohttp.ClientSession | None = None
         self.task: asyncio.Task | None = None
         self.errors: list[str] = []  # what the runner could not do, for the test to show
@@ -162,6 +168,7 @@ class PodRunner:
             await podman("network", "create", self.network)
         info = json.loads(await podman("network", "inspect", self.network))[0]
         self.gateway = info["subnets"][0]["gateway"]
+        self.subnet = info["subnets"][0]["subnet"]
         self.http = aiohttp.ClientSession(base_url=self.api_url)
         self.task = asyncio.create_task(self._loop())
 
@@ -371,18 +378,20 @@ class PodRunner:
             raise UnsupportedPodSpec("one container and no init containers per pod")
         container = containers[0]
         env: dict[str, str] = self.service_links(services) if spec.get("enableServiceLinks", True) else {}
+        ip = self._address() if any(((var.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+                                    == "status.podIP" for var in container.get("env") or []) else ""
         for var in container.get("env") or []:
             if "value" in var:
                 env[var["name"]] = expand(str(var["value"]), env)
             elif "fieldRef" in (var.get("valueFrom") or {}):
-                env[var["name"]] = field_ref(pod, var["valueFrom"]["fieldRef"]["fieldPath"])
+                env[var["name"]] = field_ref(pod, var["valueFrom"]["fieldRef"]["fieldPath"], ip)
             elif (var.get("valueFrom") or {}).get("secretKeyRef", {}).get("optional"):
                 continue  # an optional Secret the harness has none of
             else:
                 raise UnsupportedPodSpec(f"env {var['name']}: {var.get('valueFrom')}")
         args = ["run", "-d", *PODMAN_RUN_FLAGS, *ULIMITS, "--name", container_name,
                 "--label", f"pagoda-e2e={self.network}/{self.ns}", "--network", self.network,
-                "--hostname", spec.get("hostname") or pod["metadata"]["name"][:63]]
+                "--hostname", spec.get("hostname") or pod["metadata"]["name"][:63]] + (["--ip", ip] if ip else [])
         for alias in self._aliases(pod, governing, services):
             args += ["--network-alias", alias]
         pod_security = spec.get("securityContext") or {}
@@ -409,6 +418,16 @@ class PodRunner:
             args += ["--entrypoint", json.dumps([expand(c, env) for c in container["command"]])]
         image = self.image_aliases.get(container["image"], container["image"])
         return args + [image, *(expand(a, env) for a in container.get("args") or [])]
+
+    def _address(self) -> str:
+        """An address for a pod whose env reads status.podIP (P/D's NIXL side channel host), fixed before its
+        start: from the top of the subnet, where podman's own allocation (from the bottom) does not reach."""
+        live = {state.ip for state in self.pods.values()} | self.addresses
+        for host in reversed(list(ipaddress.ip_network(self.subnet).hosts())):
+            if str(host) not in live and str(host) != self.gateway:
+                self.addresses.add(str(host))
+                return str(host)
+        raise UnsupportedPodSpec(f"no free address in {self.subnet} for status.podIP")
 
     async def _create_container(self, pod: dict[str, Any], governing: str, services: list[dict]) -> None:
         name = pod["metadata"]["name"]
