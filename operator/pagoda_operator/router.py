@@ -81,11 +81,13 @@ def router_args(spec: DeploymentSpec) -> list[str]:
 def disaggregated_router_args(spec: DeploymentSpec) -> list[str]:
     """spec.prefill: the router's P/D mode (pagoda.router.disaggregated). The decode heads come from Service X,
     the prefill heads from Service X-prefill; a prefill pod is chosen by router.policy (prefix: the pod most
-    likely to hold the prompt's prefix), a decode pod by load."""
+    likely to hold the prompt's prefix), a decode pod by load; a prompt under router.pdThreshold tokens skips the
+    prefill."""
     assert spec.router is not None
     return ["router", "--k8s-service", head_service_name(spec), "--prefill-k8s-service", prefill_service_name(spec),
             "--namespace", spec.namespace, "--policy", "least-load", "--prefill-policy", spec.router.policy,
-            "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+            "--host", "0.0.0.0", "--port", str(HTTP_PORT)] + (
+        ["--pd-threshold", str(spec.router.pd_threshold)] if spec.router.pd_threshold else [])
 
 
 def build_router_service_account(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:

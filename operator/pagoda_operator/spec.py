@@ -619,6 +619,7 @@ class RouterSpec:
     resources: dict[str, Any] | None = None
     mode: str = "proxy"  # proxy: Service X-router, the OpenAI endpoint; epp: Service X-epp, the endpoint picker
     failure_mode: str = "FailOpen"
+    pd_threshold: int = 0  # with spec.prefill: prompts under this many tokens skip the prefill (llm-d's pd-threshold)
 
 
 def parse_router(raw: Any) -> RouterSpec | None:
@@ -638,7 +639,9 @@ def parse_router(raw: Any) -> RouterSpec | None:
     failure_mode = raw.get("failureMode", "FailOpen")
     if failure_mode not in FAILURE_MODES:
         raise InvalidSpec(f"router.failureMode must be one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}")
-    return RouterSpec(policy=policy, replicas=replicas, resources=resources, mode=mode, failure_mode=failure_mode)
+    pd_threshold = _int(raw.get("pdThreshold", 0), "router.pdThreshold", 0)
+    return RouterSpec(policy=policy, replicas=replicas, resources=resources, mode=mode, failure_mode=failure_mode,
+                      pd_threshold=pd_threshold)
 
 
 # ----- spec.adapters (LoRA) -----
@@ -794,6 +797,9 @@ def prefill_view(spec: DeploymentSpec) -> DeploymentSpec:
 def check_prefill(spec: DeploymentSpec) -> None:
     """Rules across spec.prefill and the rest of the spec."""
     if spec.prefill is None:
+        if spec.router is not None and spec.router.pd_threshold:
+            raise InvalidSpec("router.pdThreshold needs spec.prefill: without prefill pods every prompt is decoded "
+                              "where it is prefilled")
         return
     router = spec.router
     if router is None or router.mode != "proxy":

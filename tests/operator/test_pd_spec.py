@@ -162,11 +162,12 @@ def test_pod_and_router_args_parse_with_the_runtime_parsers(monkeypatch):
     monkeypatch.setattr(router_kubernetes, "load_config", lambda namespace=None: None)
     parser = argparse.ArgumentParser()
     router_cli.add_router_arguments(parser)
-    args = router_args(parse(PD))
+    args = router_args(parse({**PD, "router": {"enabled": True, "policy": "session", "pdThreshold": 64}}))
     assert args[0] == "router"
     parsed = router_cli.router_args(parser, parser.parse_args(args[1:]))
     assert parsed.disaggregated and parsed.prefill_k8s_service == "demo-prefill" and parsed.k8s_service == "demo"
-    assert parsed.policy == "least-load" and parsed.prefill_policy == "prefix"
+    assert parsed.policy == "least-load" and parsed.prefill_policy == "session" and parsed.pd_threshold == 64
+    assert "--pd-threshold" not in router_args(parse(PD))  # the router's default: every prompt takes P/D
 
 
 # ----- what is refused, naming the field -----
@@ -189,6 +190,8 @@ def test_pod_and_router_args_parse_with_the_runtime_parsers(monkeypatch):
     ({**PD, "adapters": []}, "spec.adapters"),
     ({**PD, "scheduling": {"gang": "volcano"}}, "scheduling.gang"),
     ({**PD, "engine": {"extraArgs": ["--kv-transfer-config={}"]}}, "--kv-transfer-config"),
+    ({**PD, "router": {"enabled": True, "pdThreshold": -1}}, "router.pdThreshold"),
+    ({"router": {"enabled": True, "pdThreshold": 100}}, "router.pdThreshold needs spec.prefill"),
     ({**PD, "prefill": {"resources": {"limits": {"nvidia.com/gpu": "1"}}, "parallelism": {"pipeline": 2}}},
      "prefill.parallelism.pipeline"),
 ])
