@@ -142,6 +142,7 @@ class AsyncLLMEngine(AsyncEngineBase):
                 outputs = self.engine.step()
             else:
                 outputs = []
+                self.engine.release_held_kv()  # P/D: pulled blocks go back now, not at the next request
                 self.engine.log_stats_if_due()  # the interval the last requests ended in
             # stats first: a client that has seen its output must find it counted in /metrics
             self._stats = self.engine.get_stats()

@@ -198,6 +198,8 @@ def _serve(engine: CoreEngine, inbox: zmq.Socket, outbox: Outbox, parent_pid: in
                 if delta is not None:
                     deltas.append(delta)
         elif not busy:
+            if engine.release_held_kv():  # P/D: pulled blocks go back now; /metrics sees them free
+                outbox.send(wire.StepOutputs([], engine.get_stats()))
             engine.log_stats_if_due()  # the interval the last requests ended in
             continue
         if engine.has_unfinished_requests():

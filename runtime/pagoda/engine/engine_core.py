@@ -135,6 +135,18 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.in_flight) or any(sc.num_unfinished for sc in self.schedulers)
 
+    def release_held_kv(self) -> int:
+        """P/D: free the blocks a prefill held for decode engines that have pulled them (or that timed out)
+        now, not at the next step: an idle engine's loop calls this. How many sequences' blocks it freed."""
+        if self.kv_connector is None:
+            return 0
+        freed = self.kv_connector.take_freeable()
+        for seq in freed:
+            self.block_manager.free(seq)
+        if freed:
+            self._flush_kv_events()
+        return len(freed)
+
     def step(self, on_scheduled=None, observer: StepObserver | None = None) -> CoreStep | None:
         """Start batches until the pipeline is full, then finish the oldest one. `on_scheduled(out)` is
         told each batch as it starts; `observer` follows its update. None when there was nothing to run."""

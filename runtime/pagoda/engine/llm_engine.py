@@ -177,6 +177,12 @@ class LLMEngine:
         """What a step hands back for a request whose output moved (the core process: a token delta)."""
         return state.to_output()
 
+    def release_held_kv(self) -> bool:
+        """P/D: an idle engine frees the blocks decode engines have pulled (EngineCore.release_held_kv);
+        whether any were freed."""
+        release = getattr(self.core, "release_held_kv", None)  # (the data-parallel core has no connector)
+        return release is not None and release() > 0
+
     def log_stats_if_due(self) -> None:
         """The periodic stats line: each step calls it, and an idle engine loop too, so that the last
         requests' interval is logged even when they finished between two lines."""
@@ -245,6 +251,8 @@ class LLMEngine:
         timer = self.core.timer
         s.num_steps, s.step_forward_seconds = timer.num_steps, timer.forward_seconds
         s.num_step_gaps, s.step_gap_seconds = timer.num_gaps, timer.gap_seconds
+        connector = getattr(self.core, "kv_connector", None)
+        s.kv_transfer = connector.get_stats() if connector is not None else None  # P/D transfers (a copy)
         if hasattr(self.core, "rank_stats"):  # data parallelism: each rank's share too
             s.data_parallel = self.core.rank_stats()
             for rank, share in enumerate(s.data_parallel):

@@ -3,6 +3,8 @@
 import bisect
 from dataclasses import dataclass, field
 
+from pagoda.kv_transfer.base import KVTransferStats
+
 
 @dataclass
 class Logprob:
@@ -144,6 +146,7 @@ class EngineStats:
     step_forward_seconds: float = 0.0
     num_step_gaps: int = 0
     step_gap_seconds: float = 0.0
+    kv_transfer: KVTransferStats | None = None  # P/D: the KV connector's transfers (None without one)
     # data parallelism: each rank's share, by rank (empty with one rank)
     data_parallel: list[RankStats] = field(default_factory=list)
     # the DP rank of this engine's first (or only) rank: --data-parallel-rank R's R, else 0; /metrics' engine label

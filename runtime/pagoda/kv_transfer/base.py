@@ -9,7 +9,80 @@ pass, per layer, and saves per layer; what finished comes back in ModelRunnerOut
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from dataclasses import dataclass, field
+
+# vLLM's NIXL histograms' buckets (NixlPromMetrics): seconds per transfer, seconds to post one, bytes and
+# descriptors per transfer
+XFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+POST_TIME_BUCKETS = (0.001, *XFER_TIME_BUCKETS)
+BYTES_BUCKETS = tuple(2 ** (10 + i) for i in range(1, 25, 2))  # 2 KiB .. 8 GiB
+DESCRIPTORS_BUCKETS = (10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000)
+
+
+@dataclass
+class TransferRecord:
+    """One finished load (a READ of one sequence's blocks), as the worker side measured it."""
+
+    seconds: float  # posted to done
+    post_seconds: float  # preparing and posting it
+    num_bytes: int
+    num_descriptors: int
+
+
+@dataclass
+class BucketCounts:
+    """A histogram's counts: counts[i] observations <= bounds[i] (and above the bound before), the last entry
+    those above every bound."""
+
+    bounds: tuple
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+
+def _buckets(bounds: tuple):
+    return field(default_factory=lambda: BucketCounts(bounds))
+
+
+@dataclass
+class KVTransferStats:
+    """A connector's transfer counters since start (vLLM's NIXL metrics, and the recomputes its faults cost):
+    the engine's stats snapshot carries a copy to /metrics."""
+
+    num_transfers: int = 0
+    bytes_transferred: int = 0
+    transfer_seconds: float = 0.0
+    num_failed_transfers: int = 0  # handshakes refused, peers unreachable, blocks gone, READs failed
+    num_failed_notifications: int = 0  # "pulled" notices the prefill side did not get (its timeout frees them)
+    num_recomputed_prompts: int = 0  # the decode side computed the prompt itself after a fault
+    num_held_timeouts: int = 0  # the prefill side freed blocks no one pulled in time (vLLM's expired requests)
+    xfer_time: BucketCounts = _buckets(XFER_TIME_BUCKETS)
+    post_time: BucketCounts = _buckets(POST_TIME_BUCKETS)
+    bytes_per_transfer: BucketCounts = _buckets(BYTES_BUCKETS)
+    descriptors_per_transfer: BucketCounts = _buckets(DESCRIPTORS_BUCKETS)
+
+    def observe(self, record: TransferRecord) -> None:
+        self.num_transfers += 1
+        self.bytes_transferred += record.num_bytes
+        self.transfer_seconds += record.seconds
+        self.xfer_time.observe(record.seconds)
+        self.post_time.observe(record.post_seconds)
+        self.bytes_per_transfer.observe(record.num_bytes)
+        self.descriptors_per_transfer.observe(record.num_descriptors)
+
+    def snapshot(self) -> KVTransferStats:
+        copies = {f.name: dataclasses.replace(v, counts=list(v.counts))
+                  for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), BucketCounts)}
+        return dataclasses.replace(self, **copies)
 
 
 @dataclass
@@ -23,6 +96,10 @@ class KVConnectorOutput:
 
     finished_recving: list[int] = field(default_factory=list)  # seq ids
     failed_recving: dict[int, str] = field(default_factory=dict)  # seq id -> why
+    transfers: list[TransferRecord] = field(default_factory=list)  # the loads that finished, measured
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_recving or self.failed_recving or self.transfers)
 
 
 class KVConnectorScheduler:
@@ -49,6 +126,10 @@ class KVConnectorScheduler:
     def take_freeable(self) -> list:
         """Sequences whose held blocks may be freed now (pulled, or timed out)."""
         return []
+
+    def get_stats(self) -> KVTransferStats | None:
+        """A copy of the transfer counters (the worker side's measurements come in its outputs)."""
+        return None
 
     def set_handshake_metadata(self, metadata: dict) -> None:
         """The worker side's handshake metadata (its agent, its block layout), served to peers."""

@@ -34,6 +34,8 @@ from pagoda.kv_transfer.base import (
     KVConnectorOutput,
     KVConnectorScheduler,
     KVConnectorWorker,
+    KVTransferStats,
+    TransferRecord,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,16 +63,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
-@dataclass
-class NixlStats:
-    """vLLM's NIXL transfer metrics (and the recomputes its faults cost)."""
-
-    num_transfers: int = 0
-    bytes_transferred: int = 0
-    transfer_seconds: float = 0.0
-    num_failed_transfers: int = 0  # handshakes refused, peers unreachable, blocks gone, READs failed
-    num_recomputed_prompts: int = 0  # the decode side computed the prompt itself after a fault
-    num_held_timeouts: int = 0  # the prefill side freed blocks no one pulled in time
+NixlStats = KVTransferStats  # vLLM's NIXL transfer metrics (and the recomputes its faults cost)
 
 
 @dataclass
@@ -266,6 +259,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self._matched.pop(seq_id, None)
             if spec is not None:
                 self._notify_pulled(spec)
+        for record in output.transfers:  # the worker side's measurements (it may be another process)
+            self.stats.observe(record)
         for seq_id, why in output.failed_recving.items():
             self._loading.pop(seq_id, None)
             self._matched.pop(seq_id, None)
@@ -289,6 +284,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 side_channel_request(spec.remote_host, spec.remote_port,
                                      {"op": "pulled", "block_ids": spec.all_remote_block_ids})
             except SideChannelError as e:
+                self.stats.num_failed_notifications += 1
                 logger.warning("could not tell engine %s its blocks were pulled (%s): its timeout frees them",
                                spec.remote_engine_id, e)
 
@@ -329,6 +325,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     @property
     def num_held(self) -> int:
         return len(self._held)
+
+    def get_stats(self) -> KVTransferStats:
+        return self.stats.snapshot()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -412,30 +411,32 @@ class NixlConnectorWorker(KVConnectorWorker):
             started = time.perf_counter()
             try:
                 remote = self._remote(spec.handshake)
+                local = _indices(self.layers, spec.local_block_ids)
                 handle = self.agent.make_prepped_xfer(
-                    "READ", self._local, _indices(self.layers, spec.local_block_ids), remote,
-                    _indices(spec.handshake["layers"], spec.remote_block_ids))
+                    "READ", self._local, local, remote, _indices(spec.handshake["layers"], spec.remote_block_ids))
                 if self.agent.transfer(handle) == "ERR":
                     raise RuntimeError("NIXL refused the READ")
             except Exception as e:
                 self._output.failed_recving[spec.seq_id] = f"NIXL READ from {spec.remote_engine_id}: {e}"
                 continue
+            posted = time.perf_counter()
             nbytes = sum(layer[1] * layer[3] for layer in self.layers) * len(spec.local_block_ids)
-            self._pending.append((spec, handle, started, nbytes))
+            record = TransferRecord(0.0, posted - started, nbytes, len(local))
+            self._pending.append((spec, handle, posted, record))
 
     def wait_for_layer_load(self, layer_index: int) -> None:
         """One READ per sequence covers every layer: the first layer's wait waits for all of them."""
         deadline = time.monotonic() + LOAD_TIMEOUT_S
-        for spec, handle, started, nbytes in self._pending:
+        for spec, handle, posted, record in self._pending:
             state = self.agent.check_xfer_state(handle)
             while state == "PROC" and time.monotonic() < deadline:
                 time.sleep(0.0005)
                 state = self.agent.check_xfer_state(handle)
             if state == "DONE":
+                record.seconds = time.perf_counter() - posted
                 self._output.finished_recving.append(spec.seq_id)
-                self.stats.num_transfers += 1
-                self.stats.bytes_transferred += nbytes
-                self.stats.transfer_seconds += time.perf_counter() - started
+                self._output.transfers.append(record)
+                self.stats.observe(record)
             else:
                 self.stats.num_failed_transfers += 1
                 self._output.failed_recving[spec.seq_id] = f"NIXL READ from {spec.remote_engine_id}: {state}"
@@ -444,4 +445,4 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def get_finished(self) -> KVConnectorOutput | None:
         output, self._output = self._output, KVConnectorOutput()
-        return output if output.finished_recving or output.failed_recving else None
+        return output or None

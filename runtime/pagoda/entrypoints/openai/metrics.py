@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from pagoda.engine.outputs import ITERATION_TOKENS_BUCKETS, EngineStats, RequestOutput
+from pagoda.entrypoints.openai.kv_transfer_metrics import KVTransferCollector
 from pagoda.sampling_params import SamplingParams
 
 PREFIX = "pagoda:"
@@ -204,6 +205,7 @@ class ServerMetrics:
                  vllm_names: bool = False, engines: Iterable[int] = (0,)):
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(get_stats, model_name, cache_info, max_num_batched_tokens))
+        self.registry.register(KVTransferCollector(get_stats, model_name))  # P/D: vLLM's NIXL families
         self.vllm_registry: CollectorRegistry | None = None
         if vllm_names:
             self.vllm_registry = CollectorRegistry()
