@@ -52,6 +52,17 @@ def test_each_load_sets_the_run_arguments():
     assert args.input_len == 99  # the caller's arguments are left as they were
 
 
+def test_loads_of_one_shape_send_different_prompts():
+    # the same prompts twice would meet the first load's in Pagoda's prefix cache (vLLM's peer runs without one)
+    args = parse_args(["--matrix", "--seed", "5"])
+    single, chat = matrix.loads("single,chat-c32")
+    assert (single.input_len, single.output_len) == (chat.input_len, chat.output_len)
+    seeds = [matrix.load_args(args, load).seed for load in (single, chat)]
+    assert seeds[0] != seeds[1]
+    first, second = (synthetic_requests(4, 256, 128, 0.0, seed) for seed in seeds)
+    assert all(a.prompt[:64] != b.prompt[:64] for a, b in zip(first, second))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--matrix", "--matrix-loads", "single,bogus"], "unknown load"),
     (["--matrix", "--dataset", "jsonl", "--dataset-path", "x.jsonl"], "--matrix runs synthetic loads"),

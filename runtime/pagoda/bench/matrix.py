@@ -61,10 +61,13 @@ def engine_order(index: int, with_vllm: bool) -> tuple[str, ...]:
 
 
 def load_args(args: argparse.Namespace, load: Load) -> argparse.Namespace:
-    """`pagoda bench serve`'s arguments for one load."""
+    """`pagoda bench serve`'s arguments for one load. Its seed is the run's plus the load's place in the matrix:
+    loads of one shape (single, chat-c32, poisson-2rps) would otherwise send the same prompts, and the second
+    would find the first's in Pagoda's prefix cache."""
     return argparse.Namespace(**{**vars(args), "input_len": load.input_len, "output_len": load.output_len,
                                  "range_ratio": load.range_ratio, "max_concurrency": load.concurrency,
-                                 "request_rate": load.request_rate, "num_prompts": load.num_prompts})
+                                 "request_rate": load.request_rate, "num_prompts": load.num_prompts,
+                                 "seed": args.seed + MATRIX.index(load)})
 
 
 # --- the table ---------------------------------------------------------------------------------------
@@ -148,7 +151,7 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
         for index, load in enumerate(loads(args.matrix_loads)):
             per_load = load_args(args, load)
             requests = synthetic_requests(load.num_prompts + args.warmup, load.input_len, load.output_len,
-                                          load.range_ratio, args.seed, tokenizer)
+                                          load.range_ratio, per_load.seed, tokenizer)
             warmup, measured = requests[: args.warmup], requests[args.warmup:]
             figures: dict[str, dict] = {}
             for engine in engine_order(index, vllm_sender is not None):

@@ -39,8 +39,8 @@ class StepCosts:
 
 class StepCostModel:
     def __init__(self, window: int = 64, wide_window: int = 8):
-        # window: the recent steps the prices are fitted through (about a second of steps: they follow the
-        # machine's pace, which moves 10-30 % from minute to minute on a shared host)
+        # window: the recent steps the prices are fitted through (2-3 s of steps at the default model's pace on
+        # 2 cores: recent enough to follow the machine's pace, which moves 10-30 % between minutes on a shared host)
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens computed, decodes, seconds)
         # the last steps wider than twice the recent mean, by their number among all steps: a long run of
         # decode-only steps (all of one width) would otherwise leave no second width to draw the line through
