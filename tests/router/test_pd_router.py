@@ -211,6 +211,17 @@ def test_prefill_then_decode_with_the_prefills_params_streaming_end_to_end(upstr
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "precise"])
+def test_other_prefill_policies(upstreams, pd_router, policy):
+    """precise: the upstreams have no /tokenize and publish no KV events; it chooses by load (no-tokens)."""
+    prefill, decode = upstreams("prefill"), upstreams("decode")
+    router = pd_router([prefill], [decode], "--prefill-policy", policy)
+    text = router.client().completions.create(model="tiny", prompt=LONG, max_tokens=3).choices[0].text
+    assert text == f"from engine-{prefill.port}" and pd_counts(router) == {"prefill-decode": 1}
+    decisions = {k for k in router.metrics() if k.startswith(PREFILL_METRICS_PREFIX + "routing_decisions_total")}
+    assert decisions and all(f"policy={policy}" in k for k in decisions), decisions
+
+
 def test_short_prompts_skip_the_prefill(upstreams, pd_router):
     prefill, decode = upstreams("prefill"), upstreams("decode")
     router = pd_router([prefill], [decode], "--pd-threshold", "100")
@@ -269,10 +280,11 @@ def test_flags():
     assert args.disaggregated and args.backends == ["http://10.0.0.1:8000"]
     assert args.prefill_backends == ["http://10.0.0.2:8000"] and args.pd_threshold == 64
     assert args.policy == "least-load" and args.prefill_policy == "prefix"  # decode by load, prefill by prefix
+    assert parse("--backend", "a:1", "--prefill-backend", "b:1", "--prefill-policy", "precise").prefill_policy == \
+        "precise"  # the prefill pool's KV events, at --kv-events-endpoint
     assert parse("--backend", "10.0.0.1:8000").policy == "round-robin" and not parse("--backend", "a:1").disaggregated
     for bad in (["--backend", "a:1", "--prefill-backend", "a:1"], ["--backend", "a:1", "--pd-threshold", "-1"],
-                ["--backend", "a:1", "--prefill-backend", "ftp://x"], ["--backend", "a:1", "--prefill-policy",
-                                                                         "precise"]):
+                ["--backend", "a:1", "--prefill-backend", "ftp://x"]):
         with pytest.raises(SystemExit):
             parse(*bad)
 

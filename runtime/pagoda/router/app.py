@@ -46,7 +46,8 @@ def _disaggregation(args: RouterArgs, router: Router):
     """P/D mode: the prefill backends, their policy, and the choice (None without prefill backends)."""
     if not args.disaggregated:
         return None
-    prefill = Router(BackendPool(args.prefill_backends), make_policy(args.prefill_policy), RouterConfig(
+    policy = Precise() if args.prefill_policy == "precise" else make_policy(args.prefill_policy)
+    prefill = Router(BackendPool(args.prefill_backends), policy, RouterConfig(
         policy=args.prefill_policy, max_in_flight_per_backend=args.max_in_flight_per_backend,
         session_header=args.session_header), metrics_prefix=PREFILL_METRICS_PREFIX)
     return Disaggregation(prefill, args.pd_threshold, router.metrics.registry)
@@ -76,10 +77,10 @@ def build_app(args: RouterArgs) -> FastAPI:
             prefill_discovery = _discovery(args.prefill_k8s_service, args.namespace, pd.prefill)
             if prefill_discovery is not None:
                 loops.append(prefill_discovery)
-        if args.policy == "precise":
+        for precise in [r for r in (router, pd.prefill if pd else None) if r and r.policy.name == "precise"]:
             from pagoda.router.kv_subscriber import KVEventSubscriber
 
-            loops.append(KVEventSubscriber(pool, router.policy.index, args.kv_events_endpoint,
+            loops.append(KVEventSubscriber(precise.pool, precise.policy.index, args.kv_events_endpoint,
                                            args.kv_events_replay_endpoint, args.kv_events_topic).run())
         tasks = [asyncio.create_task(loop) for loop in loops]
         epp = None

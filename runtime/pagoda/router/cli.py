@@ -88,7 +88,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                               "comma-separated list); --backend then names the decode backends")
     prefill.add_argument("--prefill-k8s-service", metavar="NAME",
                          help="P/D mode: discover the prefill backends from this Service's EndpointSlices")
-    parser.add_argument("--prefill-policy", choices=[p for p in POLICIES if p != "precise"],
+    parser.add_argument("--prefill-policy", choices=POLICIES,
                         default=_env("prefill-policy", defaults.prefill_policy),
                         help="P/D mode: how a prefill backend is chosen (default: %(default)s)")
     parser.add_argument("--pd-threshold", type=_non_negative_int,
