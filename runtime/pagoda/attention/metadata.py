@@ -23,6 +23,9 @@ class AttentionMetadata:
     # Host copies, so the torch path never syncs with the device to learn lengths.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # KV cache groups (core.kv_cache_groups): each group's metadata by group index, this one first; a layer
+    # reads its group's (block tables and slots differ, lengths agree). None: one table for every layer
+    groups: list["AttentionMetadata"] | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], tables: list[list[int]], slot_mapping: torch.Tensor,

@@ -89,6 +89,8 @@ class EngineArgs:
     compilation_config: dict | str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2"
     calculate_kv_scales: bool = False  # fp8 cache: scales calibrated on the first batch (else checkpoint or 1.0)
+    # every layer keeps full-length KV, windowed ones too, in one block table (core/kv_cache_groups.py), as vLLM's
+    disable_hybrid_kv_cache_manager: bool = False
     swap_space: float | None = None  # GiB of host memory per worker for swapped-out KV blocks (None: see docs)
     preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when swap_space > 0
     tokenizer_mode: str = "auto"

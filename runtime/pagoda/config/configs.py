@@ -44,6 +44,7 @@ class CacheConfig:
     preemption_mode: str = "recompute"
     cache_dtype: str = "auto"  # kv_cache_dtype: auto | fp8 | fp8_e4m3 | fp8_e5m2
     calculate_kv_scales: bool = False
+    disable_hybrid_kv_cache_manager: bool = False  # windowed layers keep full-length KV too
 
 
 AUTO_TARGET = "auto"  # target_itl_ms relative to the running decodes' own step time

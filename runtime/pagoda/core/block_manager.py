@@ -15,6 +15,9 @@
 - Sliding window (``kv_window``): when every layer slides, the blocks wholly behind a sequence's window are
   released before each allocation; their table entries become NULL_BLOCK and own nothing. A prefix hit
   then needs only its last window's blocks cached (the lookup searches from the end).
+- KV cache groups (``kv_cache_groups``): a model mixing full and windowed layers gets one BlockManager per group,
+  sharing one pool (``pool``): the free queue, reference counts, prefix-cache map and swap blocks. A group other
+  than the first keys its cached blocks by (group, hash): the same tokens are other blocks in each group.
 """
 
 from collections import OrderedDict
@@ -33,9 +36,11 @@ def chain_root(seq: Sequence) -> int | None:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_swap_blocks: int = 0, sliding_window: int | None = None):
+                 num_swap_blocks: int = 0, sliding_window: int | None = None,
+                 pool: "BlockManager | None" = None, group: int = 0):
         """sliding_window: the window behind which blocks are dropped (``kv_window.droppable_window``), or
-        None to keep every block of a sequence while it lives."""
+        None to keep every block of a sequence while it lives. pool: another group's manager whose blocks this
+        one shares (``kv_cache_groups``); group: this manager's index among them (0 publishes KV events)."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -54,6 +59,19 @@ class BlockManager:
         self.events = None  # a kv_events.KVEventRecorder, or None (no events)
         self.swap_hashes: dict[int, list[int]] = {}  # with events: seq id -> hashes its host blocks hold
         self.num_evicted_blocks = 0  # cached blocks taken for other tokens (a counter; resets are not evictions)
+        self.group = group
+        if pool is not None:  # one pool of blocks under every group's tables
+            self.ref_counts, self.hash_of_block, self.free_queue = pool.ref_counts, pool.hash_of_block, pool.free_queue
+            self.cached_blocks, self.free_swap_blocks = pool.cached_blocks, pool.free_swap_blocks
+
+    def _key(self, h: int):
+        """The prefix-cache key of a block hash in this group (the hash itself in the first group)."""
+        return h if self.group == 0 else (self.group, h)
+
+    @property
+    def _publishes(self) -> bool:
+        """KV events tell the first group's blocks only (the others' keys are no chain hashes a router knows)."""
+        return self.events is not None and self.group == 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +94,10 @@ class BlockManager:
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables.get(seq.seq_id, [])
 
+    def group_block_ids(self, seq: Sequence, start: int) -> None:
+        """Other KV cache groups' tables: none here, one table serves every layer (see kv_cache_groups)."""
+        return None
+
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq's tokens. The last token is never a hit:
         its logits are needed, so at least one token is always computed. With a droppable window only the
@@ -92,12 +114,23 @@ class BlockManager:
             return self._find_window_hit(hashes)
         for i in range((seq.num_tokens - 1) // bs):
             h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
-            block = self.cached_blocks.get(h)
+            block = self.cached_blocks.get(self._key(h))
             if block is None:
                 break
             hits.append(block)
             parent = h
         return hits
+
+    def find_cached_prefix_within(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The longest hit of at most num_blocks blocks (``kv_cache_groups``: every group's hit must agree). With
+        a window that is not a prefix of the longest hit: the shorter hit needs its own window's blocks cached."""
+        if self.sliding_window is None:
+            return self.find_cached_prefix(seq)[:num_blocks]
+        bs, parent, hashes = self.block_size, chain_root(seq), []
+        for i in range(min((seq.num_tokens - 1) // bs, num_blocks)):
+            parent = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+        return self._find_window_hit(hashes) if self.enable_prefix_caching else []
 
     def _find_window_hit(self, hashes: list[int]) -> list[int]:
         """The longest hit of h blocks whose blocks from ``num_blocks_behind_window(h * block_size)`` to h are
@@ -106,7 +139,7 @@ class BlockManager:
         hits = [NULL_BLOCK] * len(hashes)
         top = None  # the last block of the run of cached blocks the scan is in
         for i in range(len(hashes) - 1, -1, -1):
-            block = self.cached_blocks.get(hashes[i])
+            block = self.cached_blocks.get(self._key(hashes[i]))
             if block is None:
                 top = None
                 continue
@@ -121,6 +154,17 @@ class BlockManager:
         """Give seq slots for its next num_new_tokens tokens (after `cached` prefix blocks on its first
         allocation). Returns the copy-on-write (src, dst) pairs, or None, changing nothing (but blocks
         behind the window, released first), if the free blocks do not suffice."""
+        plan = self.plan_allocation(seq, num_new_tokens, cached)
+        table, taken, num_needed, write_index, copy_on_write, num_computed, num_free_needed = plan
+        if num_free_needed > len(self.free_queue):
+            if not table:
+                del self.tables[seq.seq_id]
+            return None
+        return self.commit_allocation(seq, num_new_tokens, plan)
+
+    def plan_allocation(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> tuple:
+        """What allocate would do, changing nothing but releasing the blocks behind the window: a tuple for
+        commit_allocation whose last item is the number of free blocks it takes."""
         cached = cached or []
         bs = self.block_size
         table = self.tables.setdefault(seq.seq_id, [])
@@ -133,16 +177,28 @@ class BlockManager:
         # cached blocks behind the window are not taken: their entries are NULL_BLOCK from the start
         taken = [NULL_BLOCK if len(table) + i < behind else b for i, b in enumerate(cached)]
         revived = sum(1 for b in taken if b != NULL_BLOCK and self.ref_counts[b] == 0)
-        if max(num_needed, 0) + copy_on_write + revived > len(self.free_queue):
-            if not table:
-                del self.tables[seq.seq_id]
-            return None
+        return (table, taken, num_needed, write_index, copy_on_write, num_computed,
+                max(num_needed, 0) + copy_on_write + revived)
+
+    def commit_allocation(self, seq: Sequence, num_new_tokens: int, plan: tuple) -> list[tuple[int, int]]:
+        """Carry out plan_allocation's plan (the free blocks must suffice); returns the copy-on-write pairs."""
+        self.take_cached_blocks(plan)
+        return self.take_new_blocks(seq, num_new_tokens, plan)
+
+    def take_cached_blocks(self, plan: tuple) -> None:
+        """A plan's first half: the prefix hit's blocks join the table (before any group takes free blocks, which
+        could evict them)."""
+        table, taken = plan[0], plan[1]
         for block in taken:
             if block != NULL_BLOCK:
                 if self.ref_counts[block] == 0:
                     del self.free_queue[block]
                 self.ref_counts[block] += 1
             table.append(block)
+
+    def take_new_blocks(self, seq: Sequence, num_new_tokens: int, plan: tuple) -> list[tuple[int, int]]:
+        """A plan's second half: copy-on-write and the new blocks; returns the copy-on-write pairs."""
+        table, _, num_needed, write_index, copy_on_write, num_computed, _ = plan
         copies = []
         if copy_on_write:
             shared = table[write_index]
@@ -179,7 +235,7 @@ class BlockManager:
             if self.cached_blocks.get(h) == block:
                 del self.cached_blocks[h]
                 self.num_evicted_blocks += 1
-                if self.events is not None:
+                if self.events is not None and isinstance(h, int):  # (a first-group block, whichever group takes it)
                     self.events.removed([h])
             self.hash_of_block[block] = None
         self.ref_counts[block] = 1
@@ -191,15 +247,15 @@ class BlockManager:
         bs = self.block_size
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])
         first = len(hashes)
-        stored = [] if self.events is not None else None  # indexes of the blocks this call made findable
+        stored = [] if self._publishes else None  # indexes of the blocks this call made findable
         for i in range(first, num_tokens // bs):
             parent = hashes[-1] if hashes else chain_root(seq)
             h = block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             hashes.append(h)
-            block = table[i]
-            if block != NULL_BLOCK and h not in self.cached_blocks and self.hash_of_block[block] is None:
-                self.cached_blocks[h] = block
-                self.hash_of_block[block] = h
+            block, key = table[i], self._key(h)
+            if block != NULL_BLOCK and key not in self.cached_blocks and self.hash_of_block[block] is None:
+                self.cached_blocks[key] = block
+                self.hash_of_block[block] = key
                 if stored is not None:
                     stored.append(i)
         if stored:
@@ -249,7 +305,7 @@ class BlockManager:
         table = self.tables[seq.seq_id]
         host = [NULL_BLOCK if b == NULL_BLOCK else self.free_swap_blocks.pop() for b in table]
         self.swap_tables[seq.seq_id] = host
-        if self.events is not None:  # the host copies of its hashed (full) blocks
+        if self._publishes:  # the host copies of its hashed (full) blocks
             hashes = self.seq_hashes.get(seq.seq_id, [])
             held = [i for i in range(min(len(hashes), len(table))) if table[i] != NULL_BLOCK]
             self.swap_hashes[seq.seq_id] = [hashes[i] for i in held]
@@ -262,11 +318,10 @@ class BlockManager:
     def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped-out seq back to fresh device blocks with room for its next num_new_tokens
         tokens. Returns the (host, device) copies, or None, changing nothing, if the blocks do not suffice."""
+        if self.swap_in_blocks_needed(seq, num_new_tokens) > len(self.free_queue):
+            return None
         host = self.swap_tables[seq.seq_id]
         held = [h for h in host if h != NULL_BLOCK]
-        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        if len(held) + max(num_needed - len(host), 0) > len(self.free_queue):
-            return None
         table = [NULL_BLOCK if h == NULL_BLOCK else self._take_free_block() for h in host]
         self.tables[seq.seq_id] = table
         del self.swap_tables[seq.seq_id]
@@ -275,6 +330,12 @@ class BlockManager:
         pairs = [(h, b) for h, b in zip(host, table) if h != NULL_BLOCK]
         self.allocate(seq, num_new_tokens)  # cannot fail: counted above; registers the blocks' hashes too
         return pairs
+
+    def swap_in_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The free device blocks swap_in takes: one per held host block, and the new ones for num_new_tokens."""
+        host = self.swap_tables[seq.seq_id]
+        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return sum(1 for h in host if h != NULL_BLOCK) + max(num_needed - len(host), 0)
 
     def free(self, seq: Sequence, keep_swapped: bool = False) -> None:
         if not keep_swapped:
@@ -299,7 +360,7 @@ class BlockManager:
         if self.num_used_blocks or self.swap_tables:
             return False
         self.cached_blocks.clear()
-        self.hash_of_block = [None] * self.num_blocks
+        self.hash_of_block[:] = [None] * self.num_blocks  # (in place: other groups share it)
         if self.events is not None:
             self.events.cleared()
         return True

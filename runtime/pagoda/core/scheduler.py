@@ -291,7 +291,8 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(
             seq_id=seq.seq_id, num_new_tokens=1, num_computed_tokens=seq.num_tokens,
             new_token_ids=[], block_ids_start=block_start, block_ids=table[block_start:], num_samples=1,
-            num_prompt_tokens=seq.num_prompt_tokens, placeholder=True))
+            num_prompt_tokens=seq.num_prompt_tokens, placeholder=True,
+            group_block_ids=self.block_manager.group_block_ids(seq, block_start)))
         seq.num_tokens_sent = seq.num_tokens + 1  # the runner appends the token itself
         seq.num_blocks_sent = len(table)
         return 1
@@ -344,6 +345,7 @@ class Scheduler:
             new_token_ids=seq.token_ids[seq.num_tokens_sent :],
             block_ids_start=block_start,
             block_ids=table[block_start:],
+            group_block_ids=self.block_manager.group_block_ids(seq, block_start),
             num_samples=(1 + seq.pending_forks) if ends_prompt else 0,
             reset=reset,
             num_prompt_tokens=seq.num_prompt_tokens,

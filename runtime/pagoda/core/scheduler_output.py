@@ -39,6 +39,9 @@ class ScheduledSeq:
     # [num_draft_tokens, V] float32: the distributions the draft model drew them from, for a request that
     # samples; None where each draft is a point mass (n-gram drafts, greedy requests)
     draft_probs: np.ndarray | None = None
+    # KV cache groups (core.kv_cache_groups): each further group's table from block_ids_start on, as block_ids
+    # is the first group's; None: one table serves every layer
+    group_block_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.core.block_manager import BlockManager
+from pagoda.core.kv_cache_groups import HybridBlockManager, kv_cache_groups_for
 from pagoda.core.kv_window import droppable_window
 from pagoda.core.runner_output import SampledToken
 from pagoda.core.scheduler import Scheduler
@@ -93,8 +94,13 @@ class EngineCore:
         self.data_parallel_rank = data_parallel_rank
         cache = config.cache
         window = droppable_kv_window(config)
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                          cache.num_swap_blocks, window)
+        groups = kv_cache_groups_for(config, layer_windows(config.model.hf_config))
+        if groups is not None:  # full and windowed layers: a block table per group (core.kv_cache_groups)
+            self.block_manager = HybridBlockManager(groups, num_blocks, cache.block_size,
+                                                    cache.enable_prefix_caching, cache.num_swap_blocks)
+        else:
+            self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                              cache.num_swap_blocks, window)
         self.kv_events = None  # publishes the block manager's prefix-cache changes, one batch a step
         if config.kv_events is not None:
             from pagoda.core.kv_events import KVEvents

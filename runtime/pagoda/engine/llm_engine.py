@@ -15,6 +15,7 @@ import time
 from functools import cached_property
 
 from pagoda.config import EngineArgs, EngineConfig, create_engine_config
+from pagoda.core.kv_cache_groups import kv_cache_groups_for, log_max_concurrency
 from pagoda.core.kv_window import blocks_per_sequence
 from pagoda.core.request_kind import RequestParams
 from pagoda.core.sequence import Sequence, SequenceStatus
@@ -29,6 +30,7 @@ from pagoda.errors import InvalidParam
 from pagoda.executor.factory import create_executor
 from pagoda.lora.registry import LoRARegistry
 from pagoda.lora.request import LoRARequest
+from pagoda.models.family import layer_windows
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.stats import SpecDecodeStats
 from pagoda.worker.loader.generation_config import eos_token_ids_for
@@ -56,6 +58,9 @@ class LLMEngine:
         block_size = config.cache.block_size
         needed = blocks_per_sequence(model.max_model_len, block_size, droppable_kv_window(config),
                                      config.scheduler.max_num_batched_tokens)
+        groups = kv_cache_groups_for(config, layer_windows(model.hf_config), log=True)
+        if groups is not None:  # each group's blocks count: its window's, or the whole context's
+            needed = groups.blocks_per_sequence(model.max_model_len, block_size, config.scheduler.max_num_batched_tokens)
         if num_blocks < needed:
             self.executor.shutdown()
             raise InvalidParam(
@@ -83,6 +88,7 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; max_model_len=%d, max_num_seqs=%d, "
                     "max_num_batched_tokens=%d", num_blocks, block_size, num_blocks * block_size,
                     model.max_model_len, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
+        self.max_concurrency = log_max_concurrency(model.max_model_len, num_blocks, needed)
         if self.core.block_manager.sliding_window is not None:
             logger.info("every layer slides (window %d): a sequence's blocks behind its window are freed as it "
                         "decodes; one sequence needs at most %d blocks", self.core.block_manager.sliding_window,

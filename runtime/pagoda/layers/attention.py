@@ -61,6 +61,7 @@ class Attention(Module):
         # else 1.0, or calibrated on the first batch written (calculate_kv_scales)
         self.k_scale, self.v_scale = 1.0, 1.0
         self.calculate_kv_scales = False
+        self.kv_group = 0  # its KV cache group (core.kv_cache_groups), whose block tables it reads; set by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -70,16 +71,17 @@ class Attention(Module):
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
+        metadata = ctx.metadata if not self.kv_group else ctx.metadata.groups[self.kv_group]
         if self.kv_cache is None:  # memory-profiling pass before the cache exists (its output is not read)
-            return self._attend_without_cache(q, k, v, ctx.metadata).flatten(1)
+            return self._attend_without_cache(q, k, v, metadata).flatten(1)
         variant = self._variant if sinks is None else {**self._variant, "sinks": sinks}
         if not kv_scales.is_fp8(self.kv_cache):
-            ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping)
-            return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, **variant).flatten(1)
+            ctx.backend.write_kv_cache(k, v, self.kv_cache, metadata.slot_mapping)
+            return ctx.backend.paged_attention(q, self.kv_cache, metadata, self.scale, **variant).flatten(1)
         if self.calculate_kv_scales:
             kv_scales.calibrate(self, k, v)
-        ctx.backend.write_kv_cache(k, v, self.kv_cache, ctx.metadata.slot_mapping, self.k_scale, self.v_scale)
-        return ctx.backend.paged_attention(q, self.kv_cache, ctx.metadata, self.scale, self.k_scale,
+        ctx.backend.write_kv_cache(k, v, self.kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        return ctx.backend.paged_attention(q, self.kv_cache, metadata, self.scale, self.k_scale,
                                            self.v_scale, **variant).flatten(1)
 
     def _attend_without_cache(self, q, k, v, metadata: AttentionMetadata) -> torch.Tensor:

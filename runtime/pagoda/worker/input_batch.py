@@ -27,6 +27,7 @@ class RunnerSeq:
     matcher: GrammarMatcher | None = None  # structured outputs: made on first sample, follows token_ids
     lora_request: "LoRARequest | None" = None  # its adapter; None: the base model
     last_sampled: int | None = None  # the token its last step sampled: the input of a placeholder step
+    group_tables: list[list[int]] | None = None  # KV cache groups: the further groups' tables (core.kv_cache_groups)
 
 
 @dataclass
@@ -55,6 +56,8 @@ class InputBatch:
                 self.seqs[s.seq_id] = RunnerSeq(list(s.new_token_ids), list(s.block_ids), s.num_prompt_tokens,
                                                 s.params, kind_of(s.request_params or s.params),
                                                 lora_request=s.lora_request)
+                if s.group_block_ids is not None:
+                    self.seqs[s.seq_id].group_tables = [list(ids) for ids in s.group_block_ids]
                 relearnt.append(s.seq_id)
                 continue
             seq = self.seqs[s.seq_id]
@@ -63,6 +66,10 @@ class InputBatch:
                 seq.token_ids.append(seq.last_sampled or 0)  # the engine ends it and drops this step's token)
             del seq.block_table[s.block_ids_start :]
             seq.block_table.extend(s.block_ids)
+            if s.group_block_ids is not None:
+                for table, ids in zip(seq.group_tables, s.group_block_ids):
+                    del table[s.block_ids_start :]
+                    table.extend(ids)
         return relearnt
 
     def prepare(self, out: SchedulerOutput, drafts: dict[int, list[int]]) -> StepInputs:
@@ -98,4 +105,19 @@ class InputBatch:
         positions = torch.from_numpy(np.concatenate(position_chunks)).to(self.device)
         slots = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
         metadata = AttentionMetadata.build(query_lens, seq_lens, tables, slots, self.device)
+        first = self.seqs[out.scheduled[0].seq_id]
+        if first.group_tables is not None:  # every sequence has them: the model's layers are in groups
+            metadata.groups = [metadata] + self._group_metadata(out, position_chunks, query_lens, seq_lens,
+                                                                len(first.group_tables))
         return StepInputs(input_ids, positions, metadata, sample_rows, sample_seq_ids)
+
+    def _group_metadata(self, out: SchedulerOutput, position_chunks: list, query_lens: list[int],
+                        seq_lens: list[int], num_groups: int) -> list[AttentionMetadata]:
+        """The further KV cache groups' metadata: their own block tables and the slots they write."""
+        bs, built = self.block_size, []
+        for g in range(num_groups):
+            tables = [self.seqs[s.seq_id].group_tables[g] for s in out.scheduled]
+            slots = np.concatenate([np.asarray(t, dtype=np.int64)[p // bs] * bs + p % bs
+                                    for t, p in zip(tables, position_chunks)])
+            built.append(AttentionMetadata.build(query_lens, seq_lens, tables, torch.from_numpy(slots), self.device))
+        return built

@@ -11,12 +11,14 @@ from pagoda import platform as pagoda_platform
 from pagoda.attention import get_backend
 from pagoda.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from pagoda.config.kv_cache import storage_dtype_name
+from pagoda.core.kv_cache_groups import kv_cache_groups_for
 from pagoda.core.runner_output import ModelRunnerOutput, SampledToken
 from pagoda.core.scheduler_output import SchedulerOutput
 from pagoda.distributed.parallel_state import get_parallel_state, single_process_state
 from pagoda.layers.attention import forward_context
 from pagoda.layers.moe import take_expert_tokens
 from pagoda.lora.manager import LoRAManager
+from pagoda.models.family import layer_windows
 from pagoda.ops import cpu_library
 from pagoda.process.cpu_allocator import keep_freed_memory
 from pagoda.sample.logits_processors import apply_logits_processors
@@ -73,8 +75,10 @@ class ModelRunner:
         self.attention_layers = self.model.attention_layers()
         # LoRA: the adapters' device slots and host copies; each step tells it which rows use which adapter
         self.lora = LoRAManager(self.model, config.lora, self.dtype, self.device) if config.lora else None
+        # full and windowed layers: a block table per group, as the engine core's block manager keeps them
+        self.kv_cache_groups = kv_cache_groups_for(config, layer_windows(hf))
         self.kv_cache = PagedKVCache(self.attention_layers, self.block_size, self.kv_dtype, self.device,
-                                     config.cache.calculate_kv_scales)
+                                     config.cache.calculate_kv_scales, self.kv_cache_groups)
         self.graphs: DecodeGraphs | None = None  # captured once the KV cache is allocated
         self.kv_connector = None  # P/D: the worker side of kv_transfer_config's connector (pagoda.kv_transfer)
         if config.kv_transfer is not None:
@@ -127,6 +131,10 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_cache.caches)
         # decode steps' CUDA graphs, captured over the cache just allocated (None: every step eager)
+        if self.kv_cache_groups is not None:
+            if self.device.type == "cuda":
+                logger.info("KV cache groups: decode steps run eagerly (no CUDA graphs of per-group block tables yet)")
+            return
         self.graphs = capture_decode_graphs(
             self.model, self.config, self.device, self.attn_backend, self.triton_ops, self.lora is not None,
             -(-self.config.model.max_model_len // self.block_size), self.attention_layers[0].num_kv_heads)

@@ -351,6 +351,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                "scales, twice the blocks in the same memory")
     p.add("--calculate-kv-scales", default=d["calculate_kv_scales"], boolean=True,
           help="fp8 KV cache: calibrate the key/value scales on the first batch (else the checkpoint's, or 1.0)")
+    p.add("--disable-hybrid-kv-cache-manager", default=d["disable_hybrid_kv_cache_manager"], boolean=True,
+          help="a model mixing full and sliding-window layers (Gemma 2/3, gpt-oss) keeps full-length KV for its "
+               "windowed layers too (by default they keep only their window's blocks; see docs/models.md)")
     p.add("--enforce-eager", default=d["enforce_eager"], boolean=True,
           help="no CUDA graphs: every step runs eagerly (by default, with CUDA, decode steps replay graphs "
                "captured at start-up; see docs/gpu.md)")
