@@ -229,8 +229,9 @@ def start_rank_command(spec: DeploymentSpec, role: str) -> list[str] | None:
 
 
 def publishes_kv_events(spec: DeploymentSpec) -> bool:
-    """The router's precise policy reads the heads' KV events: on, unless engine.extraArgs configures them."""
-    return (spec.router is not None and spec.router.policy == "precise"
+    """The router's precise policy reads the heads' KV events: on, unless engine.extraArgs configures them. With
+    spec.prefill the policy chooses the prefill pod, so only the prefill heads publish."""
+    return (spec.router is not None and spec.router.policy == "precise" and spec.pd_role != "decode"
             and not any(a.split("=", 1)[0] == "--kv-events-config" for a in spec.engine.extra_args))
 
 

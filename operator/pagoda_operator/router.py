@@ -87,7 +87,10 @@ def disaggregated_router_args(spec: DeploymentSpec) -> list[str]:
     return ["router", "--k8s-service", head_service_name(spec), "--prefill-k8s-service", prefill_service_name(spec),
             "--namespace", spec.namespace, "--policy", "least-load", "--prefill-policy", spec.router.policy,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT)] + (
-        ["--pd-threshold", str(spec.router.pd_threshold)] if spec.router.pd_threshold else [])
+        ["--pd-threshold", str(spec.router.pd_threshold)] if spec.router.pd_threshold else []) + (
+        # the prefill heads' KV events (builders.publishes_kv_events): pod IP, fixed ports
+        ["--kv-events-endpoint", KV_EVENTS_ENDPOINT, "--kv-events-replay-endpoint", KV_EVENTS_REPLAY]
+        if spec.router.policy == "precise" else [])
 
 
 def build_router_service_account(spec: DeploymentSpec, owner: dict[str, Any]) -> dict[str, Any]:

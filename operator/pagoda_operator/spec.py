@@ -806,10 +806,6 @@ def check_prefill(spec: DeploymentSpec) -> None:
         raise InvalidSpec("spec.prefill needs spec.router with enabled: true and mode proxy: the router sends each "
                           "request's prompt to a prefill pod, then its decode to a main pod (mode epp would need a "
                           "routing sidecar beside the decode pods, which the operator does not deploy)")
-    if router.policy == "precise":
-        raise InvalidSpec("router.policy precise is not supported with spec.prefill: the router picks the prefill "
-                          "pod by router.policy (prefix, least-load, session or round-robin) and the decode pod by "
-                          "load")
     if spec.adapters is not None:
         raise InvalidSpec("spec.prefill with spec.adapters (or engine.enableLora) is not supported yet: the prefill "
                           "pods would need the same adapters loaded")

@@ -168,6 +168,13 @@ def test_pod_and_router_args_parse_with_the_runtime_parsers(monkeypatch):
     assert parsed.disaggregated and parsed.prefill_k8s_service == "demo-prefill" and parsed.k8s_service == "demo"
     assert parsed.policy == "least-load" and parsed.prefill_policy == "session" and parsed.pd_threshold == 64
     assert "--pd-threshold" not in router_args(parse(PD))  # the router's default: every prompt takes P/D
+    # precise: the prefill pod chosen by what the prefill heads' KV events say they hold; only they publish
+    precise = {**PD, "router": {"enabled": True, "policy": "precise"}}
+    parsed = router_cli.router_args(parser, parser.parse_args(router_args(parse(precise))[1:]))
+    assert parsed.prefill_policy == "precise" and "--kv-events-endpoint" in router_args(parse(precise))
+    built = manifests(precise)
+    assert "--kv-events-config" in container(built["StatefulSet/demo-p0-head"])["args"]
+    assert "--kv-events-config" not in container(built["StatefulSet/demo-g0-head"])["args"]
 
 
 # ----- what is refused, naming the field -----
@@ -184,7 +191,6 @@ def test_pod_and_router_args_parse_with_the_runtime_parsers(monkeypatch):
     ({**PD, "prefill": 3}, "prefill must be an object"),
     ({**PD, "router": {"enabled": False}}, "spec.router"),
     ({**PD, "router": {"enabled": True, "mode": "epp"}}, "mode proxy"),
-    ({**PD, "router": {"enabled": True, "policy": "precise"}}, "router.policy precise"),
     ({**PD, "parallelism": {"data": 2}}, "parallelism.data"),
     ({**PD, "tensorParallelSize": 3}, "tensorParallelSize"),
     ({**PD, "adapters": []}, "spec.adapters"),
