@@ -212,6 +212,19 @@ def test_a_server_without_a_kv_connector_says_so(clients):
     assert out.choices[0].text is not None and out.model_extra.get("kv_transfer_params") is None
 
 
+def test_each_role_refuses_the_other_half(clients, plain_texts):
+    prefill_client, decode_client, _ = clients
+    params = prefill(prefill_client, PROMPTS[0])
+    error = _error(lambda: prefill_client.completions.create(  # a producer cannot pull
+        model=model_of(prefill_client), prompt=PROMPTS[0], max_tokens=2, extra_body={"kv_transfer_params": params}))
+    assert error["param"] == "kv_transfer_params.do_remote_prefill" and "kv_producer" in error["message"]
+    error = _error(lambda: decode_client.completions.create(  # a consumer holds nothing for others
+        model=model_of(decode_client), prompt=PROMPTS[0], max_tokens=1,
+        extra_body={"kv_transfer_params": {"do_remote_decode": True}}))
+    assert error["param"] == "kv_transfer_params.do_remote_decode" and "kv_consumer" in error["message"]
+    assert decode(decode_client, PROMPTS[0], params) == plain_texts[0]  # the params still serve their decode
+
+
 def test_one_prompt_per_prefill(clients):
     prefill_client = clients[0]
     error = _error(lambda: prefill_client.completions.create(

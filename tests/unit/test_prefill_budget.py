@@ -202,3 +202,41 @@ def test_the_help_of_target_itl_ms_states_the_factor_the_code_uses():
     (action,) = [a for a in parser._actions if "--target-itl-ms" in a.option_strings]
     assert f"at most {AUTO_TARGET_FACTOR:g}x a step of the running decodes alone" in action.help
     assert "4x" not in action.help
+
+
+@pytest.mark.parametrize("target", [None, 30.0])
+def test_with_async_scheduling_the_oldest_prompt_still_finishes_first(target):
+    # two steps in flight: while the old prompt's chunk runs, the next step takes its next chunk (its tokens are
+    # known), not a newer prompt's first one, as vLLM's async scheduling
+    config = SchedulerConfig(64, 256, True, 10_000, target_itl_ms=target, async_scheduling=True)
+    sched = Scheduler(config, BlockManager(2048, 16, False))
+    teach(sched.step_costs)
+    old = seq(1200, req="old")
+    newer = [seq(40, start=10_000 * (i + 1), req=f"new{i}") for i in range(4)]
+    for s in [old, *newer]:
+        sched.add(s)
+    in_flight, order, positions = [], [], []
+    for _ in range(100):
+        out = sched.schedule()
+        if out.has_work:
+            in_flight.append(out)
+            order += [s.seq_id for s in out.scheduled if s.num_computed_tokens < sched._live[s.seq_id].num_prompt_tokens]
+            positions += [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if s.seq_id == old.seq_id
+                          and s.num_computed_tokens < old.num_prompt_tokens]
+        if len(in_flight) == 2 or not out.has_work:
+            if not in_flight:
+                break
+            done = in_flight.pop(0)
+            sched.step_done(done)
+            sched.step_costs.observe(done.num_batched_tokens, fake_cost(done.num_batched_tokens, done.num_decodes),
+                                     done.num_decodes)
+            for s in done.scheduled:
+                if s.num_samples and s.seq_id in sched._live:
+                    sched._live[s.seq_id].append_token(7)
+        if all(s.num_computed_tokens >= s.num_prompt_tokens for s in [old, *newer]):
+            break
+    last_old = max(i for i, seq_id in enumerate(order) if seq_id == old.seq_id)
+    assert all(order.index(s.seq_id) > last_old for s in newer)
+    # the old prompt's chunks follow each other without a gap or an overlap
+    assert [start for start, _ in positions] == [sum(n for _, n in positions[:i]) for i in range(len(positions))]
+    assert sum(n for _, n in positions) == 1200 and old.num_computed_tokens >= 1200

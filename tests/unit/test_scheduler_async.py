@@ -77,12 +77,24 @@ def test_going_ahead_never_preempts_and_waits_for_a_block():
     assert a.seq_id not in sched.in_flight
 
 
-def test_a_prompt_in_chunks_goes_ahead_only_from_its_last_chunk():
+def test_a_prompt_in_chunks_goes_ahead_chunk_after_chunk_then_decodes_from_its_last():
+    # as vLLM's async scheduling: the prompt's next chunk is scheduled while the one before runs (its tokens
+    # are known), so the oldest prompt keeps the budget; a decode goes ahead only on its last chunk's sample
     sched = make(budget=4)
     a = seq(10)
     sched.add(a)
     first = sched.schedule()  # tokens 0-3: a chunk, no sample
-    assert sched.schedule().is_empty
+    second = sched.schedule()  # 4-7, while 0-3 run
+    (chunk,) = second.scheduled
+    assert chunk.num_computed_tokens == 4 and chunk.num_new_tokens == 4 and chunk.num_samples == 0
+    assert not chunk.placeholder and chunk.new_token_ids == []
+    assert sched.schedule().is_empty  # two steps in flight: never a third
     finish_step(sched, first)
-    sched.schedule()  # 4-7
-    assert sched.schedule().is_empty
+    third = sched.schedule()
+    (last,) = third.scheduled  # 8-9, the prompt's end: it samples
+    assert last.num_computed_tokens == 8 and last.num_new_tokens == 2 and last.num_samples == 1
+    finish_step(sched, second)
+    (ahead,) = sched.schedule().scheduled  # the first decode, on the token the last chunk samples
+    assert ahead.placeholder and ahead.num_computed_tokens == 10
+    finish_step(sched, third, token=40)
+    assert a.num_computed_tokens == 10 and a.token_ids[10:] == [40]

@@ -69,6 +69,7 @@ class Scheduler:
         # seq id -> its steps in flight (2: async scheduling took it again, on the token its step samples)
         self.steps_in_flight: dict[int, int] = {}
         self.samples_in_flight: dict[int, int] = {}  # seq id -> tokens its latest in-flight step samples
+        self.tokens_in_flight: dict[int, int] = {}  # seq id -> tokens its latest in-flight step computes
         self._finished_seq_ids: list[int] = []
         self._live: dict[int, Sequence] = {}  # every waiting or running sequence by id
         self.num_preemptions = 0
@@ -155,6 +156,12 @@ class Scheduler:
                 if self.config.async_scheduling and self._can_go_ahead(seq):
                     ahead = self._schedule_ahead(seq, out)
                     budget -= ahead
+                elif self.config.async_scheduling and prefill_left != 0 and self._prompt_can_go_ahead(seq):
+                    # first come, first served: the oldest prompt's next chunk, not a newer prompt's first
+                    ahead = self._schedule_prompt_ahead(seq, out, min(budget, prefill_left or budget))
+                    budget -= ahead
+                    if prefill_left is not None:
+                        prefill_left -= ahead
                 i += 1
                 continue
             if remaining > 1 and prefill_left == 0:
@@ -253,6 +260,7 @@ class Scheduler:
             self.in_flight.add(s.seq_id)
             self.steps_in_flight[s.seq_id] = self.steps_in_flight.get(s.seq_id, 0) + 1
             self.samples_in_flight[s.seq_id] = s.num_samples if not s.num_draft_tokens else 0
+            self.tokens_in_flight[s.seq_id] = s.num_new_tokens
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
@@ -277,6 +285,31 @@ class Scheduler:
             return False
         max_tokens = seq.params.max_tokens or self.config.max_model_len
         return seq.num_output_tokens + 1 < max_tokens and seq.num_tokens + 1 < self.config.max_model_len
+
+    def _prompt_can_go_ahead(self, seq: Sequence) -> bool:
+        """Async scheduling: whether an in-flight prompt may be scheduled its next chunk now: its one step in
+        flight computes a chunk that does not end the prompt (no sample), and prompt tokens are left after it."""
+        return (self.steps_in_flight.get(seq.seq_id, 0) == 1 and self.samples_in_flight.get(seq.seq_id) == 0
+                and seq.num_computed_tokens + self.tokens_in_flight.get(seq.seq_id, 0) < seq.num_tokens)
+
+    def _schedule_prompt_ahead(self, seq: Sequence, out: SchedulerOutput, limit: int) -> int:
+        """Schedule an in-flight prompt's next chunk (at most `limit` tokens), from where its in-flight chunk
+        ends: the runner has every prompt token and computes the steps in order, as vLLM's async scheduling.
+        Never preempts: with no free block it waits for the step. Returns the tokens scheduled."""
+        in_flight = self.tokens_in_flight[seq.seq_id]
+        num_new = min(seq.num_tokens - seq.num_computed_tokens - in_flight, limit)
+        if num_new <= 0:
+            return 0
+        copies = self.block_manager.allocate(seq, in_flight + num_new)
+        if copies is None:
+            return 0
+        out.blocks_to_copy += copies
+        seq.num_computed_tokens += in_flight  # the chunk's first position; step_done counts both chunks
+        try:
+            out.scheduled.append(self._schedule_seq(seq, num_new, bool(copies)))
+        finally:
+            seq.num_computed_tokens -= in_flight
+        return num_new
 
     def _schedule_ahead(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Schedule seq's next decode before its in-flight step ends: one token at position num_tokens, whose
@@ -387,6 +420,7 @@ class Scheduler:
             else:
                 self.in_flight.discard(s.seq_id)
                 self.samples_in_flight.pop(s.seq_id, None)
+                self.tokens_in_flight.pop(s.seq_id, None)
         for s in out.scheduled:
             seq = self._live.get(s.seq_id)
             if seq is None or seq.status != SequenceStatus.RUNNING:
@@ -422,6 +456,7 @@ class Scheduler:
         self.in_flight.discard(seq.seq_id)
         self.steps_in_flight.pop(seq.seq_id, None)
         self.samples_in_flight.pop(seq.seq_id, None)
+        self.tokens_in_flight.pop(seq.seq_id, None)
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:

@@ -89,14 +89,21 @@ class OpenAIServing:
         return params
 
     def check_kv_transfer(self, params: SamplingParams) -> None:
-        """P/D asked of a server without a KV connector is a 400: answering it as a plain request would leave
-        the caller (a P/D proxy) waiting for blocks that no one holds."""
+        """P/D asked of a server without a KV connector, or of the wrong role, is a 400: answering it as a plain
+        request would leave the caller (a P/D proxy) waiting for blocks that no one holds."""
         asked = params.kv_transfer_params
-        if self.kv_transfer is None and asked is not None and (asked.do_remote_decode or asked.do_remote_prefill):
-            what = "do_remote_decode" if asked.do_remote_decode else "do_remote_prefill"
+        if asked is None or not (asked.do_remote_decode or asked.do_remote_prefill):
+            return
+        what = "do_remote_decode" if asked.do_remote_decode else "do_remote_prefill"
+        if self.kv_transfer is None:
             raise invalid_request(f"kv_transfer_params.{what}: this server has no KV connector; start it with "
                                   "--kv-transfer-config to serve prefill/decode disaggregation",
                                   f"kv_transfer_params.{what}")
+        serves = self.kv_transfer.is_producer if asked.do_remote_decode else self.kv_transfer.is_consumer
+        if not serves:
+            raise invalid_request(f"kv_transfer_params.{what}: this server's kv_role is {self.kv_transfer.kv_role}; "
+                                  f"{what} needs {'kv_producer' if asked.do_remote_decode else 'kv_consumer'} or "
+                                  "kv_both", f"kv_transfer_params.{what}")
 
     async def validate_prompt(self, prompt, params: SamplingParams) -> dict:
         """Tokenize (off the event loop) and check the length now, so errors come before a stream starts."""
