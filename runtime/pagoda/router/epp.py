@@ -166,7 +166,7 @@ class EndpointPicker(ext_proc_grpc.ExternalProcessorServicer):
         subset = None
         duplex_request = duplex_response = False  # FULL_DUPLEX_STREAMED: bodies come back through the picker
         headers_pending = False  # duplex: the headers' answer waits for the whole body (it carries the choice)
-        picked: list = [None]  # (request, decision, fallbacks) once chosen
+        picked: list = [None]  # (request, decision, fallbacks, prefill) once chosen
         async for message in request_iterator:
             if message.HasField("protocol_config"):
                 config = message.protocol_config
