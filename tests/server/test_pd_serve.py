@@ -193,10 +193,10 @@ def _error(call) -> dict:
 def test_malformed_kv_transfer_params_are_a_400_naming_the_field(clients, params, field):
     for client in clients:  # with a connector or without
         model = model_of(client)
-        error = _error(lambda: client.completions.create(model=model, prompt="hi", max_tokens=2,
-                                                         extra_body={"kv_transfer_params": params}))
+        error = _error(lambda client=client, model=model: client.completions.create(
+            model=model, prompt="hi", max_tokens=2, extra_body={"kv_transfer_params": params}))
         assert error["param"] == field and field in error["message"], error
-        error = _error(lambda: client.chat.completions.create(
+        error = _error(lambda client=client, model=model: client.chat.completions.create(
             model=model, messages=CHAT, max_tokens=2, stream=True, extra_body={"kv_transfer_params": params}))
         assert error["param"] == field, error
 
