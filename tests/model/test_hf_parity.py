@@ -84,13 +84,14 @@ def test_matches_transformers_when_preemption_happens(tiny_model_factory, refere
 def test_a_windowed_model_runs_sequences_longer_than_its_kv_cache(tiny_model_factory, reference):
     """Every layer of mistral-window slides (16 tokens): blocks behind the window are freed as sequences
     advance, so 4 blocks of 16 tokens serve sequences of more than 64 tokens, which would need up to 10
-    unwindowed (max_model_len=160); a model with global layers (Gemma 2) is refused the same cache."""
+    unwindowed (max_model_len=160); a model with global layers (Gemma 2) is refused the same cache: its global
+    layer keeps all 10 (and its local layer 3, in blocks of one layer: the hybrid KV cache manager's 8)."""
     cache = dict(max_model_len=160, max_num_batched_tokens=16, kv_cache_memory=4 * 8192 / 2**30)
     llm, got = pagoda_greedy(tiny_model_factory("mistral-window"), **cache)
     assert llm.engine.num_blocks == 4 and llm.engine.block_manager.sliding_window == 16
     assert max(len(llm.get_tokenizer()(p).input_ids) + MAX_TOKENS for p in PROMPTS) > 4 * 16
     assert got == reference("mistral-window")
-    with pytest.raises(ValueError, match="fewer than the 10 one sequence of max_model_len=160 needs"):
+    with pytest.raises(ValueError, match="holds 8 blocks .* fewer than the 13 one sequence of max_model_len=160 needs"):
         LLM(str(tiny_model_factory("gemma2")), dtype="float32", **cache)
 
 
