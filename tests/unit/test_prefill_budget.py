@@ -240,3 +240,37 @@ def test_with_async_scheduling_the_oldest_prompt_still_finishes_first(target):
     # the old prompt's chunks follow each other without a gap or an overlap
     assert [start for start, _ in positions] == [sum(n for _, n in positions[:i]) for i in range(len(positions))]
     assert sum(n for _, n in positions) == 1200 and old.num_computed_tokens >= 1200
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_a_step_as_vllms():
+    config = SchedulerConfig(64, 256, True, 10_000, long_prefill_token_threshold=40)
+    sched = Scheduler(config, BlockManager(2048, 16, False))
+    prompts = [seq(100, start=10_000 * i, req=f"p{i}") for i in range(3)] + [seq(30, start=90_000, req="short")]
+    for p in prompts:
+        sched.add(p)
+    out = run_step(sched)
+    assert [s.num_new_tokens for s in out.scheduled] == [40, 40, 40, 30]  # the short one whole: under the cap
+    out = run_step(sched)
+    assert [s.num_new_tokens for s in out.scheduled][:3] == [40, 40, 40]
+    # without chunked prefill a prompt is never cut: the threshold does not apply
+    config = SchedulerConfig(64, 256, False, 10_000, long_prefill_token_threshold=40)
+    sched = Scheduler(config, BlockManager(2048, 16, False))
+    sched.add(seq(100))
+    assert [s.num_new_tokens for s in run_step(sched).scheduled] == [100]
+
+
+def test_a_bad_long_prefill_token_threshold_is_refused_by_name():
+    import argparse
+
+    from pagoda.config import EngineArgs
+    from pagoda.entrypoints.openai.cli_args import add_serve_arguments, split_args
+    from pagoda.errors import InvalidParam
+
+    with pytest.raises(InvalidParam, match="long_prefill_token_threshold must be an integer >= 0"):
+        EngineArgs(long_prefill_token_threshold=-1).validate()
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    engine, _ = split_args(parser.parse_args(["--long-prefill-token-threshold", "512"]))
+    assert engine.long_prefill_token_threshold == 512
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--long-prefill-token-threshold", "-5"])

@@ -49,6 +49,8 @@ class EngineArgs:
     # a step's prefill share sized so running decodes keep this inter-token latency (docs/server.md); None: off
     target_itl_ms: float | str | None = None  # milliseconds, or "auto" (relative to a decode step; pagoda serve's)
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (a request's `priority`, lower first), as vLLM's
+    # with chunked prefill, a prompt computes at most this many tokens a step (0: no such cap), as vLLM's
+    long_prefill_token_threshold: int = 0
     # schedule step N+1 while step N runs (vLLM's default since early 2026); None: on with a GPU, off on a CPU
     # (docs/server.md)
     async_scheduling: bool | None = None
@@ -136,6 +138,9 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidParam("scheduling_policy", f"scheduling_policy must be one of "
                                                     f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise InvalidParam("long_prefill_token_threshold", "long_prefill_token_threshold must be an integer "
+                               f">= 0 (0: off); got {self.long_prefill_token_threshold!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise InvalidParam("max_num_batched_tokens",
                                f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")

@@ -62,6 +62,7 @@ class SchedulerConfig:
     # a multiple of what the decodes' own step costs, core/scheduler.py)
     target_itl_ms: float | str | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival), as vLLM's
+    long_prefill_token_threshold: int = 0  # a prompt's tokens a step at most, with chunked prefill (0: no cap)
     # schedule step N+1 while step N runs, decodes on the token N will sample (core/scheduler.py); resolved
     # on only where it applies: one process (TP = PP = 1), no speculative decoding
     async_scheduling: bool = False

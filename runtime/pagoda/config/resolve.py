@@ -98,6 +98,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                   max_model_len=max_model_len, preemption_mode=mode,
                                   max_loras=args.max_loras if args.enable_lora else None,
                                   target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy,
+                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
                                   async_scheduling=_async_scheduling(args, speculative, device, backend)),
         parallel=dataclasses.replace(ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,

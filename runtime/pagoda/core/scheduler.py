@@ -116,6 +116,14 @@ class Scheduler:
             return None
         return max(tokens, self.block_manager.block_size)
 
+    def _prompt_cap(self, remaining: int) -> int:
+        """The most tokens a sequence with `remaining` to compute may take this step: with chunked prefill and
+        long_prefill_token_threshold, a prompt at most that many (vLLM's --long-prefill-token-threshold)."""
+        threshold = self.config.long_prefill_token_threshold
+        if remaining > 1 and threshold and self.config.enable_chunked_prefill:
+            return threshold
+        return remaining
+
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """Output `index` of an n > 1 request, forked from `parent` at the end of its prompt: it shares the
         parent's blocks (copy-on-write) and runs from now on."""
@@ -167,7 +175,7 @@ class Scheduler:
             if remaining > 1 and prefill_left == 0:
                 i += 1
                 continue
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, self._prompt_cap(remaining))
             if remaining > 1 and prefill_left is not None:
                 num_new = min(num_new, prefill_left)
                 prefill_left -= num_new
@@ -197,7 +205,7 @@ class Scheduler:
             remaining = seq.num_tokens - seq.num_computed_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, self._prompt_cap(remaining))
             if remaining > 1 and prefill_left is not None:
                 if prefill_left == 0:
                     break
@@ -231,7 +239,7 @@ class Scheduler:
             remaining = seq.num_tokens - num_computed - external
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
-            num_new = min(remaining, budget)
+            num_new = min(remaining, budget, self._prompt_cap(remaining))
             if remaining > 1 and prefill_left is not None:
                 if prefill_left == 0:
                     break
@@ -297,7 +305,8 @@ class Scheduler:
         ends: the runner has every prompt token and computes the steps in order, as vLLM's async scheduling.
         Never preempts: with no free block it waits for the step. Returns the tokens scheduled."""
         in_flight = self.tokens_in_flight[seq.seq_id]
-        num_new = min(seq.num_tokens - seq.num_computed_tokens - in_flight, limit)
+        left = seq.num_tokens - seq.num_computed_tokens - in_flight
+        num_new = min(left, limit, self._prompt_cap(left))
         if num_new <= 0:
             return 0
         copies = self.block_manager.allocate(seq, in_flight + num_new)

@@ -288,6 +288,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                f"the whole --max-num-batched-tokens); 'auto': a step with prompt tokens takes at most "
                f"{AUTO_TARGET_FACTOR:g}x a step of the running decodes alone; 'off': no cap (default: "
                "%(default)s; docs/server.md)")
+    p.add("--long-prefill-token-threshold", default=d["long_prefill_token_threshold"], type=non_negative_int,
+          help="with chunked prefill, a prompt computes at most this many tokens a step, so one long prompt "
+               "leaves room in the step for others (0: no cap; default: %(default)s), as vLLM's")
     p.add("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
           help="fcfs: first come, first served; priority: by each request's `priority` (lower first), then "
                "arrival")
