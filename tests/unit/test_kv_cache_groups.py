@@ -16,6 +16,7 @@ from pagoda.core.kv_cache_groups import (
     HybridBlockManager,
     KVCacheGroup,
     kv_cache_groups,
+    kv_cache_groups_for,
     log_max_concurrency,
 )
 from pagoda.core.kv_window import NULL_BLOCK, blocks_per_sequence
@@ -209,3 +210,36 @@ def test_random_workload_keeps_every_group_right_and_never_leaks(mode, num_swap_
     assert sched.num_preemptions > 0
     if num_swap_blocks:
         assert sched.num_swapped_out > 0 and sched.num_swapped_in > 0
+
+
+def test_what_keeps_one_table_for_every_layer(caplog):
+    from types import SimpleNamespace
+
+    def config(disable=False, draft=None, pp=1, kv_transfer=None):
+        return SimpleNamespace(cache=SimpleNamespace(disable_hybrid_kv_cache_manager=disable), draft_model=draft,
+                               parallel=SimpleNamespace(pipeline_parallel_size=pp), kv_transfer=kv_transfer)
+
+    windows = [8, None]
+    assert kv_cache_groups_for(config(), windows) == kv_cache_groups(windows)
+    assert kv_cache_groups_for(config(), [None, None]) is None  # no window: the single-table path, as before
+    with caplog.at_level("INFO", logger="pagoda.core.kv_cache_groups"):
+        for off, why in [(config(disable=True), "--disable-hybrid-kv-cache-manager"),
+                         (config(draft=object()), "draft model"), (config(pp=2), "pipeline parallelism"),
+                         (config(kv_transfer=object()), "KV connector")]:
+            assert kv_cache_groups_for(off, windows, log=True) is None
+            assert why in caplog.text
+
+
+def test_the_serve_flag_reaches_the_cache_config(tiny_model_factory):
+    import argparse
+
+    from pagoda.config import create_engine_config
+    from pagoda.entrypoints.openai.cli_args import add_serve_arguments, split_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert not split_args(parser.parse_args([]))[0].disable_hybrid_kv_cache_manager
+    engine = split_args(parser.parse_args(["--disable-hybrid-kv-cache-manager"]))[0]
+    assert engine.disable_hybrid_kv_cache_manager
+    engine.model = str(tiny_model_factory("gemma3"))
+    assert create_engine_config(engine).cache.disable_hybrid_kv_cache_manager
