@@ -129,3 +129,19 @@ def test_windowed_blocks_return_to_the_pool_in_a_long_generation(checkpoint):
     num_tokens = len(engine.tokenizer(PROMPTS[1]).input_ids) + 400
     assert max(used) <= -(-num_tokens // 16) + 4  # every layer full would hold twice the full layer's
     bm.check_no_leaks()
+
+
+@pytest.mark.parametrize("variant", ["ngram", "async", "n2"])
+def test_drafts_async_scheduling_and_forks(checkpoint, variant):
+    """n-gram drafts (rejected drafts' slots released in every group), async scheduling (steps scheduled ahead
+    carry every group's table) and n=2 (both outputs share the prompt's blocks in every group, copy-on-write):
+    transformers' tokens."""
+    _, path, reference = checkpoint
+    kwargs = {"ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+              "async": {"async_scheduling": True}, "n2": {}}[variant]
+    llm = make_llm(path, **kwargs)
+    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2 if variant == "n2" else 1)
+    outs = llm.generate(PROMPTS, sampling, use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == [[r] * sampling.n for r in reference]
+    llm.engine.block_manager.check_no_leaks()
