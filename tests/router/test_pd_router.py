@@ -55,8 +55,10 @@ async def _models(_):
 class Upstream:
     """A vLLM-shaped server on a loopback port, in a thread: records every generation request's body."""
 
-    def __init__(self, role: str, prefill_status: int = 200, with_params: bool = True):
+    def __init__(self, role: str, prefill_status: int = 200, with_params: bool = True, prefill_delay: float = 0):
         self.role, self.prefill_status, self.with_params = role, prefill_status, with_params
+        self.prefill_delay = prefill_delay  # a hung prefill: answers this late (or at stop)
+        self.released = asyncio.Event()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.bodies: list[dict] = []
@@ -88,6 +90,11 @@ class Upstream:
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
         chat = request.path.endswith("chat/completions")
         if self.role == "prefill":
+            if self.prefill_delay:
+                try:
+                    await asyncio.wait_for(self.released.wait(), self.prefill_delay)
+                except asyncio.TimeoutError:
+                    pass
             if self.prefill_status != 200:
                 return web.json_response({"error": {"message": "prefill broke"}}, status=self.prefill_status)
             answer = {"id": "p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
@@ -121,6 +128,7 @@ class Upstream:
             return
 
         async def close():
+            self.released.set()  # a held prefill answers now, so cleanup does not wait for it
             await self.runner.cleanup()
 
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
@@ -259,6 +267,23 @@ def test_a_failed_prefill_falls_back_to_decode_alone(upstreams, pd_router, fault
         assert counts[f"failure:{fault}"] == 2
 
 
+def test_a_hung_prefill_times_out_and_falls_back_to_decode_alone(upstreams, pd_router):
+    """Without --prefill-timeout the request would wait the prefill's 60 s; with 1 s it answers from the decode
+    backend, and the hung backend stays in the rotation (slow is not gone): the next request tries it again."""
+    prefill, decode = upstreams("prefill", prefill_delay=60), upstreams("decode")
+    router = pd_router([prefill], [decode], "--prefill-timeout", "1")
+    client = router.client()
+    for _ in range(2):
+        started = time.monotonic()
+        stream = client.completions.create(model="tiny", prompt=LONG, max_tokens=3, stream=True, timeout=30)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == "from none"
+        assert 1 <= time.monotonic() - started < 20
+        assert "kv_transfer_params" not in decode.bodies[-1]
+    assert len(prefill.bodies) == 2
+    counts = pd_counts(router)
+    assert counts["fallback"] == 2 and counts["failure:timeout"] == 2, counts
+
+
 def test_no_prefill_backend_discovered_still_answers(upstreams, pd_router, tmp_path):
     decode = upstreams("decode")
     router = pd_router([], [decode], "--prefill-backend", f"http://127.0.0.1:{free_port()}")
@@ -283,7 +308,11 @@ def test_flags():
     assert parse("--backend", "a:1", "--prefill-backend", "b:1", "--prefill-policy", "precise").prefill_policy == \
         "precise"  # the prefill pool's KV events, at --kv-events-endpoint
     assert parse("--backend", "10.0.0.1:8000").policy == "round-robin" and not parse("--backend", "a:1").disaggregated
+    assert args.prefill_timeout == 300 and parse("--backend", "a:1", "--prefill-backend", "b:1",
+                                                 "--prefill-timeout", "2.5").prefill_timeout == 2.5
     for bad in (["--backend", "a:1", "--prefill-backend", "a:1"], ["--backend", "a:1", "--pd-threshold", "-1"],
+                ["--backend", "a:1", "--prefill-timeout", "0"], ["--backend", "a:1", "--prefill-timeout", "nan"],
+                ["--backend", "a:1", "--prefill-timeout", "soon"],
                 ["--backend", "a:1", "--prefill-backend", "ftp://x"]):
         with pytest.raises(SystemExit):
             parse(*bad)
@@ -318,7 +347,7 @@ def test_epp_names_the_prefill_endpoint_in_llm_d_header():
         router = Router(decode_pool, make_policy("least-load"), RouterConfig(policy="least-load"))
         prefill = Router(prefill_pool, make_policy("least-load"), RouterConfig(policy="least-load"),
                          metrics_prefix=PREFILL_METRICS_PREFIX)
-        pd = Disaggregation(prefill, threshold=50, registry=router.metrics.registry)
+        pd = Disaggregation(prefill, threshold=50, registry=router.metrics.registry, timeout_s=300)
         prefill_pool.all()[0].waiting = 3  # the other one is less loaded
         server = EPPServer(router, "127.0.0.1", free_port(), max_queue=8, session_header="x-session-id", pd=pd)
         await server.start()

@@ -50,7 +50,7 @@ def _disaggregation(args: RouterArgs, router: Router):
     prefill = Router(BackendPool(args.prefill_backends), policy, RouterConfig(
         policy=args.prefill_policy, max_in_flight_per_backend=args.max_in_flight_per_backend,
         session_header=args.session_header), metrics_prefix=PREFILL_METRICS_PREFIX)
-    return Disaggregation(prefill, args.pd_threshold, router.metrics.registry)
+    return Disaggregation(prefill, args.pd_threshold, router.metrics.registry, timeout_s=args.prefill_timeout)
 
 
 def build_app(args: RouterArgs) -> FastAPI:

@@ -30,6 +30,9 @@ class RouterArgs:
     prefill_k8s_service: str | None = None
     prefill_policy: str = "prefix"
     pd_threshold: int = 0  # prompts under this many tokens (estimated as llm-d does) skip the prefill
+    # seconds a prefill may take before the request goes to decode alone (vLLM's proxies give every backend
+    # request 6 h; a prefill is one forward pass, far less, but a long prompt on a CPU replica takes minutes)
+    prefill_timeout: float = 300.0
 
     @property
     def disaggregated(self) -> bool:

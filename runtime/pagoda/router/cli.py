@@ -23,6 +23,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -96,6 +106,12 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="P/D mode: a prompt under this many tokens (estimated as llm-d does: its bytes / 4) "
                              "skips the prefill backends and goes to a decode backend alone (default: "
                              "%(default)s: every prompt takes the P/D path)")
+    parser.add_argument("--prefill-timeout", type=_positive_float, metavar="SECONDS",
+                        default=_env("prefill-timeout", str(defaults.prefill_timeout)),
+                        help="P/D mode: a prefill not answered within this many seconds is given up and the "
+                             "request goes to a decode backend alone, which computes the prompt (a hung prefill "
+                             "backend must not hold requests forever; a prefill is one forward pass, so this is "
+                             "far above a long prompt's prefill) (default: %(default)s)")
     parser.add_argument("--log-level", default=_env("log-level", defaults.log_level),
                         choices=("debug", "info", "warning", "error", "critical"))
 
@@ -156,7 +172,7 @@ def router_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Rout
                       epp=ns.epp, epp_port=ns.epp_port, epp_max_queue=ns.epp_max_queue,
                       epp_fallbacks=ns.epp_fallbacks, prefill_backends=prefill_backends,
                       prefill_k8s_service=ns.prefill_k8s_service, prefill_policy=ns.prefill_policy,
-                      pd_threshold=ns.pd_threshold)
+                      pd_threshold=ns.pd_threshold, prefill_timeout=ns.prefill_timeout)
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:

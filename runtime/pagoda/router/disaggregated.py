@@ -11,7 +11,9 @@ earlier one goes where its blocks are cached), the decode backend by `--policy`.
 A prompt under `--pd-threshold` tokens goes to a decode backend alone, as llm-d's P/D decider does (a short
 prefill costs less than a transfer). A prefill that fails (no prefill backend, refused, an error status, an
 answer without `kv_transfer_params`) is not the client's failure: the request goes to a decode backend alone,
-which computes the prompt itself, and `pagoda_router:pd_prefill_failures_total{reason}` counts it.
+which computes the prompt itself, and `pagoda_router:pd_prefill_failures_total{reason}` counts it. So is a
+prefill that has not answered within `--prefill-timeout` seconds (reason `timeout`): a hung prefill backend
+must not hold the request forever.
 
 The EPP's P/D mode (pagoda.router.epp) uses `prefill_for` to name the prefill endpoint in llm-d's
 `x-prefiller-host-port` header; the sidecar beside the decode pod then runs the protocol above.
@@ -75,9 +77,10 @@ def prefill_body(body: dict) -> bytes:
 class Disaggregation:
     """The prefill backends (their own pool, policy and metrics: a Router) and the choice to use them."""
 
-    def __init__(self, prefill: Router, threshold: int, registry):
+    def __init__(self, prefill: Router, threshold: int, registry, timeout_s: float):
         self.prefill = prefill
         self.threshold = threshold
+        self.timeout_s = timeout_s  # a prefill's whole answer (one forward pass and one token) within this
         self.requests = Counter(PREFIX + "pd_requests", "Generation requests by how they ran: `prefill-decode`, "
                                 "`decode-only` (below --pd-threshold, or the client sent its own "
                                 "kv_transfer_params) or `fallback` (the prefill failed; decode computed the "
@@ -165,14 +168,19 @@ class DisaggregatedResponse(ProxyResponse):
         backend = decision.backend
         headers = [(k, v) for k, v in self.forward_headers if k.lower() not in _NOT_TO_PREFILL]
         backend.in_flight += 1
+        deadline = asyncio.timeout(self.pd.timeout_s)
         try:
-            async with prefill.session.post(backend.url + self.path, headers=headers, data=prefill_body(body),
-                                            allow_redirects=False,
-                                            skip_auto_headers=("Accept-Encoding", "User-Agent")) as response:
-                prefill.metrics.requests.labels(backend.url, str(response.status)).inc()
-                answer = await response.read()
+            async with deadline:
+                async with prefill.session.post(backend.url + self.path, headers=headers,
+                                                data=prefill_body(body), allow_redirects=False,
+                                                skip_auto_headers=("Accept-Encoding", "User-Agent")) as response:
+                    prefill.metrics.requests.labels(backend.url, str(response.status)).inc()
+                    answer = await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             prefill.metrics.requests.labels(backend.url, "error").inc()
+            if deadline.expired():  # slow or hung, not gone: it stays in the rotation (the probe judges it)
+                raise PrefillFailed("timeout", f"{backend.url}: no answer within --prefill-timeout "
+                                    f"{self.pd.timeout_s:g} s") from None
             if isinstance(e, (aiohttp.ClientConnectorError, asyncio.TimeoutError)):
                 backend.mark_down(f"{type(e).__name__}: {e}")  # leaves now; the health probe brings it back
                 prefill.backend_changed(backend, False)
