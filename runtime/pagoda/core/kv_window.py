@@ -7,8 +7,9 @@ sliding-window manager does. A freed full block keeps its hash, so the prefix ca
 a request with the same prefix until it is evicted; and a prefix hit needs cached only the blocks its
 window reaches (``BlockManager.find_cached_prefix`` searches from the end).
 
-One full-attention layer reads every position, and all layers share one block table here: for a model
-that mixes local and global layers (Gemma 2/3) nothing is freed (docs/models.md gives what it costs).
+One full-attention layer reads every position, and all layers share one block table here: a model that
+mixes local and global layers (Gemma 2/3, gpt-oss) gets a table per group of layers instead (``kv_cache_groups``),
+whose windowed groups apply these rules; with --disable-hybrid-kv-cache-manager nothing is freed for it.
 
 A freed entry stays in the block table as ``NULL_BLOCK``, so every position keeps its block index; the
 attention paths never read before the window (torch gathers from the window's first position, the Triton
