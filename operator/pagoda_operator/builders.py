@@ -209,7 +209,10 @@ def data_parallel_args(spec: DeploymentSpec, group: int, cluster_domain: str, ro
     args = ["--data-parallel-size", str(spec.data_parallel_size),
             "--data-parallel-size-local", str(spec.data_parallel_size_local),
             "--data-parallel-address", master_addr(spec, group, cluster_domain),
-            "--data-parallel-rpc-port", str(spec.data_parallel_rpc_port)]
+            "--data-parallel-rpc-port", str(spec.data_parallel_rpc_port),
+            # PAGODA_NODE_RANK (the pod's index, set on every pod) is also --node-rank's default; a DP pod is
+            # node 0 of its own tensor-parallel world
+            "--node-rank", "0"]
     if role == "head":
         return args
     args.append("--headless")

@@ -82,7 +82,8 @@ def test_a_group_is_data_over_data_local_pods_of_data_local_x_tp_gpus(data, loca
             assert flag(args, "--data-parallel-rpc-port") == "29550"
             assert "--enable-expert-parallel" in args
             # each pod's tensor-parallel world stays inside it: no cross-pod torch rendezvous flags
-            assert not {"--nnodes", "--node-rank", "--master-addr", "--master-port"} & set(args)
+            assert not {"--nnodes", "--master-addr", "--master-port"} & set(args)
+            assert flag(args, "--node-rank") == "0"  # not the pod index, which PAGODA_NODE_RANK would default it to
             assert ("--headless" in args) == (role == "worker")
             assert {"name": "dp-rpc", "containerPort": 29550, "protocol": "TCP"} in c["ports"]
 

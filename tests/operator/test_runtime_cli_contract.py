@@ -57,3 +57,39 @@ def test_pod_args_parse_with_the_runtime_cli(spec, monkeypatch):
             assert [(m.name, m.path) for m in ns.lora_modules] == [(a.name, a.directory) for a in parsed.adapters]
         if parsed.engine.enable_prefix_caching is not None:
             assert ns.enable_prefix_caching is parsed.engine.enable_prefix_caching
+
+
+@pytest.mark.parametrize("spec", [
+    {},
+    {"pipelineParallelSize": 2},
+    {"model": {"path": "/models/moe", "volume": {"persistentVolumeClaim": {"claimName": "w"}}},
+     "parallelism": {"data": 4, "dataLocal": 1, "expert": True}},
+    {"model": {"path": "/models/moe", "volume": {"persistentVolumeClaim": {"claimName": "w"}}},
+     "parallelism": {"data": 4, "dataLocal": 2}},
+])
+def test_pod_args_validate_with_the_pods_own_environment(spec, monkeypatch):
+    """Every PAGODA_* variable is also a flag's default in the runtime: the pod's env (PAGODA_NODE_RANK, its index)
+    must agree with its args. A DP worker once failed with `--node-rank must be in [0, --nnodes=1); got 1`."""
+    from pagoda.entrypoints.openai.cli_args import split_args
+
+    body = {"metadata": {"name": "demo", "namespace": "serving"}, "spec": spec}
+    parsed = parse_spec(body, default_image="i")
+    for manifest in b.build_all(parsed, body):
+        if manifest["kind"] != "StatefulSet":
+            continue
+        pod = manifest["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        for ordinal in range(manifest["spec"]["ordinals"]["start"],
+                             manifest["spec"]["ordinals"]["start"] + manifest["spec"]["replicas"]):
+            for var in [v for v in os.environ if v.startswith("PAGODA_")]:
+                monkeypatch.delenv(var)
+            monkeypatch.setenv("PAGODA_NODE_RANK", str(ordinal))  # from the pod-index label
+            for env in container.get("env", []):
+                if "value" in env:
+                    monkeypatch.setenv(env["name"], env["value"])
+            args = container["args"]
+            if container.get("command"):  # the start-rank shell: `exec pagoda "$@" --data-parallel-start-rank N`
+                args = [*args, "--data-parallel-start-rank", str(ordinal * parsed.data_parallel_size_local)]
+            ns = cli.build_parser().parse_args([a.replace("$(PAGODA_NODE_RANK)", str(ordinal)) for a in args])
+            engine_args, _ = split_args(ns)
+            engine_args.validate()
