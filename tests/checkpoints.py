@@ -22,6 +22,15 @@ _CORPUS = [
 FIM_TOKENS = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
 
 
+# prompts of the parity tests against transformers: a short one, a long one, one token, a repeated sentence
+PARITY_PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks",
+    "a",
+    "Continuous batching lets new requests join between steps. " * 3,
+]
+
+
 def write_tokenizer(out: Path, fim: bool = False) -> int:
     """fim: with StarCoder's fill-in-the-middle tokens too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -8,19 +8,14 @@ import shutil
 
 import pytest
 import torch
-from checkpoints import hf_greedy
+from checkpoints import PARITY_PROMPTS, hf_greedy
 
 from pagoda import LLM, SamplingParams
 from pagoda.models.gpt_oss import dequantize_mxfp4
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "Hello, my name is",
-    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks",
-    "a",
-    "Continuous batching lets new requests join between steps. " * 3,
-]
+PROMPTS = PARITY_PROMPTS
 MAX_TOKENS = 24
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

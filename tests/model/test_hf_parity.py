@@ -1,19 +1,13 @@
 """Greedy output equals Hugging Face transformers token for token (float32) on tiny random checkpoints."""
 
 import pytest
-from checkpoints import hf_greedy, hf_greedy_stepwise
+from checkpoints import PARITY_PROMPTS, hf_greedy, hf_greedy_stepwise
 
 from pagoda import LLM, SamplingParams
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "Hello, my name is",
-    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks",
-    "a",
-    "Continuous batching lets new requests join between steps. " * 3,
-    "Paris is the capital of",
-]
+PROMPTS = [*PARITY_PROMPTS, "Paris is the capital of"]
 MAX_TOKENS = 24
 
 

@@ -7,7 +7,7 @@ as a long generation grows."""
 import logging
 
 import pytest
-from checkpoints import hf_greedy
+from checkpoints import PARITY_PROMPTS, hf_greedy
 
 from pagoda import LLM, SamplingParams
 from pagoda.core.kv_cache_groups import HybridBlockManager
@@ -15,12 +15,7 @@ from pagoda.core.kv_window import NULL_BLOCK
 
 pytestmark = pytest.mark.model
 
-PROMPTS = [
-    "Hello, my name is",
-    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks",
-    "a",
-    "Continuous batching lets new requests join between steps. " * 3,
-]
+PROMPTS = PARITY_PROMPTS
 MAX_TOKENS = 40
 LONG_TOKENS = 120  # the preemption test's
 MAX_MODEL_LEN = 512
