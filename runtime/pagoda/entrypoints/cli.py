@@ -18,6 +18,7 @@ BENCHMARKS = {
     "router": "pagoda.bench.router",
     "moe": "pagoda.bench.moe",
     "lora": "pagoda.bench.lora",
+    "kv-transfer": "pagoda.bench.kv_transfer",
 }
 
 
