@@ -15,6 +15,20 @@ rm -f "$DEST"/*.whl  # exactly the list's pins, no wheel of an older list
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_28_x86_64 \
     "${REQS[@]}"
+# nixl-cu12 (65 MiB): its expert-parallel kernels (nixl_ep_cu12/, 36 MiB, three torch builds) are not used
+# by the KV connector; the wheel travels without them, so the list fits the tree's 64 MiB
+for wheel in "$DEST"/nixl_cu12-*.whl; do
+    [ -e "$wheel" ] || continue
+    "$PY" - "$wheel" <<'SLIM'
+import os, sys, zipfile
+path = sys.argv[1]
+with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".slim", "w", zipfile.ZIP_DEFLATED) as dst:
+    for item in src.infolist():
+        if not item.filename.startswith("nixl_ep_cu12/"):
+            dst.writestr(item, src.read(item.filename))
+os.replace(path + ".slim", path)
+SLIM
+done
 TOTAL=$(du -cb "$DEST"/*.whl | tail -1 | cut -f1)
 echo "gpu-wheels: $(find "$DEST" -maxdepth 1 -type f -name '*.whl' | wc -l) wheels for Python $PYTHON_VERSION in $DEST," \
      "$((TOTAL / 1024)) KiB ($(awk "BEGIN {printf \"%.1f\", $TOTAL / 1048576}") MiB; the tree may carry 64 MiB)"

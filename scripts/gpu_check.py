@@ -202,6 +202,10 @@ def plan(out: Path, dry_run: bool, workers: int) -> list[Step]:
                               "greedy tokens equal, tokens/s of each; DP=1 with EP over TP on one GPU, DP=2 + EP "
                               "too where two GPUs answer",
              [sys.executable, here, "data-parallel"], 60),
+        Step("pd-disaggregation", "P/D over NIXL with VRAM KV caches: a prefill engine and a decode engine in two "
+                                  "processes, greedy tokens equal one engine's; pagoda bench kv-transfer "
+                                  "--device cuda (a Llama-3-8B layout): READ GB/s and latency",
+             [sys.executable, here, "pd-disaggregation"], 90),
     ]
     if dry_run:  # the interpreter on a shared CPU: the same steps, slower
         for step in steps:
@@ -801,6 +805,123 @@ def data_parallel_check(args) -> int:
     return 0 if ok else 1
 
 
+# the prefill engine's process (pd-disaggregation): prompts as JSON on stdin, its kv_transfer_params on stdout
+_PD_PREFILL_PROCESS = """
+import json, sys
+from pagoda import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_transfer_config=json.loads(sys.argv[2]), **json.loads(sys.argv[3]))
+print("PD ready", flush=True)
+prompts = json.loads(sys.stdin.readline())
+outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1,
+                                               kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+print("PD " + json.dumps([o.kv_transfer_params for o in outputs]), flush=True)
+sys.stdin.readline()  # held until the decode side has pulled: its engine frees the blocks then
+llm.shutdown()
+"""
+
+
+def pd_disaggregation_check(args) -> int:
+    """P/D disaggregation (docs/disaggregation.md) on this device: a float32 tiny Llama served by a prefill
+    engine (kv_producer) in its own process and a decode engine (kv_consumer) here, their KV caches in VRAM, so
+    the NIXL READ moves GPU memory (UCX: cuda_ipc or cuda_copy); the decode engine's greedy tokens must equal a
+    single engine's, with every prompt pulled, none recomputed. Then `pagoda bench kv-transfer --device cuda` on
+    a Llama-3-8B KV layout (32 layers x 8 KV heads x 128, bf16) for GB/s. The CPU rehearsal takes the same paths
+    in DRAM at a tiny layout. Prints one JSON line."""
+    import gc
+
+    import torch
+
+    if importlib.util.find_spec("nixl_cu12") is None:
+        print("pd-disaggregation: nixl_cu12 is not installed for this Python (scripts/gpu-wheels.txt's nixl-cu12: "
+              "run make gpu-wheels)")
+        return 1
+    from pagoda import LLM, SamplingParams
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from checkpoints import write_tiny_model
+
+    cuda = torch.cuda.is_available()
+    model = SCRATCH / "pd-tiny-llama"
+    if not (model / "config.json").exists():
+        write_tiny_model(model, "llama")
+    device = "cuda" if cuda else "cpu"
+    common = dict(dtype="float32", kv_cache_memory=0.05, block_size=16)
+    prompts = [f"Prompt {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 4) for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    result: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (rehearsal: DRAM, timings meaningless)",
+                    "model": "tiny random Llama, float32", "requests": len(prompts), "max_tokens": 16}
+
+    with LLM(str(model), **common) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    gc.collect()
+    producer = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": device,
+                "kv_connector_extra_config": {"side_channel_port": 0}}
+    consumer = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": device}
+    # in this step's process group: a step stopped at its limit takes the prefill engine with it
+    prefill = subprocess.Popen([sys.executable, "-c", _PD_PREFILL_PROCESS, str(model), json.dumps(producer),
+                                json.dumps(common)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def answer():
+        for line in prefill.stdout:
+            if line.startswith("PD "):
+                return line[3:].strip()
+        raise RuntimeError(f"the prefill engine's process ended (exit {prefill.wait()})")
+
+    try:
+        if answer() != "ready":
+            raise RuntimeError("the prefill engine's process did not start")
+        prefill.stdin.write(json.dumps(prompts) + "\n")
+        prefill.stdin.flush()
+        transfer_params = json.loads(answer())
+        with LLM(str(model), kv_transfer_config=consumer, enable_prefix_caching=False, **common) as llm:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                         kv_transfer_params=p) for p in transfer_params],
+                                use_tqdm=False)
+            result["decode_seconds"] = round(time.perf_counter() - start, 3)
+            scheduler_stats = llm.engine.core.kv_connector.stats
+            worker_stats = llm.engine.executor.runner.kv_connector.stats
+            result["kv_memory"] = llm.engine.executor.runner.kv_connector.mem_type
+            result["transfers"] = worker_stats.num_transfers
+            result["bytes_transferred"] = worker_stats.bytes_transferred
+            result["recomputed_prompts"] = scheduler_stats.num_recomputed_prompts
+        tokens = [o.outputs[0].token_ids for o in outs]
+    finally:
+        try:
+            prefill.stdin.close()
+            prefill.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            prefill.kill()
+            prefill.wait()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    result["tokens_equal_one_engine"] = tokens == reference
+    ok = (result["tokens_equal_one_engine"] and result["transfers"] == len(prompts)
+          and result["recomputed_prompts"] == 0 and result["kv_memory"] == ("VRAM" if cuda else "DRAM"))
+
+    shape = (["--num-layers", "32", "--num-kv-heads", "8", "--head-size", "128", "--blocks", "1", "16", "128",
+              "--iters", "10"] if cuda else
+             ["--num-layers", "2", "--num-kv-heads", "2", "--head-size", "16", "--blocks", "1", "8", "--iters", "3"])
+    bench_json = SCRATCH / "pd-kv-transfer.json"
+    bench_json.unlink(missing_ok=True)
+    bench = subprocess.run(cli_argv("bench", "kv-transfer", "--device", device, "--dtype", "bfloat16", *shape,
+                                    "--output-json", str(bench_json)), capture_output=True, text=True)
+    print(bench.stdout, end="")
+    if bench.returncode != 0 or not bench_json.exists():
+        print(bench.stderr[-3000:])
+        result["kv_transfer_bench"] = f"failed (exit {bench.returncode})"
+        ok = False
+    else:
+        report = json.loads(bench_json.read_text())
+        result["kv_transfer_bench"] = {"mem_type": report["mem_type"], "block_bytes": report["block_bytes"],
+                                       "results": [{k: round(v, 3) if isinstance(v, float) else v
+                                                    for k, v in r.items()} for r in report["results"]]}
+    result["passed"] = ok
+    print(f"pd-disaggregation: {json.dumps(result)}")
+    return 0 if ok else 1
+
+
 # ---- the command line ----
 
 def parse_args(argv):
@@ -834,6 +955,7 @@ def parse_args(argv):
     g.add_argument("--model-dir", required=True)
     g.add_argument("--out", required=True)
     sub.add_parser("data-parallel")
+    sub.add_parser("pd-disaggregation")
     args = p.parse_args(argv)
     if args.command in ("run", "plan", "check-args"):
         if args.budget is None:
@@ -883,7 +1005,8 @@ def main(argv=None) -> int:
         return check_args(args)
     return {"run": run, "environment": environment, "throughput": throughput,
             "serve-smoke": serve_smoke, "cuda-graphs": cuda_graphs_check,
-            "data-parallel": data_parallel_check}[args.command](args)
+            "data-parallel": data_parallel_check,
+            "pd-disaggregation": pd_disaggregation_check}[args.command](args)
 
 
 if __name__ == "__main__":

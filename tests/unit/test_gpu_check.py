@@ -152,7 +152,7 @@ def test_plan_keeps_to_what_comes_back(tmp_path):
     for dry_run in (False, True):
         steps = gpu_check.plan(tmp_path, dry_run, 8)
         assert [s.name for s in steps] == ["environment", "kernels", "engine", "cuda-graphs", "bench-kernels",
-                                           "bench-throughput", "serve", "data-parallel"]
+                                           "bench-throughput", "serve", "data-parallel", "pd-disaggregation"]
         outputs = {"gpu-check.log", "gpu-check.json"} | {s.junit for s in steps if s.junit} | \
             {s.json_file for s in steps if s.json_file}
         assert len(outputs) <= 8
@@ -165,7 +165,7 @@ def test_plan_keeps_to_what_comes_back(tmp_path):
 
 def test_check_args_and_errors(tmp_path, capsys):
     assert gpu_check.main(["check-args", "--out", str(tmp_path / "out")]) == 0
-    assert "8 steps: environment, kernels" in capsys.readouterr().out
+    assert "9 steps: environment, kernels" in capsys.readouterr().out
     for argv, message in ((["--only", "nope"], "--only: unknown step(s) nope"),
                           (["--budget", "10"], "--budget must be at least 60"),
                           (["--workers", "0"], "--workers must be >= 1"),
@@ -183,12 +183,22 @@ def test_the_shell_entry_point_checks_its_arguments_without_torch(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--check-args"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert ("8 steps: environment, kernels, engine, cuda-graphs, bench-kernels, bench-throughput, serve, "
-            "data-parallel") in done.stdout
+    assert ("9 steps: environment, kernels, engine, cuda-graphs, bench-kernels, bench-throughput, serve, "
+            "data-parallel, pd-disaggregation") in done.stdout
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--plan", "--only", "engine"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("engine (limit") and "tests/gpu" in done.stdout
     assert "-m pytest" in done.stdout and "kernels (limit" not in done.stdout
+
+
+def test_the_pd_step_brings_nixl_and_runs_alone(tmp_path):
+    """pd-disaggregation: the NIXL wheel is on the list (its modules imported only inside the step, so the
+    coverage test above cannot see them), and the plan runs the step's own subcommand; --only picks it alone."""
+    assert "nixl_cu12" in {m for s in gpu_check.read_wheel_list() for m in s.modules}
+    step = {s.name: s for s in gpu_check.plan(tmp_path, False, 8)}["pd-disaggregation"]
+    assert step.argv[-1] == "pd-disaggregation" and not step.json_file  # one JSON line in the log
+    args = gpu_check.parse_args(["run", "--out", str(tmp_path), "--only", "pd-disaggregation"])
+    assert args.only == ["pd-disaggregation"]
 
 
 def test_results_summaries_read_what_the_steps_write(tmp_path):
