@@ -338,6 +338,9 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's earlier thinking sent back (vLLM's names); templates read it as `thinking` (gpt-oss's)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -354,6 +357,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # refused unless the server runs with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's; the template's `reasoning_effort`
     include_reasoning: bool = True  # vLLM's extra: false leaves the thinking out (it still leaves `content`)
     tools: Annotated[list[ChatTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -82,6 +82,9 @@ def _template_message(m: ChatMessage) -> dict:
         message["name"] = m.name
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if reasoning is not None:
+        message["thinking"] = reasoning  # gpt-oss's template keeps it before a pending tool call
     if m.tool_calls:
         # templates (Qwen's, Llama's) write the arguments with `tojson`: they expect an object, not its text
         message["tool_calls"] = [{"id": c.id, "type": c.type,
@@ -201,8 +204,11 @@ class OpenAIServingChat(OpenAIServing):
         if request.continue_final_message and request.add_generation_prompt:
             raise invalid_request("continue_final_message and add_generation_prompt cannot both be true: send "
                                   "add_generation_prompt false to continue the last message", "continue_final_message")
+        kwargs = request.chat_template_kwargs
+        if request.reasoning_effort is not None:  # as vLLM: a template variable (gpt-oss's "Reasoning: low")
+            kwargs = {"reasoning_effort": request.reasoning_effort, **(kwargs or {})}
         return await asyncio.to_thread(render_chat, self.tokenizer, request.messages, request.add_generation_prompt,
-                                       request.chat_template_kwargs, request.chat_template or self.chat_template,
+                                       kwargs, request.chat_template or self.chat_template,
                                        request.tools if request.tool_mode[0] != "none" else None,
                                        request.continue_final_message)
 
