@@ -7,6 +7,7 @@ chunked prefill, prefix hits, forks, swap and recompute preemption."""
 import random
 
 import pytest
+from scheduler_workload import run_random_workload, seq
 from transformers import AutoConfig
 
 from pagoda.config import SchedulerConfig
@@ -21,15 +22,9 @@ from pagoda.core.kv_cache_groups import (
 )
 from pagoda.core.kv_window import NULL_BLOCK, blocks_per_sequence
 from pagoda.core.scheduler import Scheduler
-from pagoda.core.sequence import Sequence
 from pagoda.models.family import layer_windows
-from pagoda.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
-
-
-def seq(n, start=0, max_tokens=100, n_out=1):
-    return Sequence("r", list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, n=n_out))
 
 
 def test_groups_by_attention_type():
@@ -175,35 +170,9 @@ def test_random_workload_keeps_every_group_right_and_never_leaks(mode, num_swap_
     bm = HybridBlockManager(groups, num_blocks, bs, True, num_swap_blocks)
     sched = Scheduler(SchedulerConfig(4, chunk, chunk < 64, 10_000, preemption_mode=mode), bm)
     runner = GroupRunner(num_blocks, num_swap_blocks, bs, windows)
-    live, longest, peak = [], 0, 0
-    for step in range(600):
-        if rng.random() < 0.25 and len(live) < 8:
-            s = seq(rng.randint(1, 30), start=rng.choice([0, 0, 1000 + step]), max_tokens=rng.randint(1, most_tokens),
-                    n_out=rng.choice([1, 1, 2]))
-            sched.add(s)
-            live.append(s)
-        out = sched.schedule()
-        runner.execute(out)
-        sched.step_done(out)
-        for s in out.scheduled:
-            parent = sched.get(s.seq_id)
-            if s.num_samples and parent is not None:
-                parent.append_token(rng.randrange(50))
-                for index in range(1, s.num_samples):
-                    child = sched.fork(parent, index)
-                    child.token_ids[-1] = rng.randrange(50)
-                    live.append(child)
-                parent.pending_forks = 0
-        assert sched.running or not (sched.waiting or sched.swapped)  # progress is always possible
-        for s in list(live):
-            longest = max(longest, s.num_tokens)
-            if s.num_output_tokens >= s.params.max_tokens or rng.random() < 0.02:
-                sched.finish(s, "length")
-                live.remove(s)
-        peak = max(peak, bm.num_used_blocks)
-    for s in live:
-        sched.finish(s, "abort")
-    sched.schedule()
+    longest, peak = run_random_workload(sched, runner, bm, rng, 600, lambda step: seq(
+        rng.randint(1, 30), start=rng.choice([0, 0, 1000 + step]), max_tokens=rng.randint(1, most_tokens),
+        n_out=rng.choice([1, 1, 2])))
     bm.check_no_leaks()
     assert longest > 2 * 6 + 4 * bs and peak <= num_blocks  # sequences ran well past their windows
     assert sched.prefix_cache_hits > 0

@@ -6,21 +6,16 @@ holds token ids in place of KV checks before every step that each sequence's win
 import random
 
 import pytest
+from scheduler_workload import run_random_workload, seq
 from transformers import AutoConfig
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.block_manager import BlockManager, block_hash
 from pagoda.core.kv_window import NULL_BLOCK, blocks_per_sequence, droppable_window, num_blocks_behind_window
 from pagoda.core.scheduler import Scheduler
-from pagoda.core.sequence import Sequence
 from pagoda.models.family import layer_windows
-from pagoda.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
-
-
-def seq(n, start=0, max_tokens=100, n_out=1):
-    return Sequence("r", list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, n=n_out))
 
 
 def test_only_models_whose_every_layer_slides_drop_blocks():
@@ -182,35 +177,9 @@ def test_random_workload_keeps_every_window_right_and_never_leaks(mode, num_swap
     bm = BlockManager(8, bs, True, num_swap_blocks, sliding_window=window)
     sched = Scheduler(SchedulerConfig(4, budget, True, 10_000, preemption_mode=mode), bm)
     runner = WindowRunner(8, num_swap_blocks, bs, window)
-    live, longest, peak = [], 0, 0
-    for step in range(500):
-        if rng.random() < 0.25 and len(live) < 8:
-            s = seq(rng.randint(1, 40), start=rng.choice([0, 1000 + step]), max_tokens=rng.randint(1, 60),
-                    n_out=rng.choice([1, 1, 2]))
-            sched.add(s)
-            live.append(s)
-        out = sched.schedule()
-        runner.execute(out)
-        sched.step_done(out)
-        for s in out.scheduled:
-            parent = sched.get(s.seq_id)
-            if s.num_samples and parent is not None:
-                parent.append_token(rng.randrange(50))
-                for index in range(1, s.num_samples):
-                    child = sched.fork(parent, index)
-                    child.token_ids[-1] = rng.randrange(50)
-                    live.append(child)
-                parent.pending_forks = 0
-        assert sched.running or not (sched.waiting or sched.swapped)  # progress is always possible
-        for s in list(live):
-            longest = max(longest, s.num_tokens)
-            if s.num_output_tokens >= s.params.max_tokens or rng.random() < 0.02:
-                sched.finish(s, "length")
-                live.remove(s)
-        peak = max(peak, bm.num_used_blocks)
-    for s in live:
-        sched.finish(s, "abort")
-    sched.schedule()
+    longest, _ = run_random_workload(sched, runner, bm, rng, 500, lambda step: seq(
+        rng.randint(1, 40), start=rng.choice([0, 1000 + step]), max_tokens=rng.randint(1, 60),
+        n_out=rng.choice([1, 1, 2])))
     bm.check_no_leaks()
     assert longest > 2 * 8 * bs  # sequences twice as long as the whole cache ran
     assert sched.num_preemptions > 0
