@@ -274,3 +274,51 @@ def test_a_bad_long_prefill_token_threshold_is_refused_by_name():
     assert engine.long_prefill_token_threshold == 512
     with pytest.raises(SystemExit):
         parser.parse_args(["--long-prefill-token-threshold", "-5"])
+
+
+def test_prompts_waiting_beside_answers_about_to_end_take_most_of_the_step():
+    # the backlog rule: 10 long prompts wait, the 4 running answers have 8 tokens left. The ITL target alone
+    # would give the prompts 150 tokens a step for 100 steps; spread over the decodes' steps left (over the
+    # factor) they take the whole --max-num-batched-tokens, as vLLM's chunked prefill
+    sched = make(target_itl_ms=20.0)
+    teach(sched.step_costs)
+    for i in range(4):
+        sched.add(seq(8, start=100_000 + 1000 * i, req=f"d{i}", max_tokens=9))
+    run_step(sched)
+    for i in range(10):
+        sched.add(seq(1500, start=10_000 * (i + 1), req=f"p{i}"))
+    within_target = sched.step_costs.prompt_tokens_within(0.020, num_decodes=4)
+    assert within_target < 200
+    out = run_step(sched)
+    assert out.num_batched_tokens == 2048 and out.num_decodes == 4
+
+
+@pytest.mark.parametrize("answer_tokens", [40, 200, 1000])
+def test_the_backlog_is_spread_over_the_decodes_steps_left(answer_tokens):
+    # one 1,500-token prompt beside 4 answers: the longer the answers still run, the smaller its share
+    # (never under the ITL target's)
+    sched = make(target_itl_ms=12.0)
+    teach(sched.step_costs)
+    for i in range(4):
+        sched.add(seq(8, start=100_000 + 1000 * i, req=f"d{i}", max_tokens=answer_tokens + 1))
+    run_step(sched)  # their prompts; 1 token each sampled
+    sched.add(seq(1500, req="long"))
+    costs = sched.step_costs
+    steps_left = answer_tokens / AUTO_TARGET_FACTOR
+    backlog = 1500 * costs.prompt_token_seconds() / steps_left
+    seconds = max(0.012, costs.decode_step_seconds(4) + backlog)
+    assert sched.prefill_budget() == max(costs.prompt_tokens_within(seconds, num_decodes=4), 16)
+    if answer_tokens == 1000:  # long answers: the ITL target governs
+        assert sched.prefill_budget() == costs.prompt_tokens_within(0.012, num_decodes=4)
+
+
+def test_an_answer_without_max_tokens_counts_as_running_to_the_model_length():
+    sched = make(target_itl_ms=12.0)
+    teach(sched.step_costs)
+    for i in range(4):
+        sched.add(Sequence(f"d{i}", list(range(100_000 + 1000 * i, 100_008 + 1000 * i)),
+                           SamplingParams(max_tokens=None)))
+    run_step(sched)
+    for i in range(3):
+        sched.add(seq(1500, start=10_000 * (i + 1), req=f"p{i}"))
+    assert sched.prefill_budget() == sched.step_costs.prompt_tokens_within(0.012, num_decodes=4)

@@ -1,4 +1,4 @@
-"""`pagoda bench parallel`: the throughput workload at TP=1, TP=2, and PP=2 with and without a full
+"""`pagoda bench parallel`: the throughput workload at TP=1, TP=2, DP=2, and PP=2 with and without a full
 pipeline, each in its own run; prints tokens/s, the ratios, and TP=2's per-step overhead
 (TP collectives + scheduling) as a fraction of step time.
 
@@ -18,6 +18,7 @@ from pagoda.bench.workload import synthetic_requests
 CONFIGS = {
     "TP=1": dict(tensor_parallel_size=1),
     "TP=2": dict(tensor_parallel_size=2),
+    "DP=2": dict(data_parallel_size=2),
     "PP=2, pipeline full": dict(pipeline_parallel_size=2, pipeline_fill=True),
     "PP=2, one batch at a time": dict(pipeline_parallel_size=2, pipeline_fill=False),
 }
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         step_ms = {name: r["seconds"] / max(r["steps"], 1) for name, r in results.items()}
         print(f"TP=2 / TP=1 output tokens/s: {out['TP=2'] / out['TP=1']:.2f}x; "
               f"step time {step_ms['TP=2'] / step_ms['TP=1']:.2f}x (target <= 1.1x)")
+    if "TP=1" in out and "DP=2" in out:
+        print(f"DP=2 / TP=1 output tokens/s: {out['DP=2'] / out['TP=1']:.2f}x")
     if "PP=2, pipeline full" in out and "PP=2, one batch at a time" in out:
         print(f"PP=2 full pipeline / one batch at a time: "
               f"{out['PP=2, pipeline full'] / out['PP=2, one batch at a time']:.2f}x (target >= 1.5x)")

@@ -35,8 +35,11 @@ def parse_args(argv):
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="DP ranks, each its own scheduler and KV cache (with --enable-expert-parallel the experts "
+                        "split over all DP x TP ranks; docs/distributed.md)")
     p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: whole experts split over the tensor-parallel ranks (docs/distributed.md)")
+                   help="MoE: whole experts split over the tensor-parallel (and data-parallel) ranks (docs/distributed.md)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="also run the workload through vLLM from this installation's Python (or venv directory), "
                         "after Pagoda, so that the ratio is measured in one run")
@@ -109,7 +112,7 @@ def run_pagoda(args, requests):
     llm = LLM(args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel)
+              data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
     engine = llm.engine
     for i, r in enumerate(requests):
         engine.add_request(str(i), None, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),

@@ -96,25 +96,56 @@ class Scheduler:
 
     def prefill_budget(self) -> int | None:
         """The prompt tokens this step may compute beside the running decodes (None: no cap beyond
-        max_num_batched_tokens)."""
+        max_num_batched_tokens): the larger of what the latency target leaves beyond the decodes' step, and the
+        prompts' backlog spread over the steps the decodes have left (backlog_seconds)."""
         target = self.config.target_itl_ms
         if not target or not self.config.enable_chunked_prefill:
             return None
-        decodes = sum(1 for q in self.running if self._decodes_now(q))
+        decodes = [q for q in self.running if self._decodes_now(q)]
         if not decodes:  # no token is waited for: prompts take the whole budget
             return None
+        decode_step = self.step_costs.decode_step_seconds(len(decodes))
         if target == AUTO_TARGET:
             # counting the sequences that will decode once their prompts are in: sized from the decodes running
             # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
             soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-            decode_step = self.step_costs.decode_step_seconds(max(decodes, soon))
-            seconds = None if decode_step is None else AUTO_TARGET_FACTOR * decode_step
+            soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
+            seconds = None if soon_step is None else AUTO_TARGET_FACTOR * soon_step
         else:
             seconds = target / 1000
-        tokens = None if seconds is None else self.step_costs.prompt_tokens_within(seconds, num_decodes=decodes)
-        if tokens is None:  # no step measured yet
+        if seconds is None or decode_step is None:  # no step measured yet
+            return None
+        seconds = max(seconds, decode_step + self._backlog_seconds(decodes))
+        tokens = self.step_costs.prompt_tokens_within(seconds, num_decodes=len(decodes))
+        if tokens is None:
             return None
         return max(tokens, self.block_manager.block_size)
+
+    def _backlog_seconds(self, decodes: list[Sequence]) -> float:
+        """The prompt seconds a step may take so that the prompts waiting now are in by the time the running
+        decodes end: their tokens at the measured price, spread over the decodes' mean steps left (each
+        decode's max_tokens, else the model's length, less what it has). Many prompts beside decodes about to
+        end take most of the step; one prompt beside long answers takes little, and the latency target
+        governs. Both kinds of work then end together, so a prompt neither waits behind answers it could
+        have overtaken for little, nor stalls answers to start early (processor sharing by work)."""
+        price = self.step_costs.prompt_token_seconds()
+        if not price:
+            return 0.0
+        prompt_tokens = sum(q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
+                            for q in self.running if q.num_tokens - q.num_computed_tokens > 1
+                            and not self._decodes_now(q))
+        prompt_tokens += sum(q.num_tokens - q.num_computed_tokens for q in (*self.waiting, *self.swapped))
+        if prompt_tokens <= 0:
+            return 0.0
+        steps_left = sum(self._tokens_left(q) for q in decodes) / len(decodes) / AUTO_TARGET_FACTOR
+        return prompt_tokens * price / max(steps_left, 1.0)
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """The tokens seq may still sample: to its max_tokens, else to the model's length."""
+        left = self.config.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+        return max(left, 1)
 
     def _prompt_cap(self, remaining: int) -> int:
         """The most tokens a sequence with `remaining` to compute may take this step: with chunked prefill and
