@@ -11,10 +11,12 @@ or when the swap space is full, its KV is dropped and its tokens recomputed late
 The prefill budget, as vLLM's chunked prefill and Sarathi-Serve's stall-free batching: prompts are served first
 come, first served under one token budget, the oldest first and to its end (a running prompt's next chunk goes
 before any newer prompt is admitted; only the last prompt admitted in a step is cut). While no decode is running
-nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, a latency target
-(`target_itl_ms`) bounds the step: its prompt share is what the target leaves beyond the measured step of those
-decodes alone, at the engine's own measured price per prompt token (core.step_cost), at least a block so that
-prompts always move. The target "auto" is relative: AUTO_TARGET_FACTOR times what a step of decodes alone costs,
+nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, the step's prompt share is
+the larger of two: what a latency target (`target_itl_ms`) leaves beyond the measured step of those decodes
+alone, and the waiting prompts' tokens spread over the steps the decodes have left (so prompts waiting beside
+answers about to end take most of the step, and one prompt beside long answers takes what the target leaves);
+both at the engine's own measured price per prompt token (core.step_cost), at least a block so that prompts
+always move. The target "auto" is relative: AUTO_TARGET_FACTOR times what a step of decodes alone costs,
 at the number of sequences running or waiting (those that will decode). Without chunked prefill there is no
 prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
 
@@ -122,12 +124,13 @@ class Scheduler:
         return max(tokens, self.block_manager.block_size)
 
     def _backlog_seconds(self, decodes: list[Sequence]) -> float:
-        """The prompt seconds a step may take so that the prompts waiting now are in by the time the running
-        decodes end: their tokens at the measured price, spread over the decodes' mean steps left (each
-        decode's max_tokens, else the model's length, less what it has). Many prompts beside decodes about to
-        end take most of the step; one prompt beside long answers takes little, and the latency target
-        governs. Both kinds of work then end together, so a prompt neither waits behind answers it could
-        have overtaken for little, nor stalls answers to start early (processor sharing by work)."""
+        """The prompt seconds a step may take so that the prompts waiting now are in well before the running
+        decodes end: their tokens at the measured price, spread over the decodes' mean steps left (each decode's
+        max_tokens, else the model's length, less what it has) over AUTO_TARGET_FACTOR, the same stretch the
+        ITL target grants a decode step: a decode accepts steps up to that many times its own, a prompt is due
+        that many times sooner than the answers beside it end. Prompts waiting beside answers about to end take
+        most of the step (as vLLM's chunked prefill, which gives prompts every token decodes leave); one prompt
+        beside long answers takes little, and the latency target governs."""
         price = self.step_costs.prompt_token_seconds()
         if not price:
             return 0.0

@@ -286,8 +286,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                "tokens are what the target leaves beyond the decodes' own step at the measured price per prompt "
                "token, long prompts cut into as many chunks as that needs (with no decode running prompts take "
                f"the whole --max-num-batched-tokens); 'auto': a step with prompt tokens takes at most "
-               f"{AUTO_TARGET_FACTOR:g}x a step of the running decodes alone; 'off': no cap (default: "
-               "%(default)s; docs/server.md)")
+               f"{AUTO_TARGET_FACTOR:g}x a step of the running decodes alone; 'off': no cap. Prompts waiting "
+               "beside answers about to end may take more: their backlog spread over the decodes' steps left "
+               "(default: %(default)s; docs/server.md)")
     p.add("--long-prefill-token-threshold", default=d["long_prefill_token_threshold"], type=non_negative_int,
           help="with chunked prefill, a prompt computes at most this many tokens a step, so one long prompt "
                "leaves room in the step for others (0: no cap; default: %(default)s), as vLLM's")
