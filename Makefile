@@ -10,7 +10,7 @@ PORT ?= 8000
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast fuzz bench lint wheelhouse images e2e-containers e2e-kind clean gpu-wheels test-gpu
+.PHONY: setup serve test test-all test-fast fuzz bench lint wheelhouse images e2e-containers e2e-kind clean gpu-wheels test-gpu
 
 setup: $(STAMP)
 
@@ -26,8 +26,13 @@ $(STAMP): pyproject.toml scripts/install-k8s-tools.sh
 serve: setup
 	$(VENV)/bin/pagoda serve $(MODEL) --host $(HOST) --port $(PORT)
 
+# make test: every tier but e2e and heavy (pyproject's addopts); make test-all adds the heavy tests, the costly
+# variants of checks that make test keeps a cheaper one of (gpu skips without CUDA in both).
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-all: setup
+	$(PY) -m pytest tests -m "not e2e" $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)

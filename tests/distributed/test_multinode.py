@@ -186,6 +186,7 @@ def test_mismatched_settings_fail_fast_naming_the_setting(model, nodes, tmp_path
         assert "tensor_parallel_size=2" in node.log() and "the head has tensor_parallel_size=1" in node.log()
 
 
+@pytest.mark.heavy  # make test: TP x PP in test_parallel_llm, pagoda serve over a group in the two-host test
 def test_pagoda_serve_with_tp2_and_pp2_on_one_machine(model, expected_text, nodes, tmp_path):
     server = Node(model, tmp_path, 0, "127.0.0.1", 29500, "127.0.0.1", None, None,
                   "--nnodes", "1", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")

@@ -160,6 +160,7 @@ def test_a_cluster_too_small_is_refused_naming_what_is_missing(cluster, model):
     assert ray.available_resources().get("CPU") == 2 * CPUS_PER_NODE  # the placement group was removed
 
 
+@pytest.mark.heavy  # make test: expert parallelism in test_multinode, Ray's stage placement in tp2_x_pp2 above
 def test_expert_parallel_moe_with_a_stage_on_each_node_equals_one_process(cluster, tiny_model_factory):
     """A Mixtral of 2 layers and 4 experts, TP=2 x PP=2 with expert parallelism: stage 0 on the head and
     stage 1 on the worker node, each splitting its layer's experts over its node's two actors."""
@@ -218,6 +219,7 @@ engine.shutdown()
 """
 
 
+@pytest.mark.heavy  # make test: Ray chosen by itself and ranks over both nodes, in the tests above
 def test_the_vllm_multinode_recipe_distributes_the_default_model_over_the_cluster(cluster, tmp_path):
     """vLLM's recipe with s/vllm/pagoda/, on the default model. tensor_parallel_size=3: its 9 attention
     heads cannot be split in two. The head node has 2 CPUs, fewer than 3 ranks: Ray is chosen by itself."""

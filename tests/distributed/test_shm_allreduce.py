@@ -156,7 +156,7 @@ def built():
     shm_allreduce.load_library()  # the kernel library: compiled once, before the ranks race for it
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_sums_equal_gloo_and_agree_across_ranks(world):
     procs, out = _spawn(_check_collectives, world)
     try:

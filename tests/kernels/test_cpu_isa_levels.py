@@ -24,9 +24,12 @@ KERNEL_TESTS = ["tests/unit/test_bf16_matmul_cpu.py", "tests/unit/test_fp8_matmu
                 "tests/unit/test_cpu_attention_kernels.py",
                 "tests/kernels/test_cpu_attention_variants.py"]  # fp8 caches, windows, soft-caps
 LEVELS = cpu_isa.detect("native").executable_levels
+# this process's own level: make test runs KERNEL_TESTS at it in-process already, so its run here is heavy
+OWN_LEVEL = cpu_isa.detect().level
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", [pytest.param(level, marks=pytest.mark.heavy) if level == OWN_LEVEL else level
+                                   for level in LEVELS])
 def test_kernels_at_level(level):
     env = {**os.environ, "PAGODA_CPU_ISA": level, "PAGODA_CPU_KERNELS": "1"}
     env.pop("TRITON_INTERPRET", None)

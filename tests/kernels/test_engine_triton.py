@@ -100,7 +100,7 @@ def test_same_greedy_tokens_with_split_k_decodes(tiny_path, torch_tokens, batche
     assert split_k_calls
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", pytest.param("fp8_e5m2", marks=pytest.mark.heavy)])
 def test_same_greedy_tokens_as_torch_with_an_fp8_cache(tiny_path, tmp_path, device, monkeypatch, kv_cache_dtype):
     """fp8 KV cache with the checkpoint's (non power-of-two) k/v scales: the Triton write, mixed-batch and
     split-K kernels against the torch path, token for token."""

@@ -33,6 +33,7 @@ def test_default_model_chats_sensibly(default_llm):
     assert "Paris" in out.text and out.finish_reason == "stop"
 
 
+@pytest.mark.heavy  # make test converts from an empty cache in test_lifecycle's drained-server test
 def test_conversion_is_cached_and_atomic(default_llm, tmp_path, monkeypatch):
     import threading
     import time

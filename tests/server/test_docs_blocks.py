@@ -39,6 +39,13 @@ FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
 SERVER_STARTS = ("make serve", "pagoda serve --port 8000 &")
 SUBSTITUTIONS = {"/models/small-draft": "{default_model}"}
 CONTINUES_ABOVE: set[tuple[str, str]] = set()  # (file, a block's start): blocks that run after the one above
+# (file, text in the block): blocks that take a minute or more on CPU each, run by make test-all (heavy); make
+# test runs the others, docs/speculative-decoding.md's LLM() on the default model and docs/server.md's console ones
+HEAVY: set[tuple[str, str]] = {
+    ("README.md", "llm = LLM()"),  # the quick start: LLM() and generate in one process
+    ("docs/engine-args.md", "engine = AsyncLLMEngine.from_engine_args(engine_args)"),
+    ("docs/server.md", "$ pagoda bench serve --base-url http://127.0.0.1:8000"),
+}
 
 
 @dataclass
@@ -102,6 +109,15 @@ def continued(block: Block, all_blocks: list[Block]) -> Block | None:
     return earlier[-1]
 
 
+def names(block: Block, entry: tuple[str, str]) -> bool:
+    path, text = entry
+    return block.path == path and text in block.text
+
+
+def heavy(block: Block) -> bool:
+    return any(names(block, entry) for entry in HEAVY)
+
+
 ALL = blocks()
 RUN = [b for b in ALL if b.not_run is None]
 
@@ -111,6 +127,8 @@ def test_every_block_runs_here_or_says_why_not():
     for block in ALL:
         if block.not_run is not None:
             assert len(block.not_run) > 10, block.name
+    for entry in HEAVY:  # a block edited away from its entry would otherwise fall back into make test unseen
+        assert sum(names(b, entry) for b in RUN) == 1, f"{entry} names no block that runs, or several"
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +161,8 @@ def server(tmp_path_factory):
             process.wait(10)
 
 
-@pytest.mark.parametrize("block", RUN, ids=[b.name for b in RUN])
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.name, marks=[pytest.mark.heavy] if heavy(b) else [])
+                                   for b in RUN])
 def test_block_runs_as_written(block, request, tmp_path):
     port = request.getfixturevalue("server") if block.uses_server or continued(block, ALL) else 0
     script = script_of(block, port, continued(block, ALL))
