@@ -11,6 +11,9 @@
 # pagoda:nixl_* metrics give the transfer's GB/s between the containers. Needs `make images` and podman.
 set -euo pipefail
 MODEL_DIR=$(realpath "${1:?usage: bench-pd-containers.sh MODEL_DIR [RESULTS_DIR]}")
+# the image runs as uid 10001: a copy it can read (a model under /root is not)
+SHARED_MODEL=$(mktemp -d /tmp/pd-bench-model.XXXXXX)
+cp -r "$MODEL_DIR/." "$SHARED_MODEL/" && chmod -R a+rX "$SHARED_MODEL"
 OUT=${2:-pd-bench}
 IMAGE=${RUNTIME_IMAGE:-pagoda-runtime:0.1.0}
 PAGODA=${PAGODA:-.venv/bin/pagoda}
@@ -27,7 +30,8 @@ cleanup() {
   podman rm -f -t 0 pd-prefill pd-decode >/dev/null 2>&1 || true
   podman network rm -f "$NET" >/dev/null 2>&1 || true
 }
-trap cleanup EXIT
+finish() { cleanup; rm -rf "$SHARED_MODEL"; }
+trap finish EXIT
 cleanup
 podman network create "$NET" >/dev/null
 
@@ -35,15 +39,20 @@ engine() {  # NAME CPU [serve args...]: a container serving the model on one cor
   local name=$1 cpu=$2
   shift 2
   podman run -d --runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 --network "$NET" \
-    --name "$name" --cpuset-cpus "$cpu" -v "$MODEL_DIR:/model:ro" -e VLLM_NIXL_SIDE_CHANNEL_HOST="$name" \
+    --name "$name" --cpuset-cpus "$cpu" -v "$SHARED_MODEL:/model:ro" -e VLLM_NIXL_SIDE_CHANNEL_HOST="$name" \
     "$IMAGE" serve /model --host 0.0.0.0 --port 8000 "$@" >/dev/null
 }
 
 address() { podman inspect --format "{{(index .NetworkSettings.Networks \"$NET\").IPAddress}}" "$1"; }
 
-wait_ready() {  # URL: /health answers 200 (a first start compiles nothing: the image has prebuilt kernels)
+wait_ready() {  # URL [CONTAINER]: /health answers 200 (the image has prebuilt kernels: nothing compiles)
   for _ in $(seq 300); do
-    curl -sf "$1/health" >/dev/null && return 0
+    curl -sf -m 5 "$1/health" >/dev/null && return 0
+    if [ -n "${2:-}" ] && [ "$(podman inspect --format '{{.State.Running}}' "$2")" != true ]; then
+      podman logs --tail 20 "$2" >&2
+      echo "bench-pd-containers: container $2 exited" >&2
+      return 1
+    fi
     sleep 1
   done
   echo "bench-pd-containers: $1 not ready after 300 s" >&2
@@ -69,8 +78,8 @@ engine pd-prefill 0 --kv-transfer-config "$producer"
 engine pd-decode 1 --kv-transfer-config "$consumer"
 P=http://$(address pd-prefill):8000
 D=http://$(address pd-decode):8000
-wait_ready "$P"
-wait_ready "$D"
+wait_ready "$P" pd-prefill
+wait_ready "$D" pd-decode
 measure pd --prefill-backend "$P" --backend "$D" --pd-threshold 256
 curl -sf "$D/metrics" | grep -E '^pagoda:nixl_(bytes_transferred|xfer_time_seconds)_(sum|count)|^pagoda:nixl_num_(failed|recomputed)' \
   | tee "$OUT/pd-nixl-metrics.txt"
@@ -83,7 +92,7 @@ engine pd-prefill 0
 engine pd-decode 1
 A=http://$(address pd-prefill):8000
 B=http://$(address pd-decode):8000
-wait_ready "$A"
-wait_ready "$B"
+wait_ready "$A" pd-prefill
+wait_ready "$B" pd-decode
 measure replicas --backend "$A" --backend "$B" --policy prefix
 echo "results in $OUT/ (pd.json, replicas.json, nixl.txt)"
