@@ -39,7 +39,8 @@ def parse_args(argv):
                    help="DP ranks, each its own scheduler and KV cache (with --enable-expert-parallel the experts "
                         "split over all DP x TP ranks; docs/distributed.md)")
     p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: whole experts split over the tensor-parallel (and data-parallel) ranks (docs/distributed.md)")
+                   help="MoE: whole experts split over the tensor-parallel (and data-parallel) ranks "
+                        "(docs/distributed.md)")
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="also run the workload through vLLM from this installation's Python (or venv directory), "
                         "after Pagoda, so that the ratio is measured in one run")

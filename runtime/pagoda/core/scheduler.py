@@ -11,8 +11,8 @@ or when the swap space is full, its KV is dropped and its tokens recomputed late
 The prefill budget, as vLLM's chunked prefill and Sarathi-Serve's stall-free batching: prompts are served first
 come, first served under one token budget, the oldest first and to its end (a running prompt's next chunk goes
 before any newer prompt is admitted; only the last prompt admitted in a step is cut). While no decode is running
-nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, the step's prompt share is
-the larger of two: what a latency target (`target_itl_ms`) leaves beyond the measured step of those decodes
+nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, the step's prompt
+share is the larger of two: what a latency target (`target_itl_ms`) leaves beyond the measured step of those decodes
 alone, and the waiting prompts' tokens spread over the steps the decodes have left (so prompts waiting beside
 answers about to end take most of the step, and one prompt beside long answers takes what the target leaves);
 both at the engine's own measured price per prompt token (core.step_cost), at least a block so that prompts
