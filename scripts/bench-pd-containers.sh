@@ -11,9 +11,6 @@
 # pagoda:nixl_* metrics give the transfer's GB/s between the containers. Needs `make images` and podman.
 set -euo pipefail
 MODEL_DIR=$(realpath "${1:?usage: bench-pd-containers.sh MODEL_DIR [RESULTS_DIR]}")
-# the image runs as uid 10001: a copy it can read (a model under /root is not)
-SHARED_MODEL=$(mktemp -d /tmp/pd-bench-model.XXXXXX)
-cp -r "$MODEL_DIR/." "$SHARED_MODEL/" && chmod -R a+rX "$SHARED_MODEL"
 OUT=${2:-pd-bench}
 IMAGE=${RUNTIME_IMAGE:-pagoda-runtime:0.1.0}
 PAGODA=${PAGODA:-.venv/bin/pagoda}
@@ -30,9 +27,14 @@ cleanup() {
   podman rm -f -t 0 pd-prefill pd-decode >/dev/null 2>&1 || true
   podman network rm -f "$NET" >/dev/null 2>&1 || true
 }
-finish() { cleanup; rm -rf "$SHARED_MODEL"; }
+SHARED_MODEL=
+finish() { cleanup; [ -z "$SHARED_MODEL" ] || rm -rf "$SHARED_MODEL"; }
 trap finish EXIT
 cleanup
+# the image runs as uid 10001: a copy it can read (a model under /root is not), removed on exit
+SHARED_MODEL=$(mktemp -d /tmp/pd-bench-model.XXXXXX)
+cp -r "$MODEL_DIR/." "$SHARED_MODEL/"
+chmod -R a+rX "$SHARED_MODEL"
 podman network create "$NET" >/dev/null
 
 engine() {  # NAME CPU [serve args...]: a container serving the model on one core

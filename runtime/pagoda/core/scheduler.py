@@ -134,9 +134,10 @@ class Scheduler:
         price = self.step_costs.prompt_token_seconds()
         if not price:
             return 0.0
+        decoding = {q.seq_id for q in decodes}
         prompt_tokens = sum(q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
                             for q in self.running if q.num_tokens - q.num_computed_tokens > 1
-                            and not self._decodes_now(q))
+                            and q.seq_id not in decoding)
         prompt_tokens += sum(q.num_tokens - q.num_computed_tokens for q in (*self.waiting, *self.swapped))
         if prompt_tokens <= 0:
             return 0.0
