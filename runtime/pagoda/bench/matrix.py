@@ -127,6 +127,14 @@ def empty_table() -> str:
     return "\n".join(lines)
 
 
+def progress(figures: dict) -> str:
+    """One engine's figures on one load as the matrix prints them as it goes: a long run cut short keeps them."""
+    ms = {key: figures[key] for key in ("ttft_ms", "itl_ms", "e2e_ms")}
+    return (f"{figures['output_token_throughput']:.0f} tok/s, TTFT median/p90 {ms['ttft_ms']['median']:.0f}/"
+            f"{ms['ttft_ms']['p90']:.0f} ms, ITL median/p99 {ms['itl_ms']['median']:.0f}/{ms['itl_ms']['p99']:.0f} ms, "
+            f"E2E median {ms['e2e_ms']['median']:.0f} ms")
+
+
 # --- the run -----------------------------------------------------------------------------------------
 
 async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: str, model_dir: str | None,
@@ -157,8 +165,7 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
             for engine in engine_order(index, vllm_sender is not None):
                 sender = pagoda_sender if engine == "pagoda" else vllm_sender
                 figures[engine] = await measure(sender, warmup, measured, per_load)
-                print(f"[matrix] {load.name}: {engine} {figures[engine]['output_token_throughput']:.0f} tok/s, "
-                      f"TTFT median {figures[engine]['ttft_ms']['median']:.0f} ms", flush=True)
+                print(f"[matrix] {load.name}: {engine} {progress(figures[engine])}", flush=True)
             results.append((load, figures["pagoda"], figures.get("vllm")))
             await asyncio.sleep(0)
     return results
