@@ -82,12 +82,13 @@ def disaggregated_router_args(spec: DeploymentSpec) -> list[str]:
     """spec.prefill: the router's P/D mode (pagoda.router.disaggregated). The decode heads come from Service X,
     the prefill heads from Service X-prefill; a prefill pod is chosen by router.policy (prefix: the pod most
     likely to hold the prompt's prefix), a decode pod by load; a prompt under router.pdThreshold tokens skips the
-    prefill."""
+    prefill, and a prefill that has not answered within router.prefillTimeoutSeconds is decoded alone."""
     assert spec.router is not None
     return ["router", "--k8s-service", head_service_name(spec), "--prefill-k8s-service", prefill_service_name(spec),
             "--namespace", spec.namespace, "--policy", "least-load", "--prefill-policy", spec.router.policy,
             "--host", "0.0.0.0", "--port", str(HTTP_PORT)] + (
         ["--pd-threshold", str(spec.router.pd_threshold)] if spec.router.pd_threshold else []) + (
+        ["--prefill-timeout", str(spec.router.prefill_timeout_s)] if spec.router.prefill_timeout_s else []) + (
         # the prefill heads' KV events (builders.publishes_kv_events): pod IP, fixed ports
         ["--kv-events-endpoint", KV_EVENTS_ENDPOINT, "--kv-events-replay-endpoint", KV_EVENTS_REPLAY]
         if spec.router.policy == "precise" else [])

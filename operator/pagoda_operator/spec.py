@@ -620,6 +620,7 @@ class RouterSpec:
     mode: str = "proxy"  # proxy: Service X-router, the OpenAI endpoint; epp: Service X-epp, the endpoint picker
     failure_mode: str = "FailOpen"
     pd_threshold: int = 0  # with spec.prefill: prompts under this many tokens skip the prefill (llm-d's pd-threshold)
+    prefill_timeout_s: int | None = None  # with spec.prefill: `--prefill-timeout` (None: the router's default)
 
 
 def parse_router(raw: Any) -> RouterSpec | None:
@@ -640,8 +641,11 @@ def parse_router(raw: Any) -> RouterSpec | None:
     if failure_mode not in FAILURE_MODES:
         raise InvalidSpec(f"router.failureMode must be one of {', '.join(FAILURE_MODES)}, got {failure_mode!r}")
     pd_threshold = _int(raw.get("pdThreshold", 0), "router.pdThreshold", 0)
+    prefill_timeout = raw.get("prefillTimeoutSeconds")
+    if prefill_timeout is not None:
+        prefill_timeout = _int(prefill_timeout, "router.prefillTimeoutSeconds", 1)
     return RouterSpec(policy=policy, replicas=replicas, resources=resources, mode=mode, failure_mode=failure_mode,
-                      pd_threshold=pd_threshold)
+                      pd_threshold=pd_threshold, prefill_timeout_s=prefill_timeout)
 
 
 # ----- spec.adapters (LoRA) -----
@@ -800,6 +804,9 @@ def check_prefill(spec: DeploymentSpec) -> None:
         if spec.router is not None and spec.router.pd_threshold:
             raise InvalidSpec("router.pdThreshold needs spec.prefill: without prefill pods every prompt is decoded "
                               "where it is prefilled")
+        if spec.router is not None and spec.router.prefill_timeout_s is not None:
+            raise InvalidSpec("router.prefillTimeoutSeconds needs spec.prefill: without prefill pods the router "
+                              "sends no prefill to wait for")
         return
     router = spec.router
     if router is None or router.mode != "proxy":

@@ -168,6 +168,9 @@ def test_pod_and_router_args_parse_with_the_runtime_parsers(monkeypatch):
     assert parsed.disaggregated and parsed.prefill_k8s_service == "demo-prefill" and parsed.k8s_service == "demo"
     assert parsed.policy == "least-load" and parsed.prefill_policy == "session" and parsed.pd_threshold == 64
     assert "--pd-threshold" not in router_args(parse(PD))  # the router's default: every prompt takes P/D
+    timed = router_args(parse({**PD, "router": {"enabled": True, "prefillTimeoutSeconds": 20}}))
+    assert router_cli.router_args(parser, parser.parse_args(timed[1:])).prefill_timeout == 20
+    assert "--prefill-timeout" not in router_args(parse(PD))  # the router's default
     # precise: the prefill pod chosen by what the prefill heads' KV events say they hold; only they publish
     precise = {**PD, "router": {"enabled": True, "policy": "precise"}}
     parsed = router_cli.router_args(parser, parser.parse_args(router_args(parse(precise))[1:]))
@@ -198,6 +201,8 @@ def test_pod_and_router_args_parse_with_the_runtime_parsers(monkeypatch):
     ({**PD, "engine": {"extraArgs": ["--kv-transfer-config={}"]}}, "--kv-transfer-config"),
     ({**PD, "router": {"enabled": True, "pdThreshold": -1}}, "router.pdThreshold"),
     ({"router": {"enabled": True, "pdThreshold": 100}}, "router.pdThreshold needs spec.prefill"),
+    ({**PD, "router": {"enabled": True, "prefillTimeoutSeconds": 0}}, "router.prefillTimeoutSeconds"),
+    ({"router": {"enabled": True, "prefillTimeoutSeconds": 30}}, "router.prefillTimeoutSeconds needs spec.prefill"),
     ({**PD, "prefill": {"resources": {"limits": {"nvidia.com/gpu": "1"}}, "parallelism": {"pipeline": 2}}},
      "prefill.parallelism.pipeline"),
 ])
