@@ -31,10 +31,16 @@ def test_malformed_config_names_the_field(raw, field):
     assert e.value.param == field
 
 
-def test_engine_args_refuse_tensor_parallel_for_now():
-    with pytest.raises(InvalidParam) as e:
-        EngineArgs(model="m", tensor_parallel_size=2, kv_transfer_config={"kv_connector": "NixlConnector"}).validate()
+def test_engine_args_refuse_data_parallel_by_name():
+    with pytest.raises(InvalidParam, match="data_parallel_size") as e:
+        EngineArgs(model="m", data_parallel_size=2, kv_transfer_config={"kv_connector": "NixlConnector"}).validate()
     assert e.value.param == "kv_transfer_config"
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                      dict(tensor_parallel_size=2, pipeline_parallel_size=2)])
+def test_engine_args_accept_tensor_and_pipeline_parallel(parallel):
+    EngineArgs(model="m", kv_transfer_config={"kv_connector": "NixlConnector"}, **parallel).validate()
 
 
 def test_params_parse():

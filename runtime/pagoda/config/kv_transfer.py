@@ -14,7 +14,9 @@ KV_CONNECTORS = ("NixlConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_BUFFER_DEVICES = ("cpu", "cuda")
 _KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "engine_id", "kv_buffer_device")
-# vLLM's side channel: where a prefill engine answers handshakes (agent metadata, block layout, TP size)
+# vLLM's side channel: where a prefill engine answers handshakes (each rank's agent metadata and block layout,
+# the TP and PP sizes); one port per engine, which serves every TP/PP rank by its number (as vLLM's, which adds
+# the DP rank to the port: DP > 1 is refused here)
 SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 DEFAULT_SIDE_CHANNEL_PORT = 5600  # vLLM's
@@ -150,13 +152,14 @@ def parse_kv_transfer_params(raw) -> KVTransferParams | None:
 
 
 def check_kv_transfer_args(args) -> None:
-    """kv_transfer_config against the other engine arguments: NixlConnector here runs on one process per
-    engine (TP = PP = DP = 1) for now."""
+    """kv_transfer_config against the other engine arguments. Tensor and pipeline parallelism are served (each
+    rank moves its own shard; the peer's sizes are checked at the handshake); data parallelism is not: one side
+    channel and one scheduler side per engine here, where vLLM runs one per DP rank."""
     KVTransferConfig.parse(args.kv_transfer_config)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        if getattr(args, name, 1) != 1:
-            raise InvalidParam("kv_transfer_config", f"kv_transfer_config (NixlConnector) needs {name} 1 for now; "
-                                                     f"got {getattr(args, name)}")
+    if getattr(args, "data_parallel_size", 1) != 1:
+        raise InvalidParam("kv_transfer_config", "kv_transfer_config (NixlConnector) needs data_parallel_size 1 "
+                                                 f"for now; got {args.data_parallel_size} (scale P/D with more "
+                                                 "engines instead)")
 
 
 def resolve_kv_transfer_config(raw) -> KVTransferConfig | None:

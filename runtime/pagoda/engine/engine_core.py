@@ -115,7 +115,10 @@ class EngineCore:
         if config.kv_transfer is not None:
             from pagoda.kv_transfer.factory import create_scheduler_connector
 
-            self.kv_connector = create_scheduler_connector(config.kv_transfer, cache.block_size)
+            parallel = config.parallel
+            self.kv_connector = create_scheduler_connector(config.kv_transfer, cache.block_size,
+                                                           parallel.tensor_parallel_size,
+                                                           parallel.pipeline_parallel_size)
             self.kv_connector.set_handshake_metadata(executor.kv_connector_handshake_metadata())
         self.schedulers = [Scheduler(per_batch, self.block_manager, config.speculative, self.step_costs,
                                      self.kv_connector) for _ in range(depth)]

@@ -113,6 +113,18 @@ class DriverExecutor:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.kv_connector is not None:  # P/D: every rank registered its shard (worker.run_worker)
+            from pagoda.kv_transfer.ranks import gather_handshake_metadata
+
+            try:
+                self._kv_handshakes = gather_handshake_metadata(self.runner.kv_connector.handshake_metadata(),
+                                                                self.group.cpu_group)
+            except RuntimeError as e:
+                self._raise_with_cause(e)
+
+    def kv_connector_handshake_metadata(self) -> list[dict]:
+        """P/D: every rank's KV connector handshake metadata, by global rank."""
+        return self._kv_handshakes
 
     # --- steps ------------------------------------------------------------------------------------
 

@@ -35,8 +35,9 @@ class UniProcExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def kv_connector_handshake_metadata(self) -> dict | None:
-        return self.runner.kv_connector.handshake_metadata()
+    def kv_connector_handshake_metadata(self) -> list[dict]:
+        """P/D: every rank's KV connector handshake metadata, by global rank (here the one)."""
+        return [self.runner.kv_connector.handshake_metadata()]
 
     def submit(self, out: SchedulerOutput):
         if self.thread is None:

@@ -58,6 +58,10 @@ def run_worker(config: EngineConfig, rank: int, eos_token_ids: set[int], on_join
         runner = ModelRunner(config, eos_token_ids, device=device)
         num_blocks = min_over_group(runner.determine_num_blocks(), group.cpu_group)
         runner.allocate_kv_cache(num_blocks)
+    if runner.kv_connector is not None:  # P/D: the driver's side channel serves every rank's handshake
+        from pagoda.kv_transfer.ranks import gather_handshake_metadata
+
+        gather_handshake_metadata(runner.kv_connector.handshake_metadata(), group.cpu_group)
     _serve_schedules(runner, group)
     group.heartbeat.stop()
     reset_parallel_state()

@@ -89,6 +89,9 @@ class KVTransferStats:
 class KVConnectorMetadata:
     """What the scheduler side tells the worker side for one step (pickled across processes)."""
 
+    # pipeline parallelism: the earlier stages' merged outputs for this step, passed on with the schedule
+    upstream: KVConnectorOutput | None = field(default=None, kw_only=True)
+
 
 @dataclass
 class KVConnectorOutput:
@@ -100,6 +103,25 @@ class KVConnectorOutput:
 
     def __bool__(self) -> bool:
         return bool(self.finished_recving or self.failed_recving or self.transfers)
+
+    @staticmethod
+    def merge(outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
+        """Several ranks' outputs for one step as one (vLLM's KVOutputAggregator): a load failed when it failed
+        on any rank, finished when it finished on some rank and failed on none (every rank runs every load);
+        the measurements are every rank's."""
+        merged = KVConnectorOutput()
+        for output in outputs:
+            if output is not None:
+                for seq_id, why in output.failed_recving.items():
+                    merged.failed_recving.setdefault(seq_id, why)
+                merged.transfers += output.transfers
+        seen = set()
+        for output in outputs:
+            for seq_id in output.finished_recving if output is not None else ():
+                if seq_id not in merged.failed_recving and seq_id not in seen:
+                    seen.add(seq_id)
+                    merged.finished_recving.append(seq_id)
+        return merged
 
 
 class KVConnectorScheduler:

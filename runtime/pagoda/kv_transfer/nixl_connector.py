@@ -8,8 +8,16 @@ pass, computes the prompt's last token (its logits) and decodes. It then tells t
 blocks (or frees them after VLLM_NIXL_ABORT_REQUEST_TIMEOUT when no one pulls).
 
 The side channel (VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, a ZMQ REQ/REP of JSON) carries only metadata: the
-handshake (the NIXL agent's metadata, the block layout, the TP size), whether blocks are still held, and "pulled".
-The KV data moves over NIXL (UCX: host DRAM here, VRAM on a GPU).
+handshake (the NIXL agent's metadata, the block layout, the TP and PP sizes), whether blocks are still held, and
+"pulled". The KV data moves over NIXL (UCX: host DRAM here, VRAM on a GPU).
+
+Tensor and pipeline parallelism (the same TP and PP sizes on both sides, as vLLM's homogeneous TP): every rank
+has its own NIXL agent and registers its own shard (its KV heads, its pipeline stage's layers). As vLLM's, one
+side channel per engine (the port is VLLM_NIXL_SIDE_CHANNEL_PORT; vLLM adds the DP rank, and P/D here refuses
+DP > 1) answers the handshake of each rank by its number: decode rank r READs from prefill rank r (global rank,
+pp_rank * tp_size + tp_rank). A step's loads finish when every rank's READ finished (kv_transfer.base's
+KVConnectorOutput.merge, over the TP group and down the pipeline): only then is the prefill told "pulled", so
+it frees the blocks once every rank has read them.
 
 Faults: an unreachable or restarted prefill peer, a refused handshake (TP size, block layout) or blocks that are
 gone: the decode side computes the prompt itself (vLLM's recompute policy), logs why and counts it.
@@ -55,7 +63,9 @@ class LoadSpec:
     local_block_ids: list[int]
     remote_block_ids: list[int]
     all_remote_block_ids: list[int]  # as the prefill returned them: how its side channel knows the request
-    handshake: dict  # the prefill worker's handshake metadata (agent, layout)
+    handshake: dict  # the prefill worker's handshake metadata (agent, layout): its rank 0's
+    # TP/PP > 1: every prefill rank's handshake, by global rank; rank r READs from rank_handshakes[r]
+    rank_handshakes: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -99,22 +109,23 @@ def side_channel_request(host: str, port: int, message: dict, timeout_s: float =
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, block_size: int, tp_size: int = 1):
+    def __init__(self, config: KVTransferConfig, block_size: int, tp_size: int = 1, pp_size: int = 1):
         self.config = config
         self.block_size = block_size
         self.tp_size = tp_size
+        self.pp_size = pp_size
         self.engine_id = config.engine_id or str(uuid.uuid4())
         self.host, self.port = config.side_channel()
         self.abort_timeout_s = config.abort_timeout_s()
         self.stats = NixlStats()
-        self._metadata: dict | None = None
+        self._metadata: list[dict] = []  # every rank's handshake metadata, by global rank
         self._lock = threading.Lock()  # _held and _pulled: the side channel's thread reads and marks them
         self._held: dict[int, _Held] = {}  # seq id -> its blocks, held for a decode engine to pull
         self._pulled: set[tuple[int, ...]] = set()
         self._matched: dict[int, tuple[int, int, dict]] = {}  # seq id -> (local tokens, pulled tokens, handshake)
         self._loads: list[LoadSpec] = []  # allocated this step, for the worker side
         self._loading: dict[int, LoadSpec] = {}  # sent to the worker side, not reported yet
-        self._peers: dict[tuple[str, int], dict] = {}  # (host, port) -> its handshake
+        self._peers: dict[tuple[str, int], list[dict]] = {}  # (host, port) -> its ranks' handshakes
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
         self._notices: queue.Queue = queue.Queue()  # "pulled" messages, sent off the engine's thread
@@ -122,8 +133,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     # --- the side channel (prefill side) ------------------------------------------------------------
 
-    def set_handshake_metadata(self, metadata: dict) -> None:
-        self._metadata = metadata
+    def set_handshake_metadata(self, metadata: list[dict] | dict) -> None:
+        """Every rank's handshake metadata, by global rank (one dict: a one-rank engine's)."""
+        self._metadata = [metadata] if isinstance(metadata, dict) else list(metadata)
         if not self.config.is_producer:
             return
         import zmq
@@ -160,10 +172,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def _answer(self, message: dict) -> dict:
         op = message.get("op")
-        if op == "handshake":
-            meta = dict(self._metadata)
+        if op == "handshake":  # vLLM's: the rank asked for (0 when not named), with the engine's sizes
+            rank = message.get("rank", 0)
+            if not isinstance(rank, int) or not 0 <= rank < len(self._metadata):
+                return {"error": f"this engine has ranks 0..{len(self._metadata) - 1}; asked for rank {rank!r}"}
+            meta = dict(self._metadata[rank])
             meta["agent_metadata"] = base64.b64encode(meta["agent_metadata"]).decode()
-            return {**meta, "engine_id": self.engine_id, "tp_size": self.tp_size, "block_size": self.block_size}
+            return {**meta, "engine_id": self.engine_id, "rank": rank, "tp_size": self.tp_size,
+                    "pp_size": self.pp_size, "block_size": self.block_size}
         blocks = tuple(message.get("block_ids") or ())
         with self._lock:
             held = any(h.block_ids == blocks for h in self._held.values())
@@ -190,7 +206,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if pulled <= 0:
             return 0, False
         try:
-            handshake = self._handshake(params)
+            handshakes = self._handshake(params)
             if not side_channel_request(params.remote_host, params.remote_port,
                                         {"op": "check", "block_ids": list(params.remote_block_ids)})["held"]:
                 raise SideChannelError(f"engine {params.remote_engine_id} no longer holds blocks "
@@ -200,48 +216,58 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self.stats.num_recomputed_prompts += 1
             logger.warning("request %s: no KV from the prefill engine (%s): computing its prompt of %d tokens here",
                            seq.request_id, e, seq.num_prompt_tokens)
-            self._matched[seq.seq_id] = (num_computed_tokens, 0, {})
+            self._matched[seq.seq_id] = (num_computed_tokens, 0, [])
             return 0, False
-        self._matched[seq.seq_id] = (num_computed_tokens, pulled, handshake)
+        self._matched[seq.seq_id] = (num_computed_tokens, pulled, handshakes)
         return pulled, False
 
-    def _handshake(self, params) -> dict:
-        """The prefill worker's handshake, fetched once per peer (again when its engine id changed: restarted);
-        refused with a clear message when its layout cannot be read into ours."""
+    def _handshake(self, params) -> list[dict]:
+        """The prefill engine's ranks' handshakes, fetched once per peer (again when its engine id changed:
+        restarted): rank 0's first, whose TP/PP sizes must be ours, then the others'. Refused with a clear
+        message when its layout cannot be read into ours."""
         key = (params.remote_host, params.remote_port)
         peer = self._peers.get(key)
-        if peer is None or peer["engine_id"] != params.remote_engine_id:
-            peer = side_channel_request(params.remote_host, params.remote_port, {"op": "handshake"})
-            peer["agent_metadata"] = base64.b64decode(peer["agent_metadata"])
-            self._check_compatible(peer)
+        if peer is None or peer[0]["engine_id"] != params.remote_engine_id:
+            peer = []
+            for rank in range(len(self._metadata)):
+                handshake = side_channel_request(params.remote_host, params.remote_port,
+                                                 {"op": "handshake", "rank": rank})
+                handshake["agent_metadata"] = base64.b64decode(handshake["agent_metadata"])
+                self._check_compatible(handshake, rank)
+                peer.append(handshake)
             self._peers[key] = peer
-        if peer["engine_id"] != params.remote_engine_id:
-            raise SideChannelError(f"{key[0]}:{key[1]} is engine {peer['engine_id']}, not "
+        if peer[0]["engine_id"] != params.remote_engine_id:
+            raise SideChannelError(f"{key[0]}:{key[1]} is engine {peer[0]['engine_id']}, not "
                                    f"{params.remote_engine_id} (restarted?)")
         return peer
 
-    def _check_compatible(self, peer: dict) -> None:
-        if peer["tp_size"] != self.tp_size:
-            raise SideChannelError(f"the prefill engine runs tensor_parallel_size {peer['tp_size']}, this decode "
-                                   f"engine {self.tp_size}: NixlConnector needs the same TP size on both sides")
+    def _check_compatible(self, peer: dict, rank: int) -> None:
+        # a peer from before pp_size was in the handshake runs one stage
+        for name, theirs, ours in (("tensor_parallel_size", peer["tp_size"], self.tp_size),
+                                   ("pipeline_parallel_size", peer.get("pp_size", 1), self.pp_size)):
+            if theirs != ours:
+                raise SideChannelError(f"the prefill engine runs {name} {theirs}, this decode engine {ours}: "
+                                       f"NixlConnector needs the same {name} on both sides")
         if peer["block_size"] != self.block_size:
             raise SideChannelError(f"the prefill engine's block_size is {peer['block_size']}, this engine's "
                                    f"{self.block_size}: they must match")
-        ours = [(layer[1], layer[3]) for layer in self._metadata["layers"]]
+        ours = [(layer[1], layer[3]) for layer in self._metadata[rank]["layers"]]
         theirs = [(layer[1], layer[3]) for layer in peer["layers"]]
         if ours != theirs:
-            raise SideChannelError("the prefill engine's KV cache layout (layers, bytes per block) differs from "
-                                   "this engine's: not the same model, dtype or kv_cache_dtype")
+            raise SideChannelError(f"the prefill engine's KV cache layout (layers, bytes per block) on rank {rank} "
+                                   "differs from this engine's: not the same model, dtype, kv_cache_dtype or "
+                                   "pipeline partition")
 
     def update_state_after_alloc(self, seq, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens == 0:
             return
-        local, pulled, handshake = self._matched[seq.seq_id]
+        local, pulled, handshakes = self._matched[seq.seq_id]
         params = seq.params.kv_transfer_params
         first, end = local // self.block_size, -(-(local + pulled) // self.block_size)
         self._loads.append(LoadSpec(seq.seq_id, params.remote_engine_id, params.remote_host, params.remote_port,
                                     block_ids[first:end], list(params.remote_block_ids[first:end]),
-                                    list(params.remote_block_ids), handshake))
+                                    list(params.remote_block_ids), handshakes[0],
+                                    handshakes if len(handshakes) > 1 else []))
 
     def build_connector_meta(self, scheduler_output) -> NixlConnectorMetadata | None:
         if not self._loads:
@@ -259,7 +285,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             self._matched.pop(seq_id, None)
             if spec is not None:
                 self._notify_pulled(spec)
-        for record in output.transfers:  # the worker side's measurements (it may be another process)
+        for record in output.transfers:  # the workers' measurements (other processes), one per rank's READ
             self.stats.observe(record)
         for seq_id, why in output.failed_recving.items():
             self._loading.pop(seq_id, None)
@@ -360,12 +386,13 @@ def _indices(layers: list[list[int]], block_ids: list[int]) -> np.ndarray:
 class NixlConnectorWorker(KVConnectorWorker):
     """Beside the KV cache: registers its tensors with a NIXL agent and READs a prefill engine's blocks."""
 
-    def __init__(self, config: KVTransferConfig, block_size: int):
+    def __init__(self, config: KVTransferConfig, block_size: int, rank: int = 0):
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.config = config
         self.block_size = block_size
-        self.agent_name = f"{config.engine_id or 'pagoda'}-{uuid.uuid4().hex[:8]}"
+        self.rank = rank  # global rank (pp_rank * tp_size + tp_rank): it READs from the prefill's same rank
+        self.agent_name = f"{config.engine_id or 'pagoda'}-{rank}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
         self.stats = NixlStats()
         self.layers: list[list[int]] = []
@@ -409,11 +436,12 @@ class NixlConnectorWorker(KVConnectorWorker):
             return
         for spec in metadata.loads:
             started = time.perf_counter()
+            peer = spec.rank_handshakes[self.rank] if spec.rank_handshakes else spec.handshake
             try:
-                remote = self._remote(spec.handshake)
+                remote = self._remote(peer)
                 local = _indices(self.layers, spec.local_block_ids)
                 handle = self.agent.make_prepped_xfer(
-                    "READ", self._local, local, remote, _indices(spec.handshake["layers"], spec.remote_block_ids))
+                    "READ", self._local, local, remote, _indices(peer["layers"], spec.remote_block_ids))
                 if self.agent.transfer(handle) == "ERR":
                     raise RuntimeError("NIXL refused the READ")
             except Exception as e:

@@ -84,7 +84,8 @@ class ModelRunner:
         if config.kv_transfer is not None:
             from pagoda.kv_transfer.factory import create_worker_connector
 
-            self.kv_connector = create_worker_connector(config.kv_transfer, self.block_size)
+            self.kv_connector = create_worker_connector(config.kv_transfer, self.block_size,
+                                                        state.pp_rank * state.tp_size + state.tp_rank)
         self.batch = InputBatch(self.block_size, self.device)
         self.seqs: dict[int, RunnerSeq] = self.batch.seqs
         self.seq_generators: dict[int, torch.Generator] = {}
@@ -182,10 +183,18 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.wait_for_layer_load(0)
         result = self._run_step(out, intermediate)
-        if self.kv_connector is not None and isinstance(result, ModelRunnerOutput):
-            result.kv_connector_output = self.kv_connector.get_finished()
-            if result.kv_connector_output is not None:  # its KV never came: the request fails, it alone
-                result.failed.update(result.kv_connector_output.failed_recving)
+        if self.kv_connector is not None:
+            connector_output = self.kv_connector.get_finished()
+            state = get_parallel_state()
+            if out.kv_connector_metadata is not None and state.tp_size * state.pp_size > 1:
+                from pagoda.kv_transfer.ranks import merge_step_output
+
+                # a load is done when every rank's READ is: the TP ranks', and the earlier stages'
+                connector_output = merge_step_output(connector_output, out.kv_connector_metadata, state,
+                                                     self.is_last_stage)
+            if isinstance(result, ModelRunnerOutput) and connector_output is not None:
+                result.kv_connector_output = connector_output  # its KV never came: the request fails, it alone
+                result.failed.update(connector_output.failed_recving)
         if self.samples and isinstance(result, ModelRunnerOutput):
             result.expert_tokens = take_expert_tokens(self.model)  # MoE load balance, for the stats
         return result
