@@ -822,17 +822,16 @@ def check_prefill(spec: DeploymentSpec) -> None:
     if spec.data_parallel_size > 1:
         raise InvalidSpec(f"parallelism.data {spec.data_parallel_size} with spec.prefill is not supported: the "
                           "KV connector serves engines without data parallelism; scale with replicas")
-    # The runtime's NixlConnector moves the KV cache of one-rank engines for now (config/kv_transfer.py):
-    # refuse here, naming the field, rather than let every pod fail at start.
+    # The runtime's NixlConnector reads each rank's shard from the same rank of the prefill engine: both roles
+    # need the same TP and PP sizes (a mismatch would recompute every prompt), refused here naming the fields.
     prefill = spec.prefill
-    for what, value in (("tensorParallelSize", spec.tensor_parallel_size),
-                        ("pipelineParallelSize", spec.pipeline_parallel_size),
-                        ("prefill.parallelism.tensor", prefill.tensor),
-                        ("prefill.parallelism.pipeline", prefill.pipeline)):
-        if value != 1:
-            raise InvalidSpec(f"{what} {value} with spec.prefill is not supported yet: the runtime's NixlConnector "
-                              "moves the KV cache between one-rank engines (tensor and pipeline parallelism 1 on "
-                              "both roles)")
+    for main_field, main, prefill_field, value in (
+            ("tensorParallelSize", spec.tensor_parallel_size, "prefill.parallelism.tensor", prefill.tensor),
+            ("pipelineParallelSize", spec.pipeline_parallel_size, "prefill.parallelism.pipeline", prefill.pipeline)):
+        if value != main:
+            raise InvalidSpec(f"{prefill_field} {value} differs from {main_field} {main}: the runtime's "
+                              "NixlConnector moves the KV cache between engines of the same tensor and pipeline "
+                              "parallelism (each rank reads its own shard from the same prefill rank)")
     for arg in spec.engine.extra_args:
         if arg.split("=", 1)[0] == KV_TRANSFER_FLAG:
             raise InvalidSpec(f"engine.extraArgs must not set {KV_TRANSFER_FLAG} with spec.prefill: the operator "

@@ -196,6 +196,8 @@ def test_pod_and_router_args_parse_with_the_runtime_parsers(monkeypatch):
     ({**PD, "router": {"enabled": True, "mode": "epp"}}, "mode proxy"),
     ({**PD, "parallelism": {"data": 2}}, "parallelism.data"),
     ({**PD, "tensorParallelSize": 3}, "tensorParallelSize"),
+    ({**PD, "tensorParallelSize": 3, "prefill": {"parallelism": {"tensor": 1}}},
+     "prefill.parallelism.tensor 1 differs from tensorParallelSize 3"),
     ({**PD, "adapters": []}, "spec.adapters"),
     ({**PD, "scheduling": {"gang": "volcano"}}, "scheduling.gang"),
     ({**PD, "engine": {"extraArgs": ["--kv-transfer-config={}"]}}, "--kv-transfer-config"),
@@ -219,6 +221,7 @@ def test_a_user_kv_transfer_config_stays_allowed_without_prefill():
 @pytest.mark.parametrize("spec,broken", [
     (PD, None),
     ({**PD, "router": {"enabled": True, "mode": "proxy"}, "prefill": {"parallelism": {"tensor": 1}}}, None),
+    ({**PD, "tensorParallelSize": 3, "prefill": {"parallelism": {"tensor": 3}}}, None),  # the same TP: served
     ({"prefill": {"replicas": 1}}, "prefill needs router.enabled true"),
     ({**PD, "router": {"enabled": False}}, "prefill needs router.enabled true"),
     ({**PD, "router": {"enabled": True, "mode": "epp"}}, "prefill needs router.enabled true"),
