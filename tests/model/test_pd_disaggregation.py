@@ -53,9 +53,11 @@ _PREFILL_PROCESS = textwrap.dedent("""
 
 
 class PrefillProcess:
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, **engine_kwargs):
+        """engine_kwargs: beside COMMON (tensor_parallel_size, ...)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PREFILL_PROCESS, str(model_dir), json.dumps(PRODUCER), json.dumps(COMMON)],
+            [sys.executable, "-c", _PREFILL_PROCESS, str(model_dir), json.dumps(PRODUCER),
+             json.dumps({**COMMON, **engine_kwargs})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._read() == "ready"
 

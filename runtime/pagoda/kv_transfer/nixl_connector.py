@@ -19,7 +19,7 @@ pp_rank * tp_size + tp_rank). A step's loads finish when every rank's READ finis
 KVConnectorOutput.merge, over the TP group and down the pipeline): only then is the prefill told "pulled", so
 it frees the blocks once every rank has read them.
 
-Faults: an unreachable or restarted prefill peer, a refused handshake (TP size, block layout) or blocks that are
+Faults: an unreachable or restarted prefill peer, a refused handshake (TP/PP size, block layout) or blocks that are
 gone: the decode side computes the prompt itself (vLLM's recompute policy), logs why and counts it.
 """
 
@@ -122,7 +122,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._lock = threading.Lock()  # _held and _pulled: the side channel's thread reads and marks them
         self._held: dict[int, _Held] = {}  # seq id -> its blocks, held for a decode engine to pull
         self._pulled: set[tuple[int, ...]] = set()
-        self._matched: dict[int, tuple[int, int, dict]] = {}  # seq id -> (local tokens, pulled tokens, handshake)
+        # seq id -> (local tokens, pulled tokens, the prefill ranks' handshakes)
+        self._matched: dict[int, tuple[int, int, list[dict]]] = {}
         self._loads: list[LoadSpec] = []  # allocated this step, for the worker side
         self._loading: dict[int, LoadSpec] = {}  # sent to the worker side, not reported yet
         self._peers: dict[tuple[str, int], list[dict]] = {}  # (host, port) -> its ranks' handshakes
