@@ -63,7 +63,6 @@ def test_a_tp1_decode_refuses_the_tp2_prefill_and_recomputes(tiny_llama_dir, pre
     assert prefill_tp2.ask(op="blocks")["held"] == 1
 
 
-@pytest.mark.heavy
 def test_pp2_decode_pulls_each_stage_from_the_pp2_prefill(tiny_llama_dir, single_engine_tokens):
     """Pipeline parallelism: each stage's rank READs its own layers from the prefill's same stage; the load is
     done once the last stage's READ is (the first stage's output comes down the pipeline with the schedule)."""
