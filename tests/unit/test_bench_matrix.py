@@ -139,3 +139,13 @@ def test_run_matrix_alternates_the_engines_on_one_vllm_server(monkeypatch, tmp_p
                                                     ("pagoda", 32), ("vllm", 32)]
     assert [(n, w) for _, _, n, w in log][:2] == [(16, 2), (16, 2)]
     assert [load.name for load, _, theirs in results if theirs is not None] == ["single", "mid-c8", "chat-c32"]
+
+
+def test_the_line_printed_per_load_carries_every_cell_of_the_table():
+    # a matrix cut short keeps what it printed: each engine's line must hold the row's figures and the E2E latency
+    figures = summary(0.2, 0.010, 40)
+    line = matrix.progress(figures)
+    for key, stat in (("ttft_ms", "median"), ("ttft_ms", "p90"), ("itl_ms", "median"), ("itl_ms", "p99"),
+                      ("e2e_ms", "median")):
+        assert f"{figures[key][stat]:.0f}" in line
+    assert line.startswith(f"{figures['output_token_throughput']:.0f} tok/s")
