@@ -63,19 +63,23 @@ def test_a_tp1_decode_refuses_the_tp2_prefill_and_recomputes(tiny_llama_dir, pre
     assert prefill_tp2.ask(op="blocks")["held"] == 1
 
 
-def test_pp2_decode_pulls_each_stage_from_the_pp2_prefill(tiny_llama_dir, single_engine_tokens):
-    """Pipeline parallelism: each stage's rank READs its own layers from the prefill's same stage; the load is
+@pytest.mark.parametrize("parallel", [
+    dict(pipeline_parallel_size=2),
+    pytest.param(dict(tensor_parallel_size=2, pipeline_parallel_size=2), marks=pytest.mark.heavy),
+], ids=["pp2", "tp2xpp2"])
+def test_pipeline_decode_pulls_each_stage_from_the_same_prefill_stage(tiny_llama_dir, single_engine_tokens, parallel):
+    """Pipeline parallelism: each stage's ranks READ their own layers from the prefill's same stage; the load is
     done once the last stage's READ is (the first stage's output comes down the pipeline with the schedule)."""
-    pp2 = dict(pipeline_parallel_size=2)
-    prefill = PrefillProcess(tiny_llama_dir, **pp2)
+    ranks = parallel.get("tensor_parallel_size", 1) * parallel["pipeline_parallel_size"]
+    prefill = PrefillProcess(tiny_llama_dir, **parallel)
     try:
         params = prefill.ask(op="prefill", prompts=PROMPTS)
         with LLM(str(tiny_llama_dir), kv_transfer_config=CONSUMER, enable_prefix_caching=False, **COMMON,
-                 **pp2) as d:
+                 **parallel) as d:
             stats = d.engine.core.kv_connector.stats
             assert _decode(d, params) == single_engine_tokens
-            assert stats.num_transfers == 2 * len(PROMPTS) and stats.num_recomputed_prompts == 0
-            assert 2 * d.engine.executor.runner.kv_connector.stats.bytes_transferred == stats.bytes_transferred
+            assert stats.num_transfers == ranks * len(PROMPTS) and stats.num_recomputed_prompts == 0
+            assert ranks * d.engine.executor.runner.kv_connector.stats.bytes_transferred == stats.bytes_transferred
             assert d.engine.block_manager.num_free_blocks == d.engine.num_blocks
         blocks = prefill.ask(op="blocks")
         assert blocks["held"] == 0 and blocks["free"] == blocks["total"]
