@@ -48,11 +48,11 @@ async def metric(host: str, name: str, suffix: str = "") -> float:
     return total
 
 
-async def greedy_with_prefill(router: str) -> tuple[list[str], set[str]]:
+async def greedy_with_prefill(router: str, model: str = "pd") -> tuple[list[str], set[str]]:
     """The prompts' greedy completions through the router, and the prefill backends it named."""
     async def one(prompt: str):
         raw = await client(router).completions.with_raw_response.create(
-            model="pd", prompt=prompt, temperature=0, max_tokens=24)
+            model=model, prompt=prompt, temperature=0, max_tokens=24)
         return raw.parse().choices[0].text, raw.headers.get(PREFILL_BACKEND_HEADER)
     answers = await asyncio.gather(*(one(p) for p in PROMPTS))
     return [text for text, _ in answers], {backend for _, backend in answers if backend}
@@ -125,3 +125,39 @@ async def test_prefill_and_decode_pods_behind_the_router_answer_as_one_engine(e2
     pulled = await metric(decode, BYTES_TRANSFERRED, "_count")
     await e2e.until(pd_again, "P/D through the new prefill pod", timeout=120)
     assert await metric(decode, BYTES_TRANSFERRED, "_count") > pulled
+
+
+async def test_prefill_and_decode_groups_of_two_tensor_ranks_move_each_ranks_shard(e2e: E2E):
+    # TP=2 on both roles, each group one pod of two rank processes (their NIXL agents): decode rank r READs
+    # prefill rank r's KV heads, pod to pod
+    tiny = write_tiny_claim(e2e, "weights-tp")
+    reference = await single_process_reference(e2e, "weights-tp")
+    await e2e.cluster.create("pdtp", {**CPU, **tiny, "tensorParallelSize": 2,
+                                      "router": {"enabled": True, "policy": "prefix"},
+                                      "prefill": {"replicas": 1, "parallelism": {"tensor": 2}}})
+    await e2e.ready("pdtp")
+
+    async def prefill_group_ready() -> bool:
+        return ((await e2e.cluster.status("pdtp")).get("prefill") or {}).get("ready") == "1/1"
+    await e2e.until(prefill_group_ready, "the prefill group Ready")
+    assert sorted(p for p in await e2e.pods("pdtp") if not p.startswith("pdtp-router-")) == [
+        "pdtp-g0-head-0", "pdtp-p0-head-0"]
+    for pod in ("pdtp-g0-head-0", "pdtp-p0-head-0"):
+        assert "tensor_parallel_size=2" in await e2e.runner.logs(pod, 400)
+    decode, prefill = e2e.runner.pod_ip("pdtp-g0-head-0"), e2e.runner.pod_ip("pdtp-p0-head-0")
+    [router] = await e2e.resolve("pdtp-router.serving.svc.cluster.local")
+
+    async def pd_path_taken() -> bool:
+        try:
+            _, backends = await greedy_with_prefill(router, "pdtp")
+        except Exception:  # noqa: BLE001 - the router may not have discovered a backend yet
+            return False
+        return backends == {f"http://{prefill}:8000"}
+    await e2e.until(pd_path_taken, "the router sending prompts to the prefill group", timeout=180)
+    pulled = await metric(decode, BYTES_TRANSFERRED, "_count")
+    recomputed = await metric(decode, RECOMPUTED)
+    texts, _ = await greedy_with_prefill(router, "pdtp")
+    assert texts == reference
+    # both ranks pulled their shard of every prompt (transfers are counted per rank), none was recomputed
+    assert await metric(decode, BYTES_TRANSFERRED, "_count") >= pulled + 2 * len(PROMPTS)
+    assert await metric(decode, RECOMPUTED) == recomputed
