@@ -81,11 +81,16 @@ class PrefillProcess:
             self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def single_engine_tokens(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), **COMMON) as llm:
+def greedy_reference(model_dir) -> list[list[int]]:
+    """PROMPTS' greedy tokens from one engine without a connector: what every P/D pair must reproduce."""
+    with LLM(str(model_dir), **COMMON) as llm:
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def single_engine_tokens(tiny_llama_dir):
+    return greedy_reference(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,16 @@ import pytest
 
 pytest.importorskip("nixl_cu12")
 
-from test_pd_disaggregation import COMMON, CONSUMER, MAX_TOKENS, PROMPTS, PrefillProcess, _decode  # noqa: E402
+from test_pd_disaggregation import (  # noqa: E402
+    COMMON,
+    CONSUMER,
+    PROMPTS,
+    PrefillProcess,
+    _decode,
+    greedy_reference,
+)
 
 from pagoda.entrypoints.llm import LLM  # noqa: E402
-from pagoda.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -21,9 +27,7 @@ TP2 = dict(tensor_parallel_size=2)
 
 @pytest.fixture(scope="module")
 def single_engine_tokens(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), **COMMON) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-    return [o.outputs[0].token_ids for o in outputs]
+    return greedy_reference(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
