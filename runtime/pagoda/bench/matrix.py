@@ -129,10 +129,9 @@ def empty_table() -> str:
 
 def progress(figures: dict) -> str:
     """One engine's figures on one load as the matrix prints them as it goes: a long run cut short keeps them."""
-    ms = {key: figures[key] for key in ("ttft_ms", "itl_ms", "e2e_ms")}
-    return (f"{figures['output_token_throughput']:.0f} tok/s, TTFT median/p90 {ms['ttft_ms']['median']:.0f}/"
-            f"{ms['ttft_ms']['p90']:.0f} ms, ITL median/p99 {ms['itl_ms']['median']:.0f}/{ms['itl_ms']['p99']:.0f} ms, "
-            f"E2E median {ms['e2e_ms']['median']:.0f} ms")
+    ttft, itl, e2e = figures["ttft_ms"], figures["itl_ms"], figures["e2e_ms"]
+    return (f"{figures['output_token_throughput']:.0f} tok/s, TTFT median/p90 {ttft['median']:.0f}/{ttft['p90']:.0f} "
+            f"ms, ITL median/p99 {itl['median']:.0f}/{itl['p99']:.0f} ms, E2E median {e2e['median']:.0f} ms")
 
 
 # --- the run -----------------------------------------------------------------------------------------
