@@ -4,8 +4,10 @@ build by what torch.cpu reports, so the peer's environment carries a sitecustomi
 and the torch library caps that the forced level set."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,3 +60,34 @@ def test_a_level_the_peer_cannot_emulate_is_refused(restore_level):
     platform.force_level("generic")
     with pytest.raises(SystemExit, match="only avx2 is emulated"):
         vllm_peer.peer_env(sys.executable)
+
+
+@pytest.mark.parametrize("level, dtype", [("avx512bf16", "bfloat16"), ("neonbf16", "bfloat16"),
+                                          ("avx512", "float32"), ("avx2", "float32"), ("generic", "float32")])
+def test_the_peer_runs_at_its_fastest_dtype_for_the_level(level, dtype):
+    assert vllm_peer.best_dtype(level) == dtype
+
+
+def test_a_sigterm_to_the_benchmark_stops_the_peer_it_started(tmp_path):
+    # the peer runs in its own session (a signal to the benchmark's does not reach it): the benchmark's SIGTERM
+    # must still run the context's `finally`, or a killed benchmark leaves a vLLM server running
+    pid_file = tmp_path / "peer.pid"
+    fake = tmp_path / "bin" / "python"  # never healthy: the context waits for it until the signal
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 300\n")
+    fake.chmod(0o755)
+    code = ("from pagoda.bench.vllm_peer import vllm_server\n"
+            f"with vllm_server({str(fake)!r}, 'm', 'm', startup_timeout=300):\n    pass\n")
+    bench = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        for _ in range(300):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            time.sleep(0.1)
+        peer = int(pid_file.read_text())
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        bench.kill()
+    with pytest.raises(ProcessLookupError):
+        os.kill(peer, 0)

@@ -355,8 +355,9 @@ def parse_args(argv):
     p.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="after the server, start `vllm serve` from this installation's Python (or venv directory) "
                         "on the same model directory, send it the same requests, and print both with their ratios")
-    p.add_argument("--vllm-dtype", default="bfloat16",
-                   help="vLLM's dtype (default bfloat16, its own default); compare against its best on the machine")
+    p.add_argument("--vllm-dtype", default="best",
+                   help="vLLM's dtype (default best: its fastest on this CPU, bfloat16 with AVX512-BF16 or ARM's BF16, "
+                        "else float32)")
     p.add_argument("--vllm-kv-cache-dtype", default=None, help="vLLM's --kv-cache-dtype (default: its own, auto)")
     p.add_argument("--vllm-kv-cache-gib", type=int, default=2,
                    help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE, whole GiB; default 2: Pagoda's CPU default)")
@@ -427,6 +428,11 @@ async def main_async(args) -> dict:
             platform.force_level(args.isa)
         except platform.UnsupportedIsa as e:
             raise SystemExit(f"--isa: {e}") from None
+    if args.vllm_dtype == "best":
+        from pagoda import platform
+        from pagoda.bench.vllm_peer import best_dtype
+
+        args.vllm_dtype = best_dtype(platform.cpu_isa().level)
     if args.offline:
         from pagoda import AsyncEngineArgs, AsyncLLMEngine
 

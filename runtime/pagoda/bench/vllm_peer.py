@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +59,12 @@ def _forced_level_shim() -> str | None:
     shim.mkdir(exist_ok=True)
     (shim / "sitecustomize.py").write_text(_AVX2_SHIM)
     return str(shim)
+
+
+def best_dtype(level: str) -> str:
+    """vLLM's fastest dtype on a CPU at this ISA level: bfloat16 where the CPU computes in it (AVX512-BF16, ARM's
+    BF16), else float32 (on AVX2, vLLM's bfloat16 converts every weight and ran 3.7x slower, docs/benchmarks.md)."""
+    return "bfloat16" if level in ("avx512bf16", "neonbf16") else "float32"
 
 
 def peer_env(python: str, kv_cache_gib: int = 2) -> dict[str, str]:
@@ -132,6 +139,7 @@ def vllm_server(python: str, model: str, served_name: str, *, dtype: str = "bflo
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-peer-", delete=False)
     proc = subprocess.Popen(cmd, env=peer_env(python, kv_cache_gib), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
+    restore_sigterm = _sigterm_exits()
     try:
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -157,3 +165,17 @@ def vllm_server(python: str, model: str, served_name: str, *, dtype: str = "bflo
                 proc.wait()
         log.close()
         os.unlink(log.name)
+        restore_sigterm()
+
+
+def _sigterm_exits():
+    """Make SIGTERM to this process raise SystemExit, so that the peer's `finally` stops it (it runs in its own
+    session, which a signal to ours does not reach); returns what puts the previous handler back."""
+    if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's only
+        return lambda: None
+
+    def exit_now(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_now)
+    return lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "moe": "pagoda.bench.moe",
     "lora": "pagoda.bench.lora",
     "kv-transfer": "pagoda.bench.kv_transfer",
+    "schedule": "pagoda.bench.schedule_sim",
 }
 
 

@@ -1,0 +1,204 @@
+"""`pagoda bench schedule`: the scheduler over the load matrix in seconds, without a model.
+
+A served matrix takes over an hour on 2 CPU cores and moves 10-30 % between runs, so it cannot say which of two
+scheduling rules is better on every load. This runs the real `core.scheduler.Scheduler` and its learnt step costs
+(`core.step_cost`) through each load of `bench.matrix` (the same arrivals: closed loops of `concurrency` clients,
+Poisson arrivals, random lengths) on a simulated clock, each step priced by `StepPrices`, and reports the figures
+`pagoda bench serve --matrix` reports: output tok/s, TTFT median and p90, ITL median and p99.
+
+Two rules side by side: prefill-first (no prompt budget: waiting prompts take the whole `max_num_batched_tokens`
+beside the decodes, as vLLM's chunked prefill) at vLLM's prices, and Pagoda's `--target-itl-ms auto` at each
+factor asked (`--factors`) at Pagoda's prices. Prices are per engine, measured on one machine (below); `--same-prices`
+gives both Pagoda's, so that only the rules differ.
+
+What it leaves out: HTTP and detokenization, the machine's jitter, async scheduling. Its figures are for comparing
+rules, not for quoting as served ones (docs/benchmarks.md has those).
+"""
+
+import argparse
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+
+from pagoda.bench.matrix import MATRIX, Load, loads
+from pagoda.config import AUTO_TARGET, SchedulerConfig
+from pagoda.core.block_manager import BlockManager
+from pagoda.core.scheduler import AUTO_TARGET_FACTOR, Scheduler
+from pagoda.core.sequence import Sequence
+from pagoda.core.step_cost import StepCostModel
+from pagoda.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepPrices:
+    """What a step costs one engine, in seconds: per_step + each prompt token's per_prompt_token and its causal
+    attention (a chunk of positions [s, s + k) adds attention x ((s + k)^2 - s^2)) + each decode's per_decode and
+    per_context_token x its context."""
+    per_step: float
+    per_prompt_token: float
+    attention: float
+    per_decode: float
+    per_context_token: float
+
+
+# The default model on 2 cores of an AMD EPYC (AVX2, no AVX-512; docs/benchmarks.md "Load matrix"): a 256-token
+# prompt alone takes 0.92 s served (Pagoda) and 1.01 s (vLLM 0.32 at float32); prompts of 375, 750 and 1,500 tokens
+# take 1.40, 2.97 and 7.4 s offline (the n^2 term: 6e-7 s); a step of one decode 26 ms (Pagoda) and 83 ms (vLLM),
+# of 64 decodes of ~300 tokens 388 ms and 502 ms (the matrix's ITL medians at c=1 and on short-long-c64).
+PAGODA_PRICES = StepPrices(per_step=0.020, per_prompt_token=3.3e-3, attention=6.0e-7, per_decode=5.5e-3,
+                           per_context_token=3.0e-6)
+VLLM_PRICES = StepPrices(per_step=0.075, per_prompt_token=3.4e-3, attention=6.2e-7, per_decode=6.5e-3,
+                         per_context_token=3.0e-6)
+JITTER = 0.03  # each step's price times uniform(1 - JITTER, 1 + JITTER): the step-cost model never sees equal steps
+
+
+@dataclass(frozen=True)
+class SimResult:
+    output_tok_s: float
+    ttft_median: float  # seconds
+    ttft_p90: float
+    itl_median: float
+    itl_p99: float
+    seconds: float  # the load's simulated length
+    ttft_by_request: tuple[float, ...]  # in the order the requests were sent
+
+
+def step_seconds(prices: StepPrices, scheduled, prompt_lens: dict[int, int], rng: random.Random,
+                 jitter: float = JITTER) -> float:
+    """One step's simulated seconds: its decodes and prompt chunks at `prices`."""
+    seconds = prices.per_step
+    for s in scheduled:
+        start, n = s.num_computed_tokens, s.num_new_tokens
+        if n == 1 and start >= prompt_lens[s.seq_id]:
+            seconds += prices.per_decode + prices.per_context_token * start
+        else:
+            seconds += prices.per_prompt_token * n + prices.attention * ((start + n) ** 2 - start ** 2)
+    return seconds * rng.uniform(1 - jitter, 1 + jitter)
+
+
+def _lengths(load: Load, rng: random.Random) -> list[tuple[int, int]]:
+    """Each request's (prompt, answer) tokens, as `pagoda bench serve` draws them (uniform within range_ratio)."""
+    def draw(center: int) -> int:
+        r = load.range_ratio
+        return max(rng.randint(int(center * (1 - r)), int(center * (1 + r))) if r else center, 1)
+    return [(draw(load.input_len), draw(load.output_len)) for _ in range(load.num_prompts)]
+
+
+def _arrivals(load: Load, rng: random.Random) -> list[float]:
+    """When each request may be sent: all at once, or Poisson at request_rate (then bounded by concurrency)."""
+    times, t = [], 0.0
+    for _ in range(load.num_prompts):
+        times.append(t)
+        if load.request_rate != float("inf"):
+            t += rng.expovariate(load.request_rate)
+    return times
+
+
+def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None = AUTO_TARGET,
+             auto_target_factor: float = AUTO_TARGET_FACTOR, seed: int = 0, max_num_batched_tokens: int = 2048,
+             max_num_seqs: int = 256, jitter: float = JITTER) -> SimResult:
+    """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's)."""
+    rng = random.Random(seed)
+    lengths, arrivals = _lengths(load, rng), _arrivals(load, rng)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             enable_chunked_prefill=True, max_model_len=8192, target_itl_ms=target_itl_ms)
+    num_blocks = 1 + sum(p + o for p, o in lengths) // 16 + load.num_prompts  # room for all: no preemption
+    scheduler = Scheduler(config, BlockManager(num_blocks, 16, enable_prefix_caching=False),
+                          step_costs=StepCostModel(), auto_target_factor=auto_target_factor)
+    concurrency = load.concurrency or load.num_prompts
+    now, sent, in_flight, finished = 0.0, 0, 0, 0
+    prompt_lens: dict[int, int] = {}
+    last_token: dict[int, float] = {}  # seq id -> when its last token came (its arrival before the first)
+    ttfts: dict[int, float] = {}  # request index -> its TTFT
+    itls: list[float] = []
+    while finished < load.num_prompts:
+        while sent < load.num_prompts and in_flight < concurrency and arrivals[sent] <= now:
+            prompt, answer = lengths[sent]
+            seq = Sequence(str(sent), [1] * prompt, SamplingParams(max_tokens=answer, ignore_eos=True),
+                           arrival_time=now)
+            prompt_lens[seq.seq_id], last_token[seq.seq_id] = prompt, now
+            scheduler.add(seq)
+            sent, in_flight = sent + 1, in_flight + 1
+        out = scheduler.schedule()
+        if not out.scheduled:  # idle until the next arrival
+            now = max(now, arrivals[sent])
+            continue
+        seconds = step_seconds(prices, out.scheduled, prompt_lens, rng, jitter)
+        now += seconds
+        scheduler.step_costs.observe(out.num_batched_tokens, seconds, out.num_decodes)
+        scheduler.step_done(out)
+        for s in out.scheduled:
+            if not s.num_samples:
+                continue
+            seq = scheduler.get(s.seq_id)
+            seq.append_token(0)
+            if seq.num_output_tokens == 1:
+                ttfts[int(seq.request_id)] = now - last_token[s.seq_id]
+            else:
+                itls.append(now - last_token[s.seq_id])
+            last_token[s.seq_id] = now
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                scheduler.finish(seq, "length")
+                finished, in_flight = finished + 1, in_flight - 1
+    by_request = tuple(ttfts[i] for i in range(load.num_prompts))
+    return SimResult(sum(o for _, o in lengths) / now, statistics.median(by_request), _percentile(by_request, 0.9),
+                     statistics.median(itls) if itls else 0.0, _percentile(itls, 0.99), now, by_request)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile by linear interpolation (numpy's default, as the serving benchmarks report)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def _cell(result: SimResult) -> str:
+    return (f"{result.output_tok_s:6.1f} tok/s  TTFT {result.ttft_median:6.2f} / {result.ttft_p90:6.2f} s  "
+            f"ITL {result.itl_median * 1e3:5.0f} / {result.itl_p99 * 1e3:6.0f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pagoda bench schedule", description=__doc__.split("\n\n")[0])
+    p.add_argument("--factors", default=str(AUTO_TARGET_FACTOR), metavar="F[,F...]",
+                   help=f"--target-itl-ms auto's factors to compare (default: the engine's, {AUTO_TARGET_FACTOR})")
+    p.add_argument("--matrix-loads", default=None, metavar="NAMES",
+                   help="only these loads of the matrix (comma-separated), as `pagoda bench serve --matrix-loads`")
+    p.add_argument("--same-prices", action="store_true",
+                   help="price both rules' steps at Pagoda's: compare the rules alone")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        factors = [float(f) for f in args.factors.split(",")]
+    except ValueError:
+        factors = []
+    if not factors or any(not f >= 1 for f in factors):
+        p.error(f"--factors: each factor must be a number >= 1 (a step with prompts at least a decode step); "
+                f"got {args.factors!r}")
+    try:
+        chosen = loads(args.matrix_loads)
+    except ValueError as e:
+        p.error(str(e))
+    first_prices = PAGODA_PRICES if args.same_prices else VLLM_PRICES
+    worst = {f: [0.0, 0.0, 0.0] for f in factors}  # TTFT median, p90, ITL p99: the largest ratio to prefill-first
+    for load in chosen:
+        base = simulate(load, first_prices, target_itl_ms=None, seed=args.seed)
+        print(f"{load.name:17s} prefill-first  {_cell(base)}")
+        for f in factors:
+            r = simulate(load, PAGODA_PRICES, auto_target_factor=f, seed=args.seed)
+            ratios = (r.ttft_median / base.ttft_median, r.ttft_p90 / base.ttft_p90,
+                      r.itl_p99 / base.itl_p99 if base.itl_p99 else 1.0)
+            worst[f] = [max(w, x) for w, x in zip(worst[f], ratios)]
+            print(f"{'':17s} auto x{f:<5g}    {_cell(r)}  (ITL p99 {r.itl_p99 / r.itl_median:.1f}x its median)")
+    for f in factors:
+        print(f"auto x{f:g}: against prefill-first, the worst TTFT median ratio {worst[f][0]:.2f}, TTFT p90 "
+              f"{worst[f][1]:.2f}, ITL p99 {worst[f][2]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
