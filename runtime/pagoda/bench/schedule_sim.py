@@ -21,7 +21,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from pagoda.bench.matrix import MATRIX, Load, loads
+from pagoda.bench.matrix import Load, loads
 from pagoda.config import AUTO_TARGET, SchedulerConfig
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR, Scheduler
