@@ -11,8 +11,10 @@ beside the decodes, as vLLM's chunked prefill) at vLLM's prices, and Pagoda's `-
 factor asked (`--factors`) at Pagoda's prices. Prices are per engine, measured on one machine (below); `--same-prices`
 gives both Pagoda's, so that only the rules differ.
 
-What it leaves out: HTTP and detokenization, the machine's jitter, async scheduling. Its figures are for comparing
-rules, not for quoting as served ones (docs/benchmarks.md has those).
+What it leaves out: HTTP and detokenization, the machine's jitter, async scheduling, and the spread HTTP gives a
+burst's arrivals (here a burst arrives at one instant, so loads of equal short answers run in lockstep waves; served,
+tiny-c32's ITL p99 was 1.50 s where this gives 0.21). Its figures are for comparing rules, not for quoting as
+served ones (docs/benchmarks.md has those).
 """
 
 import argparse
