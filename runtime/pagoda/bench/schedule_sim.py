@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 
 from pagoda.bench.matrix import Load, loads
+from pagoda.bench.serve import percentile, synthetic_requests
 from pagoda.config import AUTO_TARGET, SchedulerConfig
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR, Scheduler
@@ -79,12 +80,11 @@ def step_seconds(prices: StepPrices, scheduled, prompt_lens: dict[int, int], rng
     return seconds * rng.uniform(1 - jitter, 1 + jitter)
 
 
-def _lengths(load: Load, rng: random.Random) -> list[tuple[int, int]]:
-    """Each request's (prompt, answer) tokens, as `pagoda bench serve` draws them (uniform within range_ratio)."""
-    def draw(center: int) -> int:
-        r = load.range_ratio
-        return max(rng.randint(int(center * (1 - r)), int(center * (1 + r))) if r else center, 1)
-    return [(draw(load.input_len), draw(load.output_len)) for _ in range(load.num_prompts)]
+def _lengths(load: Load, seed: int) -> list[tuple[int, int]]:
+    """Each request's (prompt, answer) tokens, drawn as `pagoda bench serve` draws them (its word prompts: about a
+    token a word)."""
+    requests = synthetic_requests(load.num_prompts, load.input_len, load.output_len, load.range_ratio, seed)
+    return [(len(r.prompt.split()), r.output_len) for r in requests]
 
 
 def _arrivals(load: Load, rng: random.Random) -> list[float]:
@@ -102,7 +102,7 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
              max_num_seqs: int = 256, jitter: float = JITTER) -> SimResult:
     """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's)."""
     rng = random.Random(seed)
-    lengths, arrivals = _lengths(load, rng), _arrivals(load, rng)
+    lengths, arrivals = _lengths(load, seed), _arrivals(load, rng)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              enable_chunked_prefill=True, max_model_len=8192, target_itl_ms=target_itl_ms)
     num_blocks = 1 + sum(p + o for p, o in lengths) // 16 + load.num_prompts  # room for all: no preemption
@@ -144,19 +144,10 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
                 scheduler.finish(seq, "length")
                 finished, in_flight = finished + 1, in_flight - 1
     by_request = tuple(ttfts[i] for i in range(load.num_prompts))
-    return SimResult(sum(o for _, o in lengths) / now, statistics.median(by_request), _percentile(by_request, 0.9),
-                     statistics.median(itls) if itls else 0.0, _percentile(itls, 0.99), now, by_request)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    """The q-quantile by linear interpolation (numpy's default, as the serving benchmarks report)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    at = q * (len(ordered) - 1)
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+    itls.sort()
+    return SimResult(sum(o for _, o in lengths) / now, statistics.median(by_request),
+                     percentile(sorted(by_request), 0.9), statistics.median(itls) if itls else 0.0,
+                     percentile(itls, 0.99) if itls else 0.0, now, by_request)
 
 
 def _cell(result: SimResult) -> str:

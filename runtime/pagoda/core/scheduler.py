@@ -48,7 +48,7 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 # mean TTFT + mean answer time = c / throughput (Little's law), so every second a decode is spared is a second a
 # prompt waits. 8 is the smallest factor at which every load of the matrix, simulated through this scheduler at
 # the two engines' measured step prices (`pagoda bench schedule --factors 4,6,8,10`), gets its TTFT median and
-# p90 within 5 % of prefill-first's (vLLM's chunked prefill); at 2.75 (the factor before) they were up to 1.6x
+# p90 within 5 % of prefill-first's (vLLM's chunked prefill); at 2.75 (the factor before) they were up to 1.64x
 # it, for an ITL p99 within 3x its median. The ITL p99 stays under prefill-first's on every load
 AUTO_TARGET_FACTOR = 8.0
 
