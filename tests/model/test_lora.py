@@ -190,7 +190,7 @@ def test_async_engine_generates_with_adapters(adapters):
 
 
 DECODE_ROWS = [0, -1, 2, 2, 1, -1, 0, 0, 0]
-# prefill-sized groups: past AVX2's float32-x threshold (48 rows) and one task's 64 rows, not one run each
+# prefill-sized groups: past AVX2's float32-x threshold (24 rows) and one task's 64 rows, not one run each
 PREFILL_ROWS = [0] * 70 + [-1] * 5 + [1] * 30 + [0] * 3 + [1] * 20 + [2]
 
 

@@ -16,10 +16,13 @@
 
 namespace pagoda::bf16_matmul::avx2 {
 
-// from this many rows, x is widened once and tasks run the float32 kernel. Measured (one thread, weights out of
-// cache): the streaming kernel is 8-45 % faster from 4 to 32 rows (widening a block costs as much as 4-8
-// rows of FMAs), even at 48, and the float32 kernel 1-6 % faster from 64 rows on
-constexpr int64_t kFloatXRows = 48;
+// from this many rows, x is widened once and tasks run the float32 kernel. Widening a block costs about as
+// much as 8-16 rows of FMAs, so below that the streaming kernel wins and above it the float32 one. Measured
+// with both threads of a 2-core AVX2 EPYC, the two kernels alternated on the same weights: from 24 rows the
+// float32 kernel is 7-28 % faster on SmolLM2's shapes and on 1024-2048-wide ones (a 5632-deep down projection
+// breaks even at 24-32), while at 8 rows the streaming kernel is 14-90 % faster; at 16 it is mixed. Served,
+// a 32-sequence decode step runs ~15 % faster than with the streaming kernel (the threshold was 48).
+constexpr int64_t kFloatXRows = 24;
 constexpr bool kWantsFloatX = true;
 
 inline __m256 even_weights(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
