@@ -24,6 +24,18 @@ def test_one_request_alone_costs_its_prices_exactly():
     assert result.output_tok_s == pytest.approx(8 / result.seconds)
 
 
+def test_a_send_delay_counts_in_the_ttft_and_spreads_a_burst():
+    load = Load("alone", 64, 4, 1, 2)
+    prompt = 0.01 + 64 * 0.001 + 1e-6 * 64 ** 2
+    delayed = simulate(load, ROUND, jitter=0.0, send_delay=0.5)
+    # the client's clock starts when it sends: each TTFT is the prompt's price plus its own delay, within 0.5 s
+    assert all(prompt < t <= prompt + 0.5 for t in delayed.ttft_by_request)
+    assert delayed.ttft_by_request[0] != delayed.ttft_by_request[1]
+    # a burst of short calls: at one instant it runs in lockstep waves, spread it leaves prompts beside decodes
+    tiny = next(load for load in MATRIX if load.name == "tiny-c32")
+    assert simulate(tiny, PAGODA_PRICES, send_delay=0.2).itl_p99 > 3 * simulate(tiny, PAGODA_PRICES).itl_p99
+
+
 @pytest.mark.parametrize("target", [None, "auto"])
 def test_a_burst_gets_its_first_tokens_in_arrival_order(target):
     # first come, first served: the oldest prompt takes the budget first and to its end, under either rule
@@ -53,7 +65,7 @@ def test_the_default_factor_holds_on_every_load_of_the_matrix():
 
 
 def test_the_command_prints_each_rule_and_the_worst_ratios(capsys):
-    assert schedule_sim.main(["--matrix-loads", "single,tiny-c32", "--factors", "2,8"]) == 0
+    assert schedule_sim.main(["--matrix-loads", "single,tiny-c32", "--factors", "2,8", "--send-delay", "0.2"]) == 0
     out = capsys.readouterr().out
     assert out.count("prefill-first") == 2 + 2  # one line per load, and the two summaries name it
     assert out.count("auto x2 ") == out.count("auto x8 ") == 2  # a line per load and factor
@@ -63,6 +75,7 @@ def test_the_command_prints_each_rule_and_the_worst_ratios(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--factors", "0.5"], "--factors: each factor must be a number >= 1"),
     (["--factors", "eight"], "--factors: each factor must be a number >= 1"),
+    (["--send-delay", "-1"], "--send-delay: seconds >= 0"),
     (["--matrix-loads", "chat-c33"], "--matrix-loads: unknown load(s) chat-c33"),
 ])
 def test_bad_arguments_are_usage_errors_naming_the_flag(argv, message, capsys):

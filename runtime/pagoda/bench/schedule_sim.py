@@ -11,13 +11,16 @@ beside the decodes, as vLLM's chunked prefill) at vLLM's prices, and Pagoda's `-
 factor asked (`--factors`) at Pagoda's prices. Prices are per engine, measured on one machine (below); `--same-prices`
 gives both Pagoda's, so that only the rules differ.
 
-What it leaves out: HTTP and detokenization, the machine's jitter, async scheduling, and the spread HTTP gives a
-burst's arrivals (here a burst arrives at one instant, so loads of equal short answers run in lockstep waves; served,
-tiny-c32's ITL p99 was 1.50 s where this gives 0.21). Its figures are for comparing rules, not for quoting as
-served ones (docs/benchmarks.md has those).
+What it leaves out: HTTP and detokenization, the machine's jitter and async scheduling. By default a burst arrives at
+one instant, so loads of equal short answers run in lockstep waves (tiny-c32's ITL p99: 0.21 s, served 1.50 s);
+`--send-delay S` makes each request reach the scheduler uniform(0, S) seconds after its client sends it, as HTTP and
+the server's event loop spread them (at 0.2 s tiny-c32 gives TTFT 2.26 / 2.57 s and ITL p99 1.22 s; served 2.17 /
+3.50 s and 1.50 s). Its figures are for comparing rules, not for quoting as served ones (docs/benchmarks.md has
+those).
 """
 
 import argparse
+import heapq
 import random
 import statistics
 import sys
@@ -99,9 +102,12 @@ def _arrivals(load: Load, rng: random.Random) -> list[float]:
 
 def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None = AUTO_TARGET,
              auto_target_factor: float = AUTO_TARGET_FACTOR, seed: int = 0, max_num_batched_tokens: int = 2048,
-             max_num_seqs: int = 256, jitter: float = JITTER) -> SimResult:
-    """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's)."""
+             max_num_seqs: int = 256, jitter: float = JITTER, send_delay: float = 0.0) -> SimResult:
+    """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's).
+    send_delay: a client's request reaches the scheduler uniform(0, send_delay) seconds after it may be sent (its
+    slot freed, its Poisson arrival): HTTP, tokenization and the server's event loop, which spread a burst."""
     rng = random.Random(seed)
+    delays = random.Random(seed + 1)  # apart, so that send_delay 0 draws the same steps as before
     lengths, arrivals = _lengths(load, seed), _arrivals(load, rng)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              enable_chunked_prefill=True, max_model_len=8192, target_itl_ms=target_itl_ms)
@@ -109,22 +115,32 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
     scheduler = Scheduler(config, BlockManager(num_blocks, 16, enable_prefix_caching=False),
                           step_costs=StepCostModel(), auto_target_factor=auto_target_factor)
     concurrency = load.concurrency or load.num_prompts
-    now, sent, in_flight, finished = 0.0, 0, 0, 0
+    free_at = [0.0] * concurrency  # when each client slot may send (a min-heap)
+    now, sent, finished = 0.0, 0, 0
     prompt_lens: dict[int, int] = {}
     last_token: dict[int, float] = {}  # seq id -> when its last token came (its arrival before the first)
     ttfts: dict[int, float] = {}  # request index -> its TTFT
+    pending: list[tuple[float, Sequence]] = []  # sent, not yet at the scheduler: (when it reaches it, seq)
     itls: list[float] = []
     while finished < load.num_prompts:
-        while sent < load.num_prompts and in_flight < concurrency and arrivals[sent] <= now:
+        while sent < load.num_prompts and free_at and max(free_at[0], arrivals[sent]) <= now:
+            sent_at = max(heapq.heappop(free_at), arrivals[sent])
+            due = sent_at + delays.uniform(0, send_delay)
             prompt, answer = lengths[sent]
             seq = Sequence(str(sent), [1] * prompt, SamplingParams(max_tokens=answer, ignore_eos=True),
-                           arrival_time=now)
-            prompt_lens[seq.seq_id], last_token[seq.seq_id] = prompt, now
-            scheduler.add(seq)
-            sent, in_flight = sent + 1, in_flight + 1
+                           arrival_time=due)
+            prompt_lens[seq.seq_id], last_token[seq.seq_id] = prompt, sent_at  # TTFT as the client sees it
+            pending.append((due, seq))
+            sent += 1
+        pending.sort(key=lambda p: p[0])
+        while pending and pending[0][0] <= now:
+            scheduler.add(pending.pop(0)[1])
         out = scheduler.schedule()
-        if not out.scheduled:  # idle until the next arrival
-            now = max(now, arrivals[sent])
+        if not out.scheduled:  # idle until the next request reaches the scheduler
+            upcoming = [pending[0][0]] if pending else []
+            if sent < load.num_prompts and free_at:
+                upcoming.append(max(free_at[0], arrivals[sent]))
+            now = max(now, min(upcoming))
             continue
         seconds = step_seconds(prices, out.scheduled, prompt_lens, rng, jitter)
         now += seconds
@@ -142,7 +158,8 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
             last_token[s.seq_id] = now
             if seq.num_output_tokens >= seq.params.max_tokens:
                 scheduler.finish(seq, "length")
-                finished, in_flight = finished + 1, in_flight - 1
+                finished += 1
+                heapq.heappush(free_at, now)
     by_request = tuple(ttfts[i] for i in range(load.num_prompts))
     itls.sort()
     return SimResult(sum(o for _, o in lengths) / now, statistics.median(by_request),
@@ -163,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="only these loads of the matrix (comma-separated), as `pagoda bench serve --matrix-loads`")
     p.add_argument("--same-prices", action="store_true",
                    help="price both rules' steps at Pagoda's: compare the rules alone")
+    p.add_argument("--send-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="each request reaches the scheduler uniform(0, SECONDS) after it is sent (default 0: a burst "
+                        "at one instant)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if not args.send_delay >= 0:
+        p.error(f"--send-delay: seconds >= 0, got {args.send_delay}")
     try:
         factors = [float(f) for f in args.factors.split(",")]
     except ValueError:
@@ -179,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     first_prices = PAGODA_PRICES if args.same_prices else VLLM_PRICES
     worst = {f: [0.0, 0.0, 0.0] for f in factors}  # TTFT median, p90, ITL p99: the largest ratio to prefill-first
     for load in chosen:
-        base = simulate(load, first_prices, target_itl_ms=None, seed=args.seed)
+        base = simulate(load, first_prices, target_itl_ms=None, seed=args.seed, send_delay=args.send_delay)
         print(f"{load.name:17s} prefill-first  {_cell(base)}")
         for f in factors:
-            r = simulate(load, PAGODA_PRICES, auto_target_factor=f, seed=args.seed)
+            r = simulate(load, PAGODA_PRICES, auto_target_factor=f, seed=args.seed, send_delay=args.send_delay)
             ratios = (r.ttft_median / base.ttft_median, r.ttft_p90 / base.ttft_p90,
                       r.itl_p99 / base.itl_p99 if base.itl_p99 else 1.0)
             worst[f] = [max(w, x) for w, x in zip(worst[f], ratios)]
