@@ -20,8 +20,8 @@ namespace pagoda::bf16_matmul::avx2 {
 // much as 8-16 rows of FMAs, so below that the streaming kernel wins and above it the float32 one. Measured
 // with both threads of a 2-core AVX2 EPYC, the two kernels alternated on the same weights: from 24 rows the
 // float32 kernel is 7-28 % faster on SmolLM2's shapes and on 1024-2048-wide ones (a 5632-deep down projection
-// breaks even at 24-32), while at 8 rows the streaming kernel is 14-90 % faster; at 16 it is mixed. Served,
-// a 32-sequence decode step runs ~15 % faster than with the streaming kernel (the threshold was 48).
+// breaks even at 24-32), while at 8 rows the streaming kernel is 14-90 % faster; at 16 it is mixed. Offline,
+// 32 sequences decode ~15 % faster than with the streaming kernel (the threshold was 48).
 constexpr int64_t kFloatXRows = 24;
 constexpr bool kWantsFloatX = true;
 
