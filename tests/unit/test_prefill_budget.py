@@ -200,7 +200,7 @@ def test_the_help_of_target_itl_ms_states_the_factor_the_code_uses():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     (action,) = [a for a in parser._actions if "--target-itl-ms" in a.option_strings]
-    assert f"at most {AUTO_TARGET_FACTOR:g}x a step of the running decodes alone" in action.help
+    assert f"up to {AUTO_TARGET_FACTOR:g}x a step of the running decodes alone" in action.help
     assert "4x" not in action.help
 
 
@@ -276,28 +276,44 @@ def test_a_bad_long_prefill_token_threshold_is_refused_by_name():
         parser.parse_args(["--long-prefill-token-threshold", "-5"])
 
 
-def test_prompts_waiting_beside_answers_about_to_end_take_most_of_the_step():
-    # the backlog rule: 10 long prompts wait, the 4 running answers have 8 tokens left. The ITL target alone
-    # would give the prompts 150 tokens a step for 100 steps; spread over the decodes' steps left (over the
-    # factor) they take the whole --max-num-batched-tokens, as vLLM's chunked prefill
-    sched = make(target_itl_ms=20.0)
+def answers_about_to_end_beside_long_prompts(target):
+    """4 answers with 8 tokens left, then 10 prompts of 1,500 tokens waiting."""
+    sched = make(target_itl_ms=target)
     teach(sched.step_costs)
     for i in range(4):
         sched.add(seq(8, start=100_000 + 1000 * i, req=f"d{i}", max_tokens=9))
     run_step(sched)
     for i in range(10):
         sched.add(seq(1500, start=10_000 * (i + 1), req=f"p{i}"))
-    within_target = sched.step_costs.prompt_tokens_within(0.020, num_decodes=4)
-    assert within_target < 200
+    return sched
+
+
+def test_prompts_waiting_beside_answers_about_to_end_take_most_of_the_step():
+    # the backlog rule (auto): the target alone would give the prompts a few hundred tokens a step; spread over
+    # the decodes' steps left (over the factor) they take the whole --max-num-batched-tokens, as vLLM's chunked
+    # prefill
+    sched = answers_about_to_end_beside_long_prompts("auto")
+    costs = sched.step_costs
+    within_target = costs.prompt_tokens_within(AUTO_TARGET_FACTOR * costs.decode_step_seconds(14), num_decodes=4)
+    assert within_target < 1024
     out = run_step(sched)
     assert out.num_batched_tokens == 2048 and out.num_decodes == 4
 
 
-@pytest.mark.parametrize("answer_tokens", [40, 200, 1000])
+def test_a_target_in_milliseconds_is_a_bound_whatever_waits():
+    # the user's SLO: the same backlog does not stretch the step past it
+    sched = answers_about_to_end_beside_long_prompts(20.0)
+    out = run_step(sched)
+    assert out.num_decodes == 4
+    assert fake_cost(out.num_batched_tokens, out.num_decodes) <= 0.020 + 1e-9
+    assert out.num_batched_tokens - 4 == sched.step_costs.prompt_tokens_within(0.020, num_decodes=4)
+
+
+@pytest.mark.parametrize("answer_tokens", [8, 200, 1000])
 def test_the_backlog_is_spread_over_the_decodes_steps_left(answer_tokens):
     # one 1,500-token prompt beside 4 answers: the longer the answers still run, the smaller its share
-    # (never under the ITL target's)
-    sched = make(target_itl_ms=12.0)
+    # (never under the auto target's)
+    sched = make(target_itl_ms="auto")
     teach(sched.step_costs)
     for i in range(4):
         sched.add(seq(8, start=100_000 + 1000 * i, req=f"d{i}", max_tokens=answer_tokens + 1))
@@ -306,14 +322,17 @@ def test_the_backlog_is_spread_over_the_decodes_steps_left(answer_tokens):
     costs = sched.step_costs
     steps_left = answer_tokens / AUTO_TARGET_FACTOR
     backlog = 1500 * costs.prompt_token_seconds() / steps_left
-    seconds = max(0.012, costs.decode_step_seconds(4) + backlog)
+    cap = AUTO_TARGET_FACTOR * costs.decode_step_seconds(5)  # the 4 decoding and the prompt's
+    seconds = max(cap, costs.decode_step_seconds(4) + backlog)
     assert sched.prefill_budget() == max(costs.prompt_tokens_within(seconds, num_decodes=4), 16)
-    if answer_tokens == 1000:  # long answers: the ITL target governs
-        assert sched.prefill_budget() == costs.prompt_tokens_within(0.012, num_decodes=4)
+    if answer_tokens == 1000:  # long answers: the target governs
+        assert sched.prefill_budget() == costs.prompt_tokens_within(cap, num_decodes=4)
+    if answer_tokens == 8:  # answers about to end: the backlog
+        assert sched.prefill_budget() > costs.prompt_tokens_within(cap, num_decodes=4)
 
 
 def test_an_answer_without_max_tokens_counts_as_running_to_the_model_length():
-    sched = make(target_itl_ms=12.0)
+    sched = make(target_itl_ms="auto")
     teach(sched.step_costs)
     for i in range(4):
         sched.add(Sequence(f"d{i}", list(range(100_000 + 1000 * i, 100_008 + 1000 * i)),
@@ -321,4 +340,5 @@ def test_an_answer_without_max_tokens_counts_as_running_to_the_model_length():
     run_step(sched)
     for i in range(3):
         sched.add(seq(1500, start=10_000 * (i + 1), req=f"p{i}"))
-    assert sched.prefill_budget() == sched.step_costs.prompt_tokens_within(0.012, num_decodes=4)
+    cap = AUTO_TARGET_FACTOR * sched.step_costs.decode_step_seconds(7)  # the 4 decoding and the 3 prompts'
+    assert sched.prefill_budget() == sched.step_costs.prompt_tokens_within(cap, num_decodes=4)

@@ -12,12 +12,12 @@ The prefill budget, as vLLM's chunked prefill and Sarathi-Serve's stall-free bat
 come, first served under one token budget, the oldest first and to its end (a running prompt's next chunk goes
 before any newer prompt is admitted; only the last prompt admitted in a step is cut). While no decode is running
 nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, the step's prompt
-share is the larger of two: what a latency target (`target_itl_ms`) leaves beyond the measured step of those decodes
-alone, and the waiting prompts' tokens spread over the steps the decodes have left (so prompts waiting beside
-answers about to end take most of the step, and one prompt beside long answers takes what the target leaves);
-both at the engine's own measured price per prompt token (core.step_cost), at least a block so that prompts
-always move. The target "auto" is relative: AUTO_TARGET_FACTOR times what a step of decodes alone costs,
-at the number of sequences running or waiting (those that will decode). Without chunked prefill there is no
+share is what a latency target (`target_itl_ms`) leaves beyond the measured step of those decodes alone, at the
+engine's own measured price per prompt token (core.step_cost), at least a block so that prompts always move. A
+target in milliseconds is the user's SLO: a bound. The target "auto" is relative, AUTO_TARGET_FACTOR times what a
+step of decodes alone costs at the number of sequences running or waiting (those that will decode), and gives way
+to the waiting prompts' tokens spread over the steps the decodes have left (so prompts waiting beside answers about
+to end take most of the step, and one prompt beside long answers takes what the target leaves). Without chunked prefill there is no
 prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
@@ -103,8 +103,8 @@ class Scheduler:
 
     def prefill_budget(self) -> int | None:
         """The prompt tokens this step may compute beside the running decodes (None: no cap beyond
-        max_num_batched_tokens): the larger of what the latency target leaves beyond the decodes' step, and the
-        prompts' backlog spread over the steps the decodes have left (backlog_seconds)."""
+        max_num_batched_tokens): what the latency target leaves beyond the decodes' step; under "auto", or the
+        prompts' backlog spread over the steps the decodes have left (backlog_seconds) if that is more."""
         target = self.config.target_itl_ms
         if not target or not self.config.enable_chunked_prefill:
             return None
@@ -112,17 +112,16 @@ class Scheduler:
         if not decodes:  # no token is waited for: prompts take the whole budget
             return None
         decode_step = self.step_costs.decode_step_seconds(len(decodes))
+        if decode_step is None:  # no step measured yet
+            return None
         if target == AUTO_TARGET:
             # counting the sequences that will decode once their prompts are in: sized from the decodes running
             # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
             soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
             soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
-            seconds = None if soon_step is None else self.auto_target_factor * soon_step
-        else:
+            seconds = max(self.auto_target_factor * soon_step, decode_step + self._backlog_seconds(decodes))
+        else:  # the user's SLO: a bound, whatever waits
             seconds = target / 1000
-        if seconds is None or decode_step is None:  # no step measured yet
-            return None
-        seconds = max(seconds, decode_step + self._backlog_seconds(decodes))
         tokens = self.step_costs.prompt_tokens_within(seconds, num_decodes=len(decodes))
         if tokens is None:
             return None
