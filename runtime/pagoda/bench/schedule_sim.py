@@ -120,7 +120,7 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
     prompt_lens: dict[int, int] = {}
     last_token: dict[int, float] = {}  # seq id -> when its last token came (its arrival before the first)
     ttfts: dict[int, float] = {}  # request index -> its TTFT
-    pending: list[tuple[float, Sequence]] = []  # sent, not yet at the scheduler: (when it reaches it, seq)
+    pending: list[tuple[float, int, Sequence]] = []  # sent, not at the scheduler yet: (when it is, index, seq), a heap
     itls: list[float] = []
     while finished < load.num_prompts:
         while sent < load.num_prompts and free_at and max(free_at[0], arrivals[sent]) <= now:
@@ -130,11 +130,10 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
             seq = Sequence(str(sent), [1] * prompt, SamplingParams(max_tokens=answer, ignore_eos=True),
                            arrival_time=due)
             prompt_lens[seq.seq_id], last_token[seq.seq_id] = prompt, sent_at  # TTFT as the client sees it
-            pending.append((due, seq))
+            heapq.heappush(pending, (due, sent, seq))
             sent += 1
-        pending.sort(key=lambda p: p[0])
         while pending and pending[0][0] <= now:
-            scheduler.add(pending.pop(0)[1])
+            scheduler.add(heapq.heappop(pending)[2])
         out = scheduler.schedule()
         if not out.scheduled:  # idle until the next request reaches the scheduler
             upcoming = [pending[0][0]] if pending else []
