@@ -17,8 +17,8 @@ engine's own measured price per prompt token (core.step_cost), at least a block 
 target in milliseconds is the user's SLO: a bound. The target "auto" is relative, AUTO_TARGET_FACTOR times what a
 step of decodes alone costs at the number of sequences running or waiting (those that will decode), and gives way
 to the waiting prompts' tokens spread over the steps the decodes have left (so prompts waiting beside answers about
-to end take most of the step, and one prompt beside long answers takes what the target leaves). Without chunked prefill there is no
-prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
+to end take most of the step, and one prompt beside long answers takes what the target leaves). Without chunked
+prefill there is no prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
