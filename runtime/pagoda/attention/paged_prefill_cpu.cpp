@@ -16,8 +16,8 @@
 #include "paged_attention_common.h"
 #include "parallel_tasks.h"
 
-#if defined(PAGODA_ISA_AVX2)
-#include "avx2_math.h"
+#if defined(PAGODA_ISA_AVX2) && !defined(PAGODA_ISA_AVX512)
+#include "paged_prefill_avx2.h"
 #endif
 
 namespace pagoda::attention {
@@ -29,7 +29,8 @@ namespace {
 // heads sharing the KV head) meet each KV block once: the block is widened to float32 (K transposed, so 16
 // keys' scores are one vector op per head-dim element), then every vector updates its running max, sum and
 // output (online softmax). Blocks past the tile's last row are never read; the diagonal ones are masked.
-// A bfloat16 cache with AVX512_BF16 takes prefill_tile_bf16 instead (no widening).
+// A bfloat16 cache with AVX512_BF16 takes prefill_tile_bf16 instead (no widening); AVX2 without AVX-512 takes
+// csrc/paged_prefill_avx2.h's tiles at head sizes 64 and 128 (each chunk widened once for all the tiles).
 
 constexpr int64_t kKeysPerChunk = 16;  // keys scored together: one 16-lane float32 vector
 constexpr int64_t kTileVectors = 48;  // query vectors per tile (rows x group): the tile's state stays in L1
@@ -105,74 +106,6 @@ inline void chunk_step_avx512(TileState<kHeadSize>& st, int64_t v, const int64_t
     for (int i = 0; i < kLanes; ++i) _mm512_store_ps(st.acc[v + q] + 16 * i, o[i]);
   }
 }
-#elif defined(PAGODA_ISA_AVX2)
-using pagoda::avx2::exp_nonpositive8;
-using pagoda::avx2::max_of8;
-using pagoda::avx2::sum_of8;
-
-// softcap_score of 8 lanes
-inline __m256 softcap8(__m256 x, float cap) {
-  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.f / cap));
-  const __m256 sign = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));
-  const __m256 e = exp_nonpositive8(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.f)));
-  const __m256 one = _mm256_set1_ps(1.f);
-  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-  return _mm256_mul_ps(_mm256_or_ps(t, sign), _mm256_set1_ps(cap));
-}
-
-// all-ones in the lanes first..first+7 that lie in [begin, end)
-inline __m256 lanes_between(int64_t begin, int64_t end, int first) {
-  const __m256i index = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first));
-  const __m256i below_end = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(end)), index);
-  const __m256i below_begin = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(begin)), index);
-  return _mm256_castsi256_ps(_mm256_andnot_si256(below_begin, below_end));
-}
-
-// chunk_step_avx512 with 8-lane vectors: the chunk's 16 scores are two vectors per query vector, and P @ V
-// runs the head dimension 64 floats (8 accumulators, within AVX2's 16 registers) at a time
-template <int kHeadSize, int kVectors>
-inline void chunk_step_avx2(TileState<kHeadSize>& st, int64_t v, const int64_t* begin, const int64_t* end,
-                            float cap) {
-  static_assert(kKeysPerChunk == 16 && kHeadSize % 64 == 0);
-  __m256 s[kVectors][2];
-  for (int q = 0; q < kVectors; ++q) s[q][0] = s[q][1] = _mm256_setzero_ps();
-  for (int d = 0; d < kHeadSize; ++d) {
-    const __m256 k0 = _mm256_load_ps(st.keys_t[d]), k1 = _mm256_load_ps(st.keys_t[d] + 8);
-    for (int q = 0; q < kVectors; ++q) {
-      const __m256 b = _mm256_broadcast_ss(&st.query[v + q][d]);
-      s[q][0] = _mm256_fmadd_ps(b, k0, s[q][0]);
-      s[q][1] = _mm256_fmadd_ps(b, k1, s[q][1]);
-    }
-  }
-  const __m256 lowest = _mm256_set1_ps(std::numeric_limits<float>::lowest());
-  for (int q = 0; q < kVectors; ++q) {
-    if (end[q] <= begin[q]) continue;
-    const __m256 m0 = lanes_between(begin[q], end[q], 0), m1 = lanes_between(begin[q], end[q], 8);
-    const __m256 a0 = cap > 0.f ? softcap8(s[q][0], cap) : s[q][0];
-    const __m256 a1 = cap > 0.f ? softcap8(s[q][1], cap) : s[q][1];
-    const float chunk_max = max_of8(_mm256_max_ps(_mm256_blendv_ps(lowest, a0, m0), _mm256_blendv_ps(lowest, a1, m1)));
-    const float new_max = std::max(st.row_max[v + q], chunk_max);
-    const float rescale = exp_nonpositive(st.row_max[v + q] - new_max);  // -inf - x: clamped to ~1e-38, times 0
-    const __m256 top = _mm256_set1_ps(new_max);
-    const __m256 p0 = _mm256_and_ps(m0, exp_nonpositive8(_mm256_sub_ps(a0, top)));
-    const __m256 p1 = _mm256_and_ps(m1, exp_nonpositive8(_mm256_sub_ps(a1, top)));
-    st.row_max[v + q] = new_max;
-    st.row_sum[v + q] = st.row_sum[v + q] * rescale + sum_of8(_mm256_add_ps(p0, p1));
-    alignas(32) float pj[kKeysPerChunk];
-    _mm256_store_ps(pj, p0);
-    _mm256_store_ps(pj + 8, p1);
-    const __m256 r = _mm256_set1_ps(rescale);
-    for (int part = 0; part < kHeadSize; part += 64) {
-      __m256 o[8];
-      for (int i = 0; i < 8; ++i) o[i] = _mm256_mul_ps(_mm256_load_ps(st.acc[v + q] + part + 8 * i), r);
-      for (int j = static_cast<int>(begin[q]); j < end[q]; ++j) {
-        const __m256 w = _mm256_broadcast_ss(pj + j);
-        for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(w, _mm256_load_ps(st.values[j] + part + 8 * i), o[i]);
-      }
-      for (int i = 0; i < 8; ++i) _mm256_store_ps(st.acc[v + q] + part + 8 * i, o[i]);
-    }
-  }
-}
 #endif
 
 template <typename scalar_t, typename cache_t, int kHeadSize>
@@ -221,11 +154,6 @@ void prefill_tile(
     if constexpr (kHeadSize > 0 && kHeadSize % 16 == 0) {
       for (; v + 4 <= vectors; v += 4) chunk_step_avx512<kHeadSize, 4>(st, v, begin + v, end + v, variant.softcap);
       for (; v < vectors; ++v) chunk_step_avx512<kHeadSize, 1>(st, v, begin + v, end + v, variant.softcap);
-    }
-#elif defined(PAGODA_ISA_AVX2)
-    if constexpr (kHeadSize > 0 && kHeadSize % 64 == 0) {
-      for (; v + 4 <= vectors; v += 4) chunk_step_avx2<kHeadSize, 4>(st, v, begin + v, end + v, variant.softcap);
-      for (; v < vectors; ++v) chunk_step_avx2<kHeadSize, 1>(st, v, begin + v, end + v, variant.softcap);
     }
 #endif
     for (; v < vectors; ++v) {
@@ -470,6 +398,82 @@ void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_
 }
 #endif
 
+#if defined(PAGODA_ISA_AVX2) && !defined(PAGODA_ISA_AVX512)
+// prefill_all's items on AVX2, head sizes 64 and 128 (csrc/paged_prefill_avx2.h). A sequence with several row tiles
+// has each chunk they share widened once, every KV head's in parallel, before the items run, unless the sequences'
+// chunks would take more than kMaxPreparedBytes (4x their bfloat16 K and V: a long context's chunk of a large
+// model); a sequence with one tile a KV head, or past that bound, widens each chunk as its tile reads it, into the
+// thread's scratch chunk, where it stays in L1.
+constexpr int64_t kMaxPreparedBytes = int64_t{256} << 20;
+static_assert(avx2::kTileVectors == kTileVectors);
+
+template <int D, typename scalar_t, typename cache_t>
+void prefill_items_avx2(const std::vector<PrefillItem>& items, int64_t rows_per_item, const at::Tensor& query,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+                        const int32_t* starts, const int32_t* lens, const Variant& variant, at::Tensor& out) {
+  using Chunk = avx2::Chunk<D>;
+  constexpr int64_t kKeys = avx2::kChunkKeys;
+  const int64_t num_seqs = block_tables.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+  const int64_t group = query.size(1) / num_kv_heads;
+  // sequence i's chunk c for KV head h: chunks[base[i * num_kv_heads + h] + c] where shared[i] (c from the
+  // first chunk its first row sees)
+  std::vector<int64_t> base(num_seqs * num_kv_heads, 0);
+  std::vector<char> shared(num_seqs, 0);
+  std::vector<std::array<int64_t, 3>> to_prepare;  // (sequence, KV head, chunk)
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = starts[i + 1] - starts[i];
+    if (q_len <= rows_per_item) continue;  // no items, or one tile a KV head
+    const int64_t first = variant.first_visible(lens[i] - q_len) / kKeys, n = (lens[i] + kKeys - 1) / kKeys;
+    shared[i] = 1;
+    for (int64_t h = 0; h < num_kv_heads; ++h, total += n - first) {
+      base[i * num_kv_heads + h] = total - first;
+      for (int64_t c = first; c < n; ++c) to_prepare.push_back({i, h, c});
+    }
+  }
+  if (total * static_cast<int64_t>(sizeof(Chunk)) > kMaxPreparedBytes) {
+    std::fill(shared.begin(), shared.end(), 0);
+    to_prepare.clear();
+    total = 0;
+  }
+  const std::unique_ptr<Chunk[]> owned(total ? new Chunk[total] : nullptr);  // aligned new; left uninitialised
+  Chunk* chunks = owned.get();
+  const auto* q = query.data_ptr<scalar_t>();
+  const auto* k = static_cast<const cache_t*>(key_cache.data_ptr());
+  const auto* v = static_cast<const cache_t*>(value_cache.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  auto* o = out.data_ptr<scalar_t>();
+  const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
+  auto prepare = [&](Chunk& chunk, int64_t i, int64_t h, int64_t c, int64_t lowest) {
+    avx2::prepare_chunk<D>(chunk, k + h * head_stride, v + h * head_stride, block_stride, pos_stride,
+                           tables + i * block_tables.stride(0), block_size, c * kKeys,
+                           std::min<int64_t>(kKeys, lens[i] - c * kKeys), lowest);
+  };
+  pagoda::parallel_tasks(static_cast<int64_t>(to_prepare.size()), [&](int64_t task) {
+    const auto [i, h, c] = to_prepare[task];
+    const int64_t q_len = starts[i + 1] - starts[i];
+    prepare(chunks[base[i * num_kv_heads + h] + c], i, h, c, variant.first_visible(lens[i] - q_len));
+  });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  pagoda::parallel_tasks(num_items, [&](int64_t task) {  // last items first, as prefill_all's
+    const PrefillItem& it = items[num_items - 1 - task];
+    const int64_t row = starts[it.seq] + it.first_row;
+    const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+    const int64_t first_head = it.kv_head * group + it.g0;
+    const int64_t first_pos = lens[it.seq] - q_len + it.first_row;
+    Chunk scratch;
+    auto chunk_at = [&](int64_t c) -> const Chunk& {
+      if (shared[it.seq]) return chunks[base[it.seq * num_kv_heads + it.kv_head] + c];
+      prepare(scratch, it.seq, it.kv_head, c, variant.first_visible(first_pos));
+      return scratch;
+    };
+    avx2::prefill_tile<D>(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0), query.stride(1),
+                          chunk_at, first_pos, it.rows, it.heads, variant, first_head,
+                          o + row * out.stride(0) + first_head * out.stride(1), out.stride(0), out.stride(1));
+  });
+}
+#endif
+
 template <typename scalar_t, typename cache_t>
 void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -499,6 +503,13 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
           items, rows_per_item, query, key_cache, value_cache, block_tables, starts, lens, variant.q_scale, out);
       return;
     }
+  }
+#endif
+#if defined(PAGODA_ISA_AVX2) && !defined(PAGODA_ISA_AVX512)
+  if (head_size == 64 || head_size == 128) {
+    (head_size == 64 ? prefill_items_avx2<64, scalar_t, cache_t> : prefill_items_avx2<128, scalar_t, cache_t>)(
+        items, rows_per_item, query, key_cache, value_cache, block_tables, starts, lens, variant, out);
+    return;
   }
 #endif
   const scalar_t* q = query.data_ptr<scalar_t>();
