@@ -84,6 +84,7 @@ inline void float_rows(const float* x, int64_t ldx, const float* wf, int64_t k_l
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   const float* w = wf + 16 * half;
+#pragma GCC unroll 4
   for (int64_t k = 0; k < k_len; ++k) {
     if (prefetch != nullptr) _mm_prefetch(prefetch + 64 * k, _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(w + k * kBlockN), w1 = _mm256_loadu_ps(w + k * kBlockN + 8);
