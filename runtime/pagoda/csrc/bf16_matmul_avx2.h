@@ -24,6 +24,9 @@ namespace pagoda::bf16_matmul::avx2 {
 // 32 sequences decode ~15 % faster than with the streaming kernel (the threshold was 48).
 constexpr int64_t kFloatXRows = 24;
 constexpr bool kWantsFloatX = true;
+// bf16_linear hands the float32 kernel x in panels of 6 rows (its row group), [K][6] each: a group's 6 broadcasts
+// per k then come from one 24-byte run instead of 6 rows' streams (+5-15 % at 64-512 rows, both threads)
+constexpr int64_t kXPanelRows = 6;
 
 inline __m256 even_weights(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
 inline __m256 odd_weights(__m256i pairs) {
@@ -75,10 +78,11 @@ inline void decode_rows(const BlockTask& t, const bf16* x, OutT* y) {
 }
 
 // sums[m][half*16 .. +16) = x_float rows m (MB <= 6) @ the widened block's 16 columns: 12 accumulators, two
-// weight vectors and a broadcast. With a prefetch pointer, one cache line of what it points at (the next
-// block: k_len lines) is fetched into L2 per step.
+// weight vectors and a broadcast. Row m's k-th input is x[m * ldm + k * ldk]: rows (ldm = ldx_float, ldk = 1) or
+// a panel (ldm = 1, ldk = 6). With a prefetch pointer, one cache line of what it points at (the next block:
+// k_len lines) is fetched into L2 per step.
 template <int MB>
-inline void float_rows(const float* x, int64_t ldx, const float* wf, int64_t k_len, int half,
+inline void float_rows(const float* x, int64_t ldm, int64_t ldk, const float* wf, int64_t k_len, int half,
                        float (*sums)[kBlockN], const char* prefetch = nullptr) {
   __m256 acc[MB][2];
 #pragma GCC unroll 8
@@ -90,7 +94,7 @@ inline void float_rows(const float* x, int64_t ldx, const float* wf, int64_t k_l
     const __m256 w0 = _mm256_loadu_ps(w + k * kBlockN), w1 = _mm256_loadu_ps(w + k * kBlockN + 8);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
-      const __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
+      const __m256 b = _mm256_broadcast_ss(x + m * ldm + k * ldk);
       acc[m][0] = _mm256_fmadd_ps(b, w0, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(b, w1, acc[m][1]);
     }
@@ -102,12 +106,19 @@ inline void float_rows(const float* x, int64_t ldx, const float* wf, int64_t k_l
   }
 }
 
+// MB rows from x (a group's first row, or its panel) against both halves of the widened block
 template <int MB, typename OutT>
 inline void float_rows_both_halves(const BlockTask& t, const float* x, const float* wf, OutT* y,
                                    const char* prefetch = nullptr) {
   float sums[MB][kBlockN];
-  float_rows<MB>(x, t.ldx_float, wf, 2 * t.k_pairs, 0, sums, prefetch);
-  float_rows<MB>(x, t.ldx_float, wf, 2 * t.k_pairs, 1, sums);
+  const int64_t k_len = 2 * t.k_pairs;
+  if (t.x_float_panels) {  // the constant strides let the compiler address the panel directly
+    float_rows<MB>(x, 1, kXPanelRows, wf, k_len, 0, sums, prefetch);
+    float_rows<MB>(x, 1, kXPanelRows, wf, k_len, 1, sums);
+  } else {
+    float_rows<MB>(x, t.ldx_float, 1, wf, k_len, 0, sums, prefetch);
+    float_rows<MB>(x, t.ldx_float, 1, wf, k_len, 1, sums);
+  }
   for (int m = 0; m < MB; ++m) store_row(y + m * t.ldy, sums[m], t.ncols, t.bias);
 }
 
@@ -137,10 +148,13 @@ void rows_against_block(const BlockTask& t, OutT* y) {
   // of 64 bytes): fetched into L2 during the first pass over this one, so that widening it does not wait on
   // memory (a prefetch past the weight's end is harmless: prefetches never fault)
   const char* next_block = reinterpret_cast<const char*>(t.block + t.k_pairs * 2 * kBlockN);
+  // groups of 6 rows (a panel each, or 6 rows ldx_float apart)
+  static_assert(kXPanelRows == 6, "a panel is the float32 kernel's row group");
+  const int64_t group_stride = t.x_float_panels ? kXPanelRows * 2 * t.k_pairs : 6 * t.ldx_float;
   int64_t m = 0;
   for (; m + 6 <= t.rows; m += 6)
-    float_rows_both_halves<6>(t, t.x_float + m * t.ldx_float, wf, y + m * t.ldy, m == 0 ? next_block : nullptr);
-  const float* x = t.x_float + m * t.ldx_float;
+    float_rows_both_halves<6>(t, t.x_float + m / 6 * group_stride, wf, y + m * t.ldy, m == 0 ? next_block : nullptr);
+  const float* x = t.x_float + m / 6 * group_stride;
   const char* prefetch = m == 0 ? next_block : nullptr;
   y += m * t.ldy;
   switch (t.rows - m) {

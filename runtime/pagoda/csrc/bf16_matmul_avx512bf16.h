@@ -10,6 +10,7 @@ namespace pagoda::bf16_matmul::avx512bf16 {
 
 constexpr int64_t kFloatXRows = 0;
 constexpr bool kWantsFloatX = false;
+constexpr int64_t kXPanelRows = 0;  // no float32 x (bf16_matmul_common.h: x_float_panels)
 
 inline __m512 bias_vector(const bf16* bias, __mmask16 mask) {  // 16 bfloat16 widened to float32
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);

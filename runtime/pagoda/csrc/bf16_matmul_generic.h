@@ -8,6 +8,7 @@ namespace pagoda::bf16_matmul::generic {
 
 constexpr int64_t kFloatXRows = 0;
 constexpr bool kWantsFloatX = false;
+constexpr int64_t kXPanelRows = 0;  // no float32 x (bf16_matmul_common.h: x_float_panels)
 
 template <typename OutT>
 void rows_against_block(const BlockTask& t, OutT* y) {

@@ -19,6 +19,7 @@ namespace pagoda::bf16_matmul::neon {
 
 constexpr int64_t kFloatXRows = 4;  // from this many rows, x is widened once and tasks run the float32 kernel
 constexpr bool kWantsFloatX = true;
+constexpr int64_t kXPanelRows = 0;  // float32 x as plain rows (bf16_matmul_common.h: x_float_panels)
 
 // four packed pairs (int32 lanes) -> their even and odd elements in float32
 inline float32x4_t even_weights(uint32x4_t pairs) { return vreinterpretq_f32_u32(vshlq_n_u32(pairs, 16)); }

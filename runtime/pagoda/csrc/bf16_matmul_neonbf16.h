@@ -17,6 +17,7 @@ namespace pagoda::bf16_matmul::neonbf16 {
 
 constexpr int64_t kFloatXRows = 0;
 constexpr bool kWantsFloatX = false;
+constexpr int64_t kXPanelRows = 0;  // no float32 x (bf16_matmul_common.h: x_float_panels)
 
 inline bfloat16x8_t load_bf16x8(const bf16* p) { return vreinterpretq_bf16_u16(vld1q_u16(&p->x)); }
 

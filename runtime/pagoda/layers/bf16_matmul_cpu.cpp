@@ -48,22 +48,40 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = out_features;
   auto y = x.new_empty(out_shape, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
-  // AVX2's and NEON's prefill kernels are float32 ones: x widened once here, not in every task
-  at::Tensor x_float;
-  if (isa::kWantsFloatX && rows >= isa::kFloatXRows) x_float = x.to(at::kFloat).contiguous();
+  // AVX2's and NEON's prefill kernels are float32 ones: x widened once here, not in every task (in panels of
+  // kXPanelRows rows where the ISA's kernel reads them so)
   const bf16* x_data = x.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), k = x.size(1);
+  constexpr int64_t kPanelRows = isa::kXPanelRows;
+  constexpr int64_t kPanelStep = std::max<int64_t>(kPanelRows, 1);  // no division by 0 where there are no panels
+  const bool panels = kPanelRows > 0 && isa::kWantsFloatX && rows >= isa::kFloatXRows;
+  at::Tensor x_float;
+  if (panels) {
+    const int64_t num_panels = (rows + kPanelRows - 1) / kPanelStep;
+    x_float = x.new_empty({num_panels * kPanelRows * k}, x.options().dtype(at::kFloat));
+    float* out = x_float.data_ptr<float>();
+    pagoda::parallel_tasks(num_panels, [&](int64_t p) {
+      const int64_t m0 = p * kPanelRows;
+      pack_x_panel<kPanelRows>(x_data + m0 * ldx, ldx, std::min(kPanelRows, rows - m0), k, out + m0 * k);
+    });
+  } else if (isa::kWantsFloatX && rows >= isa::kFloatXRows) {
+    x_float = x.to(at::kFloat).contiguous();
+  }
   const float* xf_data = x_float.defined() ? x_float.data_ptr<float>() : nullptr;
   const bf16* w_data = packed.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0), ldx_float = x_float.defined() ? x_float.stride(0) : 0;
-  const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  // panels: the row group at row m starts m * k floats in, so a task starts on a panel
+  const int64_t ldx_float = !x_float.defined() ? 0 : panels ? k : x_float.stride(0);
+  const int64_t rows_per_task = panels ? kRowsPerTask / kPanelStep * kPanelStep : kRowsPerTask;
+  const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
   auto run = [&](auto* y_data) {
     // blocks vary fastest, so at decode's few rows the threads stream the weight front to back together
     pagoda::parallel_tasks(blocks * row_tasks, [&](int64_t task) {
-      const int64_t b = task % blocks, m0 = (task / blocks) * kRowsPerTask;
+      const int64_t b = task % blocks, m0 = (task / blocks) * rows_per_task;
       const int64_t n0 = b * kBlockN;
       const BlockTask t{x_data + m0 * ldx, xf_data ? xf_data + m0 * ldx_float : nullptr, ldx, ldx_float,
-                        std::min(kRowsPerTask, rows - m0), w_data + b * k_pairs * 2 * kBlockN, k_pairs,
-                        out_features, std::min(kBlockN, out_features - n0), bias_data ? bias_data + n0 : nullptr};
+                        std::min(rows_per_task, rows - m0), w_data + b * k_pairs * 2 * kBlockN, k_pairs,
+                        out_features, std::min(kBlockN, out_features - n0), bias_data ? bias_data + n0 : nullptr,
+                        panels};
       isa::rows_against_block(t, y_data + m0 * out_features + n0);
     });
   };
