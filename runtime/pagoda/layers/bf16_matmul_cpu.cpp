@@ -54,7 +54,8 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   const int64_t ldx = x.stride(0), k = x.size(1);
   constexpr int64_t kPanelRows = isa::kXPanelRows;
   constexpr int64_t kPanelStep = std::max<int64_t>(kPanelRows, 1);  // no division by 0 where there are no panels
-  const bool panels = kPanelRows > 0 && isa::kWantsFloatX && rows >= isa::kFloatXRows;
+  const bool float_x = isa::kWantsFloatX && rows >= isa::kFloatXRows;
+  const bool panels = kPanelRows > 0 && float_x;
   at::Tensor x_float;
   if (panels) {
     const int64_t num_panels = (rows + kPanelRows - 1) / kPanelStep;
@@ -64,7 +65,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
       const int64_t m0 = p * kPanelRows;
       pack_x_panel<kPanelRows>(x_data + m0 * ldx, ldx, std::min(kPanelRows, rows - m0), k, out + m0 * k);
     });
-  } else if (isa::kWantsFloatX && rows >= isa::kFloatXRows) {
+  } else if (float_x) {
     x_float = x.to(at::kFloat).contiguous();
   }
   const float* xf_data = x_float.defined() ? x_float.data_ptr<float>() : nullptr;
