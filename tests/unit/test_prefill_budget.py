@@ -133,18 +133,38 @@ def test_with_decodes_running_the_chunk_keeps_the_step_within_the_itl_target(tar
     assert chunks[0] == pytest.approx(expected, abs=1) and chunks[0] < 2048
 
 
-def test_the_auto_target_bounds_the_chunk_to_a_multiple_of_the_decode_step():
-    sched = make(target_itl_ms="auto", max_seqs=9)
+def test_the_auto_target_computes_the_oldest_prompt_whole_and_bounds_the_newer_ones():
+    sched = make(target_itl_ms="auto", max_seqs=12)
     teach(sched.step_costs)
     decodes = with_decodes(sched, 8)
     for _ in range(3):
         run_step(sched)  # steps of the 8 decodes alone: measured
-    sched.add(seq(3000, req="long"))
+    sched.add(seq(3000, req="old"))
+    sched.add(seq(3000, start=20_000, req="new"))
+    # the oldest prompt takes all the step's tokens that the decodes leave, as vLLM's chunked prefill: the newer
+    # one waits
     out = run_step(sched)
-    step_alone = fake_cost(9, 9)  # 9 rows soon: the 8 and the prompt's
-    assert sched.step_costs.decode_step_seconds(9) == pytest.approx(step_alone, rel=0.05)
+    assert out.num_batched_tokens == 2048 and out.num_decodes == len(decodes)
+    assert {s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1} == {2040}
+    # its last 960 tokens whole: a step past the target, so the newer prompt still waits
+    step_alone = fake_cost(10, 10)  # 10 rows soon: the 8 and the two prompts'
+    assert fake_cost(960 + 8, 8) > AUTO_TARGET_FACTOR * step_alone
+    out = run_step(sched)
+    assert out.num_batched_tokens - out.num_decodes == 960
+
+
+def test_newer_prompts_join_the_oldest_within_a_multiple_of_the_decode_step():
+    sched = make(target_itl_ms="auto", max_seqs=16)
+    teach(sched.step_costs)
+    decodes = with_decodes(sched, 8)
+    for _ in range(3):
+        run_step(sched)
+    for i in range(6):  # short prompts: the oldest whole leaves room within the target for newer ones
+        sched.add(seq(40, start=20_000 + 1000 * i, req=f"p{i}"))
+    out = run_step(sched)
+    step_alone = sched.step_costs.decode_step_seconds(14)  # 14 rows soon: the 8 and the 6 prompts'
     assert fake_cost(out.num_batched_tokens, len(decodes)) <= AUTO_TARGET_FACTOR * step_alone * 1.05
-    assert out.num_batched_tokens - len(decodes) < 2048
+    assert 40 < out.num_batched_tokens - out.num_decodes < 6 * 40  # more than the oldest, less than all
 
 
 def test_a_target_below_the_decodes_own_step_still_moves_a_block_a_step():
@@ -318,13 +338,14 @@ def test_the_backlog_is_spread_over_the_decodes_steps_left(answer_tokens):
     for i in range(4):
         sched.add(seq(8, start=100_000 + 1000 * i, req=f"d{i}", max_tokens=answer_tokens + 1))
     run_step(sched)  # their prompts; 1 token each sampled
+    sched.add(seq(40, start=50_000, req="short"))  # the oldest prompt, whole whatever the rest
     sched.add(seq(1500, req="long"))
     costs = sched.step_costs
     steps_left = answer_tokens / AUTO_TARGET_FACTOR
-    backlog = 1500 * costs.prompt_token_seconds() / steps_left
-    cap = AUTO_TARGET_FACTOR * costs.decode_step_seconds(5)  # the 4 decoding and the prompt's
+    backlog = 1540 * costs.prompt_token_seconds() / steps_left
+    cap = AUTO_TARGET_FACTOR * costs.decode_step_seconds(6)  # the 4 decoding and the prompts'
     seconds = max(cap, costs.decode_step_seconds(4) + backlog)
-    assert sched.prefill_budget() == max(costs.prompt_tokens_within(seconds, num_decodes=4), 16)
+    assert sched.prefill_budget() == max(costs.prompt_tokens_within(seconds, num_decodes=4), 40)
     if answer_tokens == 1000:  # long answers: the target governs
         assert sched.prefill_budget() == costs.prompt_tokens_within(cap, num_decodes=4)
     if answer_tokens == 8:  # answers about to end: the backlog
@@ -341,4 +362,6 @@ def test_an_answer_without_max_tokens_counts_as_running_to_the_model_length():
     for i in range(3):
         sched.add(seq(1500, start=10_000 * (i + 1), req=f"p{i}"))
     cap = AUTO_TARGET_FACTOR * sched.step_costs.decode_step_seconds(7)  # the 4 decoding and the 3 prompts'
-    assert sched.prefill_budget() == sched.step_costs.prompt_tokens_within(cap, num_decodes=4)
+    # no backlog stretch: the oldest prompt whole, the target's tokens being fewer
+    assert sched.step_costs.prompt_tokens_within(cap, num_decodes=4) < 1500
+    assert sched.prefill_budget() == 1500

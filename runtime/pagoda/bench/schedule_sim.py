@@ -48,14 +48,15 @@ class StepPrices:
     per_context_token: float
 
 
-# The default model on 2 cores of an AMD EPYC (AVX2, no AVX-512; docs/benchmarks.md "Load matrix"): a 256-token
-# prompt alone takes 0.92 s served (Pagoda) and 1.01 s (vLLM 0.32 at float32); prompts of 375, 750 and 1,500 tokens
-# take 1.40, 2.97 and 7.4 s offline (the n^2 term: 6e-7 s); a step of one decode 26 ms (Pagoda) and 83 ms (vLLM),
-# of 64 decodes of ~300 tokens 388 ms and 502 ms (the matrix's ITL medians at c=1 and on short-long-c64).
-PAGODA_PRICES = StepPrices(per_step=0.020, per_prompt_token=3.3e-3, attention=6.0e-7, per_decode=5.5e-3,
-                           per_context_token=3.0e-6)
-VLLM_PRICES = StepPrices(per_step=0.075, per_prompt_token=3.4e-3, attention=6.2e-7, per_decode=6.5e-3,
-                         per_context_token=3.0e-6)
+# The default model on 2 cores of a Zen 3 AMD EPYC (AVX2, no AVX-512), each engine offline (its LLM class, float32,
+# prefix caching off; the median of 3): a prompt alone of 32, 256, 750 and 1,500 tokens takes 93, 558, 1,630 and
+# 3,416 ms (Pagoda) and 140, 592, 1,922 and 4,524 ms (vLLM 0.32), the n^2 term being attention; a step of one
+# decode 24.6 and 63.9 ms, of 32 at ~48 tokens of context 118 and 172 ms, of 64 at ~316 tokens 275 and 414 ms.
+# Served, the matrix's figures come within 10-20 % of these (tiny-c32's ITL p99: 940 ms simulated, 976 served)
+PAGODA_PRICES = StepPrices(per_step=0.0216, per_prompt_token=2.06e-3, attention=1.4e-7, per_decode=2.84e-3,
+                           per_context_token=3.5e-6)
+VLLM_PRICES = StepPrices(per_step=0.060, per_prompt_token=1.89e-3, attention=7.2e-7, per_decode=3.1e-3,
+                         per_context_token=7.6e-6)
 JITTER = 0.03  # each step's price times uniform(1 - JITTER, 1 + JITTER): the step-cost model never sees equal steps
 
 

@@ -14,10 +14,11 @@ before any newer prompt is admitted; only the last prompt admitted in a step is 
 nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, the step's prompt
 share is what a latency target (`target_itl_ms`) leaves beyond the measured step of those decodes alone, at the
 engine's own measured price per prompt token (core.step_cost), at least a block so that prompts always move. A
-target in milliseconds is the user's SLO: a bound. The target "auto" is relative, AUTO_TARGET_FACTOR times what a
-step of decodes alone costs at the number of sequences running or waiting (those that will decode), and gives way
-to the waiting prompts' tokens spread over the steps the decodes have left (so prompts waiting beside answers about
-to end take most of the step, and one prompt beside long answers takes what the target leaves). Without chunked
+target in milliseconds is the user's SLO: a bound. The target "auto" computes the oldest prompt whole, as vLLM's
+chunked prefill would; newer prompts get AUTO_TARGET_FACTOR times what a step of decodes alone costs at the number
+of sequences running or waiting (those that will decode), or the waiting prompts' tokens spread over the steps the
+decodes have left if that is more (so prompts waiting beside answers about to end take most of the step, and newer
+prompts beside long answers take what the target leaves). Without chunked
 prefill there is no prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
@@ -42,16 +43,16 @@ from pagoda.core.step_cost import StepCostModel
 from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagoda.spec_decode.stats import SpecDecodeStats
 
-# "auto" latency target: a step that carries prompt tokens may take this many times what a step of the running
-# decodes alone would, and a waiting prompt is due this many times sooner than the answers beside it end
-# (_backlog_seconds). Time to first token and the decodes' pace are one budget: in a closed loop of c users,
-# mean TTFT + mean answer time = c / throughput (Little's law), so every second a decode is spared is a second a
-# prompt waits. 8 is the smallest factor at which every load of the matrix, simulated through this scheduler at
-# the two engines' measured step prices (`pagoda bench schedule --factors 4,6,8,10`), gets its TTFT median and
-# p90 within 5 % of prefill-first's (vLLM's chunked prefill); at 2.75 (the factor before) they were up to 1.64x
-# it, for an ITL p99 within 3x its median. The ITL p99 stays under prefill-first's on every load
-AUTO_TARGET_FACTOR = 8.0
-
+# "auto" latency target: the oldest prompt is computed whole (first come, first served, as vLLM's chunked prefill);
+# the newer prompts join a step only while it takes at most this many times what a step of the running decodes
+# alone would, and a waiting prompt is due this many times sooner than the answers beside it end
+# (_backlog_seconds). Time to first token and the decodes' pace are one budget: in a closed loop of c users, mean
+# TTFT + mean answer time = c / throughput (Little's law), so every second a decode is spared is a second a prompt
+# waits. 2 splits a step evenly between its decodes and the newer prompts. At 8 (the factor before, without the
+# oldest-prompt rule) a wave of short prompts joined answers about to end in one step: tiny-c32's ITL p99 was 8x its
+# median, 953 ms served against vLLM's 264; at 2 it is 267 ms, while the oldest prompt whole keeps every load's TTFT
+# under vLLM's (docs/benchmarks.md, "Load matrix"; `pagoda bench schedule --factors` simulates others)
+AUTO_TARGET_FACTOR = 2.0
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
@@ -104,7 +105,8 @@ class Scheduler:
     def prefill_budget(self) -> int | None:
         """The prompt tokens this step may compute beside the running decodes (None: no cap beyond
         max_num_batched_tokens): what the latency target leaves beyond the decodes' step; under "auto", or the
-        prompts' backlog spread over the steps the decodes have left (backlog_seconds) if that is more."""
+        prompts' backlog spread over the steps the decodes have left (backlog_seconds) if that is more, and never
+        less than what the oldest prompt has left."""
         target = self.config.target_itl_ms
         if not target or not self.config.enable_chunked_prefill:
             return None
@@ -114,18 +116,31 @@ class Scheduler:
         decode_step = self.step_costs.decode_step_seconds(len(decodes))
         if decode_step is None:  # no step measured yet
             return None
-        if target == AUTO_TARGET:
-            # counting the sequences that will decode once their prompts are in: sized from the decodes running
-            # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
-            soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-            soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
-            seconds = max(self.auto_target_factor * soon_step, decode_step + self._backlog_seconds(decodes))
-        else:  # the user's SLO: a bound, whatever waits
-            seconds = target / 1000
+        if target != AUTO_TARGET:  # the user's SLO: a bound, whatever waits
+            tokens = self.step_costs.prompt_tokens_within(target / 1000, num_decodes=len(decodes))
+            return None if tokens is None else max(tokens, self.block_manager.block_size)
+        # counting the sequences that will decode once their prompts are in: sized from the decodes running
+        # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
+        soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
+        soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
+        seconds = max(self.auto_target_factor * soon_step, decode_step + self._backlog_seconds(decodes))
         tokens = self.step_costs.prompt_tokens_within(seconds, num_decodes=len(decodes))
         if tokens is None:
             return None
-        return max(tokens, self.block_manager.block_size)
+        # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
+        # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
+        return max(tokens, self._oldest_prompt_tokens(decodes), self.block_manager.block_size)
+
+    def _oldest_prompt_tokens(self, decodes: list[Sequence]) -> int:
+        """The prompt tokens the oldest prompt has left to compute (beyond any chunk in flight): the first running
+        sequence that is not decoding, else the first swapped or waiting one; 0 when none waits."""
+        decoding = {q.seq_id for q in decodes}
+        for q in self.running:
+            left = q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
+            if q.seq_id not in decoding and left > 1:
+                return left
+        queued = self.swapped or self.waiting
+        return queued[0].num_tokens - queued[0].num_computed_tokens if queued else 0
 
     def _backlog_seconds(self, decodes: list[Sequence]) -> float:
         """The prompt seconds a step may take so that the prompts waiting now are in well before the running

@@ -285,10 +285,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
           help="inter-token latency to keep for running requests, in ms: while decodes run, each step's prompt "
                "tokens are what the target leaves beyond the decodes' own step at the measured price per prompt "
                "token, long prompts cut into as many chunks as that needs (with no decode running prompts take "
-               f"the whole --max-num-batched-tokens); a number is a bound (an SLO), whatever waits. 'auto': a "
-               f"step with prompt tokens takes up to {AUTO_TARGET_FACTOR:g}x a step of the running decodes alone, "
-               "or more when prompts wait beside answers about to end (their backlog spread over the decodes' "
-               "steps left); 'off': no cap (default: %(default)s; docs/server.md)")
+               f"the whole --max-num-batched-tokens); a number is a bound (an SLO), whatever waits. 'auto': the "
+               "oldest prompt is computed whole, and newer prompts join a step while it takes up to "
+               f"{AUTO_TARGET_FACTOR:g}x a step of the running decodes alone, or more when prompts wait beside "
+               "answers about to end (their backlog spread over the decodes' steps left); 'off': no cap (default: "
+               "%(default)s; docs/server.md)")
     p.add("--long-prefill-token-threshold", default=d["long_prefill_token_threshold"], type=non_negative_int,
           help="with chunked prefill, a prompt computes at most this many tokens a step, so one long prompt "
                "leaves room in the step for others (0: no cap; default: %(default)s), as vLLM's")
