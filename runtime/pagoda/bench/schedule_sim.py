@@ -12,11 +12,11 @@ factor asked (`--factors`) at Pagoda's prices. Prices are per engine, measured o
 gives both Pagoda's, so that only the rules differ.
 
 What it leaves out: HTTP and detokenization, the machine's jitter and async scheduling. By default a burst arrives at
-one instant, so loads of equal short answers run in lockstep waves (tiny-c32's ITL p99: 0.21 s, served 1.50 s);
-`--send-delay S` makes each request reach the scheduler uniform(0, S) seconds after its client sends it, as HTTP and
-the server's event loop spread them (at 0.2 s tiny-c32 gives TTFT 2.26 / 2.57 s and ITL p99 1.22 s; served 2.17 /
-3.50 s and 1.50 s). Its figures are for comparing rules, not for quoting as served ones (docs/benchmarks.md has
-those).
+one instant, so loads of equal short answers run in lockstep waves (tiny-c32's ITL p99: 0.12 s); `--send-delay S`
+makes each request reach the scheduler uniform(0, S) seconds after its client sends it, as HTTP and the server's
+event loop spread them (at 0.1 s tiny-c32 gives TTFT 0.68 / 1.67 s and ITL p99 0.25 s; served 0.73 / 1.52 s and
+0.27 s; at the rule before, 1.28 / 1.83 s and 0.94 s, served 1.36 / 1.92 s and 0.95 s). Its figures are for
+comparing rules, not for quoting as served ones (docs/benchmarks.md has those).
 """
 
 import argparse

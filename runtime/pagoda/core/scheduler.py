@@ -50,8 +50,9 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 # TTFT + mean answer time = c / throughput (Little's law), so every second a decode is spared is a second a prompt
 # waits. 2 splits a step evenly between its decodes and the newer prompts. At 8 (the factor before, without the
 # oldest-prompt rule) a wave of short prompts joined answers about to end in one step: tiny-c32's ITL p99 was 8x its
-# median, 953 ms served against vLLM's 264; at 2 it is 267 ms, while the oldest prompt whole keeps every load's TTFT
-# under vLLM's (docs/benchmarks.md, "Load matrix"; `pagoda bench schedule --factors` simulates others)
+# median, 953 ms served against vLLM's 264; at 2 it is 275 ms against 362, while the oldest prompt whole keeps every
+# load's TTFT median under vLLM's (docs/benchmarks.md, "Load matrix"; `pagoda bench schedule --factors` simulates
+# others)
 AUTO_TARGET_FACTOR = 2.0
 
 class Scheduler:
