@@ -365,3 +365,26 @@ def test_an_answer_without_max_tokens_counts_as_running_to_the_model_length():
     # no backlog stretch: the oldest prompt whole, the target's tokens being fewer
     assert sched.step_costs.prompt_tokens_within(cap, num_decodes=4) < 1500
     assert sched.prefill_budget() == 1500
+
+
+def test_the_oldest_prompt_is_the_one_schedule_admits_next_not_one_its_adapter_keeps_waiting():
+    # max_loras 1, adapter 1 running: a prompt for adapter 2 waits, so the prompt behind it is the oldest one that
+    # runs, and the step is not stretched to the waiting one's 1,500 tokens
+    from pagoda.lora.request import LoRARequest
+
+    config = SchedulerConfig(64, 2048, True, 10_000, max_loras=1, target_itl_ms="auto")
+    sched = Scheduler(config, BlockManager(2048, 16, False))
+    teach(sched.step_costs)
+    decodes = [seq(8, start=100_000 + 1000 * i, req=f"d{i}") for i in range(4)]
+    for d in decodes:
+        d.lora_request = LoRARequest("one", 1, "/adapters/one")
+        sched.add(d)
+    run_step(sched)
+    blocked = seq(1500, start=20_000, req="blocked")
+    blocked.lora_request = LoRARequest("two", 2, "/adapters/two")
+    sched.add(blocked)
+    sched.add(seq(40, start=30_000, req="base"))
+    within = sched.step_costs.prompt_tokens_within(
+        AUTO_TARGET_FACTOR * sched.step_costs.decode_step_seconds(6), num_decodes=4)
+    assert 40 < within < 1500
+    assert sched.prefill_budget() == within

@@ -18,8 +18,8 @@ target in milliseconds is the user's SLO: a bound. The target "auto" computes th
 chunked prefill would; newer prompts get AUTO_TARGET_FACTOR times what a step of decodes alone costs at the number
 of sequences running or waiting (those that will decode), or the waiting prompts' tokens spread over the steps the
 decodes have left if that is more (so prompts waiting beside answers about to end take most of the step, and newer
-prompts beside long answers take what the target leaves). Without chunked
-prefill there is no prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
+prompts beside long answers take what the target leaves). Without chunked prefill there is no prefill budget: a
+prompt waits for a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
@@ -54,6 +54,7 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 # load's TTFT median under vLLM's (docs/benchmarks.md, "Load matrix"; `pagoda bench schedule --factors` simulates
 # others)
 AUTO_TARGET_FACTOR = 2.0
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
@@ -134,14 +135,17 @@ class Scheduler:
 
     def _oldest_prompt_tokens(self, decodes: list[Sequence]) -> int:
         """The prompt tokens the oldest prompt has left to compute (beyond any chunk in flight): the first running
-        sequence that is not decoding, else the first swapped or waiting one; 0 when none waits."""
+        sequence that is not decoding, else the swapped or waiting one schedule() admits next; 0 when none."""
         decoding = {q.seq_id for q in decodes}
         for q in self.running:
             left = q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
             if q.seq_id not in decoding and left > 1:
                 return left
-        queued = self.swapped or self.waiting
-        return queued[0].num_tokens - queued[0].num_computed_tokens if queued else 0
+        if self.swapped:
+            nxt = self.swapped[0]
+        else:  # as schedule() admits: the first whose adapter fits
+            nxt = next((q for q in self.waiting if self._adapter_fits(q)), None)
+        return nxt.num_tokens - nxt.num_computed_tokens if nxt is not None else 0
 
     def _backlog_seconds(self, decodes: list[Sequence]) -> float:
         """The prompt seconds a step may take so that the prompts waiting now are in well before the running
