@@ -118,20 +118,21 @@ class Scheduler:
         decode_step = self.step_costs.decode_step_seconds(len(decodes))
         if decode_step is None:  # no step measured yet
             return None
-        if target != AUTO_TARGET:  # the user's SLO: a bound, whatever waits
-            tokens = self.step_costs.prompt_tokens_within(target / 1000, num_decodes=len(decodes))
-            return None if tokens is None else max(tokens, self.block_manager.block_size)
-        # counting the sequences that will decode once their prompts are in: sized from the decodes running
-        # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
-        soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-        soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
-        seconds = max(self.auto_target_factor * soon_step, decode_step + self._backlog_seconds(decodes))
+        if target == AUTO_TARGET:
+            # counting the sequences that will decode once their prompts are in: sized from the decodes running
+            # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
+            soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
+            soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
+            seconds = max(self.auto_target_factor * soon_step, decode_step + self._backlog_seconds(decodes))
+            # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
+            # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
+            oldest = self._oldest_prompt_tokens(decodes)
+        else:  # the user's SLO: a bound, whatever waits
+            seconds, oldest = target / 1000, 0
         tokens = self.step_costs.prompt_tokens_within(seconds, num_decodes=len(decodes))
         if tokens is None:
             return None
-        # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
-        # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
-        return max(tokens, self._oldest_prompt_tokens(decodes), self.block_manager.block_size)
+        return max(tokens, oldest, self.block_manager.block_size)
 
     def _oldest_prompt_tokens(self, decodes: list[Sequence]) -> int:
         """The prompt tokens the oldest prompt has left to compute (beyond any chunk in flight): the first running
