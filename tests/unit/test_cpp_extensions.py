@@ -1,6 +1,6 @@
 """Kernel builds under $PAGODA_CACHE_DIR: a build lock left behind by a process killed mid-build (torch's
 builder waits on its lock file with no deadline) does not hang the next start; the one CPU kernel library
-registers every op csrc/ops.h declares."""
+registers every op csrc/ops.h declares; and whichever ninja PATH finds first, the build is the ninja wheel's."""
 
 import os
 import re
@@ -66,3 +66,27 @@ def test_the_same_sources_in_two_checkouts_get_two_build_directories(tmp_path):
         names.append(cpp_extensions.build_name("pagoda_probe_", source, ["-O3"]))
     assert names[0] != names[1]
     assert names[0] == cpp_extensions.build_name("pagoda_probe_", tmp_path / "a" / "kernel.cpp", ["-O3"])
+
+
+def test_another_ninja_first_on_path_is_not_run(tmp_path):
+    """Ninja versions hash a build's command lines differently: a process that ran the system's ninja took the
+    build of one that ran the wheel's (the venv's bin/ first on PATH) as stale and rebuilt the whole library."""
+    assert cpu_library.available()  # built by this process, with the wheel's ninja
+    other = tmp_path / "bin"
+    other.mkdir()
+    ran = tmp_path / "ran"
+    (other / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {ran}\nexit 1\n")
+    (other / "ninja").chmod(0o755)
+    extension = cpu_library._library
+    load = textwrap.dedent(f"""
+        from pagoda import cpp_extensions
+        from pagoda.ops import cpu_library
+        cpp_extensions.build_and_load({extension.prefix!r}, cpu_library.SOURCES)
+        import torch
+        print(hasattr(torch.ops.pagoda_cpu, "rms_norm"))
+    """)
+    env = {**os.environ, "PATH": f"{other}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "True"
+    assert not ran.exists(), ran.read_text()
