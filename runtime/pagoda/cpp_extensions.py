@@ -105,8 +105,10 @@ def ensure_ninja_on_path() -> None:
     first. Ninja versions hash a build's command lines differently (1.11 against 1.13 here), so two processes that
     found different ones (a system ninja, and the venv's bin/ first on PATH when the venv is activated) each took
     the other's build as stale and rebuilt the whole library in turn, a minute or two each start."""
-    import ninja
-
+    try:
+        import ninja
+    except ImportError:  # not installed (a dependency, but an image may leave it out): PATH's, if any
+        return
     wheel_ninja = shutil.which("ninja", path=ninja.BIN_DIR)
     if wheel_ninja is not None and shutil.which("ninja") != wheel_ninja:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
