@@ -102,7 +102,7 @@ def failure_marker(build_dir: Path) -> Path:
 
 def ensure_ninja_on_path() -> None:
     """torch's builder runs `ninja` from PATH: make it the ninja wheel's (a dependency), whatever else PATH finds
-    first. Ninja versions hash a build's command lines differently (1.11 against 1.13 here), so two processes that
+    first. Ninja versions hash a build's command lines differently (1.11 and 1.13 do), so two processes that
     found different ones (a system ninja, and the venv's bin/ first on PATH when the venv is activated) each took
     the other's build as stale and rebuilt the whole library in turn, a minute or two each start."""
     try:

@@ -22,22 +22,27 @@ pytestmark = [
 ]
 
 
+def load_in_a_new_process(env) -> subprocess.CompletedProcess:
+    """Load the kernel library (built already by this process) in a fresh process; it prints whether its ops
+    registered."""
+    load = textwrap.dedent(f"""
+        from pagoda import cpp_extensions
+        from pagoda.ops import cpu_library
+        cpp_extensions.build_and_load({cpu_library._library.prefix!r}, cpu_library.SOURCES)
+        import torch
+        print(hasattr(torch.ops.pagoda_cpu, "rms_norm"))
+    """)
+    return subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=180, env=env)
+
+
 def test_a_stale_build_lock_from_a_killed_process_does_not_hang_the_next_load():
     assert cpu_library.available()
     extension = cpu_library._library
     name = cpp_extensions.build_name(extension.prefix, extension.source, cpp_extensions.kernel_cflags())
     stale = cache_dir() / "cpu_kernels" / name / "lock"
     stale.touch()  # what torch's builder leaves when its process is killed while it holds the lock
-    load = textwrap.dedent(f"""
-        from pagoda import cpp_extensions
-        from pagoda.ops import cpu_library
-        cpp_extensions.build_and_load({extension.prefix!r}, cpu_library.SOURCES)
-        import torch
-        print(hasattr(torch.ops.pagoda_cpu, "rms_norm"))
-    """)
     try:
-        proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=180,
-                              env=os.environ)
+        proc = load_in_a_new_process(os.environ)
     except subprocess.TimeoutExpired:
         pytest.fail("loading the built kernels waited on the stale lock")
     finally:
@@ -77,16 +82,7 @@ def test_another_ninja_first_on_path_is_not_run(tmp_path):
     ran = tmp_path / "ran"
     (other / "ninja").write_text(f"#!/bin/sh\necho \"$@\" >> {ran}\nexit 1\n")
     (other / "ninja").chmod(0o755)
-    extension = cpu_library._library
-    load = textwrap.dedent(f"""
-        from pagoda import cpp_extensions
-        from pagoda.ops import cpu_library
-        cpp_extensions.build_and_load({extension.prefix!r}, cpu_library.SOURCES)
-        import torch
-        print(hasattr(torch.ops.pagoda_cpu, "rms_norm"))
-    """)
-    env = {**os.environ, "PATH": f"{other}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=180, env=env)
+    proc = load_in_a_new_process({**os.environ, "PATH": f"{other}{os.pathsep}{os.environ.get('PATH', '')}"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "True"
     assert not ran.exists(), ran.read_text()
