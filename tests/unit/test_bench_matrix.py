@@ -149,3 +149,102 @@ def test_the_line_printed_per_load_carries_every_cell_of_the_table():
                       ("e2e_ms", "median")):
         assert f"{figures[key][stat]:.0f}" in line
     assert line.startswith(f"{figures['output_token_throughput']:.0f} tok/s")
+
+
+# --- --client vllm: vLLM's own `vllm bench serve` measures both servers ------------------------------------
+
+# the fields vLLM 0.32's `vllm bench serve --save-result --percentile-metrics ttft,tpot,itl,e2el
+# --metric-percentiles 50,90,99` writes (a chat-c32 run against Pagoda, 2026-11-30), less its per-request lists
+VLLM_RESULT = {
+    "date": "20261130-152539", "backend": "openai", "model_id": "SmolLM2-135M-Instruct", "num_prompts": 96,
+    "request_rate": "inf", "max_concurrency": 32, "duration": 32.265, "completed": 96, "failed": 0,
+    "total_input_tokens": 24576, "total_output_tokens": 12288, "request_throughput": 2.975,
+    "output_throughput": 380.84, "total_token_throughput": 1142.53,
+    "mean_ttft_ms": 1111.7, "median_ttft_ms": 388.0, "p50_ttft_ms": 388.0, "p90_ttft_ms": 3543.5, "p99_ttft_ms": 5069.4,
+    "mean_tpot_ms": 75.0, "median_tpot_ms": 79.8, "p50_tpot_ms": 79.8, "p90_tpot_ms": 85.2, "p99_tpot_ms": 86.3,
+    "mean_itl_ms": 76.2, "median_itl_ms": 48.4, "p50_itl_ms": 48.4, "p90_itl_ms": 185.6, "p99_itl_ms": 215.9,
+    "mean_e2el_ms": 10635.0, "median_e2el_ms": 10300.0, "p50_e2el_ms": 10300.0, "p90_e2el_ms": 13900.0,
+    "p99_e2el_ms": 14500.0,
+}
+
+
+def test_vllm_bench_serve_runs_each_load_at_its_shape():
+    from pagoda.bench.vllm_client import VllmBenchClient
+
+    client = VllmBenchClient("/venv/bin/python", "/models/m", "served")
+    ratio, poisson = matrix.loads("random-ratio-c16,poisson-2rps")
+    cmd = client.command("http://h:8000/", poisson, seed=68, warmup=4, result_dir="/tmp/r", result_name="x.json")
+    assert cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    assert [flag(cmd, f) for f in ("--base-url", "--model", "--tokenizer", "--random-input-len",
+                                   "--random-output-len", "--num-prompts", "--max-concurrency", "--request-rate",
+                                   "--seed", "--num-warmups", "--result-dir", "--result-filename")] == \
+        ["http://h:8000", "served", "/models/m", "256", "128", "96", "64", "2.0", "68", "4", "/tmp/r", "x.json"]
+    assert "--ignore-eos" in cmd and "--save-result" in cmd and flag(cmd, "--endpoint") == "/v1/completions"
+    closed = client.command("http://h:8000", ratio, seed=1, warmup=0, result_dir="/r", result_name="y.json")
+    assert "--request-rate" not in closed  # a closed loop: all at once, bounded by its concurrency
+    assert (flag(closed, "--random-range-ratio"), flag(closed, "--max-concurrency")) == ("0.9", "16")
+
+
+def test_a_vllm_bench_serve_result_fills_the_same_table():
+    from pagoda.bench.vllm_client import summary_of
+
+    figures = summary_of(VLLM_RESULT)
+    assert figures["output_token_throughput"] == 380.84 and figures["failed"] == 0 and figures["errors"] == []
+    assert figures["ttft_ms"] == {"mean": 1111.7, "median": 388.0, "p90": 3543.5, "p99": 5069.4}
+    assert figures["itl_ms"]["p99"] == 215.9 and figures["e2e_ms"]["median"] == 10300.0
+    theirs = summary_of({**VLLM_RESULT, "output_throughput": 300.0, "failed": 2, "completed": 94,
+                         "errors": ["", "Bad Request", "Bad Request"]})
+    assert theirs["errors"] == ["Bad Request"]
+    (chat,) = matrix.loads("chat-c32")
+    row = matrix.table([(chat, figures, theirs)]).splitlines()[2]
+    assert row.startswith("| chat-c32 (2 failed) | 256/128 | c=32 | 381 / 300 (**1.27x**) | 388 ms / 388 ms |")
+    assert matrix.progress(figures)  # the line printed as the matrix goes
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--matrix", "--client", "vllm"], "needs --matrix and --vllm-python"),
+    (["--client", "vllm", "--vllm-python", "py"], "needs --matrix and --vllm-python"),
+    (["--matrix", "--client", "vllm", "--vllm-python", "py", "--endpoint", "chat"], "cannot be combined"),
+    (["--matrix", "--client", "curl"], "invalid choice"),
+])
+def test_bad_client_arguments_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_run_matrix_with_vllms_client_measures_both_servers_in_alternating_pairs(monkeypatch, tmp_path):
+    import pagoda.bench.vllm_client as vllm_client
+    import pagoda.bench.vllm_peer as vllm_peer
+
+    measured = []
+
+    @contextmanager
+    def fake_vllm_server(python, model_dir, served_name, **kwargs):
+        yield "http://127.0.0.1:1"
+
+    async def record(self, base_url, load, seed, warmup):
+        measured.append((base_url, load.name, seed, warmup, self.tokenizer, self.model))
+        return summary(0.1, 0.01, 4)
+
+    monkeypatch.setattr(vllm_peer, "check_vllm_python", lambda python: python)
+    monkeypatch.setattr(vllm_peer, "vllm_server", fake_vllm_server)
+    monkeypatch.setattr(vllm_client.VllmBenchClient, "measure", record)
+
+    async def pagodas_client(*args):
+        raise AssertionError("Pagoda's client measured a load that vLLM's client was asked to")
+
+    args = parse_args(["--matrix", "--matrix-loads", "single,mid-c8", "--vllm-python", "py", "--client", "vllm",
+                       "--base-url", "http://127.0.0.1:2", "--seed", "10", "--warmup", "4"])
+    results = asyncio.run(matrix.run_matrix(
+        args, StandInSender("pagoda", []), None, "m", str(tmp_path), measure=pagodas_client,
+        synthetic_requests=synthetic_requests, http_sender=lambda url, name: StandInSender("vllm", [])))
+    assert measured == [("http://127.0.0.1:2", "single", 10, 4, str(tmp_path), "m"),
+                        ("http://127.0.0.1:1", "single", 10, 4, str(tmp_path), "m"),
+                        ("http://127.0.0.1:1", "mid-c8", 12, 4, str(tmp_path), "m"),
+                        ("http://127.0.0.1:2", "mid-c8", 12, 4, str(tmp_path), "m")]
+    assert [load.name for load, _, theirs in results if theirs is not None] == ["single", "mid-c8"]

@@ -139,7 +139,8 @@ def progress(figures: dict) -> str:
 async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: str, model_dir: str | None,
                      *, measure, synthetic_requests, http_sender) -> list[tuple[Load, dict, dict | None]]:
     """Every load on Pagoda (`pagoda_sender`) and, with args.vllm_python, on one `vllm serve` kept up for the
-    whole matrix, in alternating pairs. The callables are serve.py's (passed in: serve.py imports this module)."""
+    whole matrix, in alternating pairs, measured by Pagoda's client or (args.client "vllm") by `vllm bench serve`
+    (bench.vllm_client). The callables are serve.py's (passed in: serve.py imports this module)."""
     from contextlib import nullcontext
     from pathlib import Path
 
@@ -155,15 +156,25 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
     results = []
     with peer as vllm_url:
         vllm_sender = None if vllm_url is None else http_sender(vllm_url, model)
+        client = None
+        if args.client == "vllm":  # vLLM's own `vllm bench serve` measures both servers
+            from pagoda.bench.vllm_client import VllmBenchClient
+
+            client = VllmBenchClient(check_vllm_python(args.vllm_python), model_dir, model)
+            urls = {"pagoda": args.base_url, "vllm": vllm_url}
         for index, load in enumerate(loads(args.matrix_loads)):
             per_load = load_args(args, load)
-            requests = synthetic_requests(load.num_prompts + args.warmup, load.input_len, load.output_len,
-                                          load.range_ratio, per_load.seed, tokenizer)
-            warmup, measured = requests[: args.warmup], requests[args.warmup:]
+            if client is None:
+                requests = synthetic_requests(load.num_prompts + args.warmup, load.input_len, load.output_len,
+                                              load.range_ratio, per_load.seed, tokenizer)
+                warmup, measured = requests[: args.warmup], requests[args.warmup:]
             figures: dict[str, dict] = {}
             for engine in engine_order(index, vllm_sender is not None):
-                sender = pagoda_sender if engine == "pagoda" else vllm_sender
-                figures[engine] = await measure(sender, warmup, measured, per_load)
+                if client is not None:
+                    figures[engine] = await client.measure(urls[engine], load, per_load.seed, args.warmup)
+                else:
+                    sender = pagoda_sender if engine == "pagoda" else vllm_sender
+                    figures[engine] = await measure(sender, warmup, measured, per_load)
                 print(f"[matrix] {load.name}: {engine} {progress(figures[engine])}", flush=True)
             results.append((load, figures["pagoda"], figures.get("vllm")))
             await asyncio.sleep(0)

@@ -9,7 +9,8 @@ Reports request and token throughput and TTFT, TPOT, ITL and end-to-end latency 
 
 `--matrix` runs the named loads of pagoda/bench/matrix.py instead of one (prompts 32-1,500 tokens, answers
 16-512, concurrency 1-64, Poisson arrivals, random lengths), with `--vllm-python` each beside vLLM's in
-alternating pairs, and prints one table (`--table FILE` also writes it).
+alternating pairs, and prints one table (`--table FILE` also writes it); `--client vllm` has vLLM's own
+`vllm bench serve` measure both servers.
 """
 
 import argparse
@@ -372,6 +373,10 @@ def parse_args(argv):
     p.add_argument("--matrix-loads", default=None, metavar="NAMES",
                    help="with --matrix: only these loads (comma-separated names)")
     p.add_argument("--table", default=None, metavar="FILE", help="with --matrix: also write the table (Markdown)")
+    p.add_argument("--client", choices=("pagoda", "vllm"), default="pagoda",
+                   help="with --matrix and --vllm-python: who sends the requests and measures, this client or "
+                        "vLLM's own `vllm bench serve` from that installation (its random dataset: prompts of "
+                        "each load's lengths, drawn by vLLM)")
     p.add_argument("--isa", default=None, choices=ALL_LEVELS, metavar="LEVEL",
                    help="with --offline: run the engine's kernels (and torch's ATen, MKL, oneDNN) at this CPU ISA "
                         f"level ({', '.join(ALL_LEVELS)}); with --vllm-python: run vLLM's peer at it (start "
@@ -386,6 +391,11 @@ def parse_args(argv):
         p.error("--matrix runs synthetic loads: it cannot be combined with --dataset jsonl")
     if (args.matrix_loads or args.table) and not args.matrix:
         p.error("--matrix-loads and --table apply to --matrix")
+    if args.client == "vllm" and not (args.matrix and args.vllm_python):
+        p.error("--client vllm runs vLLM's `vllm bench serve` over the load matrix: it needs --matrix and "
+                "--vllm-python")
+    if args.client == "vllm" and args.endpoint != "completions":
+        p.error("--client vllm sends to /v1/completions: it cannot be combined with --endpoint chat")
     if args.matrix_loads:
         try:
             matrix.loads(args.matrix_loads)

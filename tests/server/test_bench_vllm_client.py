@@ -1,0 +1,46 @@
+"""`pagoda bench serve --matrix --client vllm`'s measurer: vLLM's own `vllm bench serve`, run for real against
+a live `pagoda serve`, its saved result read back as the matrix's figures. Needs vLLM's CPU build in its own venv
+(`bash ../shared/peers/vllm-cpu.sh` builds one; PAGODA_VLLM_PEER_PYTHON names another): skipped without it."""
+
+import asyncio
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagoda.bench.matrix import Load
+
+VLLM_PEER_PYTHON = os.environ.get("PAGODA_VLLM_PEER_PYTHON", "/tmp/vllm-cpu-peer/bin/python")
+
+pytestmark = pytest.mark.skipif(not Path(VLLM_PEER_PYTHON).is_file(),
+                                reason=f"no vLLM installation at {VLLM_PEER_PYTHON} (PAGODA_VLLM_PEER_PYTHON)")
+
+
+def test_vllm_bench_serve_measures_a_live_pagoda_server(server_factory, tiny_llama_dir):
+    from pagoda.bench.vllm_client import VllmBenchClient
+
+    server = server_factory()
+    served = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    load = Load("probe", input_len=24, output_len=6, concurrency=2, num_prompts=5, request_rate=20.0)
+    client = VllmBenchClient(VLLM_PEER_PYTHON, str(tiny_llama_dir), served)
+    figures = asyncio.run(client.measure(server.url, load, seed=3, warmup=1))
+    assert (figures["completed"], figures["failed"]) == (5, 0), figures["errors"]
+    assert figures["total_output_tokens"] == 5 * 6  # --ignore-eos: every answer at its length
+    assert figures["output_token_throughput"] > 0 and figures["client"] == "vllm bench serve"
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        stats = figures[key]
+        assert 0 < stats["median"] <= stats["p90"] <= stats["p99"], key
+    assert figures["ttft_ms"]["median"] < figures["e2e_ms"]["median"]
+
+
+def test_requests_a_server_refuses_are_counted_failed_and_a_client_that_fails_is_named(tmp_path, tiny_llama_dir):
+    from pagoda.bench.vllm_client import VllmBenchClient
+
+    nobody = "http://127.0.0.1:9"  # nothing listens: every request fails, the run itself does not
+    figures = asyncio.run(VllmBenchClient(VLLM_PEER_PYTHON, str(tiny_llama_dir), "m").measure(
+        nobody, Load("probe", 8, 4, 1, 2), seed=0, warmup=0))
+    assert (figures["completed"], figures["failed"]) == (0, 2)
+    broken = VllmBenchClient(VLLM_PEER_PYTHON, str(tmp_path / "no-such-model"), "m")
+    with pytest.raises(RuntimeError, match=r"vllm bench serve on probe against http://127.0.0.1:9 failed \(exit 1\)"):
+        asyncio.run(broken.measure(nobody, Load("probe", 8, 4, 1, 1), seed=0, warmup=0))
