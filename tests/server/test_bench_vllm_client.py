@@ -34,6 +34,19 @@ def test_vllm_bench_serve_measures_a_live_pagoda_server(server_factory, tiny_lla
     assert figures["ttft_ms"]["median"] < figures["e2e_ms"]["median"]
 
 
+def test_the_key_of_a_server_that_asks_for_one_is_sent(server_factory, tiny_llama_dir):
+    from pagoda.bench.vllm_client import VllmBenchClient
+
+    server = server_factory(env={"PAGODA_API_KEY": "sesame"})
+    served = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sesame"},
+                       timeout=10).json()["data"][0]["id"]
+    load = Load("probe", input_len=16, output_len=4, concurrency=1, num_prompts=2)
+    keyed = VllmBenchClient(VLLM_PEER_PYTHON, str(tiny_llama_dir), served, api_key="sesame")
+    assert asyncio.run(keyed.measure(server.url, load, seed=1, warmup=0))["completed"] == 2
+    keyless = VllmBenchClient(VLLM_PEER_PYTHON, str(tiny_llama_dir), served)
+    assert asyncio.run(keyless.measure(server.url, load, seed=1, warmup=0))["failed"] == 2  # 401s
+
+
 def test_requests_a_server_refuses_are_counted_failed_and_a_client_that_fails_is_named(tmp_path, tiny_llama_dir):
     from pagoda.bench.vllm_client import VllmBenchClient
 

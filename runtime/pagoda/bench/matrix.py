@@ -160,7 +160,7 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
         if args.client == "vllm":  # vLLM's own `vllm bench serve` measures both servers
             from pagoda.bench.vllm_client import VllmBenchClient
 
-            client = VllmBenchClient(check_vllm_python(args.vllm_python), model_dir, model)
+            client = VllmBenchClient(check_vllm_python(args.vllm_python), model_dir, model, args.api_key)
             urls = {"pagoda": args.base_url, "vllm": vllm_url}
         for index, load in enumerate(loads(args.matrix_loads)):
             per_load = load_args(args, load)

@@ -24,6 +24,7 @@ class VllmBenchClient:
     python: str  # the vLLM installation's interpreter
     tokenizer: str  # the model directory: the client counts prompt tokens with it
     model: str  # the served model name both servers answer to
+    api_key: str | None = None  # Pagoda's --api-key, sent as vLLM's client sends one: from OPENAI_API_KEY
 
     def command(self, base_url: str, load: Load, seed: int, warmup: int, result_dir: str,
                 result_name: str) -> list[str]:
@@ -48,8 +49,11 @@ class VllmBenchClient:
 
         with tempfile.TemporaryDirectory(prefix="vllm-bench-") as result_dir:
             cmd = self.command(base_url, load, seed, warmup, result_dir, "result.json")
-            proc = await asyncio.to_thread(subprocess.run, cmd, env=peer_env(self.python), capture_output=True,
-                                           text=True, timeout=3600)
+            env = peer_env(self.python)
+            if self.api_key:  # vLLM's server, started without a key, takes any
+                env["OPENAI_API_KEY"] = self.api_key
+            proc = await asyncio.to_thread(subprocess.run, cmd, env=env, capture_output=True, text=True,
+                                           timeout=3600)
             result = Path(result_dir) / "result.json"
             if proc.returncode != 0 or not result.is_file():
                 raise RuntimeError(f"vllm bench serve on {load.name} against {base_url} failed (exit "
