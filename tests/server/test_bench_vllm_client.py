@@ -28,10 +28,12 @@ def test_vllm_bench_serve_measures_a_live_pagoda_server(server_factory, tiny_lla
     assert (figures["completed"], figures["failed"]) == (5, 0), figures["errors"]
     assert figures["total_output_tokens"] == 5 * 6  # --ignore-eos: every answer at its length
     assert figures["output_token_throughput"] > 0 and figures["client"] == "vllm bench serve"
-    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+    for key in ("ttft_ms", "e2e_ms"):
         stats = figures[key]
         assert 0 < stats["median"] <= stats["p90"] <= stats["p99"], key
-    assert figures["ttft_ms"]["median"] < figures["e2e_ms"]["median"]
+    # a tiny model's tokens can reach the client in one event (the server sends what is ready): no gaps then
+    assert 0 <= figures["itl_ms"]["median"] <= figures["itl_ms"]["p99"]
+    assert figures["ttft_ms"]["median"] <= figures["e2e_ms"]["median"]
 
 
 def test_the_key_of_a_server_that_asks_for_one_is_sent(server_factory, tiny_llama_dir):

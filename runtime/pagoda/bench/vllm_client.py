@@ -14,8 +14,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda.bench.matrix import Load
-
 PERCENTILES = (50, 90, 99)  # the matrix's table reads medians, p90 and p99
 
 
@@ -26,8 +24,8 @@ class VllmBenchClient:
     model: str  # the served model name both servers answer to
     api_key: str | None = None  # Pagoda's --api-key, sent as vLLM's client sends one: from OPENAI_API_KEY
 
-    def command(self, base_url: str, load: Load, seed: int, warmup: int, result_dir: str,
-                result_name: str) -> list[str]:
+    # `load` below is a bench.matrix.Load (not imported: bench.matrix imports this module)
+    def command(self, base_url: str, load, seed: int, warmup: int, result_dir: str, result_name: str) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai",
                "--base-url", base_url.rstrip("/"), "--endpoint", "/v1/completions", "--model", self.model,
                "--tokenizer", self.tokenizer, "--dataset-name", "random",
@@ -43,7 +41,7 @@ class VllmBenchClient:
             cmd += ["--request-rate", str(load.request_rate)]
         return cmd
 
-    async def measure(self, base_url: str, load: Load, seed: int, warmup: int) -> dict:
+    async def measure(self, base_url: str, load, seed: int, warmup: int) -> dict:
         """One load against the server at base_url: the figures of its saved result."""
         from pagoda.bench.vllm_peer import peer_env
 
