@@ -15,16 +15,16 @@ rm -f "$DEST"/*.whl  # exactly the list's pins, no wheel of an older list
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_28_x86_64 \
     "${REQS[@]}"
-# nixl-cu12 (65 MiB): its expert-parallel kernels (nixl_ep_cu12/, 36 MiB, three torch builds) are not used
+# nixl-cu13 (56 MiB): its expert-parallel kernels (nixl_ep_cu13/, 27 MiB, several torch builds) are not used
 # by the KV connector; the wheel travels without them, so the list fits the tree's 64 MiB
-for wheel in "$DEST"/nixl_cu12-*.whl; do
+for wheel in "$DEST"/nixl_cu1[0-9]-*.whl; do
     [ -e "$wheel" ] || continue
     "$PY" - "$wheel" <<'SLIM'
 import os, sys, zipfile
 path = sys.argv[1]
 with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".slim", "w", zipfile.ZIP_DEFLATED) as dst:
     for item in src.infolist():
-        if not item.filename.startswith("nixl_ep_cu12/"):
+        if not item.filename.startswith(("nixl_ep_cu12/", "nixl_ep_cu13/")):
             dst.writestr(item, src.read(item.filename))
 os.replace(path + ".slim", path)
 SLIM

@@ -772,7 +772,10 @@ def data_parallel_check(args) -> int:
     def run(**kwargs) -> tuple[list, float]:
         llm = LLM(str(model), dtype="float32", kv_cache_memory=0.2 if cuda else 0.05, max_num_seqs=16, **kwargs)
         try:
-            llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+            # a warm-up batch of the timed one's size: Triton compiles per shape, and the first engine of the
+            # process would otherwise pay the compiles the later ones find cached
+            llm.generate([p.replace("Prompt", "Warm-up") for p in prompts], SamplingParams(temperature=0.0,
+                         max_tokens=4), use_tqdm=False)
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
@@ -831,9 +834,12 @@ def pd_disaggregation_check(args) -> int:
 
     import torch
 
-    if importlib.util.find_spec("nixl_cu12") is None:
-        print("pd-disaggregation: nixl_cu12 is not installed for this Python (scripts/gpu-wheels.txt's nixl-cu12: "
-              "run make gpu-wheels)")
+    from pagoda.kv_transfer.nixl_backend import nixl_api
+
+    try:
+        nixl_api()
+    except ImportError as e:  # the wheel for this torch's CUDA: scripts/gpu-wheels.txt, make gpu-wheels
+        print(f"pd-disaggregation: {e}")
         return 1
     from pagoda import LLM, SamplingParams
 

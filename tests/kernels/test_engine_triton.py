@@ -92,6 +92,7 @@ def test_same_greedy_tokens_with_split_k_decodes(tiny_path, torch_tokens, batche
     positions through the split-K kernels."""
     monkeypatch.setattr(triton_backend, "SPLIT_K_PARTITION_SIZE", 64)
     monkeypatch.setattr(triton_backend, "SPLIT_K_PROGRAMS_PER_SM", 10**6)
+    monkeypatch.setattr(triton_backend, "ONE_PASS_PROGRAMS_PER_SM", 10**6)
     split_k_calls = []
     real = triton_backend._flash_decode.flash_decode
     monkeypatch.setattr(triton_backend._flash_decode, "flash_decode",
@@ -119,6 +120,7 @@ def test_same_greedy_tokens_as_torch_with_an_fp8_cache(tiny_path, tmp_path, devi
     expected = generate(path, "torch", "cuda" if torch.cuda.is_available() else "cpu", kv_cache_dtype=kv_cache_dtype)
     monkeypatch.setattr(triton_backend, "SPLIT_K_PARTITION_SIZE", 64)
     monkeypatch.setattr(triton_backend, "SPLIT_K_PROGRAMS_PER_SM", 10**6)
+    monkeypatch.setattr(triton_backend, "ONE_PASS_PROGRAMS_PER_SM", 10**6)
     split_k_calls = []
     real = triton_backend._flash_decode.flash_decode
     monkeypatch.setattr(triton_backend._flash_decode, "flash_decode",

@@ -47,7 +47,7 @@ def _decode_metadata(seq_lens, device="cpu"):
 
 def test_dispatch_rule():
     cpu = torch.device("cpu")  # dispatches as a GPU with FALLBACK_NUM_SMS SMs
-    slots = triton_backend.SPLIT_K_PROGRAMS_PER_SM * triton_backend.FALLBACK_NUM_SMS
+    slots = triton_backend.ONE_PASS_PROGRAMS_PER_SM * triton_backend.FALLBACK_NUM_SMS
     long = 2 * triton_backend.SPLIT_K_PARTITION_SIZE
     assert triton_backend.use_split_k(_decode_metadata([long, 3]), 8, cpu)
     assert not triton_backend.use_split_k(_decode_metadata([long - 1, 3]), 8, cpu), "short contexts: one pass"

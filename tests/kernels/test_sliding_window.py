@@ -112,6 +112,7 @@ def test_engine_with_triton_kernels_equals_torch_while_blocks_behind_the_window_
 
     monkeypatch.setattr(triton_backend, "SPLIT_K_PARTITION_SIZE", 64)
     monkeypatch.setattr(triton_backend, "SPLIT_K_PROGRAMS_PER_SM", 10**6)
+    monkeypatch.setattr(triton_backend, "ONE_PASS_PROGRAMS_PER_SM", 10**6)
     split_k_calls = []
     real = triton_backend._flash_decode.flash_decode
     monkeypatch.setattr(triton_backend._flash_decode, "flash_decode",

@@ -194,7 +194,7 @@ def test_the_shell_entry_point_checks_its_arguments_without_torch(tmp_path):
 def test_the_pd_step_brings_nixl_and_runs_alone(tmp_path):
     """pd-disaggregation: the NIXL wheel is on the list (its modules imported only inside the step, so the
     coverage test above cannot see them), and the plan runs the step's own subcommand; --only picks it alone."""
-    assert "nixl_cu12" in {m for s in gpu_check.read_wheel_list() for m in s.modules}
+    assert "nixl_cu13" in {m for s in gpu_check.read_wheel_list() for m in s.modules}
     step = {s.name: s for s in gpu_check.plan(tmp_path, False, 8)}["pd-disaggregation"]
     assert step.argv[-1] == "pd-disaggregation" and not step.json_file  # one JSON line in the log
     args = gpu_check.parse_args(["run", "--out", str(tmp_path), "--only", "pd-disaggregation"])

@@ -3,10 +3,10 @@
 
 Dispatch, decided from the host copies in the metadata (no device sync): a pure-decode batch whose longest
 context spans at least SPLIT_K_MIN_PARTITIONS partitions of SPLIT_K_PARTITION_SIZE positions, with fewer
-(sequence, kv head) pairs than SPLIT_K_PROGRAMS_PER_SM programs per SM, goes through the split-K kernels:
-the one-pass kernel would run one program per pair and leave most of the GPU idle while each walks its long
-context. The partitions are then halved, down to SPLIT_K_MIN_PARTITION_SIZE, until the launch has that many
-programs per SM. Every other batch, mixed or not, is one launch of the mixed-batch kernel.
+(sequence, kv head) pairs than ONE_PASS_PROGRAMS_PER_SM per SM, goes through the split-K kernels: the
+one-pass kernel would run one program per pair and leave most of the GPU idle while each walks its long
+context. The partitions are then halved, down to SPLIT_K_MIN_PARTITION_SIZE, until the launch has
+SPLIT_K_PROGRAMS_PER_SM programs per SM. Every other batch, mixed or not, is one launch of the mixed-batch kernel.
 """
 
 import functools
@@ -21,7 +21,11 @@ from pagoda.kernels import paged_attention as _paged_attention
 SPLIT_K_PARTITION_SIZE = _flash_decode.PARTITION_SIZE  # context positions per partition, at most
 SPLIT_K_MIN_PARTITION_SIZE = 128  # shorter partitions would spend more on partial results than they save
 SPLIT_K_MIN_PARTITIONS = 2  # a context of one partition has nothing to split
-SPLIT_K_PROGRAMS_PER_SM = 4  # fewer one-pass programs than this per SM cannot keep memory busy
+SPLIT_K_PROGRAMS_PER_SM = 4  # a split launch aims at this many programs per SM, enough to hide memory latency
+# From two programs per SM the one-pass kernel keeps HBM as busy as split-K without its second (reduce) pass:
+# on an H200 (132 SMs, docs/gpu.md) one-pass beat split-K at 3.9 pairs per SM (80 against 73 % of HBM at 8k
+# positions) and lost 3.5x at 0.5; two is the whole programs' count between.
+ONE_PASS_PROGRAMS_PER_SM = 2
 FALLBACK_NUM_SMS = 108  # off CUDA (the interpreter): dispatch as on an A100
 
 
@@ -69,7 +73,7 @@ def use_split_k(metadata: AttentionMetadata, num_kv_heads: int, device: torch.de
         return False
     if metadata.max_seq_len < SPLIT_K_MIN_PARTITIONS * SPLIT_K_PARTITION_SIZE:
         return False
-    return metadata.num_seqs * num_kv_heads < SPLIT_K_PROGRAMS_PER_SM * num_sms(device)
+    return metadata.num_seqs * num_kv_heads < ONE_PASS_PROGRAMS_PER_SM * num_sms(device)
 
 
 def split_k_partition_size(metadata: AttentionMetadata, num_kv_heads: int, device: torch.device) -> int:

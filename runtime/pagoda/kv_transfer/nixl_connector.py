@@ -388,13 +388,15 @@ class NixlConnectorWorker(KVConnectorWorker):
     """Beside the KV cache: registers its tensors with a NIXL agent and READs a prefill engine's blocks."""
 
     def __init__(self, config: KVTransferConfig, block_size: int, rank: int = 0):
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
+        from pagoda.kv_transfer.nixl_backend import nixl_api
+
+        api = nixl_api()
 
         self.config = config
         self.block_size = block_size
         self.rank = rank  # global rank (pp_rank * tp_size + tp_rank): it READs from the prefill's same rank
         self.agent_name = f"{config.engine_id or 'pagoda'}-{rank}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self.agent = api.nixl_agent(self.agent_name, api.nixl_agent_config(backends=["UCX"]))
         self.stats = NixlStats()
         self.layers: list[list[int]] = []
         self.mem_type = "DRAM"
@@ -416,7 +418,12 @@ class NixlConnectorWorker(KVConnectorWorker):
             layers.append([storage.data_ptr(), planes, num_blocks, nbytes // (planes * num_blocks), device])
             regions.append((storage.data_ptr(), nbytes, device, ""))
         self.mem_type = "VRAM" if kv_caches and kv_caches[0].device.type == "cuda" else "DRAM"
-        self.agent.register_memory(regions, self.mem_type)
+        try:
+            self.agent.register_memory(regions, self.mem_type)
+        except Exception as e:
+            raise RuntimeError(f"NixlConnector: NIXL could not register the KV cache's {self.mem_type} ({e}); "
+                               "for GPU memory its UCX needs CUDA support: the nixl-cu<N> build of torch's "
+                               "CUDA major") from e
         self.layers = layers
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descriptors(layers), self.mem_type)
 

@@ -147,10 +147,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> GraphStats:
         cuda = self.device.type == "cuda"
-        if cuda:  # the pool's memory: what the device lost, the warm-ups' freed activations given back
+        if cuda:  # the graphs' pools: what torch's allocator holds more, the warm-ups' freed activations given
+            # back (the device's free memory also moves with the driver's own allocations: it read -2 MiB once)
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-            free_before = torch.cuda.mem_get_info(self.device)[0]
+            reserved_before = torch.cuda.memory_reserved(self.device)
         start = time.perf_counter()
         for size in reversed(self.sizes):
             self.metadata[size] = self._metadata(size)
@@ -162,8 +163,8 @@ class DecodeGraphs:
         seconds = time.perf_counter() - start
         if cuda:
             torch.cuda.empty_cache()
-        used = torch.cuda.mem_get_info(self.device)[0] if cuda else None
-        self.stats = GraphStats(self.sizes, seconds, free_before - used if cuda else None)
+        pools = torch.cuda.memory_reserved(self.device) - reserved_before if cuda else None
+        self.stats = GraphStats(self.sizes, seconds, pools)
         logger.info("CUDA graphs%s: decode batch sizes %s captured in %.1f s%s", " (stand-in)" if
                     self.capturer.stand_in else "", _ranges(self.sizes), seconds,
                     f", {self.stats.capture_bytes / 2**20:.0f} MiB" if cuda else "")
