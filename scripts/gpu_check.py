@@ -923,9 +923,35 @@ def pd_disaggregation_check(args) -> int:
         result["kv_transfer_bench"] = {"mem_type": report["mem_type"], "block_bytes": report["block_bytes"],
                                        "results": [{k: round(v, 3) if isinstance(v, float) else v
                                                     for k, v in r.items()} for r in report["results"]]}
+    if cuda:  # which UCX protocols the READs took (2026-11-30 on an H200: 0.3-0.4 GB/s, not CUDA IPC's pace)
+        print_ucx_protocols(cli_argv("bench", "kv-transfer", "--device", device, "--dtype", "bfloat16",
+                                     *shape[:6], "--blocks", "16", "--iters", "2"))
     result["passed"] = ok
     print(f"pd-disaggregation: {json.dumps(result)}")
     return 0 if ok else 1
+
+
+def print_ucx_protocols(argv: list[str], most: int = 120) -> None:
+    """Runs argv with UCX_PROTO_INFO=y (UCX prints the protocol it selects for each operation) and prints the
+    selection lines that involve GPU memory: a diagnosis for the log, never a failure."""
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "UCX_PROTO_INFO": "y"})
+    except subprocess.TimeoutExpired:
+        print("pd-disaggregation: UCX protocol info: timed out")
+        return
+    lines, keep, endpoint = [], False, ""
+    for line in (run.stdout + run.stderr).splitlines():
+        text = line.split("]   ", 1)[-1]  # past UCX's "[time] [host:pid:thread]" prefix
+        if "cfg#" in text:  # a table's first line: the endpoint (self, intra-node, inter-node)
+            endpoint, keep = text, False
+        elif " from " in text and "memory" in text:  # its title: the operation and the memory types
+            keep = "cuda" in text.lower()
+            lines += [endpoint, text] if keep else []
+        elif keep and text.startswith("|") and "Description" not in text:
+            lines.append(text)
+    print(f"pd-disaggregation: UCX protocols for GPU memory ({len(lines)} lines, the first {most}):")
+    print("\n".join(lines[:most]))
 
 
 # ---- the command line ----
