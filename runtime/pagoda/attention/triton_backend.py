@@ -22,9 +22,9 @@ SPLIT_K_PARTITION_SIZE = _flash_decode.PARTITION_SIZE  # context positions per p
 SPLIT_K_MIN_PARTITION_SIZE = 128  # shorter partitions would spend more on partial results than they save
 SPLIT_K_MIN_PARTITIONS = 2  # a context of one partition has nothing to split
 SPLIT_K_PROGRAMS_PER_SM = 4  # a split launch aims at this many programs per SM, enough to hide memory latency
-# From two programs per SM the one-pass kernel keeps HBM as busy as split-K without its second (reduce) pass:
-# on an H200 (132 SMs, docs/gpu.md) one-pass beat split-K at 3.9 pairs per SM (80 against 73 % of HBM at 8k
-# positions) and lost 3.5x at 0.5; two is the whole programs' count between.
+# One pass (a program per (sequence, KV head) pair) once each SM has two programs to switch between while one
+# waits on memory; split-K's second (reduce) pass then no longer pays. Measured on an H200 (132 SMs, docs/gpu.md):
+# one pass beat split-K at 3.9 pairs per SM (80 against 73 % of HBM at 8k positions) and lost 3.5x at 0.5.
 ONE_PASS_PROGRAMS_PER_SM = 2
 FALLBACK_NUM_SMS = 108  # off CUDA (the interpreter): dispatch as on an A100
 
