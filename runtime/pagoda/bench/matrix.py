@@ -155,13 +155,14 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
                            kv_cache_dtype=args.vllm_kv_cache_dtype, kv_cache_gib=args.vllm_kv_cache_gib)
     results = []
     with peer as vllm_url:
-        vllm_sender = None if vllm_url is None else http_sender(vllm_url, model)
-        client = None
+        client = vllm_sender = None
         if args.client == "vllm":  # vLLM's own `vllm bench serve` measures both servers
             from pagoda.bench.vllm_client import VllmBenchClient
 
             client = VllmBenchClient(check_vllm_python(args.vllm_python), model_dir, model, args.api_key)
             urls = {"pagoda": args.base_url, "vllm": vllm_url}
+        elif vllm_url is not None:
+            vllm_sender = http_sender(vllm_url, model)
         for index, load in enumerate(loads(args.matrix_loads)):
             per_load = load_args(args, load)
             if client is None:
@@ -169,7 +170,7 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
                                               load.range_ratio, per_load.seed, tokenizer)
                 warmup, measured = requests[: args.warmup], requests[args.warmup:]
             figures: dict[str, dict] = {}
-            for engine in engine_order(index, vllm_sender is not None):
+            for engine in engine_order(index, vllm_url is not None):
                 if client is not None:
                     figures[engine] = await client.measure(urls[engine], load, per_load.seed, args.warmup)
                 else:

@@ -34,7 +34,8 @@ class VllmBenchClient:
                "--num-prompts", str(load.num_prompts), "--num-warmups", str(warmup), "--seed", str(seed),
                "--percentile-metrics", "ttft,tpot,itl,e2el",
                "--metric-percentiles", ",".join(str(p) for p in PERCENTILES),
-               "--save-result", "--result-dir", result_dir, "--result-filename", result_name]
+               "--save-result", "--save-detailed",  # detailed: the failed requests' error texts too
+               "--result-dir", result_dir, "--result-filename", result_name]
         if load.concurrency is not None:
             cmd += ["--max-concurrency", str(load.concurrency)]
         if load.request_rate != float("inf"):
@@ -69,7 +70,7 @@ def summary_of(result: dict) -> dict:
         return {"mean": result[f"mean_{metric}_ms"], "median": result[f"median_{metric}_ms"],
                 "p90": result[f"p90_{metric}_ms"], "p99": result[f"p99_{metric}_ms"]}
 
-    # the per-request error texts are saved with --save-detailed only; the counts always
+    # per request, one text ("" when it succeeded): saved with --save-detailed, which command() passes
     errors = sorted({e for e in result.get("errors") or () if e})[:5]
     return {
         "duration_s": result["duration"],
