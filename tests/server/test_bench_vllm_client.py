@@ -46,7 +46,8 @@ def test_the_key_of_a_server_that_asks_for_one_is_sent(server_factory, tiny_llam
     keyed = VllmBenchClient(VLLM_PEER_PYTHON, str(tiny_llama_dir), served, api_key="sesame")
     assert asyncio.run(keyed.measure(server.url, load, seed=1, warmup=0))["completed"] == 2
     keyless = VllmBenchClient(VLLM_PEER_PYTHON, str(tiny_llama_dir), served)
-    assert asyncio.run(keyless.measure(server.url, load, seed=1, warmup=0))["failed"] == 2  # 401s
+    refused = asyncio.run(keyless.measure(server.url, load, seed=1, warmup=0))
+    assert refused["failed"] == 2 and refused["errors"], refused  # 401s, their texts from the detailed result
 
 
 def test_requests_a_server_refuses_are_counted_failed_and_a_client_that_fails_is_named(tmp_path, tiny_llama_dir):
