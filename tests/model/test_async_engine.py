@@ -1,9 +1,11 @@
 """AsyncLLMEngine: built in its own engine thread (torch's CPU thread pool lives there alone), load
 errors reach the caller, cumulative outputs stream, an explicit abort ends the stream, and dropping the
-last reference shuts the engine down."""
+last reference shuts the engine down. Both async engines (this and the engine core's client): a step's outputs
+wake a caller's event loop once, and a request whose caller's event loop has closed is aborted."""
 
 import asyncio
 import threading
+import time
 import weakref
 
 import pytest
@@ -105,3 +107,66 @@ def test_a_request_id_taken_while_the_prompt_is_tokenized_is_refused(engine_args
         assert len(refused) == 1 and "already running" in str(refused[0]), results
         assert len(done) == 1 and done[0].finished and len(done[0].outputs[0].token_ids) == 4
         assert engine.num_unfinished_requests == 0 and engine.is_running
+
+
+def _async_engine(kind: str, engine_args):
+    """One of the two async engines: in-process (an engine thread) or the engine core's client."""
+    if kind == "thread":
+        return AsyncLLMEngine.from_engine_args(engine_args)
+    from pagoda.engine.core_client import AsyncMPEngine
+
+    return AsyncMPEngine.from_engine_args(engine_args)
+
+
+@pytest.mark.parametrize("kind", ["thread", "core-process"])
+def test_a_steps_outputs_wake_an_event_loop_once(engine_args, kind):
+    """Streams served by one event loop get a step's outputs in one wake-up (a write to the loop's self-pipe
+    each), not one per stream; every stream still gets every output."""
+    with _async_engine(kind, engine_args) as engine:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        loop = asyncio.new_event_loop()
+        wake_ups = []
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            wake_ups.append((threading.current_thread().name, getattr(callback, "__qualname__", repr(callback))))
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+
+        async def one(request_id):
+            return [len(out.outputs[0].token_ids) async for out in engine.generate("Hello, my name is", params,
+                                                                                   request_id)]
+
+        async def run():
+            return await asyncio.gather(*(one(f"r{i}") for i in range(4)))
+
+        try:
+            streams = loop.run_until_complete(asyncio.wait_for(run(), timeout=60))
+        finally:
+            loop.close()
+        assert all(lengths[-1] == 8 and lengths == sorted(lengths) for lengths in streams), streams
+        # what delivers outputs (not asyncio.to_thread's futures, each prompt being tokenized on a worker)
+        deliveries = sum(name in ("_put_all", "Queue.put_nowait") for _, name in wake_ups)
+        steps = sum(engine.get_stats().iteration_tokens_counts)
+        # 4 prompts of one length are admitted in a step, then decode together: ~9 steps of 4 outputs each
+        assert 0 < deliveries <= steps, (deliveries, steps, wake_ups)
+
+
+@pytest.mark.parametrize("kind", ["thread", "core-process"])
+def test_a_request_whose_event_loop_closed_is_aborted(engine_args, kind):
+    """The caller's event loop closed mid-stream (its thread ended): the engine aborts the request instead of
+    computing the rest of its tokens for nobody."""
+    with _async_engine(kind, engine_args) as engine:
+        loop = asyncio.new_event_loop()
+        stream = engine.generate("Paged attention", SamplingParams(max_tokens=480, ignore_eos=True), "gone")
+        first = loop.run_until_complete(asyncio.wait_for(stream.__anext__(), timeout=60))
+        assert not first.finished
+        loop.close()  # the stream's coroutine is left suspended, as a vanished caller's would be
+        deadline = time.monotonic() + 30
+        while engine.num_unfinished_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.num_unfinished_requests == 0 and engine.is_running
+        assert engine.get_stats().generation_tokens < 100  # aborted within a step or two of the loop closing
+        if kind == "thread":  # the core process's blocks are its own
+            engine.engine.block_manager.check_no_leaks()

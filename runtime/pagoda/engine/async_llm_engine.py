@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from pagoda.config import EngineArgs
 from pagoda.engine import EngineDeadError
-from pagoda.engine.async_base import AsyncEngineBase
+from pagoda.engine.async_base import AsyncEngineBase, publish
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import RequestOutput
 from pagoda.errors import RequestFailed
@@ -119,8 +119,10 @@ class AsyncLLMEngine(AsyncEngineBase):
 
     def _fail_all(self, error: BaseException) -> None:
         dead = self._death(error)
+        by_loop: dict = {}
         for loop, stream in list(self._requests.values()):
-            loop.call_soon_threadsafe(stream.put_nowait, dead)
+            by_loop.setdefault(loop, []).append((stream, dead))
+        publish(by_loop)
 
     # --- the engine thread -------------------------------------------------------------------------
 
@@ -179,15 +181,22 @@ class AsyncLLMEngine(AsyncEngineBase):
                     self._send(command[1], aborted)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams, one wake-up per event loop; a request whose loop has closed is
+        dropped and aborted."""
+        by_loop: dict = {}
+        ids: dict = {}  # loop -> its requests, to abort if it has closed
         for out in outputs:
-            self._send(out.request_id, RequestFailed(out.error) if out.error is not None else out)
+            target = self._requests.get(out.request_id)
+            if target is not None:
+                loop, stream = target
+                item = RequestFailed(out.error) if out.error is not None else out
+                by_loop.setdefault(loop, []).append((stream, item))
+                ids.setdefault(loop, []).append(out.request_id)
+        for loop in publish(by_loop):  # the caller's event loop is closed: nobody will end its streams
+            for request_id in ids[loop]:
+                self._end(request_id, finished=False)
 
     def _send(self, request_id: str, item) -> None:
         target = self._requests.get(request_id)
-        if target is None:
-            return
-        loop, stream = target
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed
-            self._commands.put(("abort", request_id))
+        if target is not None and publish({target[0]: [(target[1], item)]}):  # its event loop is closed
+            self._end(request_id, finished=False)

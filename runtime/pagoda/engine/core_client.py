@@ -29,7 +29,7 @@ import zmq
 from pagoda.config import EngineArgs, EngineConfig, create_engine_config
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.engine import EngineDeadError, wire
-from pagoda.engine.async_base import AsyncEngineBase
+from pagoda.engine.async_base import AsyncEngineBase, publish
 from pagoda.engine.core_proc import run_engine_core
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
@@ -171,28 +171,28 @@ class AsyncMPEngine(AsyncEngineBase):
             if self._dead_error is not None:  # died between the health check and the add
                 raise EngineDeadError(f"engine core died: {self._dead_error!r}")
         except BaseException:
-            self._abort(request_id, publish=False)
+            self._abort(request_id, notify=False)
             raise
 
     def _end(self, request_id: str, finished: bool) -> None:
         if not finished:
-            self._abort(request_id, publish=False)
+            self._abort(request_id, notify=False)
 
     async def abort(self, request_id: str) -> None:
-        self._abort(request_id, publish=True)
+        self._abort(request_id, notify=True)
 
-    def _abort(self, request_id: str, publish: bool) -> None:
+    def _abort(self, request_id: str, notify: bool) -> None:
         """End a request here at once (a listener gets its final, aborted output) and tell the core."""
         with self._lock:
             tracked = self._requests.pop(request_id, None)
         if tracked is None:
             return
-        if publish:
+        if notify:
             state = tracked.state
             state.aborted = True
             for seq in state.seqs:
                 _finish(seq, "abort")
-            _publish({tracked.loop: [(tracked.stream, state.to_output())]})
+            publish({tracked.loop: [(tracked.stream, state.to_output())]})
         if self._dead_error is None:
             try:
                 self._send(wire.AbortRequest(request_id))
@@ -250,7 +250,7 @@ class AsyncMPEngine(AsyncEngineBase):
         by_loop: dict = {}
         for t in tracked:
             by_loop.setdefault(t.loop, []).append((t.stream, dead))
-        _publish(by_loop)
+        publish(by_loop)
 
     @staticmethod
     def _read_outputs(this: "weakref.ref[AsyncMPEngine]") -> None:
@@ -289,7 +289,12 @@ class AsyncMPEngine(AsyncEngineBase):
             by_loop: dict = {}
             for delta in message.outputs:
                 self._apply(delta, by_loop)
-            _publish(by_loop)
+            closed = publish(by_loop)
+            if closed:  # callers whose event loop is gone: nobody will end their streams
+                with self._lock:
+                    gone = [request_id for request_id, t in self._requests.items() if t.loop in closed]
+                for request_id in gone:
+                    self._abort(request_id, notify=False)
         elif isinstance(message, wire.GroupFailure):
             self._on_group_failure(message.message)
         elif isinstance(message, wire.CoreFailed):
@@ -373,17 +378,3 @@ def _finish(seq: Sequence, reason: str, stop_reason=None) -> None:
     if not seq.is_finished:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-
-
-def _publish(by_loop: dict) -> None:
-    """Hand items to their streams: one wake-up per event loop for a whole step's outputs."""
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # that event loop is closed: nobody listens
-            pass
-
-
-def _put_all(items: list) -> None:
-    for stream, item in items:
-        stream.put_nowait(item)
