@@ -181,22 +181,25 @@ class AsyncLLMEngine(AsyncEngineBase):
                     self._send(command[1], aborted)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs to their streams, one wake-up per event loop; a request whose loop has closed is
-        dropped and aborted."""
+        """A step's outputs to their streams, one wake-up per event loop."""
         by_loop: dict = {}
-        ids: dict = {}  # loop -> its requests, to abort if it has closed
         for out in outputs:
             target = self._requests.get(out.request_id)
             if target is not None:
-                loop, stream = target
                 item = RequestFailed(out.error) if out.error is not None else out
-                by_loop.setdefault(loop, []).append((stream, item))
-                ids.setdefault(loop, []).append(out.request_id)
-        for loop in publish(by_loop):  # the caller's event loop is closed: nobody will end its streams
-            for request_id in ids[loop]:
-                self._end(request_id, finished=False)
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        self._deliver(by_loop)
 
     def _send(self, request_id: str, item) -> None:
         target = self._requests.get(request_id)
-        if target is not None and publish({target[0]: [(target[1], item)]}):  # its event loop is closed
-            self._end(request_id, finished=False)
+        if target is not None:
+            self._deliver({target[0]: [(target[1], item)]})
+
+    def _deliver(self, by_loop: dict) -> None:
+        """publish; the requests of an event loop found closed are dropped and aborted (nobody will end their
+        streams)."""
+        closed = publish(by_loop)
+        if closed:
+            for request_id, (loop, _) in list(self._requests.items()):
+                if loop in closed:
+                    self._end(request_id, finished=False)
