@@ -5,15 +5,25 @@ major's runtime (libcudart.so.12 or .13). Under a torch of the other major that 
 sees GPU memory as host memory: registering a VRAM KV cache fails with NIXL_ERR_BACKEND (found on an H200 with
 torch 2.11 / CUDA 13 and nixl-cu12). So, as NIXL's own `nixl` meta-package does, take nixl_cu{major} for torch's
 CUDA major; a CPU build of torch takes whichever build is installed (their DRAM paths are the same).
+
+On CUDA it also turns on one UCX setting before the agent creates its UCX context (UCX reads its environment
+then); see UCX_ON_CUDA.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from types import ModuleType
 
 BUILDS = ("nixl_cu12", "nixl_cu13")
+
+# UCX turns cuda_ipc's GET zero-copy off on a GPU with no active NVLink (one GPU alone, or GPUs on PCIe), and a
+# NIXL READ is a GET: UCX then emulates it over TCP (on one H200, 0.3-0.5 GB/s between two processes, its
+# protocol table reading "software emulation | tcp/lo"). NIXL's UCX plugin turns it back on (ai-dynamo/nixl#2208),
+# which the wheels we load may predate. A value the user set wins.
+UCX_ON_CUDA = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 def cuda_major() -> int | None:
@@ -38,7 +48,17 @@ def module_for(major: int | None, installed: set[str]) -> str:
     raise ImportError("NixlConnector needs NIXL: pip install nixl-cu12 (or nixl-cu13 on CUDA 13)")
 
 
+def ucx_settings(major: int | None, environ: dict[str, str]) -> dict[str, str]:
+    """The UCX variables to set before an agent starts: UCX_ON_CUDA's, on CUDA, where the user set none."""
+    if major is None:
+        return {}
+    return {name: value for name, value in UCX_ON_CUDA.items() if name not in environ}
+
+
 def nixl_api() -> ModuleType:
     """NIXL's Python API (nixl_agent, nixl_agent_config) from the build module_for picks."""
     installed = {name for name in BUILDS if importlib.util.find_spec(name) is not None}
-    return importlib.import_module(module_for(cuda_major(), installed) + "._api")
+    major = cuda_major()
+    module = module_for(major, installed)
+    os.environ.update(ucx_settings(major, dict(os.environ)))
+    return importlib.import_module(module + "._api")
