@@ -43,24 +43,25 @@ def source(kernel, dtype, constexprs: dict) -> ASTSource:
 
 
 def attention_constexprs(dtype, group: int, head_size: int, max_query_len: int, block_size: int,
-                         softcap: float = 0.0) -> tuple[dict, dict]:
+                         softcap: float = 0.0, arch: int = 80) -> tuple[dict, dict]:
     """The constexprs and launch options the launcher picks for such a batch."""
     group_pad, block_q, block_m = paged_attention.tile_shape(group, max_query_len)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     return dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_SIZE=head_size,
                 HEAD_PAD=head_pad(head_size), BLOCK_SIZE=block_size, TILE_N=paged_attention.TILE_N,
-                UPCAST_DOT=False, DOT_PRECISION=precision, KV_FP8=False, SOFTCAP=softcap), dict(num_warps=paged_attention.num_warps(block_m, head_size),
+                UPCAST_DOT=False, DOT_PRECISION=precision, KV_FP8=False, SOFTCAP=softcap), dict(num_warps=paged_attention.num_warps(block_m, head_size, arch, dtype),
                                                                  **paged_attention.launch_stages(dtype))
 
 
-def cases():
+def cases(arch: int):
     for dtype, group, head_size, max_query_len, block_size, softcap in [
         (torch.float16, 4, 128, 512, 16, 0.0),  # Llama-3-8B prefill tiles
         (torch.bfloat16, 8, 128, 1, 32, 0.0),  # Llama-3-70B at TP=8, decode
         (torch.float32, 1, 80, 7, 16, 0.0),  # padded head size, the test dtype
         (torch.bfloat16, 2, 256, 512, 16, 50.0),  # Gemma-2-9B prefill: soft-capped scores, head size 256
     ]:
-        constexprs, options = attention_constexprs(dtype, group, head_size, max_query_len, block_size, softcap)
+        constexprs, options = attention_constexprs(dtype, group, head_size, max_query_len, block_size, softcap,
+                                                   arch)
         yield paged_attention._mixed_batch_kernel, dtype, constexprs, options
     four_warps = dict(num_warps=4)
     for softcap in (0.0, 50.0):
@@ -92,7 +93,7 @@ def cases():
 def main(shard: int = 0, shards: int = 1) -> int:
     """Compile every ``shards``-th (arch, kernel) pair from ``shard`` on: each compile is single-threaded, so the
     test runs a shard per core."""
-    pairs = [(arch, case) for arch in (80, 86, 90) for case in cases()]
+    pairs = [(arch, case) for arch in (80, 86, 90) for case in cases(arch)]
     for arch, (kernel, dtype, constexprs, options) in pairs[shard::shards]:
         compiled = triton.compile(source(kernel, dtype, constexprs), target=GPUTarget("cuda", arch, 32),
                                   options=options)
