@@ -11,6 +11,7 @@ tiles start at ``query_start_loc[i] // BLOCK_Q + i``, an upper bound that leaves
 and each program finds its sequence by binary search over query_start_loc.
 """
 
+import functools
 import math
 
 import torch
@@ -161,7 +162,12 @@ def gpu_arch(device: torch.device) -> int | None:
     """The CUDA device's compute capability as 80, 90, ...; None off CUDA (the interpreter's CPU tensors)."""
     if device.type != "cuda":
         return None
-    major, minor = torch.cuda.get_device_capability(device)
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_arch(index: int) -> int:  # asked once a device, not at every layer's launch
+    major, minor = torch.cuda.get_device_capability(index)
     return 10 * major + minor
 
 
@@ -213,6 +219,7 @@ def paged_attention(
         GROUP=shapes.group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_SIZE=shapes.head_size, HEAD_PAD=head_pad(shapes.head_size), BLOCK_SIZE=shapes.block_size,
         TILE_N=TILE_N, UPCAST_DOT=upcast, DOT_PRECISION=precision, KV_FP8=key_cache.dtype in FP8_DTYPES, SOFTCAP=softcap,
-        HAS_SINKS=sinks is not None, num_warps=num_warps(block_m, shapes.head_size, gpu_arch(query.device), query.dtype),
+        HAS_SINKS=sinks is not None,
+        num_warps=num_warps(block_m, shapes.head_size, gpu_arch(query.device), query.dtype),
         **launch_stages(query.dtype))
     return out
