@@ -158,16 +158,12 @@ def num_warps(block_m: int, head_size: int, arch: int | None = None, dtype: torc
     return 8 if tile >= 64 * 128 else 4
 
 
+@functools.cache  # asked once a device, not at every layer's launch (as triton_backend.num_sms)
 def gpu_arch(device: torch.device) -> int | None:
     """The CUDA device's compute capability as 80, 90, ...; None off CUDA (the interpreter's CPU tensors)."""
     if device.type != "cuda":
         return None
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _cuda_arch(index: int) -> int:  # asked once a device, not at every layer's launch
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = torch.cuda.get_device_capability(device)
     return 10 * major + minor
 
 
