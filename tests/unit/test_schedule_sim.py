@@ -5,7 +5,7 @@ import pytest
 
 from pagoda.bench import schedule_sim
 from pagoda.bench.matrix import MATRIX, Load
-from pagoda.bench.schedule_sim import PAGODA_PRICES, VLLM_PRICES, StepPrices, simulate
+from pagoda.bench.schedule_sim import PAGODA_PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
 
 pytestmark = pytest.mark.unit
 
@@ -76,7 +76,19 @@ def test_the_command_prints_each_rule_and_the_worst_ratios(capsys):
     assert "auto x2: against prefill-first" in out and "auto x8: against prefill-first" in out
 
 
+def test_zen4_prices_run_both_rules_at_pagodas_prices(capsys):
+    # no vLLM prices measured on Zen 4: prefill-first runs at Pagoda's, so the two rows differ by the rule alone
+    assert schedule_sim.main(["--prices", "zen4", "--matrix-loads", "single", "--send-delay", "0.05"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    single = next(load for load in MATRIX if load.name == "single")
+    first = simulate(single, ZEN4_PRICES, target_itl_ms=None, send_delay=0.05)
+    assert lines[0].split("prefill-first")[1].strip() == schedule_sim._cell(first).strip()
+    # one sequence's step: the fixed part, a decode and its context at Zen 4's prices, not Zen 3's
+    assert first.itl_median == pytest.approx(0.009 + 0.79e-3 + 0.85e-6 * 320, rel=0.05)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--prices", "zen5"], "--prices: invalid choice: 'zen5'"),
     (["--factors", "0.5"], "--factors: each factor must be a number >= 1"),
     (["--factors", "eight"], "--factors: each factor must be a number >= 1"),
     (["--send-delay", "-1"], "--send-delay: seconds >= 0"),

@@ -8,8 +8,9 @@ Poisson arrivals, random lengths) on a simulated clock, each step priced by `Ste
 
 Two rules side by side: prefill-first (no prompt budget: waiting prompts take the whole `max_num_batched_tokens`
 beside the decodes, as vLLM's chunked prefill) at vLLM's prices, and Pagoda's `--target-itl-ms auto` at each
-factor asked (`--factors`) at Pagoda's prices. Prices are per engine, measured on one machine (below); `--same-prices`
-gives both Pagoda's, so that only the rules differ.
+factor asked (`--factors`) at Pagoda's prices. Prices are per engine and per machine (below): `--prices zen3` (the
+default; both engines measured) or `--prices zen4` (Pagoda's only: both rules run at them); `--same-prices` gives
+both rules Pagoda's, so that only the rules differ.
 
 What it leaves out: HTTP and detokenization, the machine's jitter and async scheduling. By default a burst arrives at
 one instant, so loads of equal short answers run in lockstep waves (tiny-c32's ITL p99: 0.12 s); `--send-delay S`
@@ -57,6 +58,16 @@ PAGODA_PRICES = StepPrices(per_step=0.0216, per_prompt_token=2.06e-3, attention=
                            per_context_token=3.5e-6)
 VLLM_PRICES = StepPrices(per_step=0.060, per_prompt_token=1.89e-3, attention=7.2e-7, per_decode=3.1e-3,
                          per_context_token=7.6e-6)
+# Pagoda served on 2 cores of a Zen 4 AMD EPYC (AVX512-BF16, bfloat16; 2026-12-01): a step of 1,024 prompt
+# tokens alone 643 ms, of 32 decodes alone at ~320 tokens of context 39-47 ms (median ~43), of one 256-token prompt
+# beside 30 such decodes ~205 ms; offline, a prompt alone of 256, 750 and 1,500 tokens 144, 457 and 1,040 ms (the
+# n^2 term), one decode 9.7 ms (the fixed part: reading the weights), decode attention 0.29 ms a layer at 32 x 320
+# (`python -m pagoda.bench.cpu_attention`). At these prices the simulated matrix comes within 10-20 % of the served
+# one's throughput and TTFT median on every load, its chat-c32 within 5 % on every figure (docs/benchmarks.md); its
+# ITL p99 runs under the served one where the client's own delivery adds a tail (short-long-c64: 120 against 190-216)
+ZEN4_PRICES = StepPrices(per_step=0.009, per_prompt_token=0.59e-3, attention=1.17e-7, per_decode=0.79e-3,
+                         per_context_token=0.85e-6)
+PRICES = {"zen3": (PAGODA_PRICES, VLLM_PRICES), "zen4": (ZEN4_PRICES, ZEN4_PRICES)}  # Pagoda's, prefill-first's
 JITTER = 0.03  # each step's price times uniform(1 - JITTER, 1 + JITTER): the step-cost model never sees equal steps
 
 
@@ -178,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"--target-itl-ms auto's factors to compare (default: the engine's, {AUTO_TARGET_FACTOR})")
     p.add_argument("--matrix-loads", default=None, metavar="NAMES",
                    help="only these loads of the matrix (comma-separated), as `pagoda bench serve --matrix-loads`")
+    p.add_argument("--prices", choices=sorted(PRICES), default="zen3",
+                   help="the machine the steps are priced for (default zen3: both engines measured; zen4: Pagoda's "
+                        "prices for both rules)")
     p.add_argument("--same-prices", action="store_true",
                    help="price both rules' steps at Pagoda's: compare the rules alone")
     p.add_argument("--send-delay", type=float, default=0.0, metavar="SECONDS",
@@ -198,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         chosen = loads(args.matrix_loads)
     except ValueError as e:
         p.error(str(e))
-    first_prices = PAGODA_PRICES if args.same_prices else VLLM_PRICES
+    prices, first_prices = PRICES[args.prices]
+    if args.same_prices:
+        first_prices = prices
     worst = {f: [0.0, 0.0, 0.0] for f in factors}  # TTFT median, p90, ITL p99: the largest ratio to prefill-first
     for load in chosen:
         base = simulate(load, first_prices, target_itl_ms=None, seed=args.seed, send_delay=args.send_delay)
         print(f"{load.name:17s} prefill-first  {_cell(base)}")
         for f in factors:
-            r = simulate(load, PAGODA_PRICES, auto_target_factor=f, seed=args.seed, send_delay=args.send_delay)
+            r = simulate(load, prices, auto_target_factor=f, seed=args.seed, send_delay=args.send_delay)
             ratios = (r.ttft_median / base.ttft_median, r.ttft_p90 / base.ttft_p90,
                       r.itl_p99 / base.itl_p99 if base.itl_p99 else 1.0)
             worst[f] = [max(w, x) for w, x in zip(worst[f], ratios)]
