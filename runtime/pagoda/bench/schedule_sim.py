@@ -63,8 +63,9 @@ VLLM_PRICES = StepPrices(per_step=0.060, per_prompt_token=1.89e-3, attention=7.2
 # beside 30 such decodes ~205 ms; offline, a prompt alone of 256, 750 and 1,500 tokens 144, 457 and 1,040 ms (the
 # n^2 term), one decode 9.7 ms (the fixed part: reading the weights), decode attention 0.29 ms a layer at 32 x 320
 # (`python -m pagoda.bench.cpu_attention`). At these prices the simulated matrix comes within 10-20 % of the served
-# one's throughput and TTFT median on every load, its chat-c32 within 5 % on every figure (docs/benchmarks.md); its
-# ITL p99 runs under the served one where the client's own delivery adds a tail (short-long-c64: 120 against 190-216)
+# one's throughput and TTFT median on every load, chat-c32's TTFT p90 and ITL inside the served runs' spread
+# (docs/benchmarks.md); its ITL p99 runs under the served one where the client's own delivery adds a tail
+# (short-long-c64: 120 against 190-216 ms)
 ZEN4_PRICES = StepPrices(per_step=0.009, per_prompt_token=0.59e-3, attention=1.17e-7, per_decode=0.79e-3,
                          per_context_token=0.85e-6)
 PRICES = {"zen3": (PAGODA_PRICES, VLLM_PRICES), "zen4": (ZEN4_PRICES, ZEN4_PRICES)}  # Pagoda's, prefill-first's
