@@ -73,3 +73,26 @@ def test_async_scheduling_with_an_abort_and_a_cache_that_runs_out(tiny_llama_dir
     sync, _ = outputs(False)
     ahead, preemptions = outputs(True)
     assert ahead == sync and len(ahead) == len(PROMPTS) - 1
+
+
+def test_async_scheduling_runs_all_of_the_runner_on_its_thread(tiny_llama_dir, monkeypatch):
+    """Loading, profiling, the cache and every batch on the one thread that runs the batches: a second thread
+    running torch's parallel regions would give the process a second OpenMP team, and libgomp's waiting threads
+    would then sleep between a step's regions instead of spinning (executor/uni.py)."""
+    import threading
+
+    from pagoda.executor import uni
+
+    seen: dict[str, set[str]] = {}
+    for name in ("__init__", "determine_num_blocks", "allocate_kv_cache", "execute"):
+        def traced(self, *args, _original=getattr(uni.ModelRunner, name), _name=name, **kwargs):
+            seen.setdefault(_name, set()).add(threading.current_thread().name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(uni.ModelRunner, name, traced)
+    with LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=0.02, async_scheduling=True) as llm:
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
+                           use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert set(seen) == {"__init__", "determine_num_blocks", "allocate_kv_cache", "execute"}
+    threads = set().union(*seen.values())
+    assert len(threads) == 1 and next(iter(threads)).startswith("pagoda-runner"), seen
