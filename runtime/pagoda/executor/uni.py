@@ -33,8 +33,8 @@ class UniProcExecutor:
         """fn(*args) on the thread that runs the batches: every torch op the runner runs, loading and profiling
         included, on one thread, so that the process has one OpenMP team. Each thread that runs a parallel region
         keeps a team of its own; libgomp counts every team's threads, and once they outnumber the cores its
-        waiting threads stop spinning after ~1,000 turns and sleep, to be woken at each of a step's ~300 parallel
-        regions (served on 2 cores at concurrency 32: 100,000+ sleeps a run, 4-15 % less throughput)."""
+        waiting threads spin only briefly (its throttled spin count) and sleep, to be woken at each of a step's ~300
+        parallel regions (served on 2 cores at concurrency 32: 100,000+ sleeps a run, 4-15 % less throughput)."""
         return fn(*args) if self.thread is None else self.thread.submit(fn, *args).result()
 
     def determine_num_blocks(self) -> int:
