@@ -116,6 +116,22 @@ def test_streamed_text_equals_non_streamed_under_greedy(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_a_token_whose_text_is_held_back_still_gets_its_chunk(client, tiny_llama_dir):
+    """As vLLM's, a stream sends a chunk a token, empty while the token's text is held back (here every token is
+    the byte 0xC3, which opens a two-byte character): clients such as `vllm bench serve` count the tokens and time
+    them by their chunks."""
+    from transformers import AutoTokenizer
+
+    lead_byte = AutoTokenizer.from_pretrained(tiny_llama_dir).convert_tokens_to_ids("\u00c3")  # byte-level 0xC3
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, logit_bias={str(lead_byte): 100}, stream=True,
+                  extra_body={"ignore_eos": True})
+    chunks = [c for c in client.completions.create(prompt=PROMPT, **kwargs) if c.choices]
+    assert len(chunks) == 6 and [c.choices[0].text for c in chunks[:-1]] == [""] * 5
+    assert chunks[-1].choices[0].finish_reason == "length"
+    chat = [c for c in client.chat.completions.create(messages=MESSAGES, **kwargs) if c.choices][1:]  # the role's
+    assert len(chat) == 6 and [c.choices[0].delta.content for c in chat[:-1]] == [""] * 5
+
+
 def test_token_id_and_batched_prompts(client):
     r = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]

@@ -296,7 +296,11 @@ class OpenAIServingChat(OpenAIServing):
                             yield chunk([ChatStreamChoice(index=c.index,
                                                           delta=DeltaMessage(content=c.text[already:safe]))])
                         continue
-                    if not text and reason is None:
+                    # a token whose text is held back (half a character, a possible stop string) still gets its
+                    # chunk, empty, as vLLM's: a client counts tokens and their pace by chunks (a reasoning split
+                    # holds a tag back whole instead)
+                    new_token = mode == "none" and splitters is None and len(c.token_ids) > sent_tokens[c.index]
+                    if not text and reason is None and not new_token:
                         continue  # nothing to show yet: its tokens' logprobs go with the next chunk
                     start = sent_tokens[c.index]
                     logprobs = None
@@ -306,7 +310,7 @@ class OpenAIServingChat(OpenAIServing):
                     finished[c.index] = reason is not None
                     stop_reason = c.stop_reason if reason else None
                     if mode == "none":
-                        delta = DeltaMessage(content=text or None)
+                        delta = DeltaMessage(content=text if text or reason is None else None)
                     elif mode == "named":  # the output is the arguments: stream them as they come
                         call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=text))
                         if c.index not in call_ids:

@@ -194,8 +194,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         so_far.offset = len(prefix)
                     text = c.text[so_far.text :]
                     reason = finish_reason(c)
-                    if not (prefix or text or reason is not None):
-                        continue  # nothing to show yet (held-back stop string, partial character): wait
+                    # a token whose text is held back (half a character, a possible stop string) still gets its
+                    # chunk, empty, as vLLM's: a client counts tokens and their pace by chunks
+                    if not (prefix or text or reason is not None or len(c.token_ids) > so_far.tokens):
+                        continue
                     logprobs = None
                     if request.logprobs is not None and c.logprobs is not None:
                         start = so_far.tokens
