@@ -31,3 +31,16 @@ def test_summary_reports_p90_beside_the_median_and_p99():
     slower = summarize([RequestResult(ok=True, ttft=2 * r.ttft, latency=2 * r.latency, itl=r.itl,
                                       prompt_tokens=8, output_tokens=4) for r in results[:10]], duration=2.0)
     assert "Pagoda / vLLM p90 TTFT:                 0.50x" in compare(summary, slower)
+
+
+def test_a_chunk_brings_tokens_as_vllm_bench_serve_counts_them():
+    from pagoda.bench.serve import _brings_tokens
+
+    assert _brings_tokens([{"index": 0, "text": " the"}])
+    assert _brings_tokens([{"index": 0, "text": ""}])  # a token whose text is held back: still a token
+    assert _brings_tokens([{"index": 0, "delta": {"content": ""}}])
+    assert _brings_tokens([{"index": 0, "delta": {"reasoning": "so"}}])
+    assert not _brings_tokens([{"index": 0, "delta": {"role": "assistant", "content": ""}}])  # the role only
+    assert not _brings_tokens([{"index": 0, "delta": {}, "finish_reason": "stop"}])
+    assert not _brings_tokens([])  # the usage chunk
+    assert not _brings_tokens(None)

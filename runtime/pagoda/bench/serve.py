@@ -179,9 +179,7 @@ class HTTPSender:
                     if chunk.get("usage"):
                         result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                         result.output_tokens = chunk["usage"]["completion_tokens"]
-                    choices = chunk.get("choices") or []
-                    piece = choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
-                    if piece:
+                    if _brings_tokens(chunk.get("choices")):
                         now = time.perf_counter()
                         if result.ttft == 0.0:
                             result.ttft = now - result.start
@@ -195,6 +193,20 @@ class HTTPSender:
         except Exception as e:  # noqa: BLE001 - counted as a failed request
             result.error = repr(e)
         return result
+
+
+def _brings_tokens(choices: list | None) -> bool:
+    """Whether a streamed chunk brings tokens, as `vllm bench serve` times them: every chunk with a choice's text,
+    empty too (a server sends one for a token whose text it holds back, half a character), but not the chat
+    stream's first chunk, which only names the role."""
+    if not choices:
+        return False
+    choice = choices[0]
+    if "text" in choice:
+        return choice["text"] is not None
+    delta = choice.get("delta") or {}
+    return delta.get("role") is None and any(delta.get(key) is not None for key in
+                                             ("content", "reasoning", "reasoning_content", "tool_calls"))
 
 
 class EngineSender:
