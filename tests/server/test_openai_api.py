@@ -116,20 +116,30 @@ def test_streamed_text_equals_non_streamed_under_greedy(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_a_token_whose_text_is_held_back_still_gets_its_chunk(client, tiny_llama_dir):
-    """As vLLM's, a stream sends a chunk a token, empty while the token's text is held back (here every token is
-    the byte 0xC3, which opens a two-byte character): clients such as `vllm bench serve` count the tokens and time
-    them by their chunks."""
+def test_a_token_whose_text_is_held_back_still_gets_its_chunk(slow_http, tiny_llama_dir):
+    """As vLLM's, a stream sends a chunk for the tokens of each step, with empty text while their text is held back
+    (here every token is the byte 0xC3, which opens a two-byte character): clients such as `vllm bench serve` time
+    the tokens by their chunks. A consumer that falls behind gets a later step's tokens in one chunk (as vLLM's), so
+    the tokens are counted by their logprobs; the steps take 10 ms here, so that it keeps up."""
+    import json
+
     from transformers import AutoTokenizer
 
     lead_byte = AutoTokenizer.from_pretrained(tiny_llama_dir).convert_tokens_to_ids("\u00c3")  # byte-level 0xC3
-    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, logit_bias={str(lead_byte): 100}, stream=True,
-                  extra_body={"ignore_eos": True})
-    chunks = [c for c in client.completions.create(prompt=PROMPT, **kwargs) if c.choices]
-    assert len(chunks) == 6 and [c.choices[0].text for c in chunks[:-1]] == [""] * 5
-    assert chunks[-1].choices[0].finish_reason == "length"
-    chat = [c for c in client.chat.completions.create(messages=MESSAGES, **kwargs) if c.choices][1:]  # the role's
-    assert len(chat) == 6 and [c.choices[0].delta.content for c in chat[:-1]] == [""] * 5
+    body = dict(model=MODEL, max_tokens=6, temperature=0, logit_bias={str(lead_byte): 100}, stream=True,
+                ignore_eos=True)
+
+    def chunks(path: str, **extra) -> list[dict]:
+        with slow_http.stream("POST", path, json={**body, **extra}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        return [e["choices"][0] for e in events if e.get("choices")]
+
+    text = chunks("/v1/completions", prompt=PROMPT, logprobs=1)
+    assert sum(len(c["logprobs"]["tokens"]) for c in text) == 6
+    assert len(text) > 1 and [c["text"] for c in text[:-1]] == [""] * (len(text) - 1)  # before: the last only
+    chat = chunks("/v1/chat/completions", messages=MESSAGES, logprobs=True)[1:]  # after the role's
+    assert sum(len(c["logprobs"]["content"]) for c in chat) == 6
+    assert len(chat) > 1 and [c["delta"]["content"] for c in chat[:-1]] == [""] * (len(chat) - 1)
 
 
 def test_token_id_and_batched_prompts(client):
