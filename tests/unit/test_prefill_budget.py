@@ -329,6 +329,51 @@ def test_a_target_in_milliseconds_is_a_bound_whatever_waits():
     assert out.num_batched_tokens - 4 == sched.step_costs.prompt_tokens_within(0.020, num_decodes=4)
 
 
+@pytest.mark.parametrize("factor", [1.5, 3.0])
+def test_a_relative_target_bounds_every_step_by_that_multiple_of_the_decodes_step(factor):
+    # "3x": the user's SLO against this machine's own decode step, a bound like milliseconds: the oldest prompt
+    # is cut too, and the backlog of long prompts beside answers about to end does not stretch the step
+    sched = answers_about_to_end_beside_long_prompts(f"{factor:g}x")
+    step_alone = sched.step_costs.decode_step_seconds(14)  # 14 rows soon: the 4 decodes and 10 prompts
+    out = run_step(sched)
+    assert out.num_decodes == 4
+    assert out.num_batched_tokens - 4 == sched.step_costs.prompt_tokens_within(factor * step_alone, num_decodes=4)
+    assert fake_cost(out.num_batched_tokens, 4) <= factor * step_alone + 1e-9
+    assert out.num_batched_tokens - 4 < 1500  # the oldest prompt cut too
+    # where "auto" would take the whole --max-num-batched-tokens
+    assert run_step(answers_about_to_end_beside_long_prompts("auto")).num_batched_tokens == 2048
+
+
+def test_a_relative_target_of_a_larger_multiple_gives_prompts_more_of_each_step():
+    def first_chunk(target):
+        sched = make(target_itl_ms=target)
+        teach(sched.step_costs)
+        with_decodes(sched, 8)
+        sched.add(seq(3000, req="long"))
+        return run_step(sched).num_batched_tokens - 8
+
+    assert 16 <= first_chunk("1.5x") < first_chunk("3x") < first_chunk("6x") < 2040
+
+
+@pytest.mark.parametrize("bad", ["0.5x", "x", "3y", "nanx", "infx", "-2x"])
+def test_a_bad_relative_target_is_refused_by_name(bad):
+    import argparse
+
+    from pagoda.config import EngineArgs
+    from pagoda.entrypoints.openai.cli_args import add_serve_arguments, split_args
+    from pagoda.errors import InvalidParam
+
+    with pytest.raises(InvalidParam, match="target_itl_ms must be > 0 milliseconds, a multiple >= 1"):
+        EngineArgs(target_itl_ms=bad).validate()
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--target-itl-ms", bad])
+    engine, _ = split_args(parser.parse_args(["--target-itl-ms", "2.5x"]))
+    assert engine.target_itl_ms == "2.5x"
+    EngineArgs(target_itl_ms="2.5x").validate()
+
+
 @pytest.mark.parametrize("answer_tokens", [8, 200, 1000])
 def test_the_backlog_is_spread_over_the_decodes_steps_left(answer_tokens):
     # one 1,500-token prompt beside 4 answers: the longer the answers still run, the smaller its share

@@ -23,6 +23,7 @@ from pagoda.config.configs import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    relative_itl_target,
 )
 from pagoda.config.kv_cache import KV_CACHE_DTYPES
 from pagoda.config.resolve import choose_dtype, create_engine_config, resolve_device, resolve_dtype
@@ -31,4 +32,4 @@ __all__ = ["AUTO_TARGET", "DEFAULT_CPU_KV_CACHE_GIB", "DEFAULT_CPU_SWAP_SPACE_GI
            "DEFAULT_MODEL_NAME", "DTYPES", "EXECUTOR_BACKENDS", "KV_CACHE_DTYPES", "LOAD_FORMATS",
            "PREEMPTION_MODES", "UNSUPPORTED_ARGS", "CacheConfig", "EngineArgs",
            "EngineConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "SpeculativeConfig",
-           "choose_dtype", "create_engine_config", "resolve_device", "resolve_dtype"]
+           "choose_dtype", "create_engine_config", "relative_itl_target", "resolve_device", "resolve_dtype"]

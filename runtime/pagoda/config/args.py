@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 
-from pagoda.config.configs import AUTO_TARGET
+from pagoda.config.configs import AUTO_TARGET, relative_itl_target
 from pagoda.config.kv_cache import check_kv_cache_dtype
 from pagoda.config.quantization import check_quantization_args
 from pagoda.errors import InvalidParam
@@ -47,7 +47,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # a step's prefill share sized so running decodes keep this inter-token latency (docs/server.md); None: off
-    target_itl_ms: float | str | None = None  # milliseconds, or "auto" (relative to a decode step; pagoda serve's)
+    target_itl_ms: float | str | None = None  # milliseconds, "3x" or "auto" (relative to a decode step)
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (a request's `priority`, lower first), as vLLM's
     # with chunked prefill, a prompt computes at most this many tokens a step (0: no such cap), as vLLM's
     long_prefill_token_threshold: int = 0
@@ -131,10 +131,7 @@ class EngineArgs:
                                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise InvalidParam("kv_cache_memory", f"kv_cache_memory must be > 0 GiB; got {self.kv_cache_memory}")
-        if self.target_itl_ms is not None and self.target_itl_ms != AUTO_TARGET and not (
-                isinstance(self.target_itl_ms, (int, float)) and self.target_itl_ms > 0):
-            raise InvalidParam("target_itl_ms", f"target_itl_ms must be > 0 milliseconds or {AUTO_TARGET!r}; "
-                                                f"got {self.target_itl_ms!r}")
+        check_target_itl_ms(self.target_itl_ms)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidParam("scheduling_policy", f"scheduling_policy must be one of "
                                                     f"{', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}")
@@ -275,3 +272,16 @@ def check_positive(args: EngineArgs, *names: str) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise InvalidParam(name, f"{name} must be an integer >= 1; got {value!r}")
+
+
+def check_target_itl_ms(target) -> None:
+    """target_itl_ms: milliseconds > 0, a relative target such as "3x", "auto" or None (off)."""
+    if target is None or target == AUTO_TARGET or (isinstance(target, (int, float)) and target > 0):
+        return
+    try:
+        if relative_itl_target(target) is not None:
+            return
+    except ValueError:
+        pass
+    raise InvalidParam("target_itl_ms", f"target_itl_ms must be > 0 milliseconds, a multiple >= 1 of the decodes' "
+                                        f"step such as '3x', or {AUTO_TARGET!r}; got {target!r}")

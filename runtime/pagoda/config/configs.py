@@ -1,5 +1,6 @@
 """The validated configs built once from EngineArgs (pagoda.config.resolve) and never changed after."""
 
+import math
 from dataclasses import dataclass
 
 from pagoda.config.quantization import QuantizationConfig
@@ -50,6 +51,20 @@ class CacheConfig:
 AUTO_TARGET = "auto"  # target_itl_ms relative to the running decodes' own step time
 
 
+def relative_itl_target(target) -> float | None:
+    """A target_itl_ms given as a multiple of a step of the running decodes alone ("3x": every step within 3 times
+    it): the multiple, >= 1; None for milliseconds, "auto" or no target. Raises ValueError for another string."""
+    if not isinstance(target, str) or target == AUTO_TARGET:
+        return None
+    try:
+        factor = float(target[:-1]) if target.endswith("x") else math.nan
+    except ValueError:
+        factor = math.nan
+    if not 1 <= factor < math.inf:
+        raise ValueError(f"{target!r} is not a multiple of the decodes' step >= 1 (such as '3x')")
+    return factor
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -59,7 +74,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     max_loras: int | None = None  # LoRA: the distinct adapters running sequences may use at once
     # a step's prefill share is sized so running decodes keep this inter-token latency (None: no cap; AUTO_TARGET:
-    # a multiple of what the decodes' own step costs, core/scheduler.py)
+    # a multiple of what the decodes' own step costs, core/scheduler.py; "3x": a bound at 3 times that step)
     target_itl_ms: float | str | None = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower `priority` first, then arrival), as vLLM's
     long_prefill_token_threshold: int = 0  # a prompt's tokens a step at most, with chunked prefill (0: no cap)

@@ -14,11 +14,12 @@ before any newer prompt is admitted; only the last prompt admitted in a step is 
 nobody waits for a token: prompts take the whole `max_num_batched_tokens`. While decodes run, the step's prompt
 share is what a latency target (`target_itl_ms`) leaves beyond the measured step of those decodes alone, at the
 engine's own measured price per prompt token (core.step_cost), at least a block so that prompts always move. A
-target in milliseconds is the user's SLO: a bound. The target "auto" computes the oldest prompt whole, as vLLM's
-chunked prefill would; newer prompts get AUTO_TARGET_FACTOR times what a step of decodes alone costs at the number
-of sequences running or waiting (those that will decode), or the waiting prompts' tokens spread over the steps the
-decodes have left if that is more (so prompts waiting beside answers about to end take most of the step, and newer
-prompts beside long answers take what the target leaves). Without chunked prefill there is no prefill budget: a
+target in milliseconds is the user's SLO: a bound; so is a multiple of the decodes' own step ("3x": every step
+within 3 times a step of the sequences that will decode, on whatever machine). The target "auto" computes the oldest
+prompt whole, as vLLM's chunked prefill would; newer prompts get AUTO_TARGET_FACTOR times what a step of decodes
+alone costs at the number of sequences running or waiting (those that will decode), or the waiting prompts' tokens
+spread over the steps the decodes have left if that is more (so prompts waiting beside answers about to end take
+most of the step, and newer prompts beside long answers take what the target leaves). Without chunked prefill there is no prefill budget: a
 prompt waits for a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
@@ -34,7 +35,7 @@ only what changed since the runner last saw the sequence.
 
 from collections import deque
 
-from pagoda.config import AUTO_TARGET, SchedulerConfig, SpeculativeConfig
+from pagoda.config import AUTO_TARGET, SchedulerConfig, SpeculativeConfig, relative_itl_target
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.runner_output import ModelRunnerOutput
 from pagoda.core.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -118,11 +119,14 @@ class Scheduler:
         decode_step = self.step_costs.decode_step_seconds(len(decodes))
         if decode_step is None:  # no step measured yet
             return None
-        if target == AUTO_TARGET:
-            # counting the sequences that will decode once their prompts are in: sized from the decodes running
-            # now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
-            soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-            soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
+        # counting the sequences that will decode once their prompts are in: sized from the decodes running now, a
+        # burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
+        soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
+        soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
+        relative = relative_itl_target(target)
+        if relative is not None:  # the user's SLO as a multiple of this machine's decode step: a bound
+            seconds, oldest = relative * soon_step, 0
+        elif target == AUTO_TARGET:
             seconds = max(self.auto_target_factor * soon_step, decode_step + self._backlog_seconds(decodes))
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
             # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones

@@ -20,6 +20,7 @@ from pagoda.config import (
     PREEMPTION_MODES,
     EngineArgs,
     choose_dtype,
+    relative_itl_target,
 )
 from pagoda.config.args import SCHEDULING_POLICIES
 from pagoda.config.default_model import DEFAULT_MODEL_NAME
@@ -117,9 +118,12 @@ def positive_float(text: str) -> float:
 
 
 def itl_target(text: str) -> float | str | None:
-    """--target-itl-ms: milliseconds > 0, 'auto' or 'off' (None)."""
+    """--target-itl-ms: milliseconds > 0, a multiple >= 1 of the decodes' step ('3x'), 'auto' or 'off' (None)."""
     if text in (AUTO_TARGET, "off"):
         return None if text == "off" else text
+    if text.endswith("x"):
+        relative_itl_target(text)  # ValueError unless a multiple >= 1
+        return text
     return positive_float(text)
 
 
@@ -288,8 +292,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                f"the whole --max-num-batched-tokens); a number is a bound (an SLO), whatever waits. 'auto': the "
                "oldest prompt is computed whole, and newer prompts join a step while it takes up to "
                f"{AUTO_TARGET_FACTOR:g}x a step of the running decodes alone, or more when prompts wait beside "
-               "answers about to end (their backlog spread over the decodes' steps left); 'off': no cap (default: "
-               "%(default)s; docs/server.md)")
+               "answers about to end (their backlog spread over the decodes' steps left); a multiple such as "
+               "'3x': a bound of that many times a step of the decodes alone, on this machine, whatever waits; "
+               "'off': no cap (default: %(default)s; docs/server.md)")
     p.add("--long-prefill-token-threshold", default=d["long_prefill_token_threshold"], type=non_negative_int,
           help="with chunked prefill, a prompt computes at most this many tokens a step, so one long prompt "
                "leaves room in the step for others (0: no cap; default: %(default)s), as vLLM's")
