@@ -19,8 +19,8 @@ within 3 times a step of the sequences that will decode, on whatever machine). T
 prompt whole, as vLLM's chunked prefill would; newer prompts get AUTO_TARGET_FACTOR times what a step of decodes
 alone costs at the number of sequences running or waiting (those that will decode), or the waiting prompts' tokens
 spread over the steps the decodes have left if that is more (so prompts waiting beside answers about to end take
-most of the step, and newer prompts beside long answers take what the target leaves). Without chunked prefill there is no prefill budget: a
-prompt waits for a step that holds it whole, as vLLM's.
+most of the step, and newer prompts beside long answers take what the target leaves). Without chunked prefill there
+is no prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
