@@ -62,6 +62,7 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None, step_costs: StepCostModel | None = None,
                  kv_connector=None, auto_target_factor: float = AUTO_TARGET_FACTOR):
         self.config = config
+        self.relative_target = relative_itl_target(config.target_itl_ms)  # "3x" -> 3.0, parsed once
         self.auto_target_factor = auto_target_factor  # --target-itl-ms auto's (bench.schedule_sim compares others)
         self.kv_connector = kv_connector  # P/D (kv_transfer): supplies prompt KV, holds finished prompts' blocks
         self.step_costs = step_costs if step_costs is not None else StepCostModel()
@@ -119,15 +120,11 @@ class Scheduler:
         decode_step = self.step_costs.decode_step_seconds(len(decodes))
         if decode_step is None:  # no step measured yet
             return None
-        # counting the sequences that will decode once their prompts are in: sized from the decodes running now, a
-        # burst's first steps (few decodes, many prompts) would take prompts a few tokens at a time
-        soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-        soon_step = self.step_costs.decode_step_seconds(max(len(decodes), soon))
-        relative = relative_itl_target(target)
-        if relative is not None:  # the user's SLO as a multiple of this machine's decode step: a bound
-            seconds, oldest = relative * soon_step, 0
+        if self.relative_target is not None:  # the user's SLO as a multiple of this machine's decode step: a bound
+            seconds, oldest = self.relative_target * self._soon_step_seconds(decodes), 0
         elif target == AUTO_TARGET:
-            seconds = max(self.auto_target_factor * soon_step, decode_step + self._backlog_seconds(decodes))
+            seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes),
+                          decode_step + self._backlog_seconds(decodes))
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
             # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
             oldest = self._oldest_prompt_tokens(decodes)
@@ -137,6 +134,13 @@ class Scheduler:
         if tokens is None:
             return None
         return max(tokens, oldest, self.block_manager.block_size)
+
+    def _soon_step_seconds(self, decodes: list[Sequence]) -> float:
+        """A step of decodes alone at the number of sequences that will decode once their prompts are in: sized from
+        the decodes running now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at
+        a time."""
+        soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
+        return self.step_costs.decode_step_seconds(max(len(decodes), soon))
 
     def _oldest_prompt_tokens(self, decodes: list[Sequence]) -> int:
         """The prompt tokens the oldest prompt has left to compute (beyond any chunk in flight): the first running
