@@ -6,6 +6,7 @@ import pytest
 from pagoda.bench import schedule_sim
 from pagoda.bench.matrix import MATRIX, Load
 from pagoda.bench.schedule_sim import PAGODA_PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
+from pagoda.core.step_cost import StepCostModel
 
 pytestmark = pytest.mark.unit
 
@@ -85,6 +86,22 @@ def test_zen4_prices_run_both_rules_at_pagodas_prices(capsys):
     assert lines[0].split("prefill-first")[1].strip() == schedule_sim._cell(first).strip()
     # one sequence's step: the fixed part, a decode and its context at Zen 4's prices, not Zen 3's
     assert first.itl_median == pytest.approx(0.009 + 0.79e-3 + 0.85e-6 * 320, rel=0.05)
+
+
+def test_one_server_carries_what_it_learnt_from_load_to_load(capsys):
+    # a served matrix runs every load on one server: short-long-c64's burst is sized from the steps chat-c32 taught
+    # the engine (its 32 decodes alone measured), not from nothing as on a fresh engine
+    chat, short_long = (next(load for load in MATRIX if load.name == name) for name in ("chat-c32", "short-long-c64"))
+    costs = StepCostModel()
+    simulate(chat, ZEN4_PRICES, send_delay=0.05, step_costs=costs)
+    assert 32 in costs.decode_steps
+    carried = simulate(short_long, ZEN4_PRICES, send_delay=0.05, step_costs=costs)
+    fresh = simulate(short_long, ZEN4_PRICES, send_delay=0.05)
+    assert carried.ttft_by_request != fresh.ttft_by_request
+    argv = ["--one-server", "--prices", "zen4", "--matrix-loads", "chat-c32,short-long-c64", "--send-delay", "0.05"]
+    assert schedule_sim.main(argv) == 0
+    auto_lines = [line for line in capsys.readouterr().out.splitlines() if "auto x2 " in line]
+    assert auto_lines[1].split("auto x2")[1].strip().startswith(schedule_sim._cell(carried).strip())
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -10,7 +10,9 @@ Two rules side by side: prefill-first (no prompt budget: waiting prompts take th
 beside the decodes, as vLLM's chunked prefill) at vLLM's prices, and Pagoda's `--target-itl-ms auto` at each
 factor asked (`--factors`) at Pagoda's prices. Prices are per engine and per machine (below): `--prices zen3` (the
 default; both engines measured) or `--prices zen4` (Pagoda's only: both rules run at them); `--same-prices` gives
-both rules Pagoda's, so that only the rules differ.
+both rules Pagoda's, so that only the rules differ. Each load runs on a fresh engine, which has measured nothing
+when its burst comes; `--one-server` carries each rule's learnt step costs from load to load in the matrix's order,
+as one served matrix does (a burst is then sized from the steps the loads before it measured).
 
 What it leaves out: HTTP and detokenization, the machine's jitter and async scheduling. By default a burst arrives at
 one instant, so loads of equal short answers run in lockstep waves (tiny-c32's ITL p99: 0.12 s); `--send-delay S`
@@ -115,10 +117,12 @@ def _arrivals(load: Load, rng: random.Random) -> list[float]:
 
 def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None = AUTO_TARGET,
              auto_target_factor: float = AUTO_TARGET_FACTOR, seed: int = 0, max_num_batched_tokens: int = 2048,
-             max_num_seqs: int = 256, jitter: float = JITTER, send_delay: float = 0.0) -> SimResult:
+             max_num_seqs: int = 256, jitter: float = JITTER, send_delay: float = 0.0,
+             step_costs: StepCostModel | None = None) -> SimResult:
     """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's).
     send_delay: a client's request reaches the scheduler uniform(0, send_delay) seconds after it may be sent (its
-    slot freed, its Poisson arrival): HTTP, tokenization and the server's event loop, which spread a burst."""
+    slot freed, its Poisson arrival): HTTP, tokenization and the server's event loop, which spread a burst.
+    step_costs: what the engine has learnt before this load (one server through the matrix), else nothing."""
     rng = random.Random(seed)
     delays = random.Random(seed + 1)  # apart, so that send_delay 0 draws the same steps as before
     lengths, arrivals = _lengths(load, seed), _arrivals(load, rng)
@@ -126,7 +130,8 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
                              enable_chunked_prefill=True, max_model_len=8192, target_itl_ms=target_itl_ms)
     num_blocks = 1 + sum(p + o for p, o in lengths) // 16 + load.num_prompts  # room for all: no preemption
     scheduler = Scheduler(config, BlockManager(num_blocks, 16, enable_prefix_caching=False),
-                          step_costs=StepCostModel(), auto_target_factor=auto_target_factor)
+                          step_costs=step_costs if step_costs is not None else StepCostModel(),
+                          auto_target_factor=auto_target_factor)
     concurrency = load.concurrency or load.num_prompts
     free_at = [0.0] * concurrency  # when each client slot may send (a min-heap)
     now, sent, finished = 0.0, 0, 0
@@ -198,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--send-delay", type=float, default=0.0, metavar="SECONDS",
                    help="each request reaches the scheduler uniform(0, SECONDS) after it is sent (default 0: a burst "
                         "at one instant)")
+    p.add_argument("--one-server", action="store_true",
+                   help="one server through the loads in their order: each rule's learnt step costs carried from "
+                        "load to load, as a served matrix's (default: each load on a fresh engine)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not args.send_delay >= 0:
@@ -217,11 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.same_prices:
         first_prices = prices
     worst = {f: [0.0, 0.0, 0.0] for f in factors}  # TTFT median, p90, ITL p99: the largest ratio to prefill-first
+    # each rule's engine memory: None, a fresh one for every load; else one server's, carried through the loads
+    costs = {rule: StepCostModel() if args.one_server else None for rule in (None, *factors)}
     for load in chosen:
-        base = simulate(load, first_prices, target_itl_ms=None, seed=args.seed, send_delay=args.send_delay)
+        base = simulate(load, first_prices, target_itl_ms=None, seed=args.seed, send_delay=args.send_delay,
+                        step_costs=costs[None])
         print(f"{load.name:17s} prefill-first  {_cell(base)}")
         for f in factors:
-            r = simulate(load, prices, auto_target_factor=f, seed=args.seed, send_delay=args.send_delay)
+            r = simulate(load, prices, auto_target_factor=f, seed=args.seed, send_delay=args.send_delay,
+                         step_costs=costs[f])
             ratios = (r.ttft_median / base.ttft_median, r.ttft_p90 / base.ttft_p90,
                       r.itl_p99 / base.itl_p99 if base.itl_p99 else 1.0)
             worst[f] = [max(w, x) for w, x in zip(worst[f], ratios)]
