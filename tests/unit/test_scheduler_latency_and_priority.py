@@ -34,7 +34,7 @@ def make(target_itl_ms=None, policy="fcfs", budget=2048, num_blocks=512, max_seq
     config = SchedulerConfig(max_seqs, budget, True, 10_000, target_itl_ms=target_itl_ms,
                              scheduling_policy=policy)
     sched = Scheduler(config, BlockManager(num_blocks, 16, False), auto_target_factor=AUTO_TARGET_FACTOR)
-    sched.itl_tail = ItlTail(share=0.0)  # no burst taken whole: the figures below are the target's (test_itl_tail.py)
+    sched.itl_tail = ItlTail(share=0.0)  # no burst taken whole (test_prefill_budget.py): the target alone
     return sched
 
 

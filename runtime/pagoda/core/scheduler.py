@@ -53,10 +53,12 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 # (_backlog_seconds). Time to first token and the decodes' pace are one budget: in a closed loop of c users, mean
 # TTFT + mean answer time = c / throughput (Little's law), so every second a decode is spared is a second a prompt
 # waits. 1.5: a step with newer prompts takes at most half again a step of its decodes alone, so waves of short
-# prompts beside answers about to end (tiny-c32) keep ITL p99 near twice its median; a burst that needs more goes
-# whole within the ITL tail's share (core.itl_tail). At 8 (the factor before the oldest-prompt rule) tiny-c32's ITL
-# p99 was 8x its median, 953 ms served against vLLM's 264; 2 (before the tail's share) left chat-c32's p99 at 4-5x
-# its median (docs/benchmarks.md, "Load matrix"; `pagoda bench schedule --factors` simulates others)
+# prompts beside answers about to end (tiny-c32) keep ITL p99 within about twice its median; a burst that needs more
+# goes whole within the ITL tail's share (core.itl_tail). At 8 (the factor before the oldest-prompt rule) tiny-c32's
+# ITL p99 was 8x its median, 953 ms served against vLLM's 264; at 2 without the tail's share the burst of short-long-c64
+# went in over narrow steps and its TTFT p90 was over vLLM's in five whole served matrices of six; at 1.5 with it,
+# every load's TTFT median and p90 under vLLM's or within 3 % in four (docs/benchmarks.md, "Load matrix";
+# `pagoda bench schedule --factors` simulates others)
 AUTO_TARGET_FACTOR = 1.5
 
 
