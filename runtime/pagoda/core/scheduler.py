@@ -126,11 +126,13 @@ class Scheduler:
         decode_step = self.step_costs.decode_step_seconds(len(decodes))
         if decode_step is None:  # no step measured yet
             return None
+        waiting = 0  # prompt tokens still to compute: under "auto" only (its backlog rule and its bursts)
         if self.relative_target is not None:  # the user's SLO as a multiple of this machine's decode step: a bound
             seconds, oldest = self.relative_target * self._soon_step_seconds(decodes), 0
         elif target == AUTO_TARGET:
+            waiting = self._prompt_tokens_waiting(decodes)
             seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes),
-                          decode_step + self._backlog_seconds(decodes))
+                          decode_step + self._backlog_seconds(decodes, waiting))
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
             # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
             oldest = self._oldest_prompt_tokens(decodes)
@@ -140,8 +142,7 @@ class Scheduler:
         if tokens is None:
             return None
         budget = max(tokens, oldest, self.block_manager.block_size)
-        if (target == AUTO_TARGET and self._prompt_tokens_waiting(decodes) > budget
-                and self.itl_tail.grant(len(decodes), self._tokens_to_come())):
+        if waiting > budget and self.itl_tail.grant(len(decodes), self._tokens_to_come()):
             return None  # a burst: taken whole while the gaps it delays stay within the ITL tail's share
         return budget
 
@@ -166,9 +167,9 @@ class Scheduler:
             nxt = next((q for q in self.waiting if self._adapter_fits(q)), None)
         return nxt.num_tokens - nxt.num_computed_tokens if nxt is not None else 0
 
-    def _backlog_seconds(self, decodes: list[Sequence]) -> float:
-        """The prompt seconds a step may take so that the prompts waiting now are in well before the running
-        decodes end: their tokens at the measured price, spread over the decodes' mean steps left (each decode's
+    def _backlog_seconds(self, decodes: list[Sequence], prompt_tokens: int) -> float:
+        """The prompt seconds a step may take so that the prompts waiting now (their `prompt_tokens`) are in well
+        before the running decodes end: their tokens at the measured price, spread over the decodes' mean steps left (each decode's
         max_tokens, else the model's length, less what it has) over AUTO_TARGET_FACTOR, the same stretch the
         ITL target grants a decode step: a decode accepts steps up to that many times its own, a prompt is due
         that many times sooner than the answers beside it end. Prompts waiting beside answers about to end take
@@ -177,7 +178,6 @@ class Scheduler:
         price = self.step_costs.prompt_token_seconds()
         if not price:
             return 0.0
-        prompt_tokens = self._prompt_tokens_waiting(decodes)
         if prompt_tokens <= 0:
             return 0.0
         steps_left = sum(self._tokens_left(q) for q in decodes) / len(decodes) / self.auto_target_factor
