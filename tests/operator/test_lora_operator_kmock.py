@@ -89,7 +89,8 @@ async def test_hub_adapters_download_before_pods_list_them_and_removed_ones_lose
     sts = await eventually(lambda: _with_modules(cluster, "lora", 2), what="the StatefulSet listing sql")
     assert lora_modules(head_args(sts, "lora")) == ["sql=/models/org/sql-lora/main", "local=/models/adapters/local"]
     assert sts["lora-g0-head"]["metadata"]["labels"]["pagoda.dev/revision"] == revision
-    assert (await adapter_states(cluster, "lora"))["sql"]["state"] == "Ready"
+    # the status is written after the StatefulSet in the same reconcile pass: a reader may see one before the other
+    await eventually(lambda: _state(cluster, "lora", "sql", "Ready"), what="the sql adapter Ready in status")
 
     # a failed download says why, in the adapter's entry
     await cluster.update_spec("lora", {"adapters": HUB_SPEC["adapters"] + [
@@ -114,6 +115,10 @@ async def test_hub_adapters_download_before_pods_list_them_and_removed_ones_lose
 
 async def _names(cluster, name: str, names: set[str]):
     return set(await adapter_states(cluster, name)) == names
+
+
+async def _state(cluster, name: str, adapter: str, state: str) -> bool:
+    return (await adapter_states(cluster, name)).get(adapter, {}).get("state") == state
 
 
 async def _has(read, names: set[str]):
