@@ -168,17 +168,16 @@ class Scheduler:
         return nxt.num_tokens - nxt.num_computed_tokens if nxt is not None else 0
 
     def _backlog_seconds(self, decodes: list[Sequence], prompt_tokens: int) -> float:
-        """The prompt seconds a step may take so that the prompts waiting now (their `prompt_tokens`) are in well
-        before the running decodes end: their tokens at the measured price, spread over the decodes' mean steps left (each decode's
-        max_tokens, else the model's length, less what it has) over AUTO_TARGET_FACTOR, the same stretch the
-        ITL target grants a decode step: a decode accepts steps up to that many times its own, a prompt is due
-        that many times sooner than the answers beside it end. Prompts waiting beside answers about to end take
-        most of the step (as vLLM's chunked prefill, which gives prompts every token decodes leave); one prompt
-        beside long answers takes little, and the latency target governs."""
+        """The prompt seconds a step may take so that the prompts waiting now (their `prompt_tokens`) are in
+        well before the running decodes end: their tokens at the measured price, spread over the decodes' mean
+        steps left (each decode's max_tokens, else the model's length, less what it has) over
+        AUTO_TARGET_FACTOR, the same stretch the ITL target grants a decode step: a decode accepts steps up to
+        that many times its own, a prompt is due that many times sooner than the answers beside it end.
+        Prompts waiting beside answers about to end take most of the step (as vLLM's chunked prefill, which
+        gives prompts every token decodes leave); one prompt beside long answers takes little, and the latency
+        target governs."""
         price = self.step_costs.prompt_token_seconds()
-        if not price:
-            return 0.0
-        if prompt_tokens <= 0:
+        if not price or prompt_tokens <= 0:
             return 0.0
         steps_left = sum(self._tokens_left(q) for q in decodes) / len(decodes) / self.auto_target_factor
         return prompt_tokens * price / max(steps_left, 1.0)
