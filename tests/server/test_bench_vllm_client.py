@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagoda.bench.figures import summarize
 from pagoda.bench.matrix import Load
 
 VLLM_PEER_PYTHON = os.environ.get("PAGODA_VLLM_PEER_PYTHON", "/tmp/vllm-cpu-peer/bin/python")
@@ -34,6 +35,12 @@ def test_vllm_bench_serve_measures_a_live_pagoda_server(server_factory, tiny_lla
     # a tiny model's tokens can reach the client in one event (the server sends what is ready): no gaps then
     assert 0 <= figures["itl_ms"]["median"] <= figures["itl_ms"]["p99"]
     assert figures["ttft_ms"]["median"] <= figures["e2e_ms"]["median"]
+    # the per-request results the matrix pools its rounds from give vLLM's own figures back (units, failures)
+    ours = summarize(figures["results"], figures["duration_s"])
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert ours[key] == pytest.approx(figures[key], rel=1e-6, abs=1e-6), key
+    assert (ours["completed"], ours["total_output_tokens"], ours["total_input_tokens"]) == \
+        (5, 30, figures["total_input_tokens"])
 
 
 def test_the_key_of_a_server_that_asks_for_one_is_sent(server_factory, tiny_llama_dir):

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 import pytest
 
 from pagoda.bench import matrix
-from pagoda.bench.serve import RequestResult, parse_args, summarize, synthetic_requests
+from pagoda.bench.figures import RequestResult, summarize
+from pagoda.bench.serve import parse_args, synthetic_requests
 
 pytestmark = pytest.mark.unit
 
@@ -139,6 +140,51 @@ def test_run_matrix_alternates_the_engines_on_one_vllm_server(monkeypatch, tmp_p
                                                     ("pagoda", 32), ("vllm", 32)]
     assert [(n, w) for _, _, n, w in log][:2] == [(16, 2), (16, 2)]
     assert [load.name for load, _, theirs in results if theirs is not None] == ["single", "mid-c8", "chat-c32"]
+
+
+def test_a_short_loads_rounds_alternate_and_each_engines_are_pooled(monkeypatch, tmp_path):
+    import pagoda.bench.vllm_peer as vllm_peer
+
+    @contextmanager
+    def fake_vllm_server(python, model_dir, served_name, **kwargs):
+        yield "http://127.0.0.1:1"
+
+    monkeypatch.setattr(vllm_peer, "check_vllm_python", lambda python: python)
+    monkeypatch.setattr(vllm_peer, "vllm_server", fake_vllm_server)
+    log = []
+
+    async def fake_measure(sender, warmup, requests, args):
+        # each run's TTFTs set apart by its order (1, 2, 3, ... s), so the pooled median shows every run counted
+        n = len(log) + 1
+        log.append((sender.name, args.seed, requests[0].prompt))
+        results = [RequestResult(ok=True, ttft=float(n), latency=n + 1.0, itl=[0.1], prompt_tokens=32,
+                                 output_tokens=2) for _ in requests]
+        figures = summarize(results, duration=float(n))
+        return {**figures, "results": results, "preemptions": 1}
+
+    tiny = next(load for load in matrix.MATRIX if load.rounds > 1)
+    args = parse_args(["--matrix", "--matrix-loads", f"single,{tiny.name}", "--vllm-python", "py", "--seed", "7"])
+    results = asyncio.run(matrix.run_matrix(
+        args, StandInSender("pagoda", log), None, "m", str(tmp_path), measure=fake_measure,
+        synthetic_requests=synthetic_requests, http_sender=lambda url, name: StandInSender("vllm", log)))
+    order = [name for name, _, _ in log]
+    # single is the first pair; the short load's rounds go on alternating: vllm-pagoda, pagoda-vllm, ...
+    assert order == ["pagoda", "vllm"] + ["vllm", "pagoda", "pagoda", "vllm"] * (tiny.rounds // 2)
+    seeds = [seed for _, seed, _ in log[2:]]
+    assert seeds[0::2] == seeds[1::2] and len(set(seeds)) == tiny.rounds  # a round's prompts to both engines
+    assert len({prompt for _, _, prompt in log[2::2]}) == tiny.rounds  # each round new ones (the prefix cache)
+    (_, mine, theirs), = [(load, m, t) for load, m, t in results if load.name == tiny.name]
+    runs = {engine: [i + 1 for i, (name, _, _) in enumerate(log) if name == engine][1:] for engine in ("pagoda", "vllm")}
+    for figures, engine in ((mine, "pagoda"), (theirs, "vllm")):
+        assert "results" not in figures and figures["rounds"] == tiny.rounds
+        assert figures["completed"] == figures["num_prompts"] == tiny.rounds * tiny.num_prompts
+        assert figures["duration_s"] == sum(runs[engine])  # the throughput over the runs' summed time
+        assert figures["output_token_throughput"] == pytest.approx(2 * tiny.rounds * tiny.num_prompts
+                                                                   / sum(runs[engine]))
+        assert figures["ttft_ms"]["mean"] == pytest.approx(1000 * sum(runs[engine]) / tiny.rounds)
+        assert figures["preemptions"] == tiny.rounds
+    single = results[0][1]
+    assert "results" not in single and "rounds" not in single  # one run: its figures as measured
 
 
 def test_the_line_printed_per_load_carries_every_cell_of_the_table():

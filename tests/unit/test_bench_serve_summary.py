@@ -4,7 +4,8 @@ between ranks), so the two clients' figures compare on one load."""
 import numpy as np
 import pytest
 
-from pagoda.bench.serve import RequestResult, compare, percentile, report, summarize
+from pagoda.bench.figures import RequestResult, percentile, summarize
+from pagoda.bench.serve import compare, report
 
 pytestmark = pytest.mark.unit
 

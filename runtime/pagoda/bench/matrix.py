@@ -12,6 +12,8 @@ import argparse
 import asyncio
 from dataclasses import dataclass
 
+from pagoda.bench.figures import pooled
+
 
 @dataclass(frozen=True)
 class Load:
@@ -23,6 +25,8 @@ class Load:
     range_ratio: float = 0.0  # lengths uniform within +- this fraction of the centers
     request_rate: float = float("inf")  # Poisson arrivals per second (inf: all at once)
     what: str = ""  # the user it stands for
+    rounds: int = 1  # alternating pairs run of it, each engine's pooled (a few seconds' run samples the machine's
+    # phase more than the engines: tiny-c32's single pairs ranged 1.01-1.36x within minutes, docs/benchmarks.md)
 
 
 MATRIX: tuple[Load, ...] = (
@@ -36,7 +40,7 @@ MATRIX: tuple[Load, ...] = (
          what="mixed lengths: prompts 51-972, answers 25-486 tokens"),
     Load("poisson-2rps", 256, 128, 64, 96, request_rate=2.0,
          what="open loop: requests arrive at 2/s (Poisson), at most 64 in flight"),
-    Load("tiny-c32", 32, 16, 32, 128, what="short calls: scheduling and HTTP overhead dominate"),
+    Load("tiny-c32", 32, 16, 32, 128, what="short calls: scheduling and HTTP overhead dominate", rounds=4),
 )
 
 
@@ -60,14 +64,15 @@ def engine_order(index: int, with_vllm: bool) -> tuple[str, ...]:
     return ("pagoda", "vllm") if index % 2 == 0 else ("vllm", "pagoda")
 
 
-def load_args(args: argparse.Namespace, load: Load) -> argparse.Namespace:
-    """`pagoda bench serve`'s arguments for one load. Its seed is the run's plus the load's place in the matrix:
-    loads of one shape (single, chat-c32, poisson-2rps) would otherwise send the same prompts, and the second
-    would find the first's in Pagoda's prefix cache."""
+def load_args(args: argparse.Namespace, load: Load, round_: int = 0) -> argparse.Namespace:
+    """`pagoda bench serve`'s arguments for one round of one load. Its seed is the run's plus the load's place in
+    the matrix, plus the matrix's length per round: loads of one shape (single, chat-c32, poisson-2rps), or a
+    load's rounds, would otherwise send the same prompts, and the second would find the first's in Pagoda's prefix
+    cache."""
     return argparse.Namespace(**{**vars(args), "input_len": load.input_len, "output_len": load.output_len,
                                  "range_ratio": load.range_ratio, "max_concurrency": load.concurrency,
                                  "request_rate": load.request_rate, "num_prompts": load.num_prompts,
-                                 "seed": args.seed + MATRIX.index(load)})
+                                 "seed": args.seed + MATRIX.index(load) + round_ * len(MATRIX)})
 
 
 # --- the table ---------------------------------------------------------------------------------------
@@ -163,20 +168,40 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
             urls = {"pagoda": args.base_url, "vllm": vllm_url}
         elif vllm_url is not None:
             vllm_sender = http_sender(vllm_url, model)
-        for index, load in enumerate(loads(args.matrix_loads)):
-            per_load = load_args(args, load)
-            if client is None:
-                requests = synthetic_requests(load.num_prompts + args.warmup, load.input_len, load.output_len,
-                                              load.range_ratio, per_load.seed, tokenizer)
-                warmup, measured = requests[: args.warmup], requests[args.warmup:]
-            figures: dict[str, dict] = {}
-            for engine in engine_order(index, vllm_url is not None):
-                if client is not None:
-                    figures[engine] = await client.measure(urls[engine], load, per_load.seed, args.warmup)
-                else:
-                    sender = pagoda_sender if engine == "pagoda" else vllm_sender
-                    figures[engine] = await measure(sender, warmup, measured, per_load)
-                print(f"[matrix] {load.name}: {engine} {progress(figures[engine])}", flush=True)
-            results.append((load, figures["pagoda"], figures.get("vllm")))
+        pairs = 0  # pairs run so far: each starts with the engine the one before ended with
+        for load in loads(args.matrix_loads):
+            runs: dict[str, list[dict]] = {}
+            for round_ in range(load.rounds):
+                per_load = load_args(args, load, round_)
+                if client is None:
+                    requests = synthetic_requests(load.num_prompts + args.warmup, load.input_len, load.output_len,
+                                                  load.range_ratio, per_load.seed, tokenizer)
+                    warmup, measured = requests[: args.warmup], requests[args.warmup:]
+                for engine in engine_order(pairs, vllm_url is not None):
+                    if client is not None:
+                        figures = await client.measure(urls[engine], load, per_load.seed, args.warmup)
+                    else:
+                        sender = pagoda_sender if engine == "pagoda" else vllm_sender
+                        figures = await measure(sender, warmup, measured, per_load)
+                    runs.setdefault(engine, []).append(figures)
+                    what = f" round {round_ + 1}/{load.rounds}" if load.rounds > 1 else ""
+                    print(f"[matrix] {load.name}{what}: {engine} {progress(figures)}", flush=True)
+                pairs += 1
+            pooled_runs = {engine: pool(engine_runs) for engine, engine_runs in runs.items()}
+            if load.rounds > 1:
+                for engine, figures in pooled_runs.items():
+                    print(f"[matrix] {load.name}, {load.rounds} rounds pooled: {engine} {progress(figures)}",
+                          flush=True)
+            results.append((load, pooled_runs["pagoda"], pooled_runs.get("vllm")))
             await asyncio.sleep(0)
     return results
+
+
+def pool(runs: list[dict]) -> dict:
+    """One engine's figures on one load: its one run's, or its rounds' pooled (bench.figures.pooled); without the
+    per-request results they carry."""
+    if len(runs) > 1:
+        return pooled(runs)
+    figures = dict(runs[0])
+    figures.pop("results", None)
+    return figures

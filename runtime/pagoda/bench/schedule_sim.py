@@ -29,8 +29,9 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+from pagoda.bench.figures import percentile
 from pagoda.bench.matrix import Load, loads
-from pagoda.bench.serve import percentile, synthetic_requests
+from pagoda.bench.serve import synthetic_requests
 from pagoda.config import AUTO_TARGET, SchedulerConfig
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR, Scheduler

@@ -17,13 +17,13 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagoda.bench import matrix
+from pagoda.bench.figures import RequestResult, summarize
 from pagoda.platform.isa import ALL_LEVELS
 
 _WORDS = ("the of and to in is was for on are with as by at from his her they be this that have which "
@@ -50,18 +50,6 @@ class BenchRequest:
     prompt: str | list[int] | list[dict]  # text, token ids, or chat messages
     output_len: int
     prompt_len: int | None = None  # known when made from token ids
-
-
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str = ""
-    start: float = 0.0
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
 
 
 # --- workloads -------------------------------------------------------------------------------------
@@ -279,45 +267,6 @@ async def run(sender, requests: list[BenchRequest], concurrency: int | None, rat
     return results, time.perf_counter() - start
 
 
-def percentile(ordered: list[float], q: float) -> float:
-    """The q-quantile of sorted values, between the two nearest ranks (numpy's default, as vllm bench serve's)."""
-    position = q * (len(ordered) - 1)
-    below = int(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
-
-
-def summarize(results: list[RequestResult], duration: float) -> dict:
-    ok = [r for r in results if r.ok]
-    ms = 1000.0
-
-    def stats(values: list[float]) -> dict:
-        if not values:
-            return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
-        ordered = sorted(values)
-        return {"mean": statistics.fmean(values) * ms, "median": statistics.median(values) * ms,
-                "p90": percentile(ordered, 0.90) * ms, "p99": percentile(ordered, 0.99) * ms}
-
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    input_tokens = sum(r.prompt_tokens for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
-    return {
-        "duration_s": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": len(ok) / duration,
-        "output_token_throughput": output_tokens / duration,
-        "total_token_throughput": (input_tokens + output_tokens) / duration,
-        "ttft_ms": stats([r.ttft for r in ok]),
-        "tpot_ms": stats(tpot),
-        "itl_ms": stats([gap for r in ok for gap in r.itl]),
-        "e2e_ms": stats([r.latency for r in ok]),
-    }
-
-
 def report(summary: dict, title: str) -> str:
     lines = [f"{'=' * 18} {title} {'=' * 18}",
              f"{'Successful requests:':<40}{summary['completed']}",
@@ -481,10 +430,12 @@ async def main_async(args) -> dict:
     finally:
         if args.offline:
             engine.shutdown()
+    del summary["results"]
     print(cpu_line(bool(args.offline)))
     print(report(summary, title))
     if args.vllm_python:
         peer = await measure_vllm(args, model, args.vllm_model or root, warmup, requests)
+        del peer["results"]
         print(report(peer, f"vLLM ({args.vllm_dtype}; same client, same requests) Benchmark Result"))
         print(compare(summary, peer))
         summary["vllm"] = peer
@@ -526,6 +477,7 @@ async def measure(sender, warmup, requests, args) -> dict:
         results, duration = await run(sender, requests, args.max_concurrency, args.request_rate, args.seed)
         after = await sender.preemptions()
     summary = summarize(results, duration)
+    summary["results"] = results  # the matrix pools a load's rounds from them (bench.figures.pooled)
     if before is not None and after is not None:
         summary["preemptions"] = int(after - before)
     summary.update(max_concurrency=args.max_concurrency, request_rate=str(args.request_rate),

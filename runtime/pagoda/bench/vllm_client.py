@@ -3,7 +3,7 @@
 Pagoda's client (bench.serve) and vLLM's count the same things, but a figure quoted against vLLM is more
 convincing from vLLM's own tool: this runs it from the vLLM installation `--vllm-python` names, on each load's
 shape (its random dataset draws its own prompts of those lengths, so they are not the ones Pagoda's client would
-send), against either server, and reads back the result file it saves, in the figures' form bench.serve's
+send), against either server, and reads back the result file it saves, in the figures' form bench.figures'
 summarize() gives, so that the matrix's table and JSON are the same whichever client measured.
 """
 
@@ -13,6 +13,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from pagoda.bench.figures import RequestResult
 
 PERCENTILES = (50, 90, 99)  # the matrix's table reads medians, p90 and p99
 
@@ -57,14 +59,27 @@ class VllmBenchClient:
             if proc.returncode != 0 or not result.is_file():
                 raise RuntimeError(f"vllm bench serve on {load.name} against {base_url} failed (exit "
                                    f"{proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-            figures = summary_of(json.loads(result.read_text()))
+            saved = json.loads(result.read_text())
+            figures = summary_of(saved)
+            figures["results"] = results_of(saved)  # the matrix pools a load's rounds from them
         figures.update(client="vllm bench serve", max_concurrency=load.concurrency,
                        request_rate=str(load.request_rate), input_len=load.input_len, output_len=load.output_len)
         return figures
 
 
+def results_of(result: dict) -> list[RequestResult]:
+    """Every request's result from vllm bench serve's saved result (its per-request lists, saved with
+    --save-detailed; seconds, as bench.figures keeps them). A failed request has its error, or at least no
+    output (vLLM counts it 0 tokens)."""
+    return [RequestResult(ok=not error and output > 0, error=error or ("" if output > 0 else "no output"),
+                          ttft=ttft, latency=latency, itl=list(itl), prompt_tokens=prompt, output_tokens=output)
+            for error, ttft, latency, itl, prompt, output in zip(
+                result["errors"], result["ttfts"], result["latencies"], result["itls"], result["input_lens"],
+                result["output_lens"], strict=True)]
+
+
 def summary_of(result: dict) -> dict:
-    """vllm bench serve's saved result as bench.serve.summarize()'s figures (milliseconds, mean / median / p90 /
+    """vllm bench serve's saved result as bench.figures.summarize()'s figures (milliseconds, mean / median / p90 /
     p99 per latency)."""
     def stats(metric: str) -> dict:
         return {"mean": result[f"mean_{metric}_ms"], "median": result[f"median_{metric}_ms"],
