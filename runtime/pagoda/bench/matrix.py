@@ -5,7 +5,8 @@ A scheduler tuned on one load can lose on the next (issue 54: time to first toke
 it was fitted on), so the matrix spans the shapes users send: prompts of 32 to 1,500 tokens, answers of 16 to 512,
 concurrency 1 to 64, one load of Poisson arrivals and one of random length ratios. The engines run in alternating
 pairs, Pagoda then vLLM on one load, vLLM then Pagoda on the next: a shared machine's pace drifts over minutes
-(docs/benchmarks.md), and alternating gives each engine the same share of its slow and fast phases.
+(docs/benchmarks.md), and alternating gives each engine the same share of its slow and fast phases. A load of a
+few seconds runs in rounds of such pairs, each engine's rounds pooled (bench.figures.pooled).
 """
 
 import argparse
