@@ -26,8 +26,8 @@ class Load:
     range_ratio: float = 0.0  # lengths uniform within +- this fraction of the centers
     request_rate: float = float("inf")  # Poisson arrivals per second (inf: all at once)
     what: str = ""  # the user it stands for
-    rounds: int = 1  # alternating pairs run of it, each engine's pooled (a few seconds' run samples the machine's
-    # phase more than the engines: tiny-c32's single pairs ranged 1.01-1.36x within minutes, docs/benchmarks.md)
+    rounds: int = 1  # alternating pairs of it to run, each engine's runs pooled: a run of a few seconds samples
+    # the machine's phase more than the engines (tiny-c32's single pairs: 1.01-1.36x within an hour, benchmarks.md)
 
 
 MATRIX: tuple[Load, ...] = (
