@@ -57,9 +57,14 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 
 def pooled(runs: list[dict]) -> dict:
-    """One engine's figures over several runs of one load, each figures with its "results" (the matrix's rounds):
-    the statistics over every request of every run, the throughput over the runs' summed time; the rest (the
-    load's shape, the client) from the first run, the server's preemptions summed."""
+    """One engine's figures over its runs of one load (the matrix's rounds), less the per-request "results" they
+    carry. One run: its figures as measured (vLLM's own, from its client). Several: the statistics over every
+    request of every run, the throughput over the runs' summed time; the rest (the load's shape, the client) from
+    the first run, the server's preemptions summed."""
+    if len(runs) == 1:
+        figures = dict(runs[0])
+        figures.pop("results", None)
+        return figures
     figures = {**runs[0], **summarize([r for run in runs for r in run["results"]],
                                       sum(run["duration_s"] for run in runs))}
     if all("preemptions" in run for run in runs):

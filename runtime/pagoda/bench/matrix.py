@@ -188,7 +188,7 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
                     what = f" round {round_ + 1}/{load.rounds}" if load.rounds > 1 else ""
                     print(f"[matrix] {load.name}{what}: {engine} {progress(figures)}", flush=True)
                 pairs += 1
-            pooled_runs = {engine: pool(engine_runs) for engine, engine_runs in runs.items()}
+            pooled_runs = {engine: pooled(engine_runs) for engine, engine_runs in runs.items()}
             if load.rounds > 1:
                 for engine, figures in pooled_runs.items():
                     print(f"[matrix] {load.name}, {load.rounds} rounds pooled: {engine} {progress(figures)}",
@@ -197,12 +197,3 @@ async def run_matrix(args: argparse.Namespace, pagoda_sender, tokenizer, model: 
             await asyncio.sleep(0)
     return results
 
-
-def pool(runs: list[dict]) -> dict:
-    """One engine's figures on one load: its one run's, or its rounds' pooled (bench.figures.pooled); without the
-    per-request results they carry."""
-    if len(runs) > 1:
-        return pooled(runs)
-    figures = dict(runs[0])
-    figures.pop("results", None)
-    return figures
