@@ -38,6 +38,22 @@ def test_named_loads_keep_the_matrix_order_and_unknown_names_are_refused():
         matrix.loads("single,nope")
 
 
+def test_the_other_loads_run_by_name_only_and_reach_past_the_matrix():
+    others = matrix.OTHER_LOADS
+    names = [load.name for load in (*matrix.MATRIX, *others)]
+    assert len(set(names)) == len(names)
+    assert not set(others) & set(matrix.loads(None))  # the default run is the matrix alone
+    assert [load.name for load in matrix.loads("c128,single")] == ["single", "c128"]
+    assert max(load.concurrency for load in others) > max(load.concurrency for load in matrix.MATRIX)
+    for load in others:
+        assert (load.input_len + load.output_len) * (1 + load.range_ratio) <= VLLM_PEER_MAX_MODEL_LEN, load.name
+        assert load.what
+    # every load of either set draws its own prompts
+    args = parse_args(["--matrix", "--seed", "5"])
+    seeds = [matrix.load_args(args, load).seed for load in (*matrix.MATRIX, *others)]
+    assert len(set(seeds)) == len(seeds)
+
+
 def test_the_engines_run_in_alternating_pairs():
     order = [engine for i in range(4) for engine in matrix.engine_order(i, with_vllm=True)]
     assert order == ["pagoda", "vllm", "vllm", "pagoda", "pagoda", "vllm", "vllm", "pagoda"]

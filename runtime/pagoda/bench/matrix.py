@@ -3,7 +3,8 @@
 
 A scheduler tuned on one load can lose on the next (issue 54: time to first token worse on every load but the one
 it was fitted on), so the matrix spans the shapes users send: prompts of 32 to 1,500 tokens, answers of 16 to 512,
-concurrency 1 to 64, one load of Poisson arrivals and one of random length ratios. The engines run in alternating
+concurrency 1 to 64, one load of Poisson arrivals and one of random length ratios; OTHER_LOADS, run by name, are
+shapes beyond it that the rules were not designed on. The engines run in alternating
 pairs, Pagoda then vLLM on one load, vLLM then Pagoda on the next: a shared machine's pace drifts over minutes
 (docs/benchmarks.md), and alternating gives each engine the same share of its slow and fast phases. A load of a
 few seconds runs in rounds of such pairs, each engine's rounds pooled (bench.figures.pooled).
@@ -44,18 +45,33 @@ MATRIX: tuple[Load, ...] = (
     Load("tiny-c32", 32, 16, 32, 128, what="short calls: scheduling and HTTP overhead dominate", rounds=4),
 )
 
+# Loads the scheduler was not designed on, named by `--matrix-loads` (not run by default): a rule that holds on the
+# matrix must hold here too (issue 54: "and on others not named here"). Concurrency past the matrix's 64, long
+# prompts beside long answers, a Poisson rate the machine cannot keep up with.
+OTHER_LOADS: tuple[Load, ...] = (
+    Load("rag-c24", 1024, 256, 24, 48, what="retrieval-augmented answers of some length, more users"),
+    Load("c128", 128, 128, 128, 256, what="many users at once: a decode step of 128 sequences"),
+    Load("poisson-4rps", 256, 128, 64, 128, request_rate=4.0,
+         what="open loop past what the machine serves: requests arrive at 4/s, at most 64 in flight"),
+    Load("long-answer-c4", 128, 1024, 4, 12, what="a few users, long generations"),
+    Load("mid-c48", 384, 192, 48, 96, what="mid prompts and answers, many users"),
+    Load("ratio-c8", 768, 384, 8, 24, range_ratio=0.5, what="long mixed lengths: prompts 384-1,152, answers 192-576"),
+)
+
 
 def loads(names: str | None) -> list[Load]:
-    """The matrix, or the loads named (comma-separated), in the matrix's order."""
+    """The matrix, or the loads named (comma-separated; the matrix's or OTHER_LOADS'), in the order they are
+    declared."""
     if not names:
         return list(MATRIX)
     wanted = [n.strip() for n in names.split(",") if n.strip()]
-    known = {load.name for load in MATRIX}
+    known = {load.name for load in (*MATRIX, *OTHER_LOADS)}
     unknown = [n for n in wanted if n not in known]
     if unknown:
         raise ValueError(f"--matrix-loads: unknown load(s) {', '.join(unknown)}; the matrix has "
-                         f"{', '.join(load.name for load in MATRIX)}")
-    return [load for load in MATRIX if load.name in wanted]
+                         f"{', '.join(load.name for load in MATRIX)}, and beside it "
+                         f"{', '.join(load.name for load in OTHER_LOADS)}")
+    return [load for load in (*MATRIX, *OTHER_LOADS) if load.name in wanted]
 
 
 def engine_order(index: int, with_vllm: bool) -> tuple[str, ...]:
@@ -67,13 +83,13 @@ def engine_order(index: int, with_vllm: bool) -> tuple[str, ...]:
 
 def load_args(args: argparse.Namespace, load: Load, round_: int = 0) -> argparse.Namespace:
     """`pagoda bench serve`'s arguments for one round of one load. Its seed is the run's plus the load's place in
-    the matrix, plus the matrix's length per round: loads of one shape (single, chat-c32, poisson-2rps), or a
+    the matrix (OTHER_LOADS counted after it), plus the matrix's length per round: loads of one shape (single, chat-c32, poisson-2rps), or a
     load's rounds, would otherwise send the same prompts, and the second would find the first's in Pagoda's prefix
     cache."""
     return argparse.Namespace(**{**vars(args), "input_len": load.input_len, "output_len": load.output_len,
                                  "range_ratio": load.range_ratio, "max_concurrency": load.concurrency,
                                  "request_rate": load.request_rate, "num_prompts": load.num_prompts,
-                                 "seed": args.seed + MATRIX.index(load) + round_ * len(MATRIX)})
+                                 "seed": args.seed + (*MATRIX, *OTHER_LOADS).index(load) + round_ * len(MATRIX)})
 
 
 # --- the table ---------------------------------------------------------------------------------------

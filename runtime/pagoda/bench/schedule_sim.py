@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--factors", default=str(AUTO_TARGET_FACTOR), metavar="F[,F...]",
                    help=f"--target-itl-ms auto's factors to compare (default: the engine's, {AUTO_TARGET_FACTOR})")
     p.add_argument("--matrix-loads", default=None, metavar="NAMES",
-                   help="only these loads of the matrix (comma-separated), as `pagoda bench serve --matrix-loads`")
+                   help="only these loads (comma-separated: the matrix's or those beside it), as `pagoda bench serve "
+                        "--matrix-loads`")
     p.add_argument("--prices", choices=sorted(PRICES), default="zen3",
                    help="the machine the steps are priced for (default zen3: both engines measured; zen4: Pagoda's "
                         "prices for both rules)")

@@ -332,7 +332,8 @@ def parse_args(argv):
                         "and --num-prompts come from each load; with --vllm-python, vLLM's server runs beside in "
                         "alternating pairs (Pagoda, vLLM, then vLLM, Pagoda); prints one table")
     p.add_argument("--matrix-loads", default=None, metavar="NAMES",
-                   help="with --matrix: only these loads (comma-separated names)")
+                   help="with --matrix: only these loads (comma-separated names): the matrix's, or beside it "
+                        + ", ".join(load.name for load in matrix.OTHER_LOADS))
     p.add_argument("--table", default=None, metavar="FILE", help="with --matrix: also write the table (Markdown)")
     p.add_argument("--client", choices=("pagoda", "vllm"), default="pagoda",
                    help="with --matrix and --vllm-python: who sends the requests and measures, this client or "
