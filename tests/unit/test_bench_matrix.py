@@ -40,7 +40,7 @@ def test_named_loads_keep_the_matrix_order_and_unknown_names_are_refused():
 
 def test_the_other_loads_run_by_name_only_and_reach_past_the_matrix():
     others = matrix.OTHER_LOADS
-    names = [load.name for load in (*matrix.MATRIX, *others)]
+    names = [load.name for load in matrix.NAMED_LOADS]
     assert len(set(names)) == len(names)
     assert not set(others) & set(matrix.loads(None))  # the default run is the matrix alone
     assert [load.name for load in matrix.loads("c128,single")] == ["single", "c128"]
@@ -50,7 +50,7 @@ def test_the_other_loads_run_by_name_only_and_reach_past_the_matrix():
         assert load.what
     # every load of either set draws its own prompts
     args = parse_args(["--matrix", "--seed", "5"])
-    seeds = [matrix.load_args(args, load).seed for load in (*matrix.MATRIX, *others)]
+    seeds = [matrix.load_args(args, load).seed for load in matrix.NAMED_LOADS]
     assert len(set(seeds)) == len(seeds)
 
 

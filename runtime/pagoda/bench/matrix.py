@@ -57,6 +57,7 @@ OTHER_LOADS: tuple[Load, ...] = (
     Load("mid-c48", 384, 192, 48, 96, what="mid prompts and answers, many users"),
     Load("ratio-c8", 768, 384, 8, 24, range_ratio=0.5, what="long mixed lengths: prompts 384-1,152, answers 192-576"),
 )
+NAMED_LOADS = (*MATRIX, *OTHER_LOADS)  # every load --matrix-loads can name, in the order they run
 
 
 def loads(names: str | None) -> list[Load]:
@@ -65,13 +66,13 @@ def loads(names: str | None) -> list[Load]:
     if not names:
         return list(MATRIX)
     wanted = [n.strip() for n in names.split(",") if n.strip()]
-    known = {load.name for load in (*MATRIX, *OTHER_LOADS)}
+    known = {load.name for load in NAMED_LOADS}
     unknown = [n for n in wanted if n not in known]
     if unknown:
         raise ValueError(f"--matrix-loads: unknown load(s) {', '.join(unknown)}; the matrix has "
                          f"{', '.join(load.name for load in MATRIX)}, and beside it "
                          f"{', '.join(load.name for load in OTHER_LOADS)}")
-    return [load for load in (*MATRIX, *OTHER_LOADS) if load.name in wanted]
+    return [load for load in NAMED_LOADS if load.name in wanted]
 
 
 def engine_order(index: int, with_vllm: bool) -> tuple[str, ...]:
@@ -83,13 +84,12 @@ def engine_order(index: int, with_vllm: bool) -> tuple[str, ...]:
 
 def load_args(args: argparse.Namespace, load: Load, round_: int = 0) -> argparse.Namespace:
     """`pagoda bench serve`'s arguments for one round of one load. Its seed is the run's plus the load's place in
-    the matrix (OTHER_LOADS counted after it), plus the matrix's length per round: loads of one shape (single, chat-c32, poisson-2rps), or a
-    load's rounds, would otherwise send the same prompts, and the second would find the first's in Pagoda's prefix
-    cache."""
+    NAMED_LOADS, plus the matrix's length per round: loads of one shape (single, chat-c32, poisson-2rps), or a load's
+    rounds, would otherwise send the same prompts, and the second would find the first's in Pagoda's prefix cache."""
     return argparse.Namespace(**{**vars(args), "input_len": load.input_len, "output_len": load.output_len,
                                  "range_ratio": load.range_ratio, "max_concurrency": load.concurrency,
                                  "request_rate": load.request_rate, "num_prompts": load.num_prompts,
-                                 "seed": args.seed + (*MATRIX, *OTHER_LOADS).index(load) + round_ * len(MATRIX)})
+                                 "seed": args.seed + NAMED_LOADS.index(load) + round_ * len(MATRIX)})
 
 
 # --- the table ---------------------------------------------------------------------------------------
