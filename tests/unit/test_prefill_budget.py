@@ -25,10 +25,13 @@ def fake_cost(tokens: int, decodes: int = 0) -> float:
     return FIXED_S + PER_PROMPT_S * (tokens - decodes) + PER_DECODE_S * decodes
 
 
-def make(target_itl_ms=None, budget=2048, max_seqs=64, chunked=True, num_blocks=2048, itl_tail_share=0.0):
-    """A scheduler whose ITL tail grants no burst unless asked (itl_tail_share): the tests here check the target."""
+def make(target_itl_ms=None, budget=2048, max_seqs=64, chunked=True, num_blocks=2048, itl_tail_share=0.0,
+         max_queue_steps=0):
+    """A scheduler whose ITL tail grants no burst and whose queue adds nothing unless asked (itl_tail_share,
+    max_queue_steps): the tests here check the target, the backlog and the queue apart."""
     config = SchedulerConfig(max_seqs, budget, chunked, 10_000, target_itl_ms=target_itl_ms)
-    sched = Scheduler(config, BlockManager(num_blocks, 16, False), auto_target_factor=AUTO_TARGET_FACTOR)
+    sched = Scheduler(config, BlockManager(num_blocks, 16, False), auto_target_factor=AUTO_TARGET_FACTOR,
+                      max_queue_steps=max_queue_steps)
     sched.itl_tail = ItlTail(share=itl_tail_share)
     return sched
 
@@ -507,3 +510,43 @@ def test_the_itl_tail_account_starts_afresh_when_the_last_sequence_finishes():
     assert sched.itl_tail.gaps_delayed > 0  # one sequence left: the load goes on
     sched.finish(burst[-1], "stop")
     assert (sched.itl_tail.gaps_given, sched.itl_tail.gaps_delayed) == (0, 0)
+
+
+def queue_beside_long_answers(num_prompts, max_queue_steps, target="auto"):
+    """8 answers with ~1,000 tokens to go (no backlog stretch), then num_prompts prompts of 64 tokens waiting."""
+    sched = make(target_itl_ms=target, max_seqs=64, max_queue_steps=max_queue_steps)
+    teach(sched.step_costs)
+    with_decodes(sched, 8)
+    for _ in range(3):
+        run_step(sched)  # steps of the 8 decodes alone: measured
+    for i in range(num_prompts):
+        sched.add(seq(64, start=20_000 + 1000 * i, req=f"p{i}"))
+    return sched
+
+
+@pytest.mark.parametrize("num_prompts, steps", [(24, 3.0), (40, 6.0)])
+def test_a_queue_takes_the_share_of_the_step_its_tokens_are_of_a_full_batch(num_prompts, steps):
+    # 24 x 64 = 1,536 waiting tokens of a 2,048 batch: prompts get 3/4 of the engine's time, 3 decode steps of
+    # prompts a step; 40 x 64 = 2,560, more than a batch: the cap's 6
+    sched = queue_beside_long_answers(num_prompts, max_queue_steps=6)
+    costs = sched.step_costs
+    decode_step = costs.decode_step_seconds(8)
+    target = AUTO_TARGET_FACTOR * costs.decode_step_seconds(8 + num_prompts)  # what the target alone leaves
+    assert sched.prefill_budget() == costs.prompt_tokens_within(decode_step * (1 + steps), num_decodes=8)
+    assert sched.prefill_budget() > costs.prompt_tokens_within(target, num_decodes=8)
+    out = run_step(sched)
+    assert out.num_decodes == 8  # the decodes keep their token every step
+    assert fake_cost(out.num_batched_tokens, 8) <= decode_step * (1 + steps) * 1.05
+
+
+def test_a_few_prompts_beside_many_decodes_are_left_to_the_target():
+    # 2 x 64 waiting tokens: a sixteenth of a batch, well within what the target leaves
+    with_queue = queue_beside_long_answers(2, max_queue_steps=6).prefill_budget()
+    assert with_queue == queue_beside_long_answers(2, max_queue_steps=0).prefill_budget()
+
+
+@pytest.mark.parametrize("target", [20.0, "3x"])
+def test_a_target_the_user_states_is_a_bound_whatever_queues(target):
+    # the queue rule is auto's: a user's SLO in milliseconds or as a multiple bounds the step as before
+    assert (queue_beside_long_answers(40, 6, target).prefill_budget()
+            == queue_beside_long_answers(40, 0, target).prefill_budget())

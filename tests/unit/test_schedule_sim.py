@@ -4,7 +4,7 @@ clock; and the claim the engine's AUTO_TARGET_FACTOR rests on, checked on every 
 import pytest
 
 from pagoda.bench import schedule_sim
-from pagoda.bench.matrix import MATRIX, Load
+from pagoda.bench.matrix import MATRIX, OTHER_LOADS, Load
 from pagoda.bench.schedule_sim import PAGODA_PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR
 from pagoda.core.step_cost import StepCostModel
@@ -70,12 +70,33 @@ def test_the_default_factor_holds_on_every_load_of_the_matrix():
         assert auto.output_tok_s >= 1.1 * first.output_tok_s, load.name
 
 
+@pytest.mark.parametrize("name", ["c128", "mid-c48"])
+def test_a_closed_loops_second_wave_drains_instead_of_standing(name):
+    # many users beside answers of 128-192 tokens: the first burst's answers end together and bring their prompts
+    # back faster than the target admits them; without the queue's share (max_queue_steps 0) they stand in a queue
+    # for the whole wave, with it the TTFT median comes under prefill-first's and the ITL p99 stays under its
+    load = next(load for load in OTHER_LOADS if load.name == name)
+    first = simulate(load, VLLM_PRICES, target_itl_ms=None, send_delay=0.1)
+    standing = simulate(load, PAGODA_PRICES, send_delay=0.1, max_queue_steps=0)
+    auto = simulate(load, PAGODA_PRICES, send_delay=0.1)
+    assert standing.ttft_median > 1.3 * first.ttft_median
+    assert auto.ttft_median <= first.ttft_median and auto.itl_p99 < first.itl_p99
+    assert auto.output_tok_s >= 1.1 * first.output_tok_s
+
+
 def test_the_command_prints_each_rule_and_the_worst_ratios(capsys):
     assert schedule_sim.main(["--matrix-loads", "single,tiny-c32", "--factors", "2,8", "--send-delay", "0.2"]) == 0
     out = capsys.readouterr().out
     assert out.count("prefill-first") == 2 + 2  # one line per load, and the two summaries name it
     assert out.count("auto x2 ") == out.count("auto x8 ") == 2  # a line per load and factor
     assert "auto x2: against prefill-first" in out and "auto x8: against prefill-first" in out
+
+
+def test_queue_caps_are_compared_as_rules_of_their_own(capsys):
+    assert schedule_sim.main(["--matrix-loads", "single", "--queue-steps", "0,6", "--prices", "zen4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("auto x1.5 q0 ") == out.count("auto x1.5 q6 ") == 1
+    assert "auto x1.5 q0: against prefill-first" in out and "auto x1.5 q6: against prefill-first" in out
 
 
 def test_zen4_prices_run_both_rules_at_pagodas_prices(capsys):
@@ -111,6 +132,8 @@ def test_one_server_carries_what_it_learnt_from_load_to_load(capsys):
     (["--factors", "0.5"], "--factors: each factor must be a number >= 1"),
     (["--factors", "eight"], "--factors: each factor must be a number >= 1"),
     (["--send-delay", "-1"], "--send-delay: seconds >= 0"),
+    (["--queue-steps", "-1"], "--queue-steps: each cap must be a number of decode steps >= 0"),
+    (["--queue-steps", "six"], "--queue-steps: each cap must be a number of decode steps >= 0"),
     (["--matrix-loads", "chat-c33"], "--matrix-loads: unknown load(s) chat-c33"),
 ])
 def test_bad_arguments_are_usage_errors_naming_the_flag(argv, message, capsys):

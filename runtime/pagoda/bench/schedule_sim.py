@@ -8,7 +8,7 @@ Poisson arrivals, random lengths) on a simulated clock, each step priced by `Ste
 
 Two rules side by side: prefill-first (no prompt budget: waiting prompts take the whole `max_num_batched_tokens`
 beside the decodes, as vLLM's chunked prefill) at vLLM's prices, and Pagoda's `--target-itl-ms auto` at each
-factor asked (`--factors`) at Pagoda's prices. Prices are per engine and per machine (below): `--prices zen3` (the
+factor asked (`--factors`) and each queue cap (`--queue-steps`) at Pagoda's prices. Prices are per engine and per machine (below): `--prices zen3` (the
 default; both engines measured) or `--prices zen4` (Pagoda's only: both rules run at them); `--same-prices` gives
 both rules Pagoda's, so that only the rules differ. Each load runs on a fresh engine, which has measured nothing
 when its burst comes; `--one-server` carries each rule's learnt step costs from load to load in the matrix's order,
@@ -34,7 +34,7 @@ from pagoda.bench.matrix import Load, loads
 from pagoda.bench.serve import synthetic_requests
 from pagoda.config import AUTO_TARGET, SchedulerConfig
 from pagoda.core.block_manager import BlockManager
-from pagoda.core.scheduler import AUTO_TARGET_FACTOR, Scheduler
+from pagoda.core.scheduler import AUTO_TARGET_FACTOR, MAX_QUEUE_STEPS, Scheduler
 from pagoda.core.sequence import Sequence
 from pagoda.core.step_cost import StepCostModel
 from pagoda.sampling_params import SamplingParams
@@ -117,7 +117,8 @@ def _arrivals(load: Load, rng: random.Random) -> list[float]:
 
 
 def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None = AUTO_TARGET,
-             auto_target_factor: float = AUTO_TARGET_FACTOR, seed: int = 0, max_num_batched_tokens: int = 2048,
+             auto_target_factor: float = AUTO_TARGET_FACTOR, max_queue_steps: float = MAX_QUEUE_STEPS, seed: int = 0,
+             max_num_batched_tokens: int = 2048,
              max_num_seqs: int = 256, jitter: float = JITTER, send_delay: float = 0.0,
              step_costs: StepCostModel | None = None) -> SimResult:
     """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's).
@@ -132,7 +133,7 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
     num_blocks = 1 + sum(p + o for p, o in lengths) // 16 + load.num_prompts  # room for all: no preemption
     scheduler = Scheduler(config, BlockManager(num_blocks, 16, enable_prefix_caching=False),
                           step_costs=step_costs if step_costs is not None else StepCostModel(),
-                          auto_target_factor=auto_target_factor)
+                          auto_target_factor=auto_target_factor, max_queue_steps=max_queue_steps)
     concurrency = load.concurrency or load.num_prompts
     free_at = [0.0] * concurrency  # when each client slot may send (a min-heap)
     now, sent, finished = 0.0, 0, 0
@@ -190,10 +191,17 @@ def _cell(result: SimResult) -> str:
             f"ITL {result.itl_median * 1e3:5.0f} / {result.itl_p99 * 1e3:6.0f} ms")
 
 
+def _name(rule: tuple[float, float], with_queue: bool) -> str:
+    return f"auto x{rule[0]:g}" + (f" q{rule[1]:g}" if with_queue else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagoda bench schedule", description=__doc__.split("\n\n")[0])
     p.add_argument("--factors", default=str(AUTO_TARGET_FACTOR), metavar="F[,F...]",
                    help=f"--target-itl-ms auto's factors to compare (default: the engine's, {AUTO_TARGET_FACTOR})")
+    p.add_argument("--queue-steps", default=f"{MAX_QUEUE_STEPS:g}", metavar="N[,N...]",
+                   help=f"auto's caps on the decode steps of prompts a queue adds to a step, to compare (default: the "
+                        f"engine's, {MAX_QUEUE_STEPS:g}); each with each factor")
     p.add_argument("--matrix-loads", default=None, metavar="NAMES",
                    help="only these loads (comma-separated: the matrix's or those beside it), as `pagoda bench serve "
                         "--matrix-loads`")
@@ -220,29 +228,37 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--factors: each factor must be a number >= 1 (a step with prompts at least a decode step); "
                 f"got {args.factors!r}")
     try:
+        queue_steps = [float(q) for q in args.queue_steps.split(",")]
+    except ValueError:
+        queue_steps = []
+    if not queue_steps or any(not q >= 0 for q in queue_steps):
+        p.error(f"--queue-steps: each cap must be a number of decode steps >= 0; got {args.queue_steps!r}")
+    rules = [(f, q) for f in factors for q in queue_steps]
+    try:
         chosen = loads(args.matrix_loads)
     except ValueError as e:
         p.error(str(e))
     prices, first_prices = PRICES[args.prices]
     if args.same_prices:
         first_prices = prices
-    worst = {f: [0.0, 0.0, 0.0] for f in factors}  # TTFT median, p90, ITL p99: the largest ratio to prefill-first
+    worst = {rule: [0.0, 0.0, 0.0] for rule in rules}  # TTFT median, p90, ITL p99: the largest ratio to prefill-first
     # each rule's engine memory: None, a fresh one for every load; else one server's, carried through the loads
-    costs = {rule: StepCostModel() if args.one_server else None for rule in (None, *factors)}
+    costs = {rule: StepCostModel() if args.one_server else None for rule in (None, *rules)}
     for load in chosen:
         base = simulate(load, first_prices, target_itl_ms=None, seed=args.seed, send_delay=args.send_delay,
                         step_costs=costs[None])
         print(f"{load.name:17s} prefill-first  {_cell(base)}")
-        for f in factors:
-            r = simulate(load, prices, auto_target_factor=f, seed=args.seed, send_delay=args.send_delay,
-                         step_costs=costs[f])
+        for rule in rules:
+            r = simulate(load, prices, auto_target_factor=rule[0], max_queue_steps=rule[1], seed=args.seed,
+                         send_delay=args.send_delay, step_costs=costs[rule])
             ratios = (r.ttft_median / base.ttft_median, r.ttft_p90 / base.ttft_p90,
                       r.itl_p99 / base.itl_p99 if base.itl_p99 else 1.0)
-            worst[f] = [max(w, x) for w, x in zip(worst[f], ratios)]
-            print(f"{'':17s} auto x{f:<5g}    {_cell(r)}  (ITL p99 {r.itl_p99 / r.itl_median:.1f}x its median)")
-    for f in factors:
-        print(f"auto x{f:g}: against prefill-first, the worst TTFT median ratio {worst[f][0]:.2f}, TTFT p90 "
-              f"{worst[f][1]:.2f}, ITL p99 {worst[f][2]:.2f}")
+            worst[rule] = [max(w, x) for w, x in zip(worst[rule], ratios)]
+            print(f"{'':17s} {_name(rule, len(queue_steps) > 1):14s} {_cell(r)}  (ITL p99 "
+                  f"{r.itl_p99 / r.itl_median:.1f}x its median)")
+    for rule in rules:
+        print(f"{_name(rule, len(queue_steps) > 1)}: against prefill-first, the worst TTFT median ratio "
+              f"{worst[rule][0]:.2f}, TTFT p90 {worst[rule][1]:.2f}, ITL p99 {worst[rule][2]:.2f}")
     return 0
 
 

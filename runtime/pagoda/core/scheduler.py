@@ -19,9 +19,11 @@ within 3 times a step of the sequences that will decode, on whatever machine). T
 prompt whole, as vLLM's chunked prefill would; newer prompts get AUTO_TARGET_FACTOR times what a step of decodes
 alone costs at the number of sequences running or waiting (those that will decode), or the waiting prompts' tokens
 spread over the steps the decodes have left if that is more (so prompts waiting beside answers about to end take
-most of the step, and newer prompts beside long answers take what the target leaves); when more prompt tokens wait
-than that, the step takes all of max_num_batched_tokens while the token gaps such steps delay stay within the ITL
-tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that
+most of the step, and newer prompts beside long answers take what the target leaves), or, if that is more, the share
+of the engine's time the waiting prompts' tokens are of max_num_batched_tokens (so a queue drains at the pace its
+size calls for, as a prefill-first engine's would, while the decodes keep a part of every step); when more prompt
+tokens wait than that, the step takes all of max_num_batched_tokens while the token gaps such steps delay stay within
+the ITL tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that
 holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
@@ -60,15 +62,23 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 # every load's TTFT median and p90 under vLLM's or within 3 % in four (docs/benchmarks.md, "Load matrix";
 # `pagoda bench schedule --factors` simulates others)
 AUTO_TARGET_FACTOR = 1.5
+# "auto": while prompts queue beside running decodes, a step may hold up to this many decode steps of prompts
+# (_queue_seconds): the decodes keep at least a seventh of the engine's time. 6: the fewest with which the
+# simulator drains mid-c48's returning wave (`pagoda bench schedule --queue-steps 4,6,12 --prices zen4 --send-delay
+# 0.05 --matrix-loads mid-c48,c128,chat-c32`: at 4 its TTFT median stays 1.46x prefill-first's, at 6 1.04x); at 12
+# chat-c32's ITL p99 doubles. Served, c128's ITL p99 rises to about 6x its median, under vLLM's (docs/benchmarks.md)
+MAX_QUEUE_STEPS = 6
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  speculative: SpeculativeConfig | None = None, step_costs: StepCostModel | None = None,
-                 kv_connector=None, auto_target_factor: float = AUTO_TARGET_FACTOR):
+                 kv_connector=None, auto_target_factor: float = AUTO_TARGET_FACTOR,
+                 max_queue_steps: float = MAX_QUEUE_STEPS):
         self.config = config
         self.relative_target = relative_itl_target(config.target_itl_ms)  # "3x" -> 3.0, parsed once
         self.auto_target_factor = auto_target_factor  # --target-itl-ms auto's (bench.schedule_sim compares others)
+        self.max_queue_steps = max_queue_steps  # auto's: the most decode steps of prompts a queue adds to a step
         self.kv_connector = kv_connector  # P/D (kv_transfer): supplies prompt KV, holds finished prompts' blocks
         self.step_costs = step_costs if step_costs is not None else StepCostModel()
         self.itl_tail = ItlTail()  # under "auto": the share of token gaps a burst taken whole may delay
@@ -132,7 +142,8 @@ class Scheduler:
         elif target == AUTO_TARGET:
             waiting = self._prompt_tokens_waiting(decodes)
             seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes),
-                          decode_step + self._backlog_seconds(decodes, waiting))
+                          decode_step + self._backlog_seconds(decodes, waiting),
+                          decode_step + self._queue_seconds(decode_step, waiting))
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
             # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
             oldest = self._oldest_prompt_tokens(decodes)
@@ -182,14 +193,26 @@ class Scheduler:
         steps_left = sum(self._tokens_left(q) for q in decodes) / len(decodes) / self.auto_target_factor
         return prompt_tokens * price / max(steps_left, 1.0)
 
+    def _queue_seconds(self, decode_step: float, prompt_tokens: int) -> float:
+        """The prompt seconds a step may take so that a queue of prompts is computed at the pace its size calls for:
+        the waiting prompts get the share f of the engine's time that their tokens are of max_num_batched_tokens (the
+        whole steps a prefill-first engine such as vLLM's would give them before its decodes move again), so a step
+        holds f / (1 - f) decode steps of prompts, at most max_queue_steps. A few prompts beside many decodes
+        (tiny-c32's) change nothing; a closed loop's second wave, answers that ended together bringing their users'
+        prompts back faster than the target admits them (c128, mid-c48), drains instead of standing."""
+        room = self.config.max_num_batched_tokens - prompt_tokens  # f / (1 - f): the waiting tokens over the room
+        steps = prompt_tokens / room if room > 0 else self.max_queue_steps
+        return min(steps, self.max_queue_steps) * decode_step
+
     def _prompt_tokens_waiting(self, decodes: list[Sequence]) -> int:
-        """The prompt tokens still to compute: running prompts' (beyond any chunk in flight), waiting and swapped
-        sequences'."""
+        """The prompt tokens still to compute: running prompts' (beyond any chunk in flight), swapped sequences' and
+        waiting ones' whose adapter may run (one waiting for a LoRA slot is no step's to compute yet)."""
         decoding = {q.seq_id for q in decodes}
         prompt_tokens = sum(q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
                             for q in self.running if q.num_tokens - q.num_computed_tokens > 1
                             and q.seq_id not in decoding)
-        return prompt_tokens + sum(q.num_tokens - q.num_computed_tokens for q in (*self.waiting, *self.swapped))
+        waiting = (q for q in self.waiting if self._adapter_fits(q))
+        return prompt_tokens + sum(q.num_tokens - q.num_computed_tokens for q in (*waiting, *self.swapped))
 
     def _tokens_to_come(self) -> int:
         """The tokens the present sequences may still sample (each to its max_tokens, else the model's length)."""
