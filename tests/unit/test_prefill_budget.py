@@ -8,7 +8,7 @@ from pagoda.config import SchedulerConfig
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.itl_tail import ItlTail
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR as ENGINE_AUTO_TARGET_FACTOR
-from pagoda.core.scheduler import Scheduler
+from pagoda.core.scheduler import MAX_QUEUE_STEPS, Scheduler
 from pagoda.core.sequence import Sequence
 from pagoda.core.step_cost import StepCostModel
 from pagoda.sampling_params import SamplingParams
@@ -232,6 +232,7 @@ def test_the_help_of_target_itl_ms_states_the_factor_the_code_uses():
     add_serve_arguments(parser)
     (action,) = [a for a in parser._actions if "--target-itl-ms" in a.option_strings]
     assert f"up to {ENGINE_AUTO_TARGET_FACTOR:g}x a step of the running decodes alone" in action.help
+    assert f"up to {MAX_QUEUE_STEPS:g} decode steps a step" in action.help
     assert "4x" not in action.help
 
 

@@ -26,7 +26,7 @@ from pagoda.config.args import SCHEDULING_POLICIES
 from pagoda.config.default_model import DEFAULT_MODEL_NAME
 from pagoda.config.quantization import GROUP_SIZES, METHODS
 from pagoda.core.itl_tail import DEFAULT_SHARE
-from pagoda.core.scheduler import AUTO_TARGET_FACTOR
+from pagoda.core.scheduler import AUTO_TARGET_FACTOR, MAX_QUEUE_STEPS
 from pagoda.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagoda.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -293,7 +293,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                f"the whole --max-num-batched-tokens); a number is a bound (an SLO), whatever waits. 'auto': the "
                "oldest prompt is computed whole, and newer prompts join a step while it takes up to "
                f"{AUTO_TARGET_FACTOR:g}x a step of the running decodes alone, or more when prompts wait beside "
-               "answers about to end (their backlog spread over the decodes' steps left), and a burst beyond that "
+               "answers about to end (their backlog spread over the decodes' steps left) or queue (the share of "
+               "the time their tokens are of --max-num-batched-tokens, up to "
+               f"{MAX_QUEUE_STEPS:g} decode steps a step), and a burst beyond that "
                f"whole while the token gaps it delays stay within {DEFAULT_SHARE:.1%} of the load's; a multiple "
                "such as "
                "'3x': a bound of that many times a step of the decodes alone, on this machine, whatever waits; "
