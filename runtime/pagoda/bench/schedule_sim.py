@@ -8,9 +8,9 @@ Poisson arrivals, random lengths) on a simulated clock, each step priced by `Ste
 
 Two rules side by side: prefill-first (no prompt budget: waiting prompts take the whole `max_num_batched_tokens`
 beside the decodes, as vLLM's chunked prefill) at vLLM's prices, and Pagoda's `--target-itl-ms auto` at each
-factor asked (`--factors`) and each queue cap (`--queue-steps`) at Pagoda's prices. Prices are per engine and per machine (below): `--prices zen3` (the
-default; both engines measured) or `--prices zen4` (Pagoda's only: both rules run at them); `--same-prices` gives
-both rules Pagoda's, so that only the rules differ. Each load runs on a fresh engine, which has measured nothing
+factor asked (`--factors`) and each queue cap (`--queue-steps`) at Pagoda's prices. Prices are per engine and per
+machine (below): `--prices zen3` (the default; both engines measured) or `--prices zen4` (Pagoda's only: both rules
+run at them); `--same-prices` gives both rules Pagoda's, so that only the rules differ. Each load runs on a fresh engine, which has measured nothing
 when its burst comes; `--one-server` carries each rule's learnt step costs from load to load in the matrix's order,
 as one served matrix does (a burst is then sized from the steps the loads before it measured).
 

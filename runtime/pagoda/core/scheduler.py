@@ -22,9 +22,9 @@ spread over the steps the decodes have left if that is more (so prompts waiting 
 most of the step, and newer prompts beside long answers take what the target leaves), or, if that is more, the share
 of the engine's time the waiting prompts' tokens are of max_num_batched_tokens (so a queue drains at the pace its
 size calls for, as a prefill-first engine's would, while the decodes keep a part of every step); when more prompt
-tokens wait than that, the step takes all of max_num_batched_tokens while the token gaps such steps delay stay within
-the ITL tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that
-holds it whole, as vLLM's.
+tokens wait than that, the step takes all of max_num_batched_tokens while the token gaps such steps delay stay
+within the ITL tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for
+a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
@@ -64,9 +64,10 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 AUTO_TARGET_FACTOR = 1.5
 # "auto": while prompts queue beside running decodes, a step may hold up to this many decode steps of prompts
 # (_queue_seconds): the decodes keep at least a seventh of the engine's time. 6: the fewest with which the
-# simulator drains mid-c48's returning wave (`pagoda bench schedule --queue-steps 4,6,12 --prices zen4 --send-delay
-# 0.05 --matrix-loads mid-c48,c128,chat-c32`: at 4 its TTFT median stays 1.46x prefill-first's, at 6 1.04x); at 12
-# chat-c32's ITL p99 doubles. Served, c128's ITL p99 rises to about 6x its median, under vLLM's (docs/benchmarks.md)
+# simulator drains mid-c48's returning wave (`pagoda bench schedule --prices zen4 --send-delay 0.05 --seed 61
+# --queue-steps 4,5,6,12 --matrix-loads mid-c48,c128,chat-c32`: at 4 and 5 its TTFT median stays 1.46x and 1.22x
+# prefill-first's, at 6 1.05x); at 12 chat-c32's ITL p99 is 1.8x 6's. Served, c128's ITL p99 is 5-6x its median,
+# under vLLM's (docs/benchmarks.md)
 MAX_QUEUE_STEPS = 6
 
 
