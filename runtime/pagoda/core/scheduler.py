@@ -212,7 +212,8 @@ class Scheduler:
         prompt_tokens = sum(q.num_tokens - q.num_computed_tokens - self.tokens_in_flight.get(q.seq_id, 0)
                             for q in self.running if q.num_tokens - q.num_computed_tokens > 1
                             and q.seq_id not in decoding)
-        waiting = (q for q in self.waiting if self._adapter_fits(q))
+        adapters = self._running_adapters() if self.config.max_loras is not None else None  # once, not per prompt
+        waiting = (q for q in self.waiting if self._adapter_fits(q, adapters))
         return prompt_tokens + sum(q.num_tokens - q.num_computed_tokens for q in (*waiting, *self.swapped))
 
     def _tokens_to_come(self) -> int:
@@ -449,12 +450,17 @@ class Scheduler:
         seq.num_blocks_sent = len(table)
         return 1
 
-    def _adapter_fits(self, seq: Sequence) -> bool:
-        """LoRA: running sequences use at most max_loras distinct adapters (the runner's device slots)."""
+    def _adapter_fits(self, seq: Sequence, running: set[int] | None = None) -> bool:
+        """LoRA: running sequences use at most max_loras distinct adapters (the runner's device slots). `running`:
+        their adapter ids (_running_adapters()), when a caller asks for many sequences at once."""
         if seq.lora_request is None or self.config.max_loras is None:
             return True
-        running = {q.lora_request.lora_int_id for q in self.running if q.lora_request is not None}
+        if running is None:
+            running = self._running_adapters()
         return seq.lora_request.lora_int_id in running or len(running) < self.config.max_loras
+
+    def _running_adapters(self) -> set[int]:
+        return {q.lora_request.lora_int_id for q in self.running if q.lora_request is not None}
 
     def _propose(self, seq: Sequence, budget: int) -> tuple[list[int] | None, int]:
         """A decoding sequence's drafts: (their ids or None when the runner's draft model proposes them, how
