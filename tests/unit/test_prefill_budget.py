@@ -368,7 +368,7 @@ def test_a_relative_target_of_a_larger_multiple_gives_prompts_more_of_each_step(
 
 
 @pytest.mark.parametrize("bad", ["0.5x", "x", "3y", "nanx", "infx", "-2x"])
-def test_a_bad_relative_target_is_refused_by_name(bad):
+def test_a_bad_relative_target_is_refused_by_name(bad, capsys):
     import argparse
 
     from pagoda.config import EngineArgs
@@ -380,7 +380,9 @@ def test_a_bad_relative_target_is_refused_by_name(bad):
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--target-itl-ms", bad])
+        parser.parse_args([f"--target-itl-ms={bad}"])  # (the = form: "-2x" alone would read as a flag)
+    assert f"argument --target-itl-ms: {bad!r} is not a target: milliseconds > 0, a multiple >= 1" \
+        in capsys.readouterr().err
     engine, _ = split_args(parser.parse_args(["--target-itl-ms", "2.5x"]))
     assert engine.target_itl_ms == "2.5x"
     EngineArgs(target_itl_ms="2.5x").validate()

@@ -122,10 +122,15 @@ def itl_target(text: str) -> float | str | None:
     """--target-itl-ms: milliseconds > 0, a multiple >= 1 of the decodes' step ('3x'), 'auto' or 'off' (None)."""
     if text in (AUTO_TARGET, "off"):
         return None if text == "off" else text
-    if text.endswith("x"):
-        relative_itl_target(text)  # ValueError unless a multiple >= 1
-        return text
-    return positive_float(text)
+    try:
+        if text.endswith("x"):
+            relative_itl_target(text)  # ValueError unless a multiple >= 1
+            return text
+        return positive_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a target: milliseconds > 0, a multiple >= 1 of the decodes' step such as '3x', "
+            f"'{AUTO_TARGET}' or 'off'") from None
 
 
 def non_negative_float(text: str) -> float:
@@ -218,7 +223,7 @@ class _EnvParser:
                                      help=help)
         else:
             self.parser.add_argument(flag, *aliases, type=type, choices=choices, default=default,
-                                     help=f"{help} (default: {default})")
+                                     help=f"{help} (default: {str(default).replace('%', '%%')})")
 
     def _convert_env(self, flag, env, raw, type, choices, boolean):
         if boolean:
@@ -229,6 +234,8 @@ class _EnvParser:
             raise ValueError(f"argument {flag}: invalid boolean {raw!r} in {env} (use true or false)")
         try:
             value = type(raw)
+        except argparse.ArgumentTypeError as e:  # a type that says what it wants
+            raise ValueError(f"argument {flag}: {e} (in {env})") from None
         except (TypeError, ValueError):
             raise ValueError(f"argument {flag}: invalid {getattr(type, '__name__', 'value')} {raw!r} in {env}") \
                 from None
@@ -296,7 +303,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                "answers about to end (their backlog spread over the decodes' steps left) or queue (the share of "
                "the time their tokens are of --max-num-batched-tokens, up to "
                f"{MAX_QUEUE_STEPS:g} decode steps a step), and a burst beyond that "
-               f"whole while the token gaps it delays stay within {DEFAULT_SHARE:.1%} of the load's; a multiple "
+               f"whole while the token gaps it delays stay within {DEFAULT_SHARE:.1%}% of the load's; a multiple "
                "such as "
                "'3x': a bound of that many times a step of the decodes alone, on this machine, whatever waits; "
                "'off': no cap (default: %(default)s; docs/server.md)")

@@ -1,0 +1,57 @@
+"""Every command's --help renders. argparse formats help strings with %, so a bare '%' in one (a share written
+"0.2% of the load's") made `pagoda serve --help` raise a TypeError instead of printing."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from pagoda.entrypoints.cli import BENCHMARKS, build_parser, main
+
+pytestmark = pytest.mark.unit
+
+# entry points run as `python -m MODULE` (beside `pagoda bench NAME`)
+MODULE_MAINS = ["pagoda.bench.cpu_attention", "pagoda.bench.preemption", "pagoda.bench.quantization",
+                "pagoda.bench.structured", "pagoda.distributed.allreduce_bench", "pagoda.entrypoints.prebuild_kernels"]
+
+
+def parsers(parser: argparse.ArgumentParser):
+    """parser and every subcommand's parser under it."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from parsers(sub)
+
+
+def test_every_pagoda_command_formats_its_help():
+    progs = []
+    for parser in parsers(build_parser()):
+        assert "usage:" in parser.format_help()
+        progs.append(parser.prog)
+    assert {"pagoda", "pagoda serve", "pagoda router", "pagoda download", "pagoda bench"} <= set(progs)
+
+
+@pytest.mark.parametrize("benchmark", sorted(BENCHMARKS))
+def test_every_benchmark_prints_its_help(benchmark, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", benchmark, "--help"])
+    assert exited.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", MODULE_MAINS)
+def test_every_module_entry_point_prints_its_help(module, capsys):
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(module).main(["--help"])
+    assert exited.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_a_default_from_the_environment_is_shown_as_given(monkeypatch):
+    """A PAGODA_<FLAG> value becomes the flag's default in the help: a '%' in it is text, not a format."""
+    monkeypatch.setenv("PAGODA_SERVED_MODEL_NAME", "50%off")
+    (serve,) = [p for p in parsers(build_parser()) if p.prog == "pagoda serve"]
+    assert "(default: 50%off)" in serve.format_help()
