@@ -45,3 +45,42 @@ def test_a_chunk_brings_tokens_as_vllm_bench_serve_counts_them():
     assert not _brings_tokens([{"index": 0, "delta": {}, "finish_reason": "stop"}])
     assert not _brings_tokens([])  # the usage chunk
     assert not _brings_tokens(None)
+
+
+def test_a_base_url_without_a_server_is_a_cli_error_naming_it():
+    import socket
+
+    from pagoda.bench.serve import main
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit, match=rf"--base-url: no model list at http://127.0.0.1:{port}/v1/models"):
+        main(["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"])
+
+
+def test_a_base_url_that_is_not_an_openai_server_is_a_cli_error_naming_it():
+    import http.server
+    import threading
+
+    from pagoda.bench.serve import discover_model
+
+    class NotOpenAI(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"hello": "world"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotOpenAI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit, match="--base-url: .* did not answer a model list"):
+            discover_model(f"http://127.0.0.1:{server.server_address[1]}", None)
+    finally:
+        server.shutdown()
+        server.server_close()

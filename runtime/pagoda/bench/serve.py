@@ -376,11 +376,22 @@ def parse_args(argv):
 
 
 def discover_model(base_url: str, api_key: str | None) -> tuple[str, str | None]:
+    """The served model's id and its directory (the server's `root`) from GET /v1/models; a CLI error naming
+    --base-url when nothing answers there or the answer is no model list."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    data = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]
-    return data["id"], data.get("root")
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        response = httpx.get(url, headers=headers, timeout=30)
+        response.raise_for_status()
+        data = response.json()["data"][0]
+        return data["id"], data.get("root")
+    except httpx.HTTPError as e:
+        raise SystemExit(f"pagoda bench serve: error: --base-url: no model list at {url}: {e}") from None
+    except (ValueError, LookupError, TypeError):
+        raise SystemExit(f"pagoda bench serve: error: --base-url: {url} did not answer a model list "
+                         "(an OpenAI-compatible server's /v1/models)") from None
 
 
 def cpu_line(forced_here: bool) -> str:
