@@ -1,5 +1,6 @@
-"""Every command's --help renders. argparse formats help strings with %, so a bare '%' in one (a share written
-"0.2% of the load's") made `pagoda serve --help` raise a TypeError instead of printing."""
+"""What the CLI says: every command's --help renders (argparse formats help strings with %, so a bare '%' in one, a
+share written "0.2% of the load's", made `pagoda serve --help` raise a TypeError instead of printing), and a bad
+model given to a benchmark is a usage error, as it is to `pagoda serve`."""
 
 from __future__ import annotations
 
@@ -55,3 +56,12 @@ def test_a_default_from_the_environment_is_shown_as_given(monkeypatch):
     monkeypatch.setenv("PAGODA_SERVED_MODEL_NAME", "50%off")
     (serve,) = [p for p in parsers(build_parser()) if p.prog == "pagoda serve"]
     assert "(default: 50%off)" in serve.format_help()
+
+
+@pytest.mark.parametrize("model", ["missing", "not-a-model-dir"])
+def test_a_bad_model_given_to_a_benchmark_is_a_usage_error(model, tmp_path, capsys):
+    (tmp_path / "not-a-model-dir").mkdir()
+    assert main(["bench", "throughput", "--model", str(tmp_path / model)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagoda bench throughput: error: model path '{tmp_path / model}' ")
+    assert "Traceback" not in err

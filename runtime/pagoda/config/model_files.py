@@ -12,6 +12,7 @@ from pagoda.config.architectures import (
     unsupported_architecture_message,
 )
 from pagoda.config.quantization import checkpoint_quantization
+from pagoda.errors import InvalidParam
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
@@ -24,20 +25,20 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> str:
 
     if model is None:
         if revision is not None:
-            raise ValueError("revision needs a Hub model id (ORG/NAME), not the default model")
+            raise InvalidParam("revision", "revision needs a Hub model id (ORG/NAME), not the default model")
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
         if hub.is_repo_id(model):
             return hub.download_model(model, revision, check_config=load_hf_config)
-        raise ValueError(f"model path {model!r} does not exist (Pagoda loads local Hugging Face "
+        raise InvalidParam("model", f"model path {model!r} does not exist (Pagoda loads local Hugging Face "
                          "directories, .gguf files, or Hub ids ORG/NAME)")
     if revision is not None:
-        raise ValueError(f"revision {revision!r} applies to Hub model ids, but {model!r} is a local path")
+        raise InvalidParam("revision", f"revision {revision!r} applies to Hub model ids, but {model!r} is a local path")
     if path.is_file() and path.suffix == ".gguf":
         return str(ensure_converted(path, path.stem))
     if not (path / "config.json").is_file():
-        raise ValueError(f"model path {model!r} has no config.json: not a Hugging Face model directory")
+        raise InvalidParam("model", f"model path {model!r} has no config.json: not a Hugging Face model directory")
     return str(path)
 
 
@@ -47,7 +48,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many kinds for a bad config
-        raise ValueError(f"cannot read {path}/config.json: {e}") from e
+        raise InvalidParam("model", f"cannot read {path}/config.json: {e}") from e
     check_supported(config)
     return config
 
@@ -55,22 +56,22 @@ def load_hf_config(path: str, trust_remote_code: bool = False):
 def check_supported(config) -> None:
     archs = getattr(config, "architectures", None) or []
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(unsupported_architecture_message(archs))
+        raise InvalidParam("model", unsupported_architecture_message(archs))
     for layer_type in sorted(set(getattr(config, "layer_types", None) or [None])):
         rope_type = rope_parameters(config, layer_type)["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling {rope_type!r}: Pagoda supports {', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise InvalidParam("model", f"unsupported rope scaling {rope_type!r}: Pagoda supports {', '.join(SUPPORTED_ROPE_TYPES)}")
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if act not in ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {act!r}: Pagoda supports {', '.join(ACTIVATIONS)}")
+        raise InvalidParam("model", f"unsupported hidden_act {act!r}: Pagoda supports {', '.join(ACTIVATIONS)}")
     if getattr(config, "mlp_bias", False):
-        raise ValueError("unsupported option mlp_bias=true")
+        raise InvalidParam("model", "unsupported option mlp_bias=true")
     checkpoint = checkpoint_quantization(config)  # raises for a quantized format Pagoda cannot run
     if checkpoint is not None and checkpoint.method in ("gptq", "awq") and archs[0] in MOE_ARCHITECTURES:
-        raise ValueError(f"{checkpoint.method.upper()} checkpoints of mixture-of-experts models ({archs[0]}) are not "
+        raise InvalidParam("model", f"{checkpoint.method.upper()} checkpoints of mixture-of-experts models ({archs[0]}) are not "
                          f"supported yet: Pagoda reads {checkpoint.method.upper()} tensors of dense layers, not "
                          "experts'. Serve the unquantized checkpoint with quantization='int8' or 'int4' (online, "
                          "experts included): see docs/models.md#supported-architectures")
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial != 1.0:
-        raise ValueError(f"unsupported partial_rotary_factor {partial}: Pagoda supports 1.0")
+        raise InvalidParam("model", f"unsupported partial_rotary_factor {partial}: Pagoda supports 1.0")

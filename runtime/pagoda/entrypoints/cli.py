@@ -119,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"pagoda bench: error: the {argv[1]} benchmark is not part of this build", file=sys.stderr)
             return 2
-        return module.main(argv[2:]) or 0
+        from pagoda.entrypoints.openai.cli_args import flagify
+        from pagoda.errors import InvalidParam
+
+        try:
+            return module.main(argv[2:]) or 0
+        except InvalidParam as e:  # a bad model or engine flag: a usage error, as `pagoda serve` reports it
+            print(f"pagoda bench {argv[1]}: error: {flagify(str(e))}", file=sys.stderr)
+            return 2
     parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.version:
