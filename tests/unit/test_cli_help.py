@@ -65,3 +65,12 @@ def test_a_bad_model_given_to_a_benchmark_is_a_usage_error(model, tmp_path, caps
     err = capsys.readouterr().err
     assert err.startswith(f"pagoda bench throughput: error: model path '{tmp_path / model}' ")
     assert "Traceback" not in err
+
+
+def test_each_serve_flag_states_its_default_once():
+    """The PAGODA_<FLAG> parser appends each flag's default (the environment's, when set) to its help."""
+    (serve,) = [p for p in parsers(build_parser()) if p.prog == "pagoda serve"]
+    formatter = serve._get_formatter()
+    for action in serve._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            assert formatter._expand_help(action).count("(default:") <= 1, action.option_strings
