@@ -251,7 +251,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Hugging Face model directory, .gguf file or Hub id ORG/NAME "
                              f"(default: {DEFAULT_MODEL_NAME}) [env PAGODA_MODEL]")
     p = _EnvParser(parser)
-    p.add("--revision", help="branch, tag or commit of a Hub model id (default: main)")
+    p.add("--revision", help="branch, tag or commit of a Hub model id (None: main)")
     p.add("--served-model-name", help="the name clients pass as `model`")
     p.add("--host", default=ServerArgs.host)
     p.add("--port", default=ServerArgs.port, type=port_number)
