@@ -52,10 +52,11 @@ def test_every_module_entry_point_prints_its_help(module, capsys):
 
 
 def test_a_default_from_the_environment_is_shown_as_given(monkeypatch):
-    """A PAGODA_<FLAG> value becomes the flag's default in the help: a '%' in it is text, not a format."""
+    """A PAGODA_<FLAG> value (the flag's default then) shows beside its variable: a '%' in it is text, not a
+    format."""
     monkeypatch.setenv("PAGODA_SERVED_MODEL_NAME", "50%off")
     (serve,) = [p for p in parsers(build_parser()) if p.prog == "pagoda serve"]
-    assert "(default: 50%off)" in serve.format_help()
+    assert "[env PAGODA_SERVED_MODEL_NAME=50%off]" in " ".join(serve.format_help().split())
 
 
 @pytest.mark.parametrize("model", ["missing", "not-a-model-dir"])
@@ -67,10 +68,20 @@ def test_a_bad_model_given_to_a_benchmark_is_a_usage_error(model, tmp_path, caps
     assert "Traceback" not in err
 
 
-def test_each_serve_flag_states_its_default_once():
-    """The PAGODA_<FLAG> parser appends each flag's default (the environment's, when set) to its help."""
+@pytest.mark.parametrize("environment", [{}, {"PAGODA_REVISION": "v2", "PAGODA_PORT": "9000"}])
+def test_each_serve_flag_states_its_default_once(environment, monkeypatch):
+    """The PAGODA_<FLAG> parser appends each flag's default to its help (the variable's value, when set)."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
     (serve,) = [p for p in parsers(build_parser()) if p.prog == "pagoda serve"]
     formatter = serve._get_formatter()
     for action in serve._actions:
         if action.help and action.help is not argparse.SUPPRESS:
             assert formatter._expand_help(action).count("(default:") <= 1, action.option_strings
+
+
+def test_the_api_key_from_the_environment_is_not_in_the_help(monkeypatch):
+    monkeypatch.setenv("PAGODA_API_KEY", "sk-very-secret")
+    (serve,) = [p for p in parsers(build_parser()) if p.prog == "pagoda serve"]
+    text = " ".join(serve.format_help().split())
+    assert "sk-very-secret" not in text and "[env PAGODA_API_KEY=(set)]" in text

@@ -209,7 +209,7 @@ class _EnvParser:
         self.parser = parser
 
     def add(self, flag: str, *aliases: str, default=None, type=str, choices=None, boolean: bool = False,
-            help: str = ""):
+            help: str = "", secret: bool = False):
         env = env_name(flag)
         raw = os.environ.get(env)
         if raw is not None and raw != "":
@@ -217,13 +217,17 @@ class _EnvParser:
                 default = self._convert_env(flag, env, raw, type, choices, boolean)
             except ValueError as e:  # an error only if the flag is not given: flags win
                 default = InvalidEnvValue(str(e))
-        help = f"{help} [env {env}]" if help else f"[env {env}]"
+        # the variable, with its value when set (which is then the default); else the default once: the
+        # help's own words for it, or the value
+        tag = f"[env {env}={'(set)' if secret else raw}]".replace("%", "%%") if raw else f"[env {env}]"
+        help = f"{help} {tag}" if help else tag
         if boolean:
             self.parser.add_argument(flag, *aliases, action=argparse.BooleanOptionalAction, default=default,
                                      help=help)
         else:
-            self.parser.add_argument(flag, *aliases, type=type, choices=choices, default=default,
-                                     help=f"{help} (default: {str(default).replace('%', '%%')})")
+            if not raw and not secret and "(default:" not in help:
+                help = f"{help} (default: {str(default).replace('%', '%%')})"
+            self.parser.add_argument(flag, *aliases, type=type, choices=choices, default=default, help=help)
 
     def _convert_env(self, flag, env, raw, type, choices, boolean):
         if boolean:
@@ -251,11 +255,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Hugging Face model directory, .gguf file or Hub id ORG/NAME "
                              f"(default: {DEFAULT_MODEL_NAME}) [env PAGODA_MODEL]")
     p = _EnvParser(parser)
-    p.add("--revision", help="branch, tag or commit of a Hub model id (None: main)")
+    p.add("--revision", help="branch, tag or commit of a Hub model id (default: main)")
     p.add("--served-model-name", help="the name clients pass as `model`")
     p.add("--host", default=ServerArgs.host)
     p.add("--port", default=ServerArgs.port, type=port_number)
-    p.add("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add("--api-key", help="require `Authorization: Bearer KEY` on /v1/*", secret=True)  # never in --help
     p.add("--tensor-parallel-size", default=d["tensor_parallel_size"], type=positive_int)
     p.add("--pipeline-parallel-size", default=d["pipeline_parallel_size"], type=positive_int)
     p.add("--pp-layer-partition", type=int_list, help="layers per pipeline stage, e.g. 12,12,8")
