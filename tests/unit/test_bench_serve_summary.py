@@ -84,3 +84,28 @@ def test_a_base_url_that_is_not_an_openai_server_is_a_cli_error_naming_it():
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset", "jsonl", "--dataset-path", "{tmp}/missing.jsonl"], "--dataset-path: no file at {tmp}/missing.jsonl"),
+    (["--tokenizer", "{tmp}"], "--tokenizer: no Hugging Face tokenizer in {tmp}"),
+    (["--vllm-python", "{tmp}/no-python"], "--vllm-python {tmp}/no-python: cannot import vllm"),
+])
+def test_bad_inputs_are_refused_before_any_request(argv, message, tmp_path, capsys):
+    """Checked with the flags, before the server is asked anything (--base-url points nowhere here)."""
+    from pagoda.bench.serve import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--base-url", "http://127.0.0.1:9", *[a.format(tmp=tmp_path) for a in argv]])
+    assert exited.value.code == 2
+    assert f"pagoda bench serve: error: {message.format(tmp=tmp_path)}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, problem", [("not json", "not JSON"), ('{"text": "hi"}', "every line needs")])
+def test_a_bad_jsonl_line_is_named(line, problem, tmp_path):
+    from pagoda.bench.serve import jsonl_requests
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=f"prompts.jsonl, line 3: {problem}"):
+        jsonl_requests(str(path), None, 16)

@@ -89,13 +89,16 @@ def synthetic_requests(n: int, input_len: int, output_len: int, range_ratio: flo
 def jsonl_requests(path: str, n: int | None, output_len: int) -> list[BenchRequest]:
     """One object a line: {"prompt": str} or {"messages": [...]}, optional "output_len"/"max_tokens"."""
     requests = []
-    for line in Path(path).read_text().splitlines():
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        item = json.loads(line)
-        prompt = item.get("prompt", item.get("messages"))
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {number}: not JSON ({e})") from None
+        prompt = item.get("prompt", item.get("messages")) if isinstance(item, dict) else None
         if prompt is None:
-            raise ValueError(f"{path}: every line needs 'prompt' or 'messages'")
+            raise ValueError(f"{path}, line {number}: every line needs 'prompt' or 'messages'")
         requests.append(BenchRequest(prompt, int(item.get("output_len", item.get("max_tokens", output_len)))))
         if n is not None and len(requests) >= n:
             break
@@ -365,6 +368,10 @@ def parse_args(argv):
             p.error(str(e))
     if args.dataset == "jsonl" and not args.dataset_path:
         p.error("--dataset jsonl needs --dataset-path")
+    if args.dataset == "jsonl" and not Path(args.dataset_path).is_file():
+        p.error(f"--dataset-path: no file at {args.dataset_path}")
+    if args.tokenizer and load_tokenizer(args.tokenizer) is None:  # (the server's own falls back to words)
+        p.error(f"--tokenizer: no Hugging Face tokenizer in {args.tokenizer}")
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -372,6 +379,13 @@ def parse_args(argv):
         p.error("--max-concurrency must be >= 1")
     if not args.request_rate > 0:
         p.error("--request-rate must be > 0")
+    if args.vllm_python:  # before any load runs, not after Pagoda's half of it
+        from pagoda.bench.vllm_peer import check_vllm_python
+
+        try:
+            check_vllm_python(args.vllm_python)
+        except SystemExit as e:
+            p.error(str(e))
     return args
 
 
@@ -432,7 +446,10 @@ async def main_async(args) -> dict:
         return await main_matrix(args, sender, tokenizer, model, None if args.offline else root,
                                  engine if args.offline else None)
     if args.dataset == "jsonl":
-        requests = jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
+        try:
+            requests = jsonl_requests(args.dataset_path, args.num_prompts, args.output_len)
+        except ValueError as e:
+            raise SystemExit(f"pagoda bench serve: error: --dataset-path: {e}") from None
     else:
         requests = synthetic_requests(args.num_prompts + args.warmup, args.input_len, args.output_len,
                                       args.range_ratio, args.seed, tokenizer)

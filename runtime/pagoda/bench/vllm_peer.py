@@ -6,6 +6,7 @@ vLLM's CPU build is run as its docs advise: on all cores (`VLLM_CPU_OMP_THREADS_
 with Intel OpenMP preloaded when the installation has it, and a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB.
 """
 
+import functools
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ OFFLINE_SCRIPT = Path(__file__).with_name("vllm_offline_peer.py")
 LORA_OFFLINE_SCRIPT = Path(__file__).with_name("vllm_lora_offline_peer.py")
 
 
+@functools.cache  # once a process: the argument check and the run ask alike, and importing vllm takes seconds
 def check_vllm_python(python: str) -> str:
     """The interpreter path, or SystemExit naming --vllm-python when it cannot import vllm."""
     path = Path(python)
