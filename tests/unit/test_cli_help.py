@@ -85,3 +85,17 @@ def test_the_api_key_from_the_environment_is_not_in_the_help(monkeypatch):
     (serve,) = [p for p in parsers(build_parser()) if p.prog == "pagoda serve"]
     text = " ".join(serve.format_help().split())
     assert "sk-very-secret" not in text and "[env PAGODA_API_KEY=(set)]" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["throughput", "--num-requests", "0"], "--num-requests must be >= 1; got 0"),
+    (["throughput", "--prompt-len", "10", "5"], "--prompt-len MIN MAX needs 1 <= MIN <= MAX; got 10 5"),
+    (["parallel", "--output-len", "0", "3"], "--output-len MIN MAX needs 1 <= MIN <= MAX; got 0 3"),
+    (["lora", "--num-requests", "0"], "--num-requests must be at least 1, got 0"),
+    (["lora", "--adapters", "4", "0"], "--adapters: each count of distinct adapters must be at least 1"),
+])
+def test_a_benchmark_refuses_an_empty_workload_by_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", *argv])
+    assert exited.value.code == 2
+    assert f"pagoda bench {argv[0]}: error: {message}" in capsys.readouterr().err

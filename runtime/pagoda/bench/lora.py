@@ -54,8 +54,11 @@ def parse_args(argv):
     p.add_argument("--vllm-python", default=None, help="also run the batches through vLLM in this interpreter")
     p.add_argument("--json", dest="json_out", default=None)
     args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    for flag in ("repeats", "num_requests", "prompt_len", "max_tokens", "rank"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if min(args.adapters) < 1:
+        p.error(f"--adapters: each count of distinct adapters must be at least 1, got {args.adapters}")
     return args
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pagoda.bench.memory import PeakMemory
 from pagoda.bench.throughput import print_table, summarize
-from pagoda.bench.workload import synthetic_requests
+from pagoda.bench.workload import check_workload_args, synthetic_requests
 
 CONFIGS = {
     "TP=1": dict(tensor_parallel_size=1),
@@ -35,7 +35,9 @@ def parse_args(argv):
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_workload_args(p, args)
+    return args
 
 
 def splittable_default_model() -> str:

@@ -15,7 +15,7 @@ import torch
 
 from pagoda.bench.memory import PeakMemory
 from pagoda.bench.vllm_peer import check_vllm_python, run_offline
-from pagoda.bench.workload import synthetic_requests
+from pagoda.bench.workload import check_workload_args, synthetic_requests
 from pagoda.platform.isa import ALL_LEVELS
 
 
@@ -51,7 +51,9 @@ def parse_args(argv):
                    help="run Pagoda's kernels (and torch's ATen, MKL and oneDNN) at this CPU ISA level, to show on "
                         f"one machine what a lesser CPU gets: {', '.join(ALL_LEVELS)} (default: PAGODA_CPU_ISA, "
                         "else native)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_workload_args(p, args)
+    return args
 
 
 def matmul_flops(dtype: torch.dtype, device: str, size: int = 1024, repeats: int = 20) -> float:
