@@ -32,13 +32,15 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> str:
         if hub.is_repo_id(model):
             return hub.download_model(model, revision, check_config=load_hf_config)
         raise InvalidParam("model", f"model path {model!r} does not exist (Pagoda loads local Hugging Face "
-                         "directories, .gguf files, or Hub ids ORG/NAME)")
+                                    "directories, .gguf files, or Hub ids ORG/NAME)")
     if revision is not None:
-        raise InvalidParam("revision", f"revision {revision!r} applies to Hub model ids, but {model!r} is a local path")
+        raise InvalidParam("revision",
+                           f"revision {revision!r} applies to Hub model ids, but {model!r} is a local path")
     if path.is_file() and path.suffix == ".gguf":
         return str(ensure_converted(path, path.stem))
     if not (path / "config.json").is_file():
-        raise InvalidParam("model", f"model path {model!r} has no config.json: not a Hugging Face model directory")
+        raise InvalidParam("model",
+                           f"model path {model!r} has no config.json: not a Hugging Face model directory")
     return str(path)
 
 
@@ -60,7 +62,8 @@ def check_supported(config) -> None:
     for layer_type in sorted(set(getattr(config, "layer_types", None) or [None])):
         rope_type = rope_parameters(config, layer_type)["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise InvalidParam("model", f"unsupported rope scaling {rope_type!r}: Pagoda supports {', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise InvalidParam("model", f"unsupported rope scaling {rope_type!r}: Pagoda supports "
+                                        f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise InvalidParam("model", f"unsupported hidden_act {act!r}: Pagoda supports {', '.join(ACTIVATIONS)}")
@@ -68,10 +71,11 @@ def check_supported(config) -> None:
         raise InvalidParam("model", "unsupported option mlp_bias=true")
     checkpoint = checkpoint_quantization(config)  # raises for a quantized format Pagoda cannot run
     if checkpoint is not None and checkpoint.method in ("gptq", "awq") and archs[0] in MOE_ARCHITECTURES:
-        raise InvalidParam("model", f"{checkpoint.method.upper()} checkpoints of mixture-of-experts models ({archs[0]}) are not "
-                         f"supported yet: Pagoda reads {checkpoint.method.upper()} tensors of dense layers, not "
-                         "experts'. Serve the unquantized checkpoint with quantization='int8' or 'int4' (online, "
-                         "experts included): see docs/models.md#supported-architectures")
+        raise InvalidParam("model", f"{checkpoint.method.upper()} checkpoints of mixture-of-experts models "
+                                    f"({archs[0]}) are not supported yet: Pagoda reads {checkpoint.method.upper()} "
+                                    "tensors of dense layers, not experts'. Serve the unquantized checkpoint with "
+                                    "quantization='int8' or 'int4' (online, experts included): see "
+                                    "docs/models.md#supported-architectures")
     partial = getattr(config, "partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise InvalidParam("model", f"unsupported partial_rotary_factor {partial}: Pagoda supports 1.0")
