@@ -1,6 +1,7 @@
 """What the CLI says: every command's --help renders (argparse formats help strings with %, so a bare '%' in one, a
-share written "0.2% of the load's", made `pagoda serve --help` raise a TypeError instead of printing), and a bad
-model given to a benchmark is a usage error, as it is to `pagoda serve`."""
+share written "0.2% of the load's", made `pagoda serve --help` raise a TypeError instead of printing), each flag
+states its default once (an API key's value never), and a bad model or an empty workload given to a benchmark is a
+usage error naming the flag, as `pagoda serve` reports its own."""
 
 from __future__ import annotations
 
