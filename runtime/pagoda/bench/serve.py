@@ -15,6 +15,7 @@ alternating pairs, and prints one table (`--table FILE` also writes it); `--clie
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import sys
@@ -54,6 +55,7 @@ class BenchRequest:
 
 # --- workloads -------------------------------------------------------------------------------------
 
+@functools.cache  # once a path: the --tokenizer check loads it, and the run uses the same one
 def load_tokenizer(path: str | None):
     if not path or not Path(path).is_dir():
         return None
