@@ -112,6 +112,8 @@ constexpr const char* kLinearSchema =
 
 std::string isa_level();  // the ISA level the library was compiled for (csrc/cpu_isa.h)
 constexpr const char* kIsaLevelSchema = "isa_level() -> str";
+bool uses_amx();  // whether its matmuls of 3 rows and more run on AMX tiles here (csrc/bf16_matmul_amx.h)
+constexpr const char* kUsesAmxSchema = "bf16_matmul_uses_amx() -> bool";
 
 }  // namespace pagoda::bf16_matmul
 

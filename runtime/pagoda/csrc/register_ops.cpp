@@ -21,6 +21,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(sample::kSampleCategoricalSchema);
   m.def(bf16_matmul::kLinearSchema);
   m.def(bf16_matmul::kIsaLevelSchema, &bf16_matmul::isa_level);
+  m.def(bf16_matmul::kUsesAmxSchema, &bf16_matmul::uses_amx);
   m.def(fp8_matmul::kLinearSchema);
   m.def(fp8_matmul::kPackSchema);
   m.def(fp8_matmul::kUnpackSchema);

@@ -15,6 +15,7 @@
 
 #include <vector>
 
+#include "bf16_matmul_amx.h"
 #include "bf16_matmul_isa.h"
 #include "ops.h"
 #include "parallel_tasks.h"
@@ -24,6 +25,46 @@ namespace pagoda::bf16_matmul {  // the ops are declared in csrc/ops.h
 constexpr int64_t kRowsPerTask = 64;  // rows of x one task runs against a block (its weights stay in L2)
 
 std::string isa_level() { return kIsaLevel; }  // no tensor: one kernel for every backend
+
+bool uses_amx() {
+#if defined(PAGODA_HAVE_AMX)
+  return amx::usable();
+#else
+  return false;
+#endif
+}
+
+#if defined(PAGODA_HAVE_AMX)
+// rows of x (>= amx::kMinRows) on AMX tiles, into y (bfloat16 or float32), tasks as linear's below
+static void linear_amx(at::Tensor x, int64_t rows, const at::Tensor& packed, int64_t out_features,
+                       const bf16* bias, at::Tensor& y) {
+  // a tile reads 16 rows of 64 bytes: x padded to whole tiles (the padding's sums are never stored)
+  const int64_t padded_rows = (rows + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+  if (padded_rows != rows || x.stride(1) != 1) {
+    at::Tensor padded = x.new_zeros({padded_rows, x.size(1)});
+    padded.narrow(0, 0, rows).copy_(x);
+    x = padded;
+  }
+  const bf16* x_data = x.data_ptr<bf16>();
+  const bf16* w_data = packed.data_ptr<bf16>();
+  const int64_t ldx = x.stride(0), k_pairs = packed.size(1), blocks = packed.size(0);
+  const int64_t row_tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  auto run = [&](auto* y_data) {
+    pagoda::parallel_tasks(blocks * row_tasks, [&](int64_t task) {
+      const int64_t b = task % blocks, m0 = (task / blocks) * kRowsPerTask, n0 = b * kBlockN;
+      const BlockTask t{x_data + m0 * ldx, nullptr, ldx, 0, std::min(kRowsPerTask, rows - m0),
+                        w_data + b * k_pairs * 2 * kBlockN, k_pairs, out_features,
+                        std::min(kBlockN, out_features - n0), bias ? bias + n0 : nullptr};
+      amx::rows_against_block(t, y_data + m0 * out_features + n0);
+    });
+  };
+  if (y.scalar_type() == at::kFloat) {
+    run(y.data_ptr<float>());
+  } else {
+    run(y.data_ptr<bf16>());
+  }
+}
+#endif
 
 // x [..., K] -> [..., out_features], bfloat16, or float32 with float32_out (logits: not rounded to 8 bits)
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
@@ -48,6 +89,12 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = out_features;
   auto y = x.new_empty(out_shape, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
+#if defined(PAGODA_HAVE_AMX)
+  if (rows >= amx::kMinRows && k_pairs % amx::kTileKPairs == 0 && amx::usable()) {
+    linear_amx(x, rows, packed, out_features, bias_data, y);
+    return y;
+  }
+#endif
   // AVX2's and NEON's prefill kernels are float32 ones: x widened once here, not in every task (in panels of
   // kXPanelRows rows where the ISA's kernel reads them so)
   const bf16* x_data = x.data_ptr<bf16>();

@@ -1,0 +1,139 @@
+// bfloat16 matmul on Intel AMX (Sapphire Rapids and later), for rows of x against the packed blocks of
+// bf16_matmul_common.h, at the avx512bf16 level. One `tdpbf16ps` multiplies a 16-row tile of x by a tile of
+// 16 k-pairs x 16 outputs: 8192 multiply-adds, where `vdpbf16ps` does 32. So from a few rows on, a prompt's
+// matmuls run ~10x faster than the vdpbf16ps kernel (which keeps decode's few rows: there both read the weight
+// at memory speed, and a tile's 16 rows would be mostly padding).
+//
+// The packed layout is already a tile's: a block's k-pair p holds its 32 outputs' weight pairs in 128 bytes,
+// so the B tile of outputs 0-15 is 16 such rows, 64 bytes each, 128 bytes apart (outputs 16-31: 64 bytes
+// further). The kernel is compiled for AMX by target attribute, and used where the CPU has it and the kernel
+// is granted the tile state (Linux's arch_prctl): a library built for the avx512bf16 level without AMX flags
+// (a prebuilt one) uses AMX too.
+#pragma once
+
+#include "cpu_isa.h"
+
+#if defined(PAGODA_ISA_AVX512BF16) && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__)))
+#define PAGODA_HAVE_AMX 1
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "bf16_matmul_avx512bf16.h"
+#include "bf16_matmul_common.h"
+
+namespace pagoda::bf16_matmul::amx {
+
+constexpr int64_t kTileRows = 16;                // rows of an x tile and of an output tile
+constexpr int64_t kTileKPairs = 16;              // k-pairs of a tile: 32 inputs, 64 bytes a row
+constexpr int64_t kGroupRows = 2 * kTileRows;    // one step: 32 rows x 32 outputs, four output tiles
+// From this many rows AMX runs a call. A tile costs the same for 1 to 16 rows, while the vdpbf16ps kernel's
+// time grows with its rows past two (3 rows: ~1.2x one's); at 1-2 rows both are bound by reading the weight,
+// which the streaming kernel does 10-20 % faster (`pagoda bench kernels`' shapes, two cores).
+constexpr int64_t kMinRows = 3;
+
+// Whether this CPU has AMX-BF16 and this process may use its tiles (asked once: Linux hands the tile state
+// out per process on request, ARCH_REQ_XCOMP_PERM for XTILEDATA)
+inline bool usable() {
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+    if (!amx_bf16 || !amx_tile) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// The tile configuration: every tile 16 rows of 64 bytes. Tiles 0-3 sum the output (float32), 4-5 hold x's
+// two row tiles, 6-7 the block's two 16-output halves.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) {
+      colsb[i] = 64;
+      rows[i] = kTileRows;
+    }
+  }
+};
+
+// y[0:rows, 0:ncols] (+ bias) from a 32 x 32 float32 group of sums
+template <typename OutT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_group(
+    const float* sums, int64_t rows, OutT* y, int64_t ldy, int64_t ncols, const bf16* bias) {
+  const __mmask16 mask_low = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 mask_high =
+      ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    bias_low = avx512bf16::bias_vector(bias, mask_low);
+    bias_high = avx512bf16::bias_vector(bias + 16, mask_high);
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    avx512bf16::store_16(y + m * ldy, mask_low, _mm512_add_ps(_mm512_loadu_ps(sums + m * 32), bias_low));
+    avx512bf16::store_16(y + m * ldy + 16, mask_high, _mm512_add_ps(_mm512_loadu_ps(sums + m * 32 + 16), bias_high));
+  }
+}
+
+// t.rows rows of x against one block. x must be readable for t.rows rounded up to 16 rows (the caller pads
+// it) and t.k_pairs a multiple of 16. Loads its own tile configuration and releases the tiles after.
+template <typename OutT>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void rows_against_block(
+    const BlockTask& t, OutT* y) {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  alignas(64) float sums[kGroupRows * 32];
+  const int64_t x_stride = t.ldx * sizeof(bf16), block_stride = 2 * kBlockN * sizeof(bf16);  // bytes
+  constexpr int64_t kSumsStride = 32 * sizeof(float);
+  for (int64_t m = 0; m < t.rows; m += kGroupRows) {
+    const bf16* x = t.x + m * t.ldx;
+    const int64_t rows = std::min(kGroupRows, t.rows - m);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rows > kTileRows) {
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t p = 0; p < t.k_pairs; p += kTileKPairs) {
+        const bf16* w = t.block + p * 2 * kBlockN;
+        _tile_loadd(4, x + 2 * p, x_stride);
+        _tile_loadd(5, x + kTileRows * t.ldx + 2 * p, x_stride);
+        _tile_loadd(6, w, block_stride);
+        _tile_loadd(7, w + 32, block_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(2, sums + kTileRows * 32, kSumsStride);
+      _tile_stored(3, sums + kTileRows * 32 + 16, kSumsStride);
+    } else {  // a last group of 16 rows or fewer: one x tile, half the work
+      for (int64_t p = 0; p < t.k_pairs; p += kTileKPairs) {
+        const bf16* w = t.block + p * 2 * kBlockN;
+        _tile_loadd(4, x + 2 * p, x_stride);
+        _tile_loadd(6, w, block_stride);
+        _tile_loadd(7, w + 32, block_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+    }
+    _tile_stored(0, sums, kSumsStride);
+    _tile_stored(1, sums + 16, kSumsStride);
+    store_group(sums, rows, y + m * t.ldy, t.ldy, t.ncols, t.bias);
+  }
+  _tile_release();
+}
+
+}  // namespace pagoda::bf16_matmul::amx
+
+#endif
