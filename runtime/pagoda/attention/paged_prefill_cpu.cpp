@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "paged_attention_common.h"
 #include "parallel_tasks.h"
 
@@ -224,6 +225,33 @@ void prepare_chunk_bf16(ChunkBf16<kHeadSize>& c, const c10::BFloat16* k_cache, c
   }
 }
 
+// Vector v's scores of a chunk, s0 (keys 0-15) and s1 (16-31), of which its first `seen` are visible, into its
+// online softmax: its probabilities as bfloat16 pairs (p[2j], p[2j+1]) into weight_pairs (0 past `seen`), and
+// the factor its output accumulators take before they add this chunk's values (returned).
+template <int kHeadSize>
+inline float softmax_chunk(TileStateBf16<kHeadSize>& st, int64_t v, __m512 s0, __m512 s1, int64_t seen, float scale,
+                           uint32_t* weight_pairs) {
+  if (seen <= 0) {  // no key of this chunk is visible: the state stays as it is
+    _mm512_store_si512(weight_pairs, _mm512_setzero_si512());
+    return 1.f;
+  }
+  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  const __mmask16 mask0 = static_cast<__mmask16>(seen >= 16 ? 0xFFFF : (1u << seen) - 1);
+  const __mmask16 mask1 = static_cast<__mmask16>(seen >= 32 ? 0xFFFF : seen > 16 ? (1u << (seen - 16)) - 1 : 0);
+  const __m512 a0 = _mm512_mul_ps(s0, _mm512_set1_ps(scale)), a1 = _mm512_mul_ps(s1, _mm512_set1_ps(scale));
+  const float chunk_max = _mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_mask_mov_ps(lowest, mask0, a0), _mm512_mask_mov_ps(lowest, mask1, a1)));
+  const float new_max = std::max(st.row_max[v], chunk_max);
+  const float rescale = exp_nonpositive(st.row_max[v] - new_max);  // -inf - x: clamped to ~1e-38, times 0
+  const __m512 m = _mm512_set1_ps(new_max);
+  const __m512 p0 = _mm512_maskz_mov_ps(mask0, exp_nonpositive16(_mm512_sub_ps(a0, m)));
+  const __m512 p1 = _mm512_maskz_mov_ps(mask1, exp_nonpositive16(_mm512_sub_ps(a1, m)));
+  st.row_max[v] = new_max;
+  st.row_sum[v] = st.row_sum[v] * rescale + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  _mm512_store_si512(weight_pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  return rescale;
+}
+
 // Vectors v..v+kVectors-1 against the chunk, as chunk_step_avx512. P @ V runs kVectors vectors together: each
 // value pair is loaded once for all of them, and their kVectors * kAcc accumulator chains keep vdpbf16ps's
 // pipeline full (one vector's kAcc chains alone wait on its latency). A vector's sums keep their order.
@@ -242,31 +270,12 @@ inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, const ChunkBf16<kHeadS
       s1[q] = _mm512_dpbf16_ps(s1[q], w, k1);
     }
   }
-  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
   alignas(64) uint32_t weight_pairs[kVectors][kKeysPerChunkBf16 / 2];  // bfloat16 (p[2j], p[2j+1]); 0: unseen
   float rescale[kVectors];
   int64_t most_seen = 0;
   for (int q = 0; q < kVectors; ++q) {
-    const int64_t seen = visible[q];
-    most_seen = std::max(most_seen, seen);
-    if (seen <= 0) {  // no key of this chunk is visible: the state stays as it is
-      rescale[q] = 1.f;
-      _mm512_store_si512(weight_pairs[q], _mm512_setzero_si512());
-      continue;
-    }
-    const __mmask16 mask0 = static_cast<__mmask16>(seen >= 16 ? 0xFFFF : (1u << seen) - 1);
-    const __mmask16 mask1 = static_cast<__mmask16>(seen >= 32 ? 0xFFFF : seen > 16 ? (1u << (seen - 16)) - 1 : 0);
-    const __m512 a0 = _mm512_mul_ps(s0[q], _mm512_set1_ps(scale)), a1 = _mm512_mul_ps(s1[q], _mm512_set1_ps(scale));
-    const float chunk_max = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_mask_mov_ps(lowest, mask0, a0), _mm512_mask_mov_ps(lowest, mask1, a1)));
-    const float new_max = std::max(st.row_max[v + q], chunk_max);
-    rescale[q] = exp_nonpositive(st.row_max[v + q] - new_max);  // -inf - x: clamped to ~1e-38, times 0
-    const __m512 m = _mm512_set1_ps(new_max);
-    const __m512 p0 = _mm512_maskz_mov_ps(mask0, exp_nonpositive16(_mm512_sub_ps(a0, m)));
-    const __m512 p1 = _mm512_maskz_mov_ps(mask1, exp_nonpositive16(_mm512_sub_ps(a1, m)));
-    st.row_max[v + q] = new_max;
-    st.row_sum[v + q] = st.row_sum[v + q] * rescale[q] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-    _mm512_store_si512(weight_pairs[q], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    most_seen = std::max(most_seen, visible[q]);
+    rescale[q] = softmax_chunk(st, v + q, s0[q], s1[q], visible[q], scale, weight_pairs[q]);
   }
   // vectors at once in P @ V: their accumulators and one value load per head-dim vector stay in registers
   constexpr int kTogether = std::min(kVectors, std::max(1, 16 / kAcc));
@@ -289,6 +298,65 @@ inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, const ChunkBf16<kHeadS
   }
 }
 
+#if defined(PAGODA_HAVE_AMX)
+// Vectors v..v+15 against the chunk on AMX tiles (csrc/amx_tiles.h): the products of chunk_step_bf16, 16 x 16 x
+// 32 of them an instruction. Scores: the vectors' query pairs times the keys' transposed pairs, [16 vectors x
+// 32 keys]. P @ V: the probabilities' pairs times the value pairs as prepared, [16 vectors x 16 outputs] per
+// accumulator vector, added to the accumulators once they take the softmax's factor. Rows past `vectors` are
+// computed from whatever the state holds there and never read.
+template <int kHeadSize>
+PAGODA_AMX_TARGET void chunk_step_amx(TileStateBf16<kHeadSize>& st, const ChunkBf16<kHeadSize>& chunk, int64_t v,
+                                      int64_t vectors, const int64_t* visible, float scale) {
+  constexpr int kPairs = kHeadSize / 2, kAcc = kHeadSize / 16;
+  constexpr int64_t kQueryStride = kPairs * 4, kKeysStride = kKeysPerChunkBf16 * 4, kValuesStride = kAcc * 64;
+  alignas(64) float scores[amx::kTileRows][kKeysPerChunkBf16];
+  alignas(64) uint32_t weight_pairs[amx::kTileRows][kKeysPerChunkBf16 / 2] = {};
+  alignas(64) float values_sum[amx::kTileRows][kHeadSize];
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int p = 0; p < kPairs; p += amx::kTileKPairs) {
+    _tile_loadd(4, &st.query[v][p], kQueryStride);
+    _tile_loadd(5, &chunk.keys_t[p][0], kKeysStride);
+    _tile_loadd(6, &chunk.keys_t[p][16], kKeysStride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+  }
+  _tile_stored(0, &scores[0][0], kKeysStride);
+  _tile_stored(1, &scores[0][16], kKeysStride);
+  const int64_t n = std::min<int64_t>(amx::kTileRows, vectors - v);
+  float rescale[amx::kTileRows];
+  for (int64_t q = 0; q < n; ++q)
+    rescale[q] = softmax_chunk(st, v + q, _mm512_load_ps(scores[q]), _mm512_load_ps(scores[q] + 16), visible[q],
+                               scale, weight_pairs[q]);
+  _tile_loadd(4, &weight_pairs[0][0], sizeof(weight_pairs[0]));
+  for (int i = 0; i < kAcc; i += 4) {  // four accumulator vectors a pass: tiles 0-3
+    _tile_loadd(5, &chunk.values[0][i], kValuesStride);
+    _tile_loadd(6, &chunk.values[0][i + 1], kValuesStride);
+    _tile_loadd(7, &chunk.values[0][i + 2], kValuesStride);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, &chunk.values[0][i + 3], kValuesStride);
+    _tile_dpbf16ps(3, 4, 5);
+    _tile_stored(0, &values_sum[0][16 * i], kHeadSize * 4);
+    _tile_stored(1, &values_sum[0][16 * (i + 1)], kHeadSize * 4);
+    _tile_stored(2, &values_sum[0][16 * (i + 2)], kHeadSize * 4);
+    _tile_stored(3, &values_sum[0][16 * (i + 3)], kHeadSize * 4);
+  }
+  for (int64_t q = 0; q < n; ++q) {
+    const __m512 r = _mm512_set1_ps(rescale[q]);
+    for (int i = 0; i < kAcc; ++i) {
+      float* acc = st.acc[v + q] + 16 * i;
+      _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_load_ps(acc), r, _mm512_load_ps(values_sum[q] + 16 * i)));
+    }
+  }
+}
+#endif
+
 // A tile of rows x group query vectors against the chunks of its sequence's KV head: chunk_at(c) is chunk c
 template <int kHeadSize, typename ChunkAt>
 void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, ChunkAt&& chunk_at,
@@ -307,15 +375,29 @@ void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_h
       st.row_sum[v] = 0.f;
     }
   const int64_t last_pos = first_pos + rows - 1;
+#if defined(PAGODA_HAVE_AMX)
+  const bool use_amx = amx::usable();
+  if (use_amx) amx::load_tile_config();
+#endif
   for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeysPerChunkBf16) {
     const ChunkBf16<kHeadSize>& chunk = chunk_at(t0 / kKeysPerChunkBf16);
     const int64_t keys = std::min(kKeysPerChunkBf16, last_pos + 1 - t0);
     int64_t visible[kTileVectors];  // causal: vector v (row v / group) sees keys t <= its position
     for (int64_t v = 0; v < vectors; ++v) visible[v] = std::min(keys, first_pos + v / group - t0 + 1);
+#if defined(PAGODA_HAVE_AMX)
+    if (use_amx) {
+      for (int64_t v = 0; v < vectors; v += amx::kTileRows)
+        chunk_step_amx<kHeadSize>(st, chunk, v, vectors, visible + v, scale);
+      continue;
+    }
+#endif
     int64_t v = 0;
     for (; v + 4 <= vectors; v += 4) chunk_step_bf16<kHeadSize, 4>(st, chunk, v, visible + v, scale);
     for (; v < vectors; ++v) chunk_step_bf16<kHeadSize, 1>(st, chunk, v, visible + v, scale);
   }
+#if defined(PAGODA_HAVE_AMX)
+  if (use_amx) amx::release_tiles();
+#endif
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t v = r * group + g;

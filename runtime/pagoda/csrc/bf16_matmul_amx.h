@@ -6,72 +6,37 @@
 //
 // The packed layout is already a tile's: a block's k-pair p holds its 32 outputs' weight pairs in 128 bytes,
 // so the B tile of outputs 0-15 is 16 such rows, 64 bytes each, 128 bytes apart (outputs 16-31: 64 bytes
-// further). The kernel is compiled for AMX by target attribute, and used where the CPU has it and the kernel
-// is granted the tile state (Linux's arch_prctl): a library built for the avx512bf16 level without AMX flags
-// (a prebuilt one) uses AMX too.
+// further). Where it runs: csrc/amx_tiles.h.
 #pragma once
 
-#include "cpu_isa.h"
+#include "amx_tiles.h"
 
-#if defined(PAGODA_ISA_AVX512BF16) && defined(__x86_64__) && defined(__linux__) && \
-    (defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__)))
-#define PAGODA_HAVE_AMX 1
+#if defined(PAGODA_HAVE_AMX)
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "bf16_matmul_avx512bf16.h"
 #include "bf16_matmul_common.h"
 
 namespace pagoda::bf16_matmul::amx {
 
-constexpr int64_t kTileRows = 16;                // rows of an x tile and of an output tile
-constexpr int64_t kTileKPairs = 16;              // k-pairs of a tile: 32 inputs, 64 bytes a row
-constexpr int64_t kGroupRows = 2 * kTileRows;    // one step: 32 rows x 32 outputs, four output tiles
+using pagoda::amx::kTileKPairs;
+using pagoda::amx::kTileRows;
+using pagoda::amx::load_tile_config;
+using pagoda::amx::usable;
+
+constexpr int64_t kGroupRows = 2 * kTileRows;  // one step: 32 rows x 32 outputs, four output tiles
 // From this many rows AMX runs a call. A tile costs the same for 1 to 16 rows, while the vdpbf16ps kernel's
 // time grows with its rows past two (3 rows: ~1.2x one's); at 1-2 rows both are bound by reading the weight,
 // which the streaming kernel does 10-20 % faster (`pagoda bench kernels`' shapes, two cores).
 constexpr int64_t kMinRows = 3;
 
-// Whether this CPU has AMX-BF16 and this process may use its tiles (asked once: Linux hands the tile state
-// out per process on request, ARCH_REQ_XCOMP_PERM for XTILEDATA)
-inline bool usable() {
-  static const bool ok = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
-    if (!amx_bf16 || !amx_tile) return false;
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// The tile configuration: every tile 16 rows of 64 bytes. Tiles 0-3 sum the output (float32), 4-5 hold x's
-// two row tiles, 6-7 the block's two 16-output halves.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) {
-      colsb[i] = 64;
-      rows[i] = kTileRows;
-    }
-  }
-};
-
 // y[0:rows, 0:ncols] (+ bias) from a 32 x 32 float32 group of sums
 template <typename OutT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_group(
-    const float* sums, int64_t rows, OutT* y, int64_t ldy, int64_t ncols, const bf16* bias) {
+inline void store_group(const float* sums, int64_t rows, OutT* y, int64_t ldy, int64_t ncols, const bf16* bias) {
   const __mmask16 mask_low = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
   const __mmask16 mask_high =
       ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
@@ -87,12 +52,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void stor
 }
 
 // t.rows rows of x against one block. x must be readable for t.rows rounded up to 16 rows (the caller pads
-// it) and t.k_pairs a multiple of 16. Loads its own tile configuration and releases the tiles after.
+// it) and t.k_pairs a multiple of 16. Loads the tile configuration and releases the tiles after.
 template <typename OutT>
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) void rows_against_block(
-    const BlockTask& t, OutT* y) {
-  static const TileConfig config;
-  _tile_loadconfig(&config);
+PAGODA_AMX_TARGET void rows_against_block(const BlockTask& t, OutT* y) {
+  load_tile_config();
   alignas(64) float sums[kGroupRows * 32];
   const int64_t x_stride = t.ldx * sizeof(bf16), block_stride = 2 * kBlockN * sizeof(bf16);  // bytes
   constexpr int64_t kSumsStride = 32 * sizeof(float);
@@ -131,7 +94,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     _tile_stored(1, sums + 16, kSumsStride);
     store_group(sums, rows, y + m * t.ldy, t.ldy, t.ncols, t.bias);
   }
-  _tile_release();
+  pagoda::amx::release_tiles();
 }
 
 }  // namespace pagoda::bf16_matmul::amx

@@ -1,0 +1,65 @@
+// Intel AMX (Advanced Matrix Extensions, Sapphire Rapids and later): whether this process may use the tiles,
+// and the one tile shape every Pagoda kernel uses, 16 rows of 64 bytes (16 x 32 bfloat16, or 16 x 16 float32
+// sums). Kernels are compiled for AMX by target attribute (PAGODA_AMX_TARGET) and called where usable(): so a
+// library built for the avx512bf16 level without AMX flags (a prebuilt one) uses AMX too where the CPU has it.
+#pragma once
+
+#include "cpu_isa.h"
+
+#if defined(PAGODA_ISA_AVX512BF16) && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define PAGODA_HAVE_AMX 1
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+#define PAGODA_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace pagoda::amx {
+
+constexpr int64_t kTileRows = 16;    // rows of a tile
+constexpr int64_t kTileKPairs = 16;  // bfloat16 pairs in a row: 32 values, 64 bytes (a float32 tile: 16 sums)
+
+// Whether this CPU has AMX-BF16 and this process may use its tiles (asked once: Linux hands the tile state
+// out per process on request, ARCH_REQ_XCOMP_PERM for XTILEDATA)
+inline bool usable() {
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+    if (!amx_bf16 || !amx_tile) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tile configuration: all 8 tiles 16 rows of 64 bytes (palette 1)
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int i = 0; i < 8; ++i) {
+      colsb[i] = 64;
+      rows[i] = kTileRows;
+    }
+  }
+};
+
+// Loads the configuration on this thread (a kernel calls it before its tiles, and release_tiles() after)
+PAGODA_AMX_TARGET inline void load_tile_config() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+PAGODA_AMX_TARGET inline void release_tiles() { _tile_release(); }
+
+}  // namespace pagoda::amx
+
+#endif
