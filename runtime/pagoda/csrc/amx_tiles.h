@@ -38,7 +38,7 @@ inline bool usable() {
   return ok;
 }
 
-// Tile configuration: all 8 tiles 16 rows of 64 bytes (palette 1)
+// Tile configuration (palette 1): all 8 tiles 64 bytes wide and 16 rows high, or fewer rows where given
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
   uint8_t start_row = 0;
@@ -53,10 +53,12 @@ struct alignas(64) TileConfig {
   }
 };
 
-// Loads the configuration on this thread (a kernel calls it before its tiles, and release_tiles() after)
+// Loads the configuration on this thread (a kernel calls it before its tiles, and release_tiles() after);
+// the default one: every tile 16 rows
+PAGODA_AMX_TARGET inline void load_tile_config(const TileConfig& config) { _tile_loadconfig(&config); }
 PAGODA_AMX_TARGET inline void load_tile_config() {
   static const TileConfig config;
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 PAGODA_AMX_TARGET inline void release_tiles() { _tile_release(); }
 

@@ -51,20 +51,29 @@ inline void store_group(const float* sums, int64_t rows, OutT* y, int64_t ldy, i
   }
 }
 
-// t.rows rows of x against one block. x must be readable for t.rows rounded up to 16 rows (the caller pads
-// it) and t.k_pairs a multiple of 16. Loads the tile configuration and releases the tiles after.
+// t.rows rows of x against one block; t.k_pairs a multiple of 16. A step takes two tiles of 16 rows and both
+// halves of the block (four sum tiles); the last rows (fewer than 16) take tiles of as many rows, under a
+// configuration of their own, so that no tile reads past x. Releases the tiles after.
 template <typename OutT>
 PAGODA_AMX_TARGET void rows_against_block(const BlockTask& t, OutT* y) {
-  load_tile_config();
-  alignas(64) float sums[kGroupRows * 32];
+  const int64_t whole = t.rows / kTileRows, last_rows = t.rows % kTileRows;
+  const int64_t tiles = whole + (last_rows > 0 ? 1 : 0);
   const int64_t x_stride = t.ldx * sizeof(bf16), block_stride = 2 * kBlockN * sizeof(bf16);  // bytes
   constexpr int64_t kSumsStride = 32 * sizeof(float);
-  for (int64_t m = 0; m < t.rows; m += kGroupRows) {
-    const bf16* x = t.x + m * t.ldx;
-    const int64_t rows = std::min(kGroupRows, t.rows - m);
+  alignas(64) float sums[kGroupRows * 32];
+  load_tile_config();
+  for (int64_t i = 0; i < tiles; i += 2) {
+    const bf16* x = t.x + i * kTileRows * t.ldx;
+    const bool two = i + 1 < tiles;
+    if (last_rows > 0 && i + (two ? 1 : 0) == whole) {  // this step holds the last rows: their x tile (4 alone,
+      pagoda::amx::TileConfig config;                  // 5 with another) and its sum tiles have as many rows
+      const int shorter[3] = {two ? 5 : 4, two ? 2 : 0, two ? 3 : 1};
+      for (int tile : shorter) config.rows[tile] = static_cast<uint8_t>(last_rows);
+      load_tile_config(config);
+    }
     _tile_zero(0);
     _tile_zero(1);
-    if (rows > kTileRows) {
+    if (two) {
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t p = 0; p < t.k_pairs; p += kTileKPairs) {
@@ -80,7 +89,7 @@ PAGODA_AMX_TARGET void rows_against_block(const BlockTask& t, OutT* y) {
       }
       _tile_stored(2, sums + kTileRows * 32, kSumsStride);
       _tile_stored(3, sums + kTileRows * 32 + 16, kSumsStride);
-    } else {  // a last group of 16 rows or fewer: one x tile, half the work
+    } else {  // a last tile alone: half the work
       for (int64_t p = 0; p < t.k_pairs; p += kTileKPairs) {
         const bf16* w = t.block + p * 2 * kBlockN;
         _tile_loadd(4, x + 2 * p, x_stride);
@@ -92,7 +101,8 @@ PAGODA_AMX_TARGET void rows_against_block(const BlockTask& t, OutT* y) {
     }
     _tile_stored(0, sums, kSumsStride);
     _tile_stored(1, sums + 16, kSumsStride);
-    store_group(sums, rows, y + m * t.ldy, t.ldy, t.ncols, t.bias);
+    store_group(sums, std::min(kGroupRows, t.rows - i * kTileRows), y + i * kTileRows * t.ldy, t.ldy, t.ncols,
+                t.bias);
   }
   pagoda::amx::release_tiles();
 }

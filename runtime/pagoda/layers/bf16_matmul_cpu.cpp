@@ -36,15 +36,8 @@ bool uses_amx() {
 
 #if defined(PAGODA_HAVE_AMX)
 // rows of x (>= amx::kMinRows) on AMX tiles, into y (bfloat16 or float32), tasks as linear's below
-static void linear_amx(at::Tensor x, int64_t rows, const at::Tensor& packed, int64_t out_features,
+static void linear_amx(const at::Tensor& x, int64_t rows, const at::Tensor& packed, int64_t out_features,
                        const bf16* bias, at::Tensor& y) {
-  // a tile reads 16 rows of 64 bytes: x padded to whole tiles (the padding's sums are never stored)
-  const int64_t padded_rows = (rows + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
-  if (padded_rows != rows || x.stride(1) != 1) {
-    at::Tensor padded = x.new_zeros({padded_rows, x.size(1)});
-    padded.narrow(0, 0, rows).copy_(x);
-    x = padded;
-  }
   const bf16* x_data = x.data_ptr<bf16>();
   const bf16* w_data = packed.data_ptr<bf16>();
   const int64_t ldx = x.stride(0), k_pairs = packed.size(1), blocks = packed.size(0);
