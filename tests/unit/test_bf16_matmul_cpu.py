@@ -55,6 +55,15 @@ def test_float32_sums_match_torch(rows, out_features, in_features, bias):
     assert torch.equal(narrow, wide.bfloat16())  # rounded once, to nearest even
 
 
+def test_many_rows_over_many_blocks():
+    """Enough rows and blocks for AMX's tasks of 256 rows (rows first), with a last tile of 8 rows."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(256, 64, generator=gen).bfloat16()
+    x = torch.randn(600, 64, generator=gen).bfloat16()
+    got = bf16_matmul_cpu.linear(x, bf16_matmul_cpu.pack(weight), 256, None, float32_out=True)
+    torch.testing.assert_close(got, x.float() @ weight.float().t(), atol=2e-4 * 64 ** 0.5, rtol=1e-5)
+
+
 def test_strided_and_batched_rows():
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(96, 128, generator=gen).bfloat16()

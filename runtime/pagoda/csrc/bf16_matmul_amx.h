@@ -31,7 +31,7 @@ using pagoda::amx::usable;
 constexpr int64_t kGroupRows = 2 * kTileRows;  // one step: 32 rows x 32 outputs, four output tiles
 // From this many rows AMX runs a call. A tile costs the same for 1 to 16 rows, while the vdpbf16ps kernel's
 // time grows with its rows past two (3 rows: ~1.2x one's); at 1-2 rows both are bound by reading the weight,
-// which the streaming kernel does 10-20 % faster (`pagoda bench kernels`' shapes, two cores).
+// which the streaming kernel does 10-20 % faster (the default model's shapes, two cores of a Xeon with AMX).
 constexpr int64_t kMinRows = 3;
 
 // y[0:rows, 0:ncols] (+ bias) from a 32 x 32 float32 group of sums
