@@ -3,7 +3,8 @@
 Levels, lowest first, per architecture:
 
 - x86_64: ``generic`` (no -march, no ISA-specific code), ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL),
-  ``avx512bf16`` (+ BF16; AMX is reported as a feature, its kernels are the avx512bf16 ones);
+  ``avx512bf16`` (+ BF16; AMX is a feature of it: where the CPU has it, the matmul and prefill attention
+  run on its tiles, csrc/amx_tiles.h);
 - aarch64: ``generic``, ``neon`` (ASIMD, every aarch64 CPU), ``neonbf16`` (+ the BF16 extension's BFDOT and
   BFMMLA: Graviton3/4, Neoverse V1/V2/N2, Apple M2 on; SVE is reported as a feature).
 
