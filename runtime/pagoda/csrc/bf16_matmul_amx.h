@@ -37,18 +37,9 @@ constexpr int64_t kMinRows = 3;
 // y[0:rows, 0:ncols] (+ bias) from a 32 x 32 float32 group of sums
 template <typename OutT>
 inline void store_group(const float* sums, int64_t rows, OutT* y, int64_t ldy, int64_t ncols, const bf16* bias) {
-  const __mmask16 mask_low = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 mask_high =
-      ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    bias_low = avx512bf16::bias_vector(bias, mask_low);
-    bias_high = avx512bf16::bias_vector(bias + 16, mask_high);
-  }
-  for (int64_t m = 0; m < rows; ++m) {
-    avx512bf16::store_16(y + m * ldy, mask_low, _mm512_add_ps(_mm512_loadu_ps(sums + m * 32), bias_low));
-    avx512bf16::store_16(y + m * ldy + 16, mask_high, _mm512_add_ps(_mm512_loadu_ps(sums + m * 32 + 16), bias_high));
-  }
+  const avx512bf16::BlockColumns columns(ncols, bias);
+  for (int64_t m = 0; m < rows; ++m)
+    columns.store(y + m * ldy, _mm512_loadu_ps(sums + m * 32), _mm512_loadu_ps(sums + m * 32 + 16));
 }
 
 // t.rows rows of x against one block; t.k_pairs a multiple of 16. A step takes two tiles of 16 rows and both

@@ -23,6 +23,26 @@ inline void store_16(bf16* y, __mmask16 mask, __m512 sums) {
 }
 inline void store_16(float* y, __mmask16 mask, __m512 sums) { _mm512_mask_storeu_ps(y, mask, sums); }
 
+// A block's 32 columns as two 16-lane halves: which of them exist (ncols <= 32) and their bias, widened once;
+// store() writes one row's two halves of float32 sums (+ bias) into y's type
+struct BlockColumns {
+  __mmask16 mask_low, mask_high;
+  __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
+  BlockColumns(int64_t ncols, const bf16* bias)
+      : mask_low(ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1)),
+        mask_high(ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1)) {
+    if (bias != nullptr) {
+      bias_low = bias_vector(bias, mask_low);
+      bias_high = bias_vector(bias + 16, mask_high);
+    }
+  }
+  template <typename OutT>
+  void store(OutT* y, __m512 low, __m512 high) const {
+    store_16(y, mask_low, _mm512_add_ps(low, bias_low));
+    store_16(y + 16, mask_high, _mm512_add_ps(high, bias_high));
+  }
+};
+
 // y[0:MB, 0:ncols] = x[0:MB, :] @ block, summed in float32
 template <int MB, typename OutT>
 inline void micro_kernel(const bf16* x, int64_t ldx, const bf16* block, int64_t k_pairs, OutT* y, int64_t ldy,
@@ -40,18 +60,8 @@ inline void micro_kernel(const bf16* x, int64_t ldx, const bf16* block, int64_t 
       high[m] = _mm512_dpbf16_ps(high[m], xk, w_high);
     }
   }
-  const __mmask16 mask_low = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 mask_high =
-      ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    bias_low = bias_vector(bias, mask_low);
-    bias_high = bias_vector(bias + 16, mask_high);
-  }
-  for (int m = 0; m < MB; ++m) {
-    store_16(y + m * ldy, mask_low, _mm512_add_ps(low[m], bias_low));
-    store_16(y + m * ldy + 16, mask_high, _mm512_add_ps(high[m], bias_high));
-  }
+  const BlockColumns columns(ncols, bias);
+  for (int m = 0; m < MB; ++m) columns.store(y + m * ldy, low[m], high[m]);
 }
 
 // rows of x against one block, 8 at a time (16 accumulators + 2 weight vectors fit the 32 registers)
