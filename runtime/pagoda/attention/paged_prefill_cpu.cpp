@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "paged_prefill_amx.h"
 #include "paged_attention_common.h"
 #include "parallel_tasks.h"
 
@@ -298,65 +299,6 @@ inline void chunk_step_bf16(TileStateBf16<kHeadSize>& st, const ChunkBf16<kHeadS
   }
 }
 
-#if defined(PAGODA_HAVE_AMX)
-// Vectors v..v+15 against the chunk on AMX tiles (csrc/amx_tiles.h): the products of chunk_step_bf16, 16 x 16 x
-// 32 of them an instruction. Scores: the vectors' query pairs times the keys' transposed pairs, [16 vectors x
-// 32 keys]. P @ V: the probabilities' pairs times the value pairs as prepared, [16 vectors x 16 outputs] per
-// accumulator vector, added to the accumulators once they take the softmax's factor. Rows past `vectors` are
-// computed from whatever the state holds there and never read.
-template <int kHeadSize>
-PAGODA_AMX_TARGET void chunk_step_amx(TileStateBf16<kHeadSize>& st, const ChunkBf16<kHeadSize>& chunk, int64_t v,
-                                      int64_t vectors, const int64_t* visible, float scale) {
-  constexpr int kPairs = kHeadSize / 2, kAcc = kHeadSize / 16;
-  constexpr int64_t kQueryStride = kPairs * 4, kKeysStride = kKeysPerChunkBf16 * 4, kValuesStride = kAcc * 64;
-  alignas(64) float scores[amx::kTileRows][kKeysPerChunkBf16];
-  alignas(64) uint32_t weight_pairs[amx::kTileRows][kKeysPerChunkBf16 / 2] = {};
-  alignas(64) float values_sum[amx::kTileRows][kHeadSize];
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int p = 0; p < kPairs; p += amx::kTileKPairs) {
-    _tile_loadd(4, &st.query[v][p], kQueryStride);
-    _tile_loadd(5, &chunk.keys_t[p][0], kKeysStride);
-    _tile_loadd(6, &chunk.keys_t[p][16], kKeysStride);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-  }
-  _tile_stored(0, &scores[0][0], kKeysStride);
-  _tile_stored(1, &scores[0][16], kKeysStride);
-  const int64_t n = std::min<int64_t>(amx::kTileRows, vectors - v);
-  float rescale[amx::kTileRows];
-  for (int64_t q = 0; q < n; ++q)
-    rescale[q] = softmax_chunk(st, v + q, _mm512_load_ps(scores[q]), _mm512_load_ps(scores[q] + 16), visible[q],
-                               scale, weight_pairs[q]);
-  _tile_loadd(4, &weight_pairs[0][0], sizeof(weight_pairs[0]));
-  for (int i = 0; i < kAcc; i += 4) {  // four accumulator vectors a pass: tiles 0-3
-    _tile_loadd(5, &chunk.values[0][i], kValuesStride);
-    _tile_loadd(6, &chunk.values[0][i + 1], kValuesStride);
-    _tile_loadd(7, &chunk.values[0][i + 2], kValuesStride);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, &chunk.values[0][i + 3], kValuesStride);
-    _tile_dpbf16ps(3, 4, 5);
-    _tile_stored(0, &values_sum[0][16 * i], kHeadSize * 4);
-    _tile_stored(1, &values_sum[0][16 * (i + 1)], kHeadSize * 4);
-    _tile_stored(2, &values_sum[0][16 * (i + 2)], kHeadSize * 4);
-    _tile_stored(3, &values_sum[0][16 * (i + 3)], kHeadSize * 4);
-  }
-  for (int64_t q = 0; q < n; ++q) {
-    const __m512 r = _mm512_set1_ps(rescale[q]);
-    for (int i = 0; i < kAcc; ++i) {
-      float* acc = st.acc[v + q] + 16 * i;
-      _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_load_ps(acc), r, _mm512_load_ps(values_sum[q] + 16 * i)));
-    }
-  }
-}
-#endif
-
 // A tile of rows x group query vectors against the chunks of its sequence's KV head: chunk_at(c) is chunk c
 template <int kHeadSize, typename ChunkAt>
 void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, ChunkAt&& chunk_at,
@@ -375,29 +317,15 @@ void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_h
       st.row_sum[v] = 0.f;
     }
   const int64_t last_pos = first_pos + rows - 1;
-#if defined(PAGODA_HAVE_AMX)
-  const bool use_amx = amx::usable();
-  if (use_amx) amx::load_tile_config();
-#endif
   for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeysPerChunkBf16) {
     const ChunkBf16<kHeadSize>& chunk = chunk_at(t0 / kKeysPerChunkBf16);
     const int64_t keys = std::min(kKeysPerChunkBf16, last_pos + 1 - t0);
     int64_t visible[kTileVectors];  // causal: vector v (row v / group) sees keys t <= its position
     for (int64_t v = 0; v < vectors; ++v) visible[v] = std::min(keys, first_pos + v / group - t0 + 1);
-#if defined(PAGODA_HAVE_AMX)
-    if (use_amx) {
-      for (int64_t v = 0; v < vectors; v += amx::kTileRows)
-        chunk_step_amx<kHeadSize>(st, chunk, v, vectors, visible + v, scale);
-      continue;
-    }
-#endif
     int64_t v = 0;
     for (; v + 4 <= vectors; v += 4) chunk_step_bf16<kHeadSize, 4>(st, chunk, v, visible + v, scale);
     for (; v < vectors; ++v) chunk_step_bf16<kHeadSize, 1>(st, chunk, v, visible + v, scale);
   }
-#if defined(PAGODA_HAVE_AMX)
-  if (use_amx) amx::release_tiles();
-#endif
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t v = r * group + g;
@@ -418,15 +346,38 @@ struct PrefillItem {
 };
 
 #if defined(PAGODA_ISA_AVX512BF16)
-// prefill_all's items on a bfloat16 cache. A sequence with several row tiles has each chunk they share
-// prepared once, for all KV heads in parallel, before the items run (it takes as much memory as the context's
-// K and V); a sequence with one tile (a verification, a short chunk) prepares its chunks as it reads them, where
-// they stay in L1.
+// The bfloat16 cache's tile kernels: the chunk each reads, how it is prepared, the tile
 template <int kHeadSize>
+struct Vdpbf16Tiles {
+  using Chunk = ChunkBf16<kHeadSize>;
+  static constexpr int64_t kChunkKeys = kKeysPerChunkBf16;
+  static constexpr auto prepare = prepare_chunk_bf16<kHeadSize>;
+  template <typename... Args>
+  static void tile(Args&&... args) { prefill_tile_bf16<kHeadSize>(std::forward<Args>(args)...); }
+};
+
+#if defined(PAGODA_HAVE_AMX)
+template <int kHeadSize>
+struct AmxTiles {
+  using Chunk = amx_prefill::Chunk<kHeadSize>;
+  static constexpr int64_t kChunkKeys = amx_prefill::kChunkKeys;
+  static constexpr auto prepare = amx_prefill::prepare_chunk<kHeadSize>;
+  template <typename... Args>
+  static void tile(Args&&... args) { amx_prefill::prefill_tile<kHeadSize>(std::forward<Args>(args)...); }
+};
+static_assert(amx_prefill::kTileVectors == kTileVectors);
+#endif
+
+// prefill_all's items on a bfloat16 cache, by Tiles (above). A sequence with several row tiles has each chunk
+// they share prepared once, for all KV heads in parallel, before the items run (it takes as much memory as the
+// context's K and V); a sequence with one tile (a verification, a short chunk) prepares its chunks as it reads
+// them, where they stay in L1.
+template <typename Tiles>
 void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_item, const at::Tensor& query,
                         const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
                         const int32_t* starts, const int32_t* lens, float scale, at::Tensor& out) {
-  using Chunk = ChunkBf16<kHeadSize>;
+  using Chunk = typename Tiles::Chunk;
+  constexpr int64_t kChunkKeys = Tiles::kChunkKeys;
   const int64_t num_seqs = block_tables.size(0), block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = query.size(1) / num_kv_heads;
   // sequence i's chunk c for KV head h: chunks[first_chunk[i * num_kv_heads + h] + c]; -1: not prepared
@@ -435,7 +386,7 @@ void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_
   int64_t total = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     if (starts[i + 1] - starts[i] <= rows_per_item) continue;  // no items, or one tile per KV head
-    const int64_t n = (lens[i] + kKeysPerChunkBf16 - 1) / kKeysPerChunkBf16;
+    const int64_t n = (lens[i] + kChunkKeys - 1) / kChunkKeys;
     for (int64_t h = 0; h < num_kv_heads; ++h, total += n) {
       first_chunk[i * num_kv_heads + h] = total;
       for (int64_t c = 0; c < n; ++c) to_prepare.push_back({i, h, c});
@@ -450,10 +401,10 @@ void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_
   auto* o = out.data_ptr<c10::BFloat16>();
   const int64_t block_stride = key_cache.stride(0), pos_stride = key_cache.stride(1), head_stride = key_cache.stride(2);
   auto prepare = [&](Chunk& chunk, int64_t i, int64_t h, int64_t c) {
-    const int64_t t0 = c * kKeysPerChunkBf16;
-    prepare_chunk_bf16<kHeadSize>(chunk, k + h * head_stride, v + h * head_stride, block_stride, pos_stride,
+    const int64_t t0 = c * kChunkKeys;
+    Tiles::prepare(chunk, k + h * head_stride, v + h * head_stride, block_stride, pos_stride,
                                   tables + i * block_tables.stride(0), block_size, t0,
-                                  std::min<int64_t>(kKeysPerChunkBf16, lens[i] - t0));
+                                  std::min<int64_t>(kChunkKeys, lens[i] - t0));
   };
   pagoda::parallel_tasks(static_cast<int64_t>(to_prepare.size()), [&](int64_t task) {
     const auto [i, h, c] = to_prepare[task];
@@ -472,7 +423,7 @@ void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_
       prepare(scratch, it.seq, it.kv_head, c);
       return scratch;
     };
-    prefill_tile_bf16<kHeadSize>(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0),
+    Tiles::tile(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0),
                                  query.stride(1), chunk_at, lens[it.seq] - q_len + it.first_row, it.rows, it.heads,
                                  scale, o + row * out.stride(0) + first_head * out.stride(1), out.stride(0),
                                  out.stride(1));
@@ -581,8 +532,11 @@ void prefill_all(const at::Tensor& query, const at::Tensor& key_cache, const at:
 #if defined(PAGODA_ISA_AVX512BF16)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>) {
     if (variant.plain() && (head_size == 64 || head_size == 128)) {
-      (head_size == 64 ? prefill_items_bf16<64> : prefill_items_bf16<128>)(
-          items, rows_per_item, query, key_cache, value_cache, block_tables, starts, lens, variant.q_scale, out);
+      auto run = head_size == 64 ? prefill_items_bf16<Vdpbf16Tiles<64>> : prefill_items_bf16<Vdpbf16Tiles<128>>;
+#if defined(PAGODA_HAVE_AMX)
+      if (amx::usable()) run = head_size == 64 ? prefill_items_bf16<AmxTiles<64>> : prefill_items_bf16<AmxTiles<128>>;
+#endif
+      run(items, rows_per_item, query, key_cache, value_cache, block_tables, starts, lens, variant.q_scale, out);
       return;
     }
   }

@@ -1,0 +1,272 @@
+// Prefill attention on AMX tiles (csrc/amx_tiles.h) for a bfloat16 cache, head sizes 64 and 128: flash attention
+// with the scores transposed, so that the online softmax needs no reduction across lanes.
+//
+// A chunk is 64 keys of one KV head: the keys as the cache holds them, the values transposed into pairs.
+// paged_prefill_cpu.cpp prepares a sequence's chunks once for all its row tiles. Per chunk, each group of 16
+// query vectors of a tile (its rows x the heads sharing the KV head) takes
+//   S^T = K Q^T      [64 keys x 16 vectors]: 16 key rows x the group's query pairs (transposed once a tile)
+//   softmax          S^T's rows are vectors of 16 lanes, one lane per query vector: each vector's running max and
+//                    sum are elementwise max and add over the key rows, its causal mask one compare a row
+//   O^T += V^T P^T   [D x 16 vectors]: the values' transposed pairs x the probabilities' pairs (bfloat16, as
+//                    the other kernels round them), accumulated in the tiles once the sums take the factor
+// With the scores as query rows (S = Q K^T), each vector paid two reductions across 16 lanes and a scalar
+// exponential every 32 keys, which took more time than the tile products.
+#pragma once
+
+#include "amx_tiles.h"
+
+#if defined(PAGODA_HAVE_AMX)
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "paged_attention_common.h"
+
+namespace pagoda::attention::amx_prefill {
+
+using pagoda::amx::kTileKPairs;
+using pagoda::amx::kTileRows;
+
+constexpr int64_t kChunkKeys = 64;  // keys a chunk: four key tiles of scores, two pair tiles of P^T
+constexpr int64_t kTileVectors = 48;  // query vectors a tile, as paged_prefill_cpu.cpp's
+constexpr int64_t kGroups = kTileVectors / kTileRows;  // groups of 16 query vectors a tile
+
+template <int D>
+struct Chunk {
+  alignas(64) c10::BFloat16 keys[kChunkKeys][D];  // as the cache holds them: a tile reads 16 keys x 32 head dims
+  alignas(64) uint32_t values_t[D][kChunkKeys / 2];  // per head dim, the keys' values in pairs (2j, 2j + 1)
+};
+
+// Keys t0..t0+keys-1 of a context into c; past the end the last key repeats (read, never weighted)
+template <int D>
+void prepare_chunk(Chunk<D>& c, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t block_stride,
+                   int64_t pos_stride, const int32_t* block_table, int64_t block_size, int64_t t0, int64_t keys) {
+  auto row_at = [&](const c10::BFloat16* cache, int64_t j) {
+    const int64_t t = t0 + std::min(j, keys - 1);
+    return cache + block_table[t / block_size] * block_stride + (t % block_size) * pos_stride;
+  };
+  for (int64_t j = 0; j < kChunkKeys; ++j) std::memcpy(c.keys[j], row_at(k_cache, j), D * sizeof(c10::BFloat16));
+  for (int64_t j = 0; j < kChunkKeys / 2; ++j) {
+    const uint16_t* first = reinterpret_cast<const uint16_t*>(row_at(v_cache, 2 * j));
+    const uint16_t* second = reinterpret_cast<const uint16_t*>(row_at(v_cache, 2 * j + 1));
+    for (int d = 0; d < D; ++d) c.values_t[d][j] = first[d] | static_cast<uint32_t>(second[d]) << 16;
+  }
+}
+
+// A tile's running state, per group of 16 query vectors (vector v of the tile: group v / 16, lane v % 16)
+template <int D>
+struct Tile {
+  alignas(64) uint32_t query_t[kGroups][D / 2][kTileRows];  // per head-dim pair, the group's query pairs
+  alignas(64) float acc_t[kGroups][D][kTileRows];  // O^T: per head dim, the group's output sums
+  alignas(64) float row_max[kGroups][kTileRows];  // in the scores' units (before the softmax scale)
+  alignas(64) float row_sum[kGroups][kTileRows];
+  alignas(64) int32_t position[kGroups][kTileRows];  // of each vector's row; -1 past the tile's vectors
+};
+
+// 2^t for t <= 0 of 16 lanes: exp_nonpositive16 in base 2 (the softmax's scale and log2(e) in one multiply), with
+// 2^f on [0, 1) by a degree-3 least-squares fit in relative error (max 7.7e-5): the probabilities are rounded to
+// bfloat16 (2^-9 relative) before P V, so the degree-5 fit's precision bought nothing here but 10 % of the time
+inline __m512 exp2_nonpositive16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, i);
+  __m512 p = _mm512_set1_ps(0.0779071638f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.226233194f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.695777096f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999927827f));
+  return _mm512_scalef_ps(p, i);
+}
+
+// One group's online-softmax step over a chunk's transposed scores (rows [0, seen) hold keys t0 + row): its
+// probabilities into weights_t as bfloat16 pairs per lane (zero past `seen`, up to `pair_rows` pair rows); returns
+// the factor the group's output sums take first. kCausal: some lane must not see some of the rows (the lanes
+// past the tile's vectors see every row otherwise, and are never read).
+template <bool kCausal>
+inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* position, const float (*scores_t)[kTileRows],
+                           int64_t t0, int64_t seen, int64_t pair_rows, float scale, uint32_t (*weights_t)[kTileRows]) {
+  const __m512i pos = _mm512_load_si512(position);
+  auto visible = [&](int64_t j) -> __mmask16 {
+    if constexpr (!kCausal) return 0xFFFF;
+    return _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(t0 + j)), _MM_CMPINT_NLT);
+  };
+  __m512 maxes[4];  // four chains: one alone would wait on vmaxps's latency every row
+  for (__m512& m : maxes) m = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  for (int64_t j = 0; j < seen; ++j)
+    maxes[j % 4] = _mm512_mask_max_ps(maxes[j % 4], visible(j), maxes[j % 4], _mm512_load_ps(scores_t[j]));
+  const __m512 chunk_max = _mm512_max_ps(_mm512_max_ps(maxes[0], maxes[1]), _mm512_max_ps(maxes[2], maxes[3]));
+  const __m512 old_max = _mm512_load_ps(row_max), new_max = _mm512_max_ps(old_max, chunk_max);
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504f);  // scores to log2 units of the scaled softmax
+  const __m512 shift = _mm512_mul_ps(new_max, c);
+  const __m512 rescale = exp2_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), c));
+  // (p[2j], p[2j+1]) of lane v at bfloat16 positions 2v, 2v+1: cvtne2ps_pbh puts p[2j] in 0-15, p[2j+1] in 16-31
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // two chains, as the maxes
+  for (int64_t j = 0; j < pair_rows; ++j) {
+    __m512 p[2];
+    for (int k = 0; k < 2; ++k) {
+      const int64_t row = 2 * j + k;
+      p[k] = row < seen ? _mm512_maskz_mov_ps(visible(row), exp2_nonpositive16(_mm512_fmsub_ps(
+                                                                _mm512_load_ps(scores_t[row]), c, shift)))
+                        : _mm512_setzero_ps();
+    }
+    sums[j % 2] = _mm512_add_ps(sums[j % 2], _mm512_add_ps(p[0], p[1]));
+    _mm512_store_si512(weights_t[j], _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0])));
+  }
+  _mm512_store_ps(row_max, new_max);
+  _mm512_store_ps(row_sum, _mm512_fmadd_ps(_mm512_load_ps(row_sum), rescale, _mm512_add_ps(sums[0], sums[1])));
+  return rescale;
+}
+
+// Group g of the tile against chunk c, whose keys t0 .. t0 + keys - 1 exist; the group's rows are at positions
+// first_pos .. last_pos
+template <int D>
+PAGODA_AMX_TARGET void chunk_step(Tile<D>& st, int64_t g, const Chunk<D>& c, int64_t t0, int64_t keys,
+                                  int64_t first_pos, int64_t last_pos, float scale) {
+  constexpr int64_t kKeysStride = D * sizeof(c10::BFloat16), kPairsStride = kTileRows * sizeof(uint32_t);
+  constexpr int64_t kValuesStride = kChunkKeys / 2 * sizeof(uint32_t), kSumsStride = kTileRows * sizeof(float);
+  const int64_t seen = std::min(keys, last_pos - t0 + 1);  // rows of S^T any vector of the group sees
+  const int64_t key_tiles = (seen + kTileRows - 1) / kTileRows, pair_tiles = (seen + 31) / 32;
+  alignas(64) float scores_t[kChunkKeys][kTileRows];
+  alignas(64) uint32_t weights_t[kChunkKeys / 2][kTileRows];
+  // S^T, four key tiles a pass in tiles 0-3; per step of 16 head-dim pairs, the group's query pairs in tile 6
+  for (int64_t kt = 0; kt < key_tiles; kt += 4) {
+    const int64_t n = std::min<int64_t>(4, key_tiles - kt);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int p = 0; p < D / 2; p += kTileKPairs) {
+      _tile_loadd(6, &st.query_t[g][p][0], kPairsStride);
+      _tile_loadd(4, &c.keys[16 * kt][2 * p], kKeysStride);
+      _tile_dpbf16ps(0, 4, 6);
+      if (n > 1) {
+        _tile_loadd(5, &c.keys[16 * kt + 16][2 * p], kKeysStride);
+        _tile_dpbf16ps(1, 5, 6);
+      }
+      if (n > 2) {
+        _tile_loadd(7, &c.keys[16 * kt + 32][2 * p], kKeysStride);
+        _tile_dpbf16ps(2, 7, 6);
+      }
+      if (n > 3) {
+        _tile_loadd(4, &c.keys[16 * kt + 48][2 * p], kKeysStride);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+    _tile_stored(0, scores_t[16 * kt], kSumsStride);
+    if (n > 1) _tile_stored(1, scores_t[16 * kt + 16], kSumsStride);
+    if (n > 2) _tile_stored(2, scores_t[16 * kt + 32], kSumsStride);
+    if (n > 3) _tile_stored(3, scores_t[16 * kt + 48], kSumsStride);
+  }
+  const auto softmax = t0 + seen - 1 <= first_pos ? softmax_step<false> : softmax_step<true>;
+  const __m512 rescale = softmax(st.row_max[g], st.row_sum[g], st.position[g], scores_t, t0, seen,
+                                 pair_tiles * kTileKPairs, scale, weights_t);
+  // the sums take the factor (unless no lane's max moved), then P V's tiles add to them: four head-dim tiles a pass
+  if (_mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.f), _CMP_NEQ_UQ))
+    for (int d = 0; d < D; ++d) _mm512_store_ps(st.acc_t[g][d], _mm512_mul_ps(_mm512_load_ps(st.acc_t[g][d]), rescale));
+  for (int d0 = 0; d0 < D; d0 += 4 * kTileRows) {
+    _tile_loadd(0, st.acc_t[g][d0], kSumsStride);
+    _tile_loadd(1, st.acc_t[g][d0 + 16], kSumsStride);
+    _tile_loadd(2, st.acc_t[g][d0 + 32], kSumsStride);
+    _tile_loadd(3, st.acc_t[g][d0 + 48], kSumsStride);
+    for (int64_t kp = 0; kp < pair_tiles; ++kp) {
+      const int64_t pair = kp * kTileKPairs;
+      _tile_loadd(4, weights_t[pair], kPairsStride);
+      _tile_loadd(5, &c.values_t[d0][pair], kValuesStride);
+      _tile_loadd(6, &c.values_t[d0 + 16][pair], kValuesStride);
+      _tile_loadd(7, &c.values_t[d0 + 32][pair], kValuesStride);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_dpbf16ps(2, 7, 4);
+      _tile_loadd(5, &c.values_t[d0 + 48][pair], kValuesStride);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+    _tile_stored(0, st.acc_t[g][d0], kSumsStride);
+    _tile_stored(1, st.acc_t[g][d0 + 16], kSumsStride);
+    _tile_stored(2, st.acc_t[g][d0 + 32], kSumsStride);
+    _tile_stored(3, st.acc_t[g][d0 + 48], kSumsStride);
+  }
+}
+
+// rows[i] <- column i of the 16 x 16 block rows[0..15]
+inline void transpose16(__m512* rows) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // 2 x 2 blocks of 32-bit elements
+    a[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks
+    const __m512d lo0 = _mm512_castps_pd(a[4 * i]), lo1 = _mm512_castps_pd(a[4 * i + 2]);
+    const __m512d hi0 = _mm512_castps_pd(a[4 * i + 1]), hi1 = _mm512_castps_pd(a[4 * i + 3]);
+    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
+    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
+    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
+    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
+  }
+  for (int i = 0; i < 2; ++i)  // 8 x 8 blocks: 128-bit lanes 0, 2 and 1, 3 of rows 8 apart... in two shuffles
+    for (int j = 0; j < 4; ++j) {
+      a[8 * i + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0x88);
+      a[8 * i + 4 + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {  // 16 x 16
+    rows[j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0x88);
+    rows[8 + j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0xDD);
+  }
+}
+
+// A tile of rows x group query vectors (at most kTileVectors) against the chunks of its sequence's KV head:
+// chunk_at(c) is chunk c (keys c * kChunkKeys ..). The same signature as paged_prefill_cpu.cpp's other tiles.
+template <int D, typename ChunkAt>
+PAGODA_AMX_TARGET void prefill_tile(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride,
+                                    ChunkAt&& chunk_at, int64_t first_pos, int64_t rows, int64_t group, float scale,
+                                    c10::BFloat16* out, int64_t out_row_stride, int64_t out_head_stride) {
+  Tile<D> st;
+  const int64_t vectors = rows * group, groups = (vectors + kTileRows - 1) / kTileRows;
+  std::memset(st.query_t, 0, sizeof(st.query_t));  // lanes past the tile's vectors: zero scores, never read
+  std::memset(st.acc_t, 0, sizeof(st.acc_t));
+  std::memset(st.row_sum, 0, sizeof(st.row_sum));
+  std::fill(&st.row_max[0][0], &st.row_max[0][0] + kTileVectors, std::numeric_limits<float>::lowest());
+  std::fill(&st.position[0][0], &st.position[0][0] + kTileVectors, -1);
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t r = v / group, g = v % group;
+    uint32_t pairs[D / 2];
+    std::memcpy(pairs, q + r * q_row_stride + g * q_head_stride, sizeof(pairs));
+    for (int p = 0; p < D / 2; ++p) st.query_t[v / kTileRows][p][v % kTileRows] = pairs[p];
+    st.position[v / kTileRows][v % kTileRows] = static_cast<int32_t>(first_pos + r);
+  }
+  const int64_t last_pos = first_pos + rows - 1;
+  amx::load_tile_config();
+  for (int64_t t0 = 0; t0 <= last_pos; t0 += kChunkKeys) {
+    const Chunk<D>& chunk = chunk_at(t0 / kChunkKeys);
+    const int64_t keys = std::min(kChunkKeys, last_pos + 1 - t0);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t group_first = first_pos + g * kTileRows / group;
+      const int64_t group_last = first_pos + (std::min(vectors, (g + 1) * kTileRows) - 1) / group;
+      if (group_last >= t0) chunk_step<D>(st, g, chunk, t0, keys, group_first, group_last, scale);
+    }
+  }
+  amx::release_tiles();
+  for (int64_t g = 0; g < groups; ++g) {  // O = (O^T)^T / sum, 16 head dims x 16 vectors a block
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(st.row_sum[g]));
+    const int64_t n = std::min(kTileRows, vectors - g * kTileRows);
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 block[16];
+      for (int i = 0; i < 16; ++i) block[i] = _mm512_mul_ps(_mm512_load_ps(st.acc_t[g][d0 + i]), inv);
+      transpose16(block);
+      for (int64_t lane = 0; lane < n; ++lane) {
+        const int64_t v = g * kTileRows + lane;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v / group * out_row_stride + v % group * out_head_stride + d0),
+                            (__m256i)_mm512_cvtneps_pbh(block[lane]));
+      }
+    }
+  }
+}
+
+}  // namespace pagoda::attention::amx_prefill
+
+#endif
