@@ -31,8 +31,9 @@ namespace {
 // heads sharing the KV head) meet each KV block once: the block is widened to float32 (K transposed, so 16
 // keys' scores are one vector op per head-dim element), then every vector updates its running max, sum and
 // output (online softmax). Blocks past the tile's last row are never read; the diagonal ones are masked.
-// A bfloat16 cache with AVX512_BF16 takes prefill_tile_bf16 instead (no widening); AVX2 without AVX-512 takes
-// csrc/paged_prefill_avx2.h's tiles at head sizes 64 and 128 (each chunk widened once for all the tiles).
+// A bfloat16 cache with AVX512_BF16 takes prefill_tile_bf16 instead (no widening), or with AMX
+// csrc/paged_prefill_amx.h's tiles; AVX2 without AVX-512 takes csrc/paged_prefill_avx2.h's tiles at head sizes 64
+// and 128 (each chunk widened once for all the tiles).
 
 constexpr int64_t kKeysPerChunk = 16;  // keys scored together: one 16-lane float32 vector
 constexpr int64_t kTileVectors = 48;  // query vectors per tile (rows x group): the tile's state stays in L1
@@ -403,8 +404,7 @@ void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_
   auto prepare = [&](Chunk& chunk, int64_t i, int64_t h, int64_t c) {
     const int64_t t0 = c * kChunkKeys;
     Tiles::prepare(chunk, k + h * head_stride, v + h * head_stride, block_stride, pos_stride,
-                                  tables + i * block_tables.stride(0), block_size, t0,
-                                  std::min<int64_t>(kChunkKeys, lens[i] - t0));
+                   tables + i * block_tables.stride(0), block_size, t0, std::min<int64_t>(kChunkKeys, lens[i] - t0));
   };
   pagoda::parallel_tasks(static_cast<int64_t>(to_prepare.size()), [&](int64_t task) {
     const auto [i, h, c] = to_prepare[task];
@@ -423,10 +423,9 @@ void prefill_items_bf16(const std::vector<PrefillItem>& items, int64_t rows_per_
       prepare(scratch, it.seq, it.kv_head, c);
       return scratch;
     };
-    Tiles::tile(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0),
-                                 query.stride(1), chunk_at, lens[it.seq] - q_len + it.first_row, it.rows, it.heads,
-                                 scale, o + row * out.stride(0) + first_head * out.stride(1), out.stride(0),
-                                 out.stride(1));
+    Tiles::tile(q + row * query.stride(0) + first_head * query.stride(1), query.stride(0), query.stride(1), chunk_at,
+                lens[it.seq] - q_len + it.first_row, it.rows, it.heads, scale,
+                o + row * out.stride(0) + first_head * out.stride(1), out.stride(0), out.stride(1));
   });
 }
 #endif

@@ -208,12 +208,12 @@ inline void transpose16(__m512* rows) {
     b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
     b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
   }
-  for (int i = 0; i < 2; ++i)  // 8 x 8 blocks: 128-bit lanes 0, 2 and 1, 3 of rows 8 apart... in two shuffles
+  for (int i = 0; i < 2; ++i)  // 8 x 8 blocks: the 128-bit lanes of rows 4 apart
     for (int j = 0; j < 4; ++j) {
       a[8 * i + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0x88);
       a[8 * i + 4 + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0xDD);
     }
-  for (int j = 0; j < 8; ++j) {  // 16 x 16
+  for (int j = 0; j < 8; ++j) {  // 16 x 16: the 128-bit lanes of rows 8 apart
     rows[j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0x88);
     rows[8 + j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0xDD);
   }
@@ -260,8 +260,8 @@ PAGODA_AMX_TARGET void prefill_tile(const c10::BFloat16* q, int64_t q_row_stride
       transpose16(block);
       for (int64_t lane = 0; lane < n; ++lane) {
         const int64_t v = g * kTileRows + lane;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + v / group * out_row_stride + v % group * out_head_stride + d0),
-                            (__m256i)_mm512_cvtneps_pbh(block[lane]));
+        c10::BFloat16* o = out + v / group * out_row_stride + v % group * out_head_stride + d0;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(block[lane]));
       }
     }
   }
