@@ -68,20 +68,6 @@ struct Tile {
   alignas(64) int32_t position[kGroups][kTileRows];  // of each vector's row; -1 past the tile's vectors
 };
 
-// 2^t for t <= 0 of 16 lanes: exp_nonpositive16 in base 2 (the softmax's scale and log2(e) in one multiply), with
-// 2^f on [0, 1) by a degree-3 least-squares fit in relative error (max 7.7e-5): the probabilities are rounded to
-// bfloat16 (2^-9 relative) before P V, so the degree-5 fit's precision bought nothing here but 10 % of the time
-inline __m512 exp2_nonpositive16(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, i);
-  __m512 p = _mm512_set1_ps(0.0779071638f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.226233194f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.695777096f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999927827f));
-  return _mm512_scalef_ps(p, i);
-}
-
 // One group's online-softmax step over a chunk's transposed scores (rows [0, seen) hold keys t0 + row): its
 // probabilities into weights_t as bfloat16 pairs per lane (zero past `seen`, up to `pair_rows` pair rows); returns
 // the factor the group's output sums take first. kCausal: some lane must not see some of the rows (the lanes
@@ -100,9 +86,11 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
     maxes[j % 4] = _mm512_mask_max_ps(maxes[j % 4], visible(j), maxes[j % 4], _mm512_load_ps(scores_t[j]));
   const __m512 chunk_max = _mm512_max_ps(_mm512_max_ps(maxes[0], maxes[1]), _mm512_max_ps(maxes[2], maxes[3]));
   const __m512 old_max = _mm512_load_ps(row_max), new_max = _mm512_max_ps(old_max, chunk_max);
-  const __m512 c = _mm512_set1_ps(scale * 1.44269504f);  // scores to log2 units of the scaled softmax
+  // scores to log2 units of the scaled softmax: the scale and log2(e) in one multiply; the exponential a degree-3
+  // fit, as the probabilities are rounded to bfloat16 before P V (the degree-5 one took 10 % more of the time)
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504f);
   const __m512 shift = _mm512_mul_ps(new_max, c);
-  const __m512 rescale = exp2_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), c));
+  const __m512 rescale = exp2_nonpositive16<3>(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), c));
   // (p[2j], p[2j+1]) of lane v at bfloat16 positions 2v, 2v+1: cvtne2ps_pbh puts p[2j] in 0-15, p[2j+1] in 16-31
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -111,7 +99,7 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
     __m512 p[2];
     for (int k = 0; k < 2; ++k) {
       const int64_t row = 2 * j + k;
-      p[k] = row < seen ? _mm512_maskz_mov_ps(visible(row), exp2_nonpositive16(_mm512_fmsub_ps(
+      p[k] = row < seen ? _mm512_maskz_mov_ps(visible(row), exp2_nonpositive16<3>(_mm512_fmsub_ps(
                                                                 _mm512_load_ps(scores_t[row]), c, shift)))
                         : _mm512_setzero_ps();
     }
