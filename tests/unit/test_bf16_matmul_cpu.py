@@ -37,7 +37,7 @@ def test_amx_runs_the_matmul_where_the_cpu_has_it():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13, 23, 24, 47, 64, 65, 200])  # AVX2: streaming < 24 <= float32
-@pytest.mark.parametrize("out_features, in_features", [(64, 96), (100, 64), (33, 576), (40, 48)])
+@pytest.mark.parametrize("out_features, in_features", [(64, 96), (100, 64), (33, 576), (40, 48), (33, 608), (20, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_sums_match_torch(rows, out_features, in_features, bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -55,13 +55,16 @@ def test_float32_sums_match_torch(rows, out_features, in_features, bias):
     assert torch.equal(narrow, wide.bfloat16())  # rounded once, to nearest even
 
 
-def test_many_rows_over_many_blocks():
-    """Enough rows and blocks for AMX's tasks of 256 rows (rows first), with a last tile of 8 rows."""
+@pytest.mark.parametrize("in_features", [64, 1536])
+def test_many_rows_over_many_blocks(in_features):
+    """Enough rows and blocks for AMX's tasks of 256 rows, with a last tile of 8 rows; at 1,536 inputs each
+    block in three passes, its sums carried between them (608 and 1,536 above: two and three passes of fewer
+    rows)."""
     gen = torch.Generator().manual_seed(2)
-    weight = torch.randn(256, 64, generator=gen).bfloat16()
-    x = torch.randn(600, 64, generator=gen).bfloat16()
+    weight = torch.randn(256, in_features, generator=gen).bfloat16()
+    x = torch.randn(600, in_features, generator=gen).bfloat16()
     got = bf16_matmul_cpu.linear(x, bf16_matmul_cpu.pack(weight), 256, None, float32_out=True)
-    torch.testing.assert_close(got, x.float() @ weight.float().t(), atol=2e-4 * 64 ** 0.5, rtol=1e-5)
+    torch.testing.assert_close(got, x.float() @ weight.float().t(), atol=2e-4 * in_features ** 0.5, rtol=1e-5)
 
 
 def test_strided_and_batched_rows():
