@@ -83,3 +83,25 @@ def test_a_mismatched_input_is_refused():
         bf16_matmul_cpu.linear(torch.randn(1, 32).bfloat16(), packed, 64, None)
     with pytest.raises(RuntimeError, match="bfloat16 CPU tensor"):
         bf16_matmul_cpu.linear(torch.randn(1, 64), packed, 64, None)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 300])
+@pytest.mark.parametrize("intermediate, in_features", [(64, 96), (96, 1536), (40, 64)])
+def test_gate_up_with_silu_and_mul_gives_the_two_ops_bits(rows, intermediate, in_features):
+    """The fused gate/up matmul against linear then silu_and_mul: the same bits, for decode's rows and AMX's,
+    one pair of blocks and three, and an intermediate size that is no whole number of blocks (40: the two
+    ops)."""
+    from pagoda.layers import fused_cpu_ops
+
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    weight = torch.randn(2 * intermediate, in_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = bf16_matmul_cpu.pack(weight)
+
+    fused = bf16_matmul_cpu.linear_silu_and_mul(x, packed, intermediate)
+    two_ops = fused_cpu_ops.silu_and_mul(bf16_matmul_cpu.linear(x, packed, 2 * intermediate, None))
+
+    assert fused.shape == (rows, intermediate) and torch.equal(fused, two_ops)
+    reference = torch.nn.functional.silu(x.float() @ weight[:intermediate].float().t()) * (
+        x.float() @ weight[intermediate:].float().t())
+    torch.testing.assert_close(fused.float(), reference, atol=0.05 * in_features ** 0.5, rtol=0.02)

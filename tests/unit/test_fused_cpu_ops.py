@@ -91,6 +91,16 @@ def test_silu_and_mul_matches_torch(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_of_gates_far_below_zero_is_zero_not_nan(dtype):
+    """exp(-gate) overflows below -88: the gate times SiLU's vanishing sigmoid stays a (tiny) number."""
+    gate = torch.tensor([-1e4, -500.0, -100.0, -88.5, -87.0, -20.0, 0.0, 20.0, 100.0] * 4).to(dtype)
+    x = torch.cat([gate, torch.full_like(gate, 3.0)]).unsqueeze(0)
+    got = fused_cpu_ops.silu_and_mul(x)
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got.float(), (F.silu(gate.float()) * 3.0).unsqueeze(0), atol=1e-6, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_cache_write_matches_torch(dtype, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     tokens, heads, head_size, num_blocks, block_size = 9, 3, 16, 6, 4

@@ -110,6 +110,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 constexpr const char* kLinearSchema =
     "bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias, bool float32_out=False) -> Tensor";
 
+// x [..., K] against gate and up packed as one weight [2 I, K] -> bf16(silu(gate)) * up, [..., I]: linear then
+// silu_and_mul in one pass (their bits)
+at::Tensor linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate);
+constexpr const char* kLinearSiluAndMulSchema =
+    "bf16_linear_silu_and_mul(Tensor x, Tensor packed, int intermediate) -> Tensor";
+
 std::string isa_level();  // the ISA level the library was compiled for (csrc/cpu_isa.h)
 constexpr const char* kIsaLevelSchema = "isa_level() -> str";
 bool uses_amx();  // whether its matmuls of 3 rows and more run on AMX tiles here (csrc/bf16_matmul_amx.h)

@@ -20,6 +20,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(fused::kArgmaxRowsSchema);
   m.def(sample::kSampleCategoricalSchema);
   m.def(bf16_matmul::kLinearSchema);
+  m.def(bf16_matmul::kLinearSiluAndMulSchema);
   m.def(bf16_matmul::kIsaLevelSchema, &bf16_matmul::isa_level);
   m.def(bf16_matmul::kUsesAmxSchema, &bf16_matmul::uses_amx);
   m.def(fp8_matmul::kLinearSchema);
@@ -52,6 +53,7 @@ TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("argmax_rows", &fused::argmax_rows);
   m.impl("sample_categorical", &sample::sample_categorical);
   m.impl("bf16_linear", &bf16_matmul::linear);
+  m.impl("bf16_linear_silu_and_mul", &bf16_matmul::linear_silu_and_mul);
   m.impl("fp8_linear", &fp8_matmul::linear);
   m.impl("fp8_pack", &fp8_matmul::pack);
   m.impl("fp8_unpack", &fp8_matmul::unpack);

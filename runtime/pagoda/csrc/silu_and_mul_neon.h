@@ -9,6 +9,7 @@
 #include <arm_neon.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -58,7 +59,7 @@ inline float32x4_t round_to_bf16(float32x4_t v) {  // the float32 value of v rou
 inline void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vmulq_f32(silu_f32(vld1q_f32(gate + i)), vld1q_f32(up + i)));
-  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(std::min(-gate[i], 88.f))) * up[i];
 }
 
 inline void silu_and_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* out, int64_t n) {
@@ -69,7 +70,8 @@ inline void silu_and_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up,
   }
   for (; i < n; ++i) {
     const float g = bf16_to_float(gate[i]);
-    out[i] = float_to_bf16(bf16_to_float(float_to_bf16(g / (1.f + std::exp(-g)))) * bf16_to_float(up[i]));
+    const float silu = bf16_to_float(float_to_bf16(g / (1.f + std::exp(std::min(-g, 88.f)))));
+    out[i] = float_to_bf16(silu * bf16_to_float(up[i]));
   }
 }
 

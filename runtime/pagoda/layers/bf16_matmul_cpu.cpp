@@ -19,6 +19,7 @@
 #include "bf16_matmul_isa.h"
 #include "ops.h"
 #include "parallel_tasks.h"
+#include "silu_and_mul_row.h"
 
 namespace pagoda::bf16_matmul {  // the ops are declared in csrc/ops.h
 
@@ -40,49 +41,91 @@ bool uses_amx() {
 #endif
 }
 
+// How a call's tasks run rows of x against blocks: AMX tiles (3 rows and more where the CPU has them) or the
+// ISA level's micro-kernel, on x as given or widened to float32 once (AVX2's and NEON's prefill kernels are
+// float32 ones: widened here, not in every task, in panels of kXPanelRows rows where the kernel reads them so)
+class RowTasks {
+ public:
+  // x [rows, K] (rows pairs of elements apart); `blocks`: the blocks a row task runs, for the task size
+  RowTasks(const at::Tensor& x, int64_t k_pairs, int64_t blocks) : x_(x.data_ptr<bf16>()), ldx_(x.stride(0)) {
+    const int64_t rows = x.size(0);
+    rows_ = rows;
 #if defined(PAGODA_HAVE_AMX)
-// rows of x (>= amx::kMinRows) on AMX tiles, into y (bfloat16 or float32), tasks as linear's below
-static void linear_amx(const at::Tensor& x, int64_t rows, const at::Tensor& packed, int64_t out_features,
-                       const bf16* bias, at::Tensor& y) {
-  const bf16* x_data = x.data_ptr<bf16>();
-  const bf16* w_data = packed.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0), k_pairs = packed.size(1), blocks = packed.size(0);
-  const int64_t threads = at::get_num_threads();
-  int64_t rows_per_task = kAmxRowsPerTask;
-  if (blocks * ((rows + rows_per_task - 1) / rows_per_task) < 4 * threads) rows_per_task = kRowsPerTask;
-  const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
-  auto run = [&](auto* y_data) {
-    // blocks vary fastest (kAmxRowsPerTask)
-    pagoda::parallel_tasks(blocks * row_tasks, [&](int64_t task) {
-      const int64_t b = task % blocks, m0 = (task / blocks) * rows_per_task, n0 = b * kBlockN;
-      const BlockTask t{x_data + m0 * ldx, nullptr, ldx, 0, std::min(rows_per_task, rows - m0),
-                        w_data + b * k_pairs * 2 * kBlockN, k_pairs, out_features,
-                        std::min(kBlockN, out_features - n0), bias ? bias + n0 : nullptr};
-      amx::rows_against_block(t, y_data + m0 * out_features + n0);
-    });
-  };
-  if (y.scalar_type() == at::kFloat) {
-    run(y.data_ptr<float>());
-  } else {
-    run(y.data_ptr<bf16>());
-  }
-}
+    amx_ = rows >= amx::kMinRows && k_pairs % amx::kTileKPairs == 0 && amx::usable();
+    if (amx_) {
+      rows_per_task_ = kAmxRowsPerTask;
+      if (blocks * ((rows + kAmxRowsPerTask - 1) / kAmxRowsPerTask) < 4 * at::get_num_threads())
+        rows_per_task_ = kRowsPerTask;
+      return;
+    }
 #endif
+    constexpr int64_t kPanelRows = isa::kXPanelRows;
+    constexpr int64_t kPanelStep = std::max<int64_t>(kPanelRows, 1);  // no division by 0 where there are none
+    const int64_t k = 2 * k_pairs;
+    const bool float_x = isa::kWantsFloatX && rows >= isa::kFloatXRows;
+    panels_ = kPanelRows > 0 && float_x;
+    if (panels_) {
+      const int64_t num_panels = (rows + kPanelRows - 1) / kPanelStep;
+      x_float_ = x.new_empty({num_panels * kPanelRows * k}, x.options().dtype(at::kFloat));
+      float* out = x_float_.data_ptr<float>();
+      pagoda::parallel_tasks(num_panels, [&](int64_t p) {
+        const int64_t m0 = p * kPanelRows;
+        pack_x_panel<kPanelRows>(x_ + m0 * ldx_, ldx_, std::min(kPanelRows, rows - m0), k, out + m0 * k);
+      });
+    } else if (float_x) {
+      x_float_ = x.to(at::kFloat).contiguous();
+    }
+    // panels: the row group at row m starts m * k floats in, so a task starts on a panel
+    ldx_float_ = !x_float_.defined() ? 0 : panels_ ? k : x_float_.stride(0);
+    rows_per_task_ = panels_ ? kRowsPerTask / kPanelStep * kPanelStep : kRowsPerTask;
+  }
+
+  int64_t row_tasks() const { return (rows_ + rows_per_task_ - 1) / rows_per_task_; }
+  int64_t first_row(int64_t row_task) const { return row_task * rows_per_task_; }
+
+  // row task m's rows against block b of `packed` into y (its first row and the block's first column), rows
+  // ldy apart; ncols of the block's columns exist
+  template <typename OutT>
+  void run(int64_t row_task, const at::Tensor& packed, int64_t b, int64_t ncols, const bf16* bias, OutT* y,
+           int64_t ldy) const {
+    const int64_t m0 = first_row(row_task), k_pairs = packed.size(1);
+    const BlockTask t{x_ + m0 * ldx_, x_float_.defined() ? x_float_.data_ptr<float>() + m0 * ldx_float_ : nullptr,
+                      ldx_, ldx_float_, std::min(rows_per_task_, rows_ - m0),
+                      packed.data_ptr<bf16>() + b * k_pairs * 2 * kBlockN, k_pairs, ldy, ncols, bias, panels_};
+#if defined(PAGODA_HAVE_AMX)
+    if (amx_) return amx::rows_against_block(t, y);
+#endif
+    isa::rows_against_block(t, y);
+  }
+
+ private:
+  const bf16* x_;
+  int64_t ldx_, rows_, rows_per_task_ = kRowsPerTask, ldx_float_ = 0;
+  at::Tensor x_float_;
+  bool panels_ = false, amx_ = false;
+};
+
+// x as [rows, K] with rows read as pairs of elements; the packed weight checked against it and out_features
+static at::Tensor checked_rows(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
+                               const char* op) {
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16 && input.dim() >= 1, op,
+              ": x must be a bfloat16 CPU tensor");
+  at::Tensor x = input.reshape({-1, input.size(-1)});
+  if (x.stride(1) != 1 || x.stride(0) % 2 != 0) x = x.contiguous();
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.size(2) == kBlockN && packed.size(3) == 2,
+              op, ": packed must be [N/32, K/2, 32, 2] bfloat16, got ", packed.sizes());
+  const int64_t k_pairs = packed.size(1), blocks = packed.size(0);
+  TORCH_CHECK(x.size(1) == 2 * k_pairs, op, ": x has ", x.size(1), " columns, the weight ", 2 * k_pairs);
+  TORCH_CHECK(out_features > (blocks - 1) * kBlockN && out_features <= blocks * kBlockN, op, ": out_features ",
+              out_features, " does not match the packed weight ", packed.sizes());
+  return x;
+}
 
 // x [..., K] -> [..., out_features], bfloat16, or float32 with float32_out (logits: not rounded to 8 bits)
 at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias, bool float32_out) {
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kBFloat16 && input.dim() >= 1,
-              "bf16_linear: x must be a bfloat16 CPU tensor");
-  at::Tensor x = input.reshape({-1, input.size(-1)});
-  if (x.stride(1) != 1 || x.stride(0) % 2 != 0) x = x.contiguous();  // rows read as pairs of elements
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(2) == kBlockN && packed.size(3) == 2,
-              "bf16_linear: packed must be [N/32, K/2, 32, 2] bfloat16, got ", packed.sizes());
-  const int64_t rows = x.size(0), k_pairs = packed.size(1), blocks = packed.size(0);
-  TORCH_CHECK(x.size(1) == 2 * k_pairs, "bf16_linear: x has ", x.size(1), " columns, the weight ", 2 * k_pairs);
-  TORCH_CHECK(out_features > (blocks - 1) * kBlockN && out_features <= blocks * kBlockN,
-              "bf16_linear: out_features ", out_features, " does not match the packed weight ", packed.sizes());
+  const at::Tensor x = checked_rows(input, packed, out_features, "bf16_linear");
   const bf16* bias_data = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features,
@@ -92,48 +135,15 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
   out_shape.back() = out_features;
   auto y = x.new_empty(out_shape, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
-#if defined(PAGODA_HAVE_AMX)
-  if (rows >= amx::kMinRows && k_pairs % amx::kTileKPairs == 0 && amx::usable()) {
-    linear_amx(x, rows, packed, out_features, bias_data, y);
-    return y;
-  }
-#endif
-  // AVX2's and NEON's prefill kernels are float32 ones: x widened once here, not in every task (in panels of
-  // kXPanelRows rows where the ISA's kernel reads them so)
-  const bf16* x_data = x.data_ptr<bf16>();
-  const int64_t ldx = x.stride(0), k = x.size(1);
-  constexpr int64_t kPanelRows = isa::kXPanelRows;
-  constexpr int64_t kPanelStep = std::max<int64_t>(kPanelRows, 1);  // no division by 0 where there are no panels
-  const bool float_x = isa::kWantsFloatX && rows >= isa::kFloatXRows;
-  const bool panels = kPanelRows > 0 && float_x;
-  at::Tensor x_float;
-  if (panels) {
-    const int64_t num_panels = (rows + kPanelRows - 1) / kPanelStep;
-    x_float = x.new_empty({num_panels * kPanelRows * k}, x.options().dtype(at::kFloat));
-    float* out = x_float.data_ptr<float>();
-    pagoda::parallel_tasks(num_panels, [&](int64_t p) {
-      const int64_t m0 = p * kPanelRows;
-      pack_x_panel<kPanelRows>(x_data + m0 * ldx, ldx, std::min(kPanelRows, rows - m0), k, out + m0 * k);
-    });
-  } else if (float_x) {
-    x_float = x.to(at::kFloat).contiguous();
-  }
-  const float* xf_data = x_float.defined() ? x_float.data_ptr<float>() : nullptr;
-  const bf16* w_data = packed.data_ptr<bf16>();
-  // panels: the row group at row m starts m * k floats in, so a task starts on a panel
-  const int64_t ldx_float = !x_float.defined() ? 0 : panels ? k : x_float.stride(0);
-  const int64_t rows_per_task = panels ? kRowsPerTask / kPanelStep * kPanelStep : kRowsPerTask;
-  const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
+  const int64_t blocks = packed.size(0);
+  const RowTasks tasks(x, packed.size(1), blocks);
   auto run = [&](auto* y_data) {
-    // blocks vary fastest, so at decode's few rows the threads stream the weight front to back together
-    pagoda::parallel_tasks(blocks * row_tasks, [&](int64_t task) {
-      const int64_t b = task % blocks, m0 = (task / blocks) * rows_per_task;
-      const int64_t n0 = b * kBlockN;
-      const BlockTask t{x_data + m0 * ldx, xf_data ? xf_data + m0 * ldx_float : nullptr, ldx, ldx_float,
-                        std::min(rows_per_task, rows - m0), w_data + b * k_pairs * 2 * kBlockN, k_pairs,
-                        out_features, std::min(kBlockN, out_features - n0), bias_data ? bias_data + n0 : nullptr,
-                        panels};
-      isa::rows_against_block(t, y_data + m0 * out_features + n0);
+    // blocks vary fastest: at decode's few rows the threads stream the weight front to back together; on
+    // AMX a task's rows stay in L2 while the weight streams past them (kAmxRowsPerTask)
+    pagoda::parallel_tasks(blocks * tasks.row_tasks(), [&](int64_t task) {
+      const int64_t b = task % blocks, m = task / blocks, n0 = b * kBlockN;
+      tasks.run(m, packed, b, std::min(kBlockN, out_features - n0), bias_data ? bias_data + n0 : nullptr,
+                y_data + tasks.first_row(m) * out_features + n0, out_features);
     });
   };
   if (float32_out) {
@@ -141,6 +151,39 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& packed, int64_t out
   } else {
     run(y.data_ptr<bf16>());
   }
+  return y;
+}
+
+// x [..., K] against the gate and up projections packed as one weight (gate's `intermediate` outputs, then
+// up's) -> bf16(silu(gate)) * up, [..., intermediate], the same bits as linear then silu_and_mul. A task
+// runs a gate block and its up block into sums of its own and multiplies them there, so the [rows, 2 x
+// intermediate] product never goes to memory: at a 1,500-token prompt it is 9 MB a layer, past L2, and
+// silu_and_mul read it back from DRAM (7 % of a prefill). Where intermediate is not a whole number of blocks,
+// the two ops as they are.
+at::Tensor linear_silu_and_mul(const at::Tensor& input, const at::Tensor& packed, int64_t intermediate) {
+  std::vector<int64_t> out_shape(input.sizes().begin(), input.sizes().end());
+  out_shape.back() = intermediate;
+  if (intermediate % kBlockN != 0) {
+    const at::Tensor gate_up = linear(input, packed, 2 * intermediate, std::nullopt, false);
+    return fused::silu_and_mul(gate_up.reshape({-1, 2 * intermediate})).view(out_shape);
+  }
+  const at::Tensor x = checked_rows(input, packed, 2 * intermediate, "bf16_linear_silu_and_mul");
+  at::Tensor y = x.new_empty(out_shape);
+  const int64_t pairs = intermediate / kBlockN;
+  const RowTasks tasks(x, packed.size(1), 2 * pairs);
+  bf16* y_data = y.data_ptr<bf16>();
+  pagoda::parallel_tasks(pairs * tasks.row_tasks(), [&](int64_t task) {
+    const int64_t b = task % pairs, m = task / pairs, m0 = tasks.first_row(m);
+    const int64_t rows = std::min(tasks.first_row(m + 1), x.size(0)) - m0;
+    thread_local std::vector<bf16> gate, up;  // [rows, 32] each
+    gate.resize(rows * kBlockN);
+    up.resize(rows * kBlockN);
+    tasks.run(m, packed, b, kBlockN, nullptr, gate.data(), kBlockN);
+    tasks.run(m, packed, pairs + b, kBlockN, nullptr, up.data(), kBlockN);
+    for (int64_t r = 0; r < rows; ++r)
+      silu_and_mul_row(gate.data() + r * kBlockN, up.data() + r * kBlockN, y_data + (m0 + r) * intermediate + b * kBlockN,
+                       kBlockN);
+  });
   return y;
 }
 

@@ -52,3 +52,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     """``F.linear`` for x [..., K] against a weight packed by ``pack``: [..., out_features], bfloat16, or the
     float32 sums unrounded with float32_out."""
     return torch.ops.pagoda_cpu.bf16_linear(x, packed, out_features, bias, float32_out)
+
+
+def linear_silu_and_mul(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """x [..., K] against gate and up packed as one weight (``pack`` of [2 * intermediate, K]) -> SiLU(gate) *
+    up, [..., intermediate]: ``linear`` then ``silu_and_mul`` in one pass, with their bits."""
+    return torch.ops.pagoda_cpu.bf16_linear_silu_and_mul(x, packed, intermediate)

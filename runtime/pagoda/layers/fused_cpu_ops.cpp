@@ -7,11 +7,13 @@
 // SiLU, before the multiply), so the two paths agree to the float32 summation order.
 //
 // The loops are plain C++ the compiler vectorises at every ISA level; the ISA-specific parts are in csrc/:
-// argmax (argmax_row.h: AVX-512, AVX2, NEON) and, on aarch64, SiLU's exp (silu_and_mul_neon.h).
+// argmax (argmax_row.h: AVX-512, AVX2, NEON) and SiLU-and-multiply's bfloat16 rows (silu_and_mul_row.h; on
+// aarch64 its exp in silu_and_mul_neon.h).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -20,10 +22,7 @@
 #include "argmax_row.h"
 #include "cpu_isa.h"
 #include "ops.h"
-
-#if defined(PAGODA_ISA_NEON)
-#include "silu_and_mul_neon.h"
-#endif
+#include "silu_and_mul_row.h"
 
 namespace pagoda::fused {  // the ops are declared in csrc/ops.h
 
@@ -183,15 +182,19 @@ void apply_rotary_(const at::Tensor& positions, at::Tensor query, at::Tensor key
 // out[i] = dtype(dtype(silu(gate[i])) * up[i])
 template <typename scalar_t>
 inline void silu_and_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    pagoda::silu_and_mul_row(gate, up, out, n);  // csrc/silu_and_mul_row.h
+    return;
+  }
 #if defined(PAGODA_ISA_NEON)  // expf does not vectorise on aarch64 (no libmvec before glibc 2.38)
-  if constexpr (!std::is_same_v<scalar_t, c10::Half>) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
     pagoda::neon::silu_and_mul_row(gate, up, out, n);
     return;
   }
 #endif
   for (int64_t i = 0; i < n; ++i) {
     const float g = to_float(gate[i]);
-    const float silu = to_float(from_float<scalar_t>(g / (1.f + std::exp(-g))));
+    const float silu = to_float(from_float<scalar_t>(g / (1.f + std::exp(std::min(-g, 88.f)))));
     out[i] = from_float<scalar_t>(silu * to_float(up[i]));
   }
 }

@@ -121,15 +121,19 @@ struct Lora {
   const c10::List<OptionalTensor>& tensors;  // kLoraTensorsPerLayer per layer: [slots, packed A], [slots, packed B]
   std::vector<std::vector<int64_t>> sub_sizes;  // per projection: its sub-outputs' sizes (q, k, v; gate, up)
   lora::RowGroups all, kept;  // kept: the last layer's rows past attention (keep_rows)
+
+  bool targets(int64_t layer, int which) const {  // whether an adapter has deltas for this projection
+    return tensors.get(layer * kLoraTensorsPerLayer + 2 * which).has_value() &&
+           tensors.get(layer * kLoraTensorsPerLayer + 2 * which + 1).has_value();
+  }
 };
 
 // y [n, out] += each group's delta, in place; x [n, in]
 void add_lora(at::Tensor& y, const at::Tensor& x, const Lora& lora, const lora::RowGroups& groups, int64_t layer,
               int which) {
-  const OptionalTensor a = lora.tensors.get(layer * kLoraTensorsPerLayer + 2 * which);
-  const OptionalTensor b = lora.tensors.get(layer * kLoraTensorsPerLayer + 2 * which + 1);
-  if (!a.has_value() || !b.has_value()) return;  // no adapter targets this projection
-  lora::add_grouped(y, x, groups, *a, *b, lora.sub_sizes[which]);
+  if (!lora.targets(layer, which)) return;
+  lora::add_grouped(y, x, groups, *lora.tensors.get(layer * kLoraTensorsPerLayer + 2 * which),
+                    *lora.tensors.get(layer * kLoraTensorsPerLayer + 2 * which + 1), lora.sub_sizes[which]);
 }
 
 }  // namespace
@@ -221,10 +225,15 @@ std::tuple<at::Tensor, at::Tensor> layers(
     // MLP, after the post-attention norm with the residual add
     std::tie(hidden, residual) =
         fused::fused_add_rms_norm(out, *residual, required(layer_tensors, i, kPostNorm), eps);
-    at::Tensor gate_up = layer_linear(layer_tensors, i, kGateUp, kGateUpScale, 2, hidden,
-                                      2 * intermediate_size, std::nullopt);  // [T, 2 I]
-    add_deltas(gate_up, hidden, i, 2, kept);
-    const at::Tensor activated = fused::silu_and_mul(gate_up);
+    at::Tensor activated;  // [T, I]
+    if (!optional(i, kGateUpScale).has_value() && !(lora.has_value() && lora->targets(i, 2))) {
+      activated = bf16_matmul::linear_silu_and_mul(hidden, required(layer_tensors, i, kGateUp), intermediate_size);
+    } else {  // FP8 weights or an adapter's deltas: the gate/up product first
+      at::Tensor gate_up = layer_linear(layer_tensors, i, kGateUp, kGateUpScale, 2, hidden,
+                                        2 * intermediate_size, std::nullopt);  // [T, 2 I]
+      add_deltas(gate_up, hidden, i, 2, kept);
+      activated = fused::silu_and_mul(gate_up);
+    }
     hidden = layer_linear(layer_tensors, i, kDown, kDownScale, 3, activated, hidden_size, std::nullopt);
     add_deltas(hidden, activated, i, 3, kept);
   }
