@@ -47,9 +47,9 @@ bool uses_amx() {
 class RowTasks {
  public:
   // x [rows, K] (rows pairs of elements apart); `blocks`: the blocks a row task runs, for the task size
-  RowTasks(const at::Tensor& x, int64_t k_pairs, int64_t blocks) : x_(x.data_ptr<bf16>()), ldx_(x.stride(0)) {
-    const int64_t rows = x.size(0);
-    rows_ = rows;
+  RowTasks(const at::Tensor& x, int64_t k_pairs, int64_t blocks)
+      : x_(x.data_ptr<bf16>()), ldx_(x.stride(0)), rows_(x.size(0)) {
+    const int64_t rows = rows_;
 #if defined(PAGODA_HAVE_AMX)
     amx_ = rows >= amx::kMinRows && k_pairs % amx::kTileKPairs == 0 && amx::usable();
     if (amx_) {
@@ -82,6 +82,7 @@ class RowTasks {
 
   int64_t row_tasks() const { return (rows_ + rows_per_task_ - 1) / rows_per_task_; }
   int64_t first_row(int64_t row_task) const { return row_task * rows_per_task_; }
+  int64_t rows_of(int64_t row_task) const { return std::min(rows_per_task_, rows_ - first_row(row_task)); }
 
   // row task m's rows against block b of `packed` into y (its first row and the block's first column), rows
   // ldy apart; ncols of the block's columns exist
@@ -90,7 +91,7 @@ class RowTasks {
            int64_t ldy) const {
     const int64_t m0 = first_row(row_task), k_pairs = packed.size(1);
     const BlockTask t{x_ + m0 * ldx_, x_float_.defined() ? x_float_.data_ptr<float>() + m0 * ldx_float_ : nullptr,
-                      ldx_, ldx_float_, std::min(rows_per_task_, rows_ - m0),
+                      ldx_, ldx_float_, rows_of(row_task),
                       packed.data_ptr<bf16>() + b * k_pairs * 2 * kBlockN, k_pairs, ldy, ncols, bias, panels_};
 #if defined(PAGODA_HAVE_AMX)
     if (amx_) return amx::rows_against_block(t, y);
@@ -173,16 +174,15 @@ at::Tensor linear_silu_and_mul(const at::Tensor& input, const at::Tensor& packed
   const RowTasks tasks(x, packed.size(1), 2 * pairs);
   bf16* y_data = y.data_ptr<bf16>();
   pagoda::parallel_tasks(pairs * tasks.row_tasks(), [&](int64_t task) {
-    const int64_t b = task % pairs, m = task / pairs, m0 = tasks.first_row(m);
-    const int64_t rows = std::min(tasks.first_row(m + 1), x.size(0)) - m0;
+    const int64_t b = task % pairs, m = task / pairs, rows = tasks.rows_of(m);
     thread_local std::vector<bf16> gate, up;  // [rows, 32] each
     gate.resize(rows * kBlockN);
     up.resize(rows * kBlockN);
     tasks.run(m, packed, b, kBlockN, nullptr, gate.data(), kBlockN);
     tasks.run(m, packed, pairs + b, kBlockN, nullptr, up.data(), kBlockN);
+    bf16* y_rows = y_data + tasks.first_row(m) * intermediate + b * kBlockN;
     for (int64_t r = 0; r < rows; ++r)
-      silu_and_mul_row(gate.data() + r * kBlockN, up.data() + r * kBlockN, y_data + (m0 + r) * intermediate + b * kBlockN,
-                       kBlockN);
+      silu_and_mul_row(gate.data() + r * kBlockN, up.data() + r * kBlockN, y_rows + r * intermediate, kBlockN);
   });
   return y;
 }
