@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from test_torch_attention import check_against_dense, paged_batch
+from test_torch_attention import check_against_dense, dense_attention, paged_batch
 
 from pagoda.attention import cpu_kernels, torch_backend
 
@@ -83,6 +83,35 @@ def test_matches_the_torch_path_on_long_contexts_in_bfloat16():
                                   max(seq_lens), 0.125, reference)
 
     torch.testing.assert_close(out.float(), reference.float(), atol=1.6e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])  # with AMX: a tile of 8 keys, one a block, two a block
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(9, 3, 64), (16, 1, 64), (4, 1, 128), (8, 4, 128)])
+def test_bfloat16_decode_at_the_engine_block_sizes(block_size, num_heads, num_kv_heads, head_size):
+    """The engine's blocks (16 by default), head-major; AMX's scores take whole tiles of keys a block (the item's
+    query tiles fit in the first three shapes, not in the last: the vector path's)."""
+    gen = torch.Generator().manual_seed(block_size)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 300]
+    blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks) + 4
+    kv_cache = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, generator=gen).to(
+        torch.bfloat16).transpose(2, 3)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in blocks]
+    block_tables = torch.zeros(len(tables), max(blocks), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, :len(table)] = torch.tensor(table)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(torch.bfloat16)
+    out = torch.full_like(query, float("nan"))
+
+    cpu_kernels.paged_decode_attention(query, kv_cache[0], kv_cache[1], block_tables,
+                                       torch.tensor(seq_lens, dtype=torch.int32), head_size**-0.5, out)
+
+    for i, (table, seq_len) in enumerate(zip(tables, seq_lens)):
+        k = kv_cache[0, table].flatten(0, 1)[:seq_len]
+        v = kv_cache[1, table].flatten(0, 1)[:seq_len]
+        expected = dense_attention(query[i : i + 1], k, v, head_size**-0.5)
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("change,message", [

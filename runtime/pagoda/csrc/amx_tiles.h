@@ -55,7 +55,12 @@ struct alignas(64) TileConfig {
 
 // Loads the configuration on this thread (a kernel calls it before its tiles, and release_tiles() after);
 // the default one: every tile 16 rows
-PAGODA_AMX_TARGET inline void load_tile_config(const TileConfig& config) { _tile_loadconfig(&config); }
+// (the empty asm: GCC does not count ldtilecfg as a read of the configuration, and may drop the stores that fill
+// a local one)
+PAGODA_AMX_TARGET inline void load_tile_config(const TileConfig& config) {
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
 PAGODA_AMX_TARGET inline void load_tile_config() {
   static const TileConfig config;
   load_tile_config(config);
