@@ -243,10 +243,11 @@ void decode_fp8(const scalar_t* q, int64_t q_head_stride, const cache_t* k_cache
 // A work item is a sequence and a range of its KV heads (all of them when there are sequences enough for
 // every thread). Block by block, the K rows of all the item's heads are scored (then their V rows summed)
 // in one sweep in memory order (csrc/paged_decode_sweep.h: why, and the prefetch of a block that starts a new
-// run). Per query head the P @ V accumulators stay in memory between blocks. Where the CPU has AMX and the item's
-// query tiles fit (csrc/paged_decode_amx.h), a bfloat16 cache's scores are tile products instead: score_block
-// spends ~10 cycles a key row of three heads on the reductions across lanes, and kept the pass over the keys
-// ~25 % over what reading them takes (24 contexts of 1,152 positions, 30 layers: 20-22 ms against 16 on AMX).
+// run). Per query head the P @ V accumulators stay in memory between blocks. Where the CPU has AMX and the item
+// fits its tiles (csrc/paged_decode_amx.h), a bfloat16 cache's scores and P @ V are tile products instead: the
+// reductions across lanes (score_block) and the broadcast of each probability pair (accumulate_block) kept both
+// passes well over what reading the cache takes (24 contexts of 1,152 positions, 30 layers: 36-40 ms against
+// 32-35 on AMX).
 // (One item per (sequence, KV head), reading 2 KB runs 6 KB apart with prefetches 64 keys ahead into L1,
 // took 630-690 us a layer on 40 contexts of 10 MB out of cache; this takes 400-420, ~25 GB/s: what the
 // two cores read.)
@@ -403,7 +404,7 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
     const int64_t positions = (seq_len + block_size - 1) / block_size * block_size;
     if (static_cast<int64_t>(scores_t.size()) < positions * amx::kTileRows) scores_t.resize(positions * amx::kTileRows);
     queries.set(q, q_head_stride, num_kv_heads, group);
-    amx_decode::configure(tile_rows);
+    amx_decode::configure_scores(tile_rows);
     amx_decode::load_queries(queries, num_kv_heads);
     sweep(k_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
       amx_decode::score_block<kHeadSize>(reinterpret_cast<const c10::BFloat16*>(block), head_stride, pos_stride,
@@ -422,16 +423,38 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
       });
     });
   });
-  for (int64_t head = 0; head < heads; ++head) softmax_to_bf16(s + head * padded_len, p16 + head * padded_len, seq_len);
-  std::memset(acc, 0, acc_floats * sizeof(float));
-  sweep(v_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
-    for_each_unit(block, n, [&](const c10::BFloat16* rows, int64_t stride, int64_t first, int64_t count) {
-      with_unit_size<kUnit>(count, [&](auto size) {
-        accumulate_block<kHeadSize, decltype(size)::value>(p16 + first * padded_len + t0, padded_len, rows, stride,
-                                                           n, acc + first * 2 * kVecs * 16);
+#if defined(PAGODA_HAVE_AMX)
+  if (std::is_same_v<cache_t, c10::BFloat16> && amx_decode::values_fit(heads, kHeadSize) && pagoda::amx::usable()) {
+    thread_local amx_decode::ItemProbabilities probabilities;
+    thread_local amx_decode::ValuePairs values;
+    const int64_t pair_rows = std::min<int64_t>(amx::kTileKPairs, block_size / 2);
+    probabilities.reserve(num_kv_heads, group, (seq_len + block_size - 1) / block_size * block_size);
+    for (int64_t head = 0; head < heads; ++head) softmax_to_bf16(s + head * padded_len, probabilities.row(head), seq_len);
+    amx_decode::configure_values(heads, pair_rows);
+    sweep(v_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        for (int64_t c0 = 0; c0 < n; c0 += 2 * pair_rows) {
+          values.set(reinterpret_cast<const c10::BFloat16*>(block + h * head_stride) + c0 * pos_stride, pos_stride,
+                     n - c0, pair_rows);
+          amx_decode::accumulate_values(probabilities, h, t0 + c0, values);
+        }
+    });
+    amx_decode::store_values(acc);
+  } else
+#endif
+  {
+    for (int64_t head = 0; head < heads; ++head)
+      softmax_to_bf16(s + head * padded_len, p16 + head * padded_len, seq_len);
+    std::memset(acc, 0, acc_floats * sizeof(float));
+    sweep(v_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
+      for_each_unit(block, n, [&](const c10::BFloat16* rows, int64_t stride, int64_t first, int64_t count) {
+        with_unit_size<kUnit>(count, [&](auto size) {
+          accumulate_block<kHeadSize, decltype(size)::value>(p16 + first * padded_len + t0, padded_len, rows,
+                                                             stride, n, acc + first * 2 * kVecs * 16);
+        });
       });
     });
-  });
+  }
   for (int64_t head = 0; head < heads; ++head)
     for (int i = 0; i < kVecs; ++i) {
       const float* lo = acc + (head * 2 * kVecs + 2 * i) * 16;
