@@ -71,7 +71,16 @@ VLLM_PRICES = StepPrices(per_step=0.060, per_prompt_token=1.89e-3, attention=7.2
 # (short-long-c64: 120 against 190-216 ms)
 ZEN4_PRICES = StepPrices(per_step=0.009, per_prompt_token=0.59e-3, attention=1.17e-7, per_decode=0.79e-3,
                          per_context_token=0.85e-6)
-PRICES = {"zen3": (PAGODA_PRICES, VLLM_PRICES), "zen4": (ZEN4_PRICES, ZEN4_PRICES)}  # Pagoda's, prefill-first's
+# Both engines offline on 2 cores of an Intel Xeon with AMX (family 6 model 167, bfloat16; 2026-12-05, Pagoda at
+# 12dc746, vLLM 0.32 with its oneDNN AMX matmuls): a prompt alone of 32, 256, 750 and 1,500 tokens takes 18.5, 52.4, 141
+# and 301 ms (Pagoda) and 23.2, 58.5, 180 and 314 ms (vLLM); a step of one decode 14.2 and 18.2 ms, of 32 at 48 tokens
+# of context 23.2 and 35.3 ms, of 64 at ~332 tokens 57.4 and 70.4 ms
+XEON_PAGODA_PRICES = StepPrices(per_step=0.012, per_prompt_token=1.52e-4, attention=2.74e-8, per_decode=2.9e-4,
+                                per_context_token=1.27e-6)
+XEON_VLLM_PRICES = StepPrices(per_step=0.016, per_prompt_token=1.59e-4, attention=2.64e-8, per_decode=5.6e-4,
+                              per_context_token=0.87e-6)
+PRICES = {"zen3": (PAGODA_PRICES, VLLM_PRICES), "zen4": (ZEN4_PRICES, ZEN4_PRICES),  # Pagoda's, prefill-first's
+          "xeon": (XEON_PAGODA_PRICES, XEON_VLLM_PRICES)}
 JITTER = 0.03  # each step's price times uniform(1 - JITTER, 1 + JITTER): the step-cost model never sees equal steps
 
 
@@ -207,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--matrix-loads`")
     p.add_argument("--prices", choices=sorted(PRICES), default="zen3",
                    help="the machine the steps are priced for (default zen3: both engines measured; zen4: Pagoda's "
-                        "prices for both rules)")
+                        "prices for both rules; xeon: both engines measured on an Intel Xeon with AMX)")
     p.add_argument("--same-prices", action="store_true",
                    help="price both rules' steps at Pagoda's: compare the rules alone")
     p.add_argument("--send-delay", type=float, default=0.0, metavar="SECONDS",
