@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from live_router import MODEL, scrape, start_replica
-from live_server import API_KEY, free_port
+from live_server import API_KEY, free_port, same_connection_after_idle
 
 pytestmark = pytest.mark.server
 
@@ -58,6 +58,13 @@ def test_models_health_and_metrics(round_robin):
         assert family in m
     with pytest.raises(openai.AuthenticationError):  # the replicas' key check, passed through
         openai.OpenAI(base_url=round_robin.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_an_idle_connection_is_kept_past_a_client_pools_idle_time(round_robin):
+    # as `pagoda serve`'s: a completion on a client's connection idle 6 s (uvicorn's default closed it at 5)
+    status = same_connection_after_idle(round_robin.port, 6, "/v1/completions",
+                                        {"model": MODEL, "prompt": "Hello", "max_tokens": 2}, AUTH)
+    assert status == 200
 
 
 def test_round_robin_spreads_evenly(round_robin, replicas):

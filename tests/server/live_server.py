@@ -25,6 +25,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def same_connection_after_idle(port: int, idle_seconds: float, path: str = "/health", body: dict | None = None,
+                               headers: dict | None = None) -> int:
+    """A request on one keep-alive connection, then another on it after `idle_seconds` idle: the second's status.
+    Raises if the server closed the connection meanwhile (http.client reconnects only once its socket is gone)."""
+    import http.client
+    import json
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("GET", "/health")
+        connection.getresponse().read()
+        first_socket = connection.sock
+        time.sleep(idle_seconds)
+        connection.request("POST" if body is not None else "GET", path,
+                           body=json.dumps(body) if body is not None else None,
+                           headers={"Content-Type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        response.read()
+        assert connection.sock is first_socket
+        return response.status
+    finally:
+        connection.close()
+
+
 @dataclass
 class LiveServer:
     process: subprocess.Popen

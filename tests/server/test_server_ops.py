@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 from checkpoints import load_hf_reference
-from live_server import PATCHED_LAUNCHER
+from live_server import PATCHED_LAUNCHER, same_connection_after_idle
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
@@ -101,6 +101,14 @@ def test_cors_flags_are_checked(tmp_path):
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", "--allowed-origins", bad])
         assert exit_info.value.code == 2
+
+
+# --- keep-alive ------------------------------------------------------------------------------------
+
+def test_an_idle_connection_is_kept_past_a_client_pools_idle_time(server):
+    # a server that closes an idle connection first races the client's next request on it (aiohttp's pool keeps
+    # idle connections 15 s; uvicorn's default closed them at 5): the same connection answers after 6 s idle
+    assert same_connection_after_idle(server.port, 6) == 200
 
 
 # --- X-Request-Id ----------------------------------------------------------------------------------

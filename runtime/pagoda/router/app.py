@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from pagoda.http.connections import IDLE_KEEP_ALIVE_SECONDS
 from pagoda.http.errors import error_response, install_error_handlers
 from pagoda.http.middleware import RequestIdMiddleware, request_id_of
 from pagoda.router.args import RouterArgs
@@ -158,6 +159,6 @@ async def monitor_first_round(monitor: HealthMonitor) -> None:
 
 def run_router(args: RouterArgs) -> int:
     config = uvicorn.Config(build_app(args), host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, timeout_graceful_shutdown=30)
+                            access_log=False, timeout_graceful_shutdown=30, timeout_keep_alive=IDLE_KEEP_ALIVE_SECONDS)
     uvicorn.Server(config).run()
     return 0

@@ -51,6 +51,7 @@ from pagoda.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagoda.entrypoints.openai.serving_messages import AnthropicServingMessages, handle
 from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagoda.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
+from pagoda.http.connections import IDLE_KEEP_ALIVE_SECONDS
 from pagoda.http.errors import APIError, ErrorResponse, error_response, install_error_handlers
 from pagoda.http.middleware import install_middleware
 from pagoda.lora.request import LoRARequest
@@ -473,7 +474,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs,
     app = build_app(engine_args, server_args, engine_factory)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
                             access_log=server_args.log_level == "debug", timeout_graceful_shutdown=1,
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=IDLE_KEEP_ALIVE_SECONDS)
     state: ServerState = app.state.pagoda
     server = DrainingServer(config, state)
     server.run()
