@@ -530,18 +530,16 @@ def queue_beside_long_answers(num_prompts, max_queue_steps, target="auto"):
 @pytest.mark.parametrize("num_prompts, steps", [(24, 3.0), (40, 6.0)])
 def test_a_queue_takes_the_share_of_the_step_its_tokens_are_of_a_full_batch(num_prompts, steps):
     # 24 x 64 = 1,536 waiting tokens of a 2,048 batch: prompts get 3/4 of the engine's time, 3 decode steps of
-    # prompts a step; 40 x 64 = 2,560, more than a batch: the cap's 6. A decode step of the sequences that will
-    # decode once the prompts are in (8 + the prompts), not of the 8 running: a burst's first decodes are few
+    # prompts a step; 40 x 64 = 2,560, more than a batch: the cap's 6
     sched = queue_beside_long_answers(num_prompts, max_queue_steps=6)
     costs = sched.step_costs
-    decode_step, soon_step = costs.decode_step_seconds(8), costs.decode_step_seconds(8 + num_prompts)
-    assert soon_step > decode_step
-    target = AUTO_TARGET_FACTOR * soon_step  # what the target alone leaves
-    assert sched.prefill_budget() == costs.prompt_tokens_within(decode_step + steps * soon_step, num_decodes=8)
+    decode_step = costs.decode_step_seconds(8)
+    target = AUTO_TARGET_FACTOR * costs.decode_step_seconds(8 + num_prompts)  # what the target alone leaves
+    assert sched.prefill_budget() == costs.prompt_tokens_within(decode_step * (1 + steps), num_decodes=8)
     assert sched.prefill_budget() > costs.prompt_tokens_within(target, num_decodes=8)
     out = run_step(sched)
     assert out.num_decodes == 8  # the decodes keep their token every step
-    assert fake_cost(out.num_batched_tokens, 8) <= (decode_step + steps * soon_step) * 1.05
+    assert fake_cost(out.num_batched_tokens, 8) <= decode_step * (1 + steps) * 1.05
 
 
 def test_a_few_prompts_beside_many_decodes_are_left_to_the_target():

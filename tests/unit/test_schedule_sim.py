@@ -4,8 +4,8 @@ clock; and the claim the engine's AUTO_TARGET_FACTOR rests on, checked on every 
 import pytest
 
 from pagoda.bench import schedule_sim
-from pagoda.bench.matrix import MATRIX, NAMED_LOADS, OTHER_LOADS, Load
-from pagoda.bench.schedule_sim import PAGODA_PRICES, PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
+from pagoda.bench.matrix import MATRIX, OTHER_LOADS, Load
+from pagoda.bench.schedule_sim import PAGODA_PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR
 from pagoda.core.step_cost import StepCostModel
 
@@ -74,29 +74,14 @@ def test_the_default_factor_holds_on_every_load_of_the_matrix():
 def test_a_closed_loops_second_wave_drains_instead_of_standing(name):
     # many users beside answers of 128-192 tokens: the first burst's answers end together and bring their prompts
     # back faster than the target admits them; without the queue's share (max_queue_steps 0) they stand in a queue
-    # for the whole wave (1.4-2x prefill-first's TTFT median), with it the TTFT median comes within the simulator's
-    # spread between seeds of prefill-first's (mid-c48 1.01x here, 0.97-1.05x over five seeds) and the ITL p99
-    # stays under its
+    # for the whole wave, with it the TTFT median comes under prefill-first's and the ITL p99 stays under its
     load = next(load for load in OTHER_LOADS if load.name == name)
     first = simulate(load, VLLM_PRICES, target_itl_ms=None, send_delay=0.1)
     standing = simulate(load, PAGODA_PRICES, send_delay=0.1, max_queue_steps=0)
     auto = simulate(load, PAGODA_PRICES, send_delay=0.1)
     assert standing.ttft_median > 1.3 * first.ttft_median
-    assert auto.ttft_median <= 1.05 * first.ttft_median and auto.itl_p99 < first.itl_p99
-    assert auto.output_tok_s >= 1.1 * first.output_tok_s
-
-
-def test_a_burst_on_a_warm_server_is_counted_in_the_steps_of_the_decodes_it_brings():
-    # one server through the loads, as a served matrix: the steps of a few decodes are measured and cheap by the
-    # time mid-c48's burst comes. Counted in them, the burst's queue went in a few hundred tokens a step beside the
-    # first decodes and, at the Xeon's prices (a decode cheap beside a prompt token), mid-c48's TTFT median was 1.6x
-    # prefill-first's (served: 1.8x vLLM's); counted in steps of the sequences that will decode, it is under it
-    pagoda_prices, first_prices = PRICES["xeon"]
-    served, first_costs = StepCostModel(), StepCostModel()
-    for load in NAMED_LOADS[:[load.name for load in NAMED_LOADS].index("mid-c48") + 1]:
-        first = simulate(load, first_prices, target_itl_ms=None, send_delay=0.05, seed=61, step_costs=first_costs)
-        auto = simulate(load, pagoda_prices, send_delay=0.05, seed=61, step_costs=served)
     assert auto.ttft_median <= first.ttft_median and auto.itl_p99 < first.itl_p99
+    assert auto.output_tok_s >= 1.1 * first.output_tok_s
 
 
 def test_the_command_prints_each_rule_and_the_worst_ratios(capsys):

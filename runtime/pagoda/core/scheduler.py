@@ -63,12 +63,11 @@ from pagoda.spec_decode.stats import SpecDecodeStats
 # `pagoda bench schedule --factors` simulates others)
 AUTO_TARGET_FACTOR = 1.5
 # "auto": while prompts queue beside running decodes, a step may hold up to this many decode steps of prompts
-# (_queue_seconds): the decodes keep at least a seventh of the engine's time. 6: the simulator at both engines'
-# measured prices, one server through the fifteen loads (`pagoda bench schedule --prices zen3 --one-server
-# --send-delay 0.05 --seed 61 --queue-steps 4,6,8`, seeds 61-63; likewise --prices xeon) puts mid-c48's TTFT median,
-# the load a queue decides, at 1.16-1.28x prefill-first's on Zen 3 and under it on the Xeon; at 4 1.40-1.46x on
-# Zen 3; at 8 chat-c32's ITL p99 is 8-9x its median against 6-8x. Served, c128's ITL p99 is 5-6x its median, under
-# vLLM's (docs/benchmarks.md)
+# (_queue_seconds): the decodes keep at least a seventh of the engine's time. 6: the fewest with which the
+# simulator drains mid-c48's returning wave (`pagoda bench schedule --prices zen4 --send-delay 0.05 --seed 61
+# --queue-steps 4,5,6,12 --matrix-loads mid-c48,c128,chat-c32`: at 4 and 5 its TTFT median stays 1.46x and 1.22x
+# prefill-first's, at 6 1.05x); at 12 chat-c32's ITL p99 is 1.8x 6's. Served, c128's ITL p99 is 5-6x its median,
+# under vLLM's (docs/benchmarks.md)
 MAX_QUEUE_STEPS = 6
 
 
@@ -143,10 +142,9 @@ class Scheduler:
             seconds, oldest = self.relative_target * self._soon_step_seconds(decodes), 0
         elif target == AUTO_TARGET:
             waiting = self._prompt_tokens_waiting(decodes)
-            soon_step = self._soon_step_seconds(decodes)
-            seconds = max(self.auto_target_factor * soon_step,
+            seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes),
                           decode_step + self._backlog_seconds(decodes, waiting),
-                          decode_step + self._queue_seconds(soon_step, waiting))
+                          decode_step + self._queue_seconds(decode_step, waiting))
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
             # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
             oldest = self._oldest_prompt_tokens(decodes)
@@ -196,20 +194,16 @@ class Scheduler:
         steps_left = sum(self._tokens_left(q) for q in decodes) / len(decodes) / self.auto_target_factor
         return prompt_tokens * price / max(steps_left, 1.0)
 
-    def _queue_seconds(self, soon_step: float, prompt_tokens: int) -> float:
+    def _queue_seconds(self, decode_step: float, prompt_tokens: int) -> float:
         """The prompt seconds a step may take so that a queue of prompts is computed at the pace its size calls for:
         the waiting prompts get the share f of the engine's time that their tokens are of max_num_batched_tokens (the
         whole steps a prefill-first engine such as vLLM's would give them before its decodes move again), so a step
-        holds f / (1 - f) decode steps of prompts, at most max_queue_steps. A decode step here is `soon_step`, one of
-        the sequences that will decode once the prompts are in, as the target's factor counts it: counted in steps of
-        the few decodes running at a burst's start, the queue went in a few hundred tokens a step while they ran
-        (mid-c48 on the Xeon, where a decode is cheap beside a prompt token: its TTFT median 1.8x vLLM's). A few
-        prompts beside many decodes (tiny-c32's) change nothing; a closed loop's second wave, answers that ended
-        together bringing their users' prompts back faster than the target admits them (c128, mid-c48), drains
-        instead of standing."""
+        holds f / (1 - f) decode steps of prompts, at most max_queue_steps. A few prompts beside many decodes
+        (tiny-c32's) change nothing; a closed loop's second wave, answers that ended together bringing their users'
+        prompts back faster than the target admits them (c128, mid-c48), drains instead of standing."""
         room = self.config.max_num_batched_tokens - prompt_tokens  # f / (1 - f): the waiting tokens over the room
         steps = prompt_tokens / room if room > 0 else self.max_queue_steps
-        return min(steps, self.max_queue_steps) * soon_step
+        return min(steps, self.max_queue_steps) * decode_step
 
     def _prompt_tokens_waiting(self, decodes: list[Sequence]) -> int:
         """The prompt tokens still to compute: running prompts' (beyond any chunk in flight), swapped sequences' and
