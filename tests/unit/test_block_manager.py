@@ -11,6 +11,14 @@ def seq(tokens, n=1):
     return Sequence("r", list(tokens), SamplingParams(n=n))
 
 
+def grow(bm, s, n):
+    """s's tokens computed so far, then n more tokens (decodes) allocated"""
+    s.num_computed_tokens = s.num_tokens
+    for _ in range(n):
+        s.append_token(7)
+    bm.allocate(s, n)
+
+
 def test_allocate_and_free_returns_every_block():
     bm = BlockManager(8, 4)
     s = seq(range(10))
@@ -134,10 +142,7 @@ def test_a_table_takes_consecutive_blocks_where_the_pool_has_them():
     bm.allocate(f, 4)
     start = bm.block_table(f)[0]
     for _ in range(3):
-        f.num_computed_tokens = f.num_tokens
-        for _ in range(4):
-            f.append_token(7)
-        bm.allocate(f, 4)
+        grow(bm, f, 4)
     assert bm.block_table(f) == list(range(start, start + 4)) and start != 0
     bm.free(f)
     bm.check_no_leaks()
@@ -147,19 +152,13 @@ def test_a_growing_table_never_takes_a_recently_freed_cached_block_out_of_turn()
     # the block after a table's last is taken out of the queue's order only when it caches nothing or was freed
     # in the older half of the free history: a prompt just freed stays for the prefix cache, as in a plain LRU
     bm = BlockManager(12, 4)
-    p = seq(range(16))
-    bm.allocate(p, 16)
-    q = seq(range(100, 104))
-    bm.allocate(q, 4)
-    r = seq(range(200, 216))
-    bm.allocate(r, 16)
+    p, q, r = (seq(range(first, first + n)) for first, n in ((0, 16), (100, 4), (200, 16)))
+    for s in (p, q, r):
+        bm.allocate(s, s.num_tokens)
     assert (bm.block_table(p), bm.block_table(q), bm.block_table(r)) == ([0, 1, 2, 3], [4], [5, 6, 7, 8])
     bm.free(p)
     bm.free(r)  # r's blocks (5-8) are the most recently freed
-    q.num_computed_tokens = q.num_tokens
-    for _ in range(4):
-        q.append_token(7)
-    bm.allocate(q, 4)
+    grow(bm, q, 4)
     assert bm.block_table(q) == [4, 9]  # not 5: the least recently used block instead
     assert bm.find_cached_prefix(seq(range(200, 217))) == [5, 6, 7, 8] and bm.num_evicted_blocks == 0
     bm.free(q)
