@@ -13,6 +13,7 @@ from pagoda.errors import InvalidParam
 from pagoda.sample.rejection_sampler import RejectionSampler
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
+from pagoda.worker.input_batch import InputBatch
 
 pytestmark = pytest.mark.unit
 
@@ -138,6 +139,39 @@ def test_all_rejected_releases_the_draft_blocks():
     sched.step_done(out, ModelRunnerOutput(verified={seq.seq_id: [SampledToken(8)]}))
     assert len(bm.block_table(seq)) == 3 and bm.num_free_blocks == free_before + 1
     sched.finish(seq, "stop")
+    bm.check_no_leaks()
+
+
+def test_the_runner_learns_the_block_that_replaces_a_rejected_drafts_block():
+    # the runner keeps each sequence's table and learns only the blocks past those it was sent: a table cut
+    # by rejected drafts must be sent again from the cut, or the runner keeps the released block, which the
+    # pool gives to another sequence (KV written over another's) while the prefix cache hashes the new one
+    sched = ngram_scheduler(block_size=4, k=6)
+    bm = sched.block_manager
+    runner = InputBatch(4, torch.device("cpu"))
+    seq = Sequence("r", [1, 2, 3, 4, 5, 6, 7, 1], SamplingParams(max_tokens=50))
+    sched.add(seq)
+    out = sched.schedule()
+    runner.apply_deltas(out)
+    sched.step_done(out)
+    seq.append_token(2)
+    out = sched.schedule()  # 9 tokens + 6 drafts: 4 blocks
+    runner.apply_deltas(out)
+    released = bm.block_table(seq)[3]
+    sched.step_done(out, ModelRunnerOutput(verified={seq.seq_id: [SampledToken(8)]}))  # all rejected
+    assert len(bm.block_table(seq)) == 3
+    other = Sequence("o", [50, 51, 52, 53], SamplingParams(max_tokens=50))
+    bm.free_queue.move_to_end(released, last=False)  # the pool's next block: the released one
+    assert bm.allocate(other, 4) == [] and bm.block_table(other) == [released]
+    for token in (8, 9, 10, 11):  # decodes (no n-gram matches) until a fourth block again: another one
+        seq.append_token(token)
+        out = sched.schedule()
+        runner.apply_deltas(out)
+        assert runner.seqs[seq.seq_id].block_table == bm.block_table(seq)
+        sched.step_done(out)
+    assert len(bm.block_table(seq)) == 4 and released not in bm.block_table(seq)
+    sched.finish(seq, "stop")
+    bm.free(other)
     bm.check_no_leaks()
 
 

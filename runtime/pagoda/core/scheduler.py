@@ -560,6 +560,8 @@ class Scheduler:
             seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens + num_accepted
             # room for the tokens this step gives (accepted drafts and one more); the rest held rejected drafts
             self.block_manager.release_slots_after(seq, seq.num_computed_tokens + 1)
+            # the runner learns blocks past those it was sent: from the cut, the next blocks are others
+            seq.num_blocks_sent = min(seq.num_blocks_sent, len(self.block_manager.block_table(seq)))
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         """Remove a sequence (finished or aborted) and free its blocks at once."""
