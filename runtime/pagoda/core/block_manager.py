@@ -59,10 +59,13 @@ class BlockManager:
         self.events = None  # a kv_events.KVEventRecorder, or None (no events)
         self.swap_hashes: dict[int, list[int]] = {}  # with events: seq id -> hashes its host blocks hold
         self.num_evicted_blocks = 0  # cached blocks taken for other tokens (a counter; resets are not evictions)
+        self.freed_in = [0] * num_blocks  # block -> the free() call that last freed it (_take_free_block's runs)
+        self.free_calls = [0]  # free() calls so far (a list: shared with the other groups' managers)
         self.group = group
         if pool is not None:  # one pool of blocks under every group's tables
             self.ref_counts, self.hash_of_block, self.free_queue = pool.ref_counts, pool.hash_of_block, pool.free_queue
             self.cached_blocks, self.free_swap_blocks = pool.cached_blocks, pool.free_swap_blocks
+            self.freed_in, self.free_calls = pool.freed_in, pool.free_calls
 
     def _key(self, h: int):
         """The prefix-cache key of a block hash in this group (the hash itself in the first group)."""
@@ -206,8 +209,9 @@ class BlockManager:
             self.ref_counts[shared] -= 1
             table[write_index] = own
             copies.append((shared, own))
-        for _ in range(num_needed):
-            table.append(self._take_free_block())
+        for i in range(num_needed):
+            last = table[-1] if table and table[-1] != NULL_BLOCK else None
+            table.append(self._take_free_block(follow=last, run=num_needed - i))
         if self.enable_prefix_caching:  # draft tokens (past the sequence's own) are not cached
             self._register_full_blocks(seq, table, min(num_computed + num_new_tokens, seq.num_tokens))
         return copies
@@ -227,9 +231,33 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self.free_queue[block] = None
+            self.freed_in[block] = self.free_calls[0]
 
-    def _take_free_block(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
+    def _take_free_block(self, follow: int | None = None, run: int = 1) -> int:
+        """A free block for a table whose last block is `follow` (None: a new table), `run` blocks of it to take.
+
+        The attention kernels read a context's blocks in table order: consecutive blocks stream, a jump waits on
+        memory (docs/kernels.md). Taken in the free queue's order alone (a sequence's blocks freed tail first,
+        the decodes' blocks taken one at a time in turn), a served pool's contexts drift to runs of ~1-3 blocks.
+        So: the block after `follow` when it is free and cold: it caches nothing, or it was freed in the older
+        half of the free history (between the oldest free block's free() and now); cached blocks freed since
+        stay for prefix hits, as in a plain LRU. Else the least recently used block, moved down to where its run
+        starts among the blocks the same free() released (at most `run` - 1 lower), so that the next blocks can
+        follow it. (On the Xeon with AMX, after a few hundred mixed requests: runs of ~1-3 -> ~11-17 blocks, a
+        step of 24 decodes over 1,024-token prompts 65 -> 55-60 ms; prefix hit rates 0.668 -> 0.658 on shared
+        documents, 0.478 -> 0.455 on returning chats. Taking the block after however recently freed made runs
+        of ~35 blocks but cost the documents' hits 0.668 -> 0.593.)"""
+        block = next(iter(self.free_queue))
+        after = None if follow is None else follow + 1
+        if after in self.free_queue and (self.hash_of_block[after] is None or
+                                         2 * self.freed_in[after] <= self.freed_in[block] + self.free_calls[0]):
+            block = after
+        else:
+            for _ in range(run - 1):
+                if block - 1 not in self.free_queue or self.freed_in[block - 1] != self.freed_in[block]:
+                    break
+                block -= 1
+        del self.free_queue[block]
         h = self.hash_of_block[block]
         if h is not None:  # evict it from the prefix cache
             if self.cached_blocks.get(h) == block:
@@ -344,6 +372,7 @@ class BlockManager:
             self._drop_swap_hashes(seq)
         table = self.tables.pop(seq.seq_id, [])
         self.seq_hashes.pop(seq.seq_id, None)
+        self.free_calls[0] += 1
         # tail blocks first: they are the least likely to be shared, so they are evicted first
         for block in reversed(table):
             if block != NULL_BLOCK:
