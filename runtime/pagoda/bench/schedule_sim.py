@@ -172,7 +172,7 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
             continue
         seconds = step_seconds(prices, out.scheduled, prompt_lens, rng, jitter)
         now += seconds
-        scheduler.step_costs.observe(out.num_batched_tokens, seconds, out.num_decodes)
+        scheduler.step_costs.observe(out.num_batched_tokens, seconds, out.num_decodes, out.decode_context_tokens)
         scheduler.step_done(out)
         for s in out.scheduled:
             if not s.num_samples:

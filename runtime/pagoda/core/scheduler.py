@@ -134,15 +134,16 @@ class Scheduler:
         decodes = [q for q in self.running if self._decodes_now(q)]
         if not decodes:  # no token is waited for: prompts take the whole budget
             return None
-        decode_step = self.step_costs.decode_step_seconds(len(decodes))
+        context = sum(q.num_computed_tokens for q in decodes) / len(decodes)  # the KV each decode reads
+        decode_step = self.step_costs.decode_step_seconds(len(decodes), context)
         if decode_step is None:  # no step measured yet
             return None
         waiting = 0  # prompt tokens still to compute: under "auto" only (its backlog rule and its bursts)
         if self.relative_target is not None:  # the user's SLO as a multiple of this machine's decode step: a bound
-            seconds, oldest = self.relative_target * self._soon_step_seconds(decodes), 0
+            seconds, oldest = self.relative_target * self._soon_step_seconds(decodes, context), 0
         elif target == AUTO_TARGET:
             waiting = self._prompt_tokens_waiting(decodes)
-            seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes),
+            seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes, context),
                           decode_step + self._backlog_seconds(decodes, waiting),
                           decode_step + self._queue_seconds(decode_step, waiting))
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
@@ -150,7 +151,7 @@ class Scheduler:
             oldest = self._oldest_prompt_tokens(decodes)
         else:  # the user's SLO: a bound, whatever waits
             seconds, oldest = target / 1000, 0
-        tokens = self.step_costs.prompt_tokens_within(seconds, num_decodes=len(decodes))
+        tokens = self.step_costs.prompt_tokens_within(seconds, num_decodes=len(decodes), context=context)
         if tokens is None:
             return None
         budget = max(tokens, oldest, self.block_manager.block_size)
@@ -158,12 +159,12 @@ class Scheduler:
             return None  # a burst: taken whole while the gaps it delays stay within the ITL tail's share
         return budget
 
-    def _soon_step_seconds(self, decodes: list[Sequence]) -> float:
-        """A step of decodes alone at the number of sequences that will decode once their prompts are in: sized from
-        the decodes running now, a burst's first steps (few decodes, many prompts) would take prompts a few tokens at
-        a time."""
+    def _soon_step_seconds(self, decodes: list[Sequence], context: float) -> float:
+        """A step of decodes alone at the number of sequences that will decode once their prompts are in (each
+        reading `context` positions, as the decodes now): sized from the decodes running now, a burst's first steps
+        (few decodes, many prompts) would take prompts a few tokens at a time."""
         soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
-        return self.step_costs.decode_step_seconds(max(len(decodes), soon))
+        return self.step_costs.decode_step_seconds(max(len(decodes), soon), context)
 
     def _oldest_prompt_tokens(self, decodes: list[Sequence]) -> int:
         """The prompt tokens the oldest prompt has left to compute (beyond any chunk in flight): the first running

@@ -64,6 +64,11 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
 
     @property
+    def decode_context_tokens(self) -> int:
+        """The KV positions the decodes read in all (their contexts): what a decode step's attention reads."""
+        return sum(s.num_computed_tokens for s in self.scheduled if s.num_new_tokens == 1)
+
+    @property
     def is_empty(self) -> bool:
         """Nothing to compute (swap copies may still be due: see has_work)."""
         return not self.scheduled

@@ -1,7 +1,8 @@
 """What a step costs, learnt online from the steps the engine runs (no torch). The scheduler asks two things:
 
 - what a step of `d` decodes alone takes: the median of the last such steps the engine ran (of about that
-  width), else extrapolated from the widest narrower one measured (`decode_step_seconds`);
+  width), each moved to the context asked about at the price of a context token, else extrapolated from the widest
+  narrower one measured (`decode_step_seconds`);
 - what a prompt token adds to a step: `prompt_token_seconds`, the least-squares price through the recent steps
   (seconds = fixed + per prompt token x prompt tokens + per decode x decodes), never under what the recent steps
   that carried prompt tokens beside decodes took per prompt token beyond their decodes alone.
@@ -9,7 +10,13 @@
 A step of `d` decodes and `p` prompt tokens is then priced decode_step_seconds(d) + p x prompt_token_seconds(),
 and `prompt_tokens_within(seconds, d)` is the `p` that keeps it within `seconds` (the ITL target). Every figure is
 the engine's own measurement on its own machine: nothing is fitted offline but DECODE_PRICE_RATIO, used only
-before any step of about that many decodes alone has run."""
+before any step of about that many decodes alone has run.
+
+A decode reads its whole context's KV, so a step of `d` decodes costs more at long contexts than at short ones:
+a width measured on one load (short chats) and asked about on the next (long documents) was off by half or more
+(a served mid-c48 on the Xeon after tiny-c32: 32 decodes priced 23 ms where they took ~40, its queue sized from
+it). Each decode step is kept with the context tokens its decodes read, and `context_token_seconds` is the
+least-squares price of one over the recent decode steps (with their widths, or over one width's growing contexts)."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -22,6 +29,9 @@ MIN_INDEPENDENT_VARIANCE = 0.05
 # least MIN_DECODE_STEPS of them, so one step slowed by the machine (another process, a page fault) does not set it
 DECODE_STEPS_PER_WIDTH = 8
 MIN_DECODE_STEPS = 3
+# the recent steps of decodes alone that a context token's price is fitted through, of any width: as many as the
+# prices' window (StepCostModel's), the steps of the last few seconds
+DECODE_WINDOW = 64
 # a decode's price against a prompt token's, used only until a step of about that many decodes alone is measured
 # (a server's first burst): a decode runs its row through the same layers, then reads its whole context's KV,
 # its logits and its sample. Measured for the default model on 2 Zen 4 cores: 0.78 against 0.55 ms offline,
@@ -41,40 +51,48 @@ class StepCostModel:
     def __init__(self, window: int = 64, wide_window: int = 8):
         # window: the recent steps the prices are fitted through (2-3 s of steps at the default model's pace on
         # 2 cores: recent enough to follow the machine's pace, which moves 10-30 % between minutes on a shared host)
-        self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)  # (tokens computed, decodes, seconds)
+        # (tokens computed, decodes, seconds, context tokens the decodes read)
+        self.steps: deque[tuple[int, int, float, int]] = deque(maxlen=window)
         # the last steps wider than twice the recent mean, by their number among all steps: a long run of
         # decode-only steps (all of one width) would otherwise leave no second width to draw the line through
         # when the next prompts come
         self.wide: deque[tuple[int, int, int, float]] = deque(maxlen=wide_window)
         # likewise the last steps that computed prompt tokens beside decodes: a prompt token's price beyond the
         # decodes' own step, when the window has none (a burst's edge, after a run of decode steps)
-        self.mixed: deque[tuple[int, int, float]] = deque(maxlen=wide_window)
+        self.mixed: deque[tuple[int, int, float, int]] = deque(maxlen=wide_window)
         self._observed = 0  # steps seen in all
         self._tokens_in_window = 0  # the sum of self.steps' tokens
         self._mixed_in_window = 0  # self.steps' steps that computed prompt tokens beside decodes
         self._costs: StepCosts | None = None  # cached until the next step
         self._price: float | None = None  # likewise
-        self.decode_steps: dict[int, deque[float]] = {}  # decodes -> the seconds of the last steps of them alone
+        self._context_price: tuple[float | None] | None = None  # likewise (a 1-tuple: None is a result)
+        # decodes -> the last steps of them alone: (seconds, context tokens their decodes read)
+        self.decode_steps: dict[int, deque[tuple[float, int]]] = {}
+        self.decode_window: deque[tuple[int, int, float]] = deque(maxlen=DECODE_WINDOW)  # (decodes, context, s)
 
-    def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0) -> None:
-        """A step ran: `num_tokens` computed, `num_decodes` of them one-token decodes, in `seconds`."""
+    def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0, decode_context: int = 0) -> None:
+        """A step ran: `num_tokens` computed, `num_decodes` of them one-token decodes, in `seconds`; its decodes
+        read `decode_context` KV positions in all (SchedulerOutput.decode_context_tokens)."""
         if num_tokens <= 0 or seconds <= 0:
             return
         if not self.steps or num_tokens * len(self.steps) > 2 * self._tokens_in_window:  # > 2x the mean
             self.wide.append((self._observed, num_tokens, num_decodes, seconds))
         if len(self.steps) == self.steps.maxlen:
-            oldest_tokens, oldest_decodes, _ = self.steps[0]
+            oldest_tokens, oldest_decodes, _, _ = self.steps[0]
             self._tokens_in_window -= oldest_tokens
             self._mixed_in_window -= oldest_tokens > oldest_decodes > 0
-        self.steps.append((num_tokens, num_decodes, seconds))
+        self.steps.append((num_tokens, num_decodes, seconds, decode_context))
         self._tokens_in_window += num_tokens
         self._mixed_in_window += num_tokens > num_decodes > 0
         if num_tokens > num_decodes > 0:
-            self.mixed.append((num_tokens, num_decodes, seconds))
+            self.mixed.append((num_tokens, num_decodes, seconds, decode_context))
         self._observed += 1
         self._costs = self._price = None
         if num_decodes == num_tokens:
-            self.decode_steps.setdefault(num_decodes, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(seconds)
+            self.decode_steps.setdefault(num_decodes, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(
+                (seconds, decode_context))
+            self.decode_window.append((num_decodes, decode_context, seconds))
+            self._context_price = None
 
     def costs(self) -> StepCosts | None:
         """The fitted prices, or None before any step."""
@@ -87,7 +105,8 @@ class StepCostModel:
     def _points(self) -> list[tuple[int, int, float]]:
         """The steps fitted: the window's, and the wide ones before it."""
         first_in_window = self._observed - len(self.steps)
-        return [*self.steps, *((t, d, y) for i, t, d, y in self.wide if i < first_in_window)]
+        return [*((t, d, y) for t, d, y, _ in self.steps),
+                *((t, d, y) for i, t, d, y in self.wide if i < first_in_window)]
 
     def seconds_for(self, num_tokens: int, num_decodes: int = 0) -> float | None:
         """What a step of `num_tokens`, `num_decodes` of them decodes, costs by the fitted prices; None while
@@ -97,13 +116,15 @@ class StepCostModel:
             return None
         return costs.fixed + costs.per_prompt_token * (num_tokens - num_decodes) + costs.per_decode * num_decodes
 
-    def decode_step_seconds(self, num_decodes: int) -> float | None:
-        """What a step of `num_decodes` decodes alone takes: the median of the recent such steps within an eighth
-        of that width. Before there are any (a server's first burst), the widest narrower width measured plus
-        each further decode at DECODE_PRICE_RATIO times a prompt token's price; without narrower ones, the line
-        through the steps' totals. Not the two fitted prices: on a burst's first steps (prompt tokens near
-        constant, decodes growing one a step) they put a decode at 3.3 ms where it takes 1. None while unknown."""
-        near = self._decode_step_measured(num_decodes)
+    def decode_step_seconds(self, num_decodes: int, context: float | None = None) -> float | None:
+        """What a step of `num_decodes` decodes alone takes, each reading `context` KV positions on average (None:
+        as the steps measured read): the median of the recent such steps within an eighth of that width, each
+        moved to that context at context_token_seconds(). Before there are any (a server's first burst), the
+        widest narrower width measured (likewise moved) plus each further decode at DECODE_PRICE_RATIO times a
+        prompt token's price; without narrower ones, the line through the steps' totals. Not the two fitted
+        prices: on a burst's first steps (prompt tokens near constant, decodes growing one a step) they put a
+        decode at 3.3 ms where it takes 1. None while unknown."""
+        near = self._decode_step_measured(num_decodes, context)
         if near is not None:
             return near
         if not self.steps:
@@ -111,15 +132,16 @@ class StepCostModel:
         narrower = [width for width in self.decode_steps if width < num_decodes]
         if narrower:
             width = max(narrower)
-            anchor = _median(list(self.decode_steps[width]), at_least=1)
+            anchor = self._moved(self.decode_steps[width], width, None, at_least=1)  # as measured: beside the window
             n = len(self.steps)
-            mean_decodes = sum(d for _, d, _ in self.steps) / n
-            mean_seconds = sum(y for _, _, y in self.steps) / n
+            mean_decodes = sum(d for _, d, _, _ in self.steps) / n
+            mean_seconds = sum(y for _, _, y, _ in self.steps) / n
             # the recent steps beyond the anchor: their prompt tokens at a price, their further decodes at the ratio
             priced = self._tokens_in_window / n - mean_decodes + DECODE_PRICE_RATIO * max(mean_decodes - width, 0)
             if priced > 0 and mean_seconds > anchor:
                 per_token = (mean_seconds - anchor) / priced
-                return anchor + DECODE_PRICE_RATIO * per_token * (num_decodes - width)
+                moved = self._moved(self.decode_steps[width], width, context, at_least=1)
+                return moved + DECODE_PRICE_RATIO * per_token * (num_decodes - width)
         fixed, per_token = _line([(t, y) for t, _, y in self._points()])
         return fixed + per_token * num_decodes
 
@@ -134,34 +156,81 @@ class StepCostModel:
         if costs is None:
             return None
         if self._price is None:
-            base: dict[int, float | None] = {}  # decodes -> their step alone, looked up once a width
+            alone: dict[int, float | None] = {}  # decodes -> their step alone at no context, once a width
+            context_price = self.context_token_seconds() or 0.0
             excess = prompt = 0.0
-            for tokens, decodes, seconds in self.steps if self._mixed_in_window else self.mixed:
+            for tokens, decodes, seconds, context in self.steps if self._mixed_in_window else self.mixed:
                 if tokens > decodes > 0:
-                    if decodes not in base:
-                        base[decodes] = self.decode_step_seconds(decodes)
-                    if base[decodes] is not None:
-                        excess += seconds - base[decodes]
+                    if decodes not in alone:
+                        alone[decodes] = self.decode_step_seconds(decodes, 0.0)
+                    if alone[decodes] is not None:  # its decodes alone, at the context they read
+                        excess += seconds - alone[decodes] - context_price * context
                         prompt += tokens - decodes
             beyond = excess / prompt if excess > 0 and prompt > 0 else 0.0
             self._price = max(costs.per_prompt_token, beyond)
         return self._price
 
-    def prompt_tokens_within(self, seconds: float, num_decodes: int = 0) -> int | None:
-        """The most prompt tokens one step may compute beside `num_decodes` decodes to take at most `seconds`;
-        None while unknown."""
+    def prompt_tokens_within(self, seconds: float, num_decodes: int = 0, context: float | None = None) -> int | None:
+        """The most prompt tokens one step may compute beside `num_decodes` decodes (reading `context` positions
+        each, as decode_step_seconds) to take at most `seconds`; None while unknown."""
         price = self.prompt_token_seconds()
         if price is None:
             return None
-        base = self.decode_step_seconds(num_decodes) if num_decodes else self.costs().fixed
+        base = self.decode_step_seconds(num_decodes, context) if num_decodes else self.costs().fixed
         return max(int((seconds - base) / price + 1e-6), 0)  # 1e-6: a float's rounding, not a token
 
-    def _decode_step_measured(self, num_decodes: int) -> float | None:
+    def context_token_seconds(self) -> float | None:
+        """What a decode step pays for each KV position its decodes read: the least-squares price through the
+        recent steps of decodes alone (seconds = fixed + per decode x decodes + this x context tokens), or, while
+        they are all of one width, the slope over their growing contexts. None where the steps cannot tell it
+        (too few, or context and width moving together) or it comes out negative."""
+        if self._context_price is None:
+            self._context_price = (_context_price(list(self.decode_window)),)
+        return self._context_price[0]
+
+    def _moved(self, steps, num_decodes: int, context: float | None, at_least: int = MIN_DECODE_STEPS) -> float | None:
+        """The median of measured decode steps' seconds, each moved to `num_decodes` decodes reading `context`
+        positions each at the context price (as measured while there is none, or no context is asked about);
+        None with fewer than `at_least` steps."""
+        price = self.context_token_seconds() if context is not None else None
+        if price is None:
+            return _median([seconds for seconds, _ in steps], at_least)
+        median = _median([seconds - price * read for seconds, read in steps], at_least)  # at no context
+        return None if median is None else median + price * num_decodes * context
+
+    def _decode_step_measured(self, num_decodes: int, context: float | None = None) -> float | None:
         """The median of the recent steps of decodes alone within an eighth of `num_decodes` (not every width is
-        kept: a width is seen once a step as sequences finish), or None with fewer than MIN_DECODE_STEPS."""
+        kept: a width is seen once a step as sequences finish), moved to `context`, or None with fewer than
+        MIN_DECODE_STEPS."""
         reach = num_decodes // 8
-        return _median([s for width in range(num_decodes - reach, num_decodes + reach + 1)
-                        for s in self.decode_steps.get(width, ())])
+        return self._moved([step for width in range(num_decodes - reach, num_decodes + reach + 1)
+                            for step in self.decode_steps.get(width, ())], num_decodes, context)
+
+
+def _context_price(points: list[tuple[int, int, float]]) -> float | None:
+    """Least squares through (decodes, context tokens, seconds): the price of a context token (see
+    StepCostModel.context_token_seconds)."""
+    n = len(points)
+    if n < MIN_DECODE_STEPS:
+        return None
+    mean_d = sum(d for d, _, _ in points) / n
+    mean_c = sum(c for _, c, _ in points) / n
+    mean_y = sum(y for _, _, y in points) / n
+    s_dd = sum((d - mean_d) ** 2 for d, _, _ in points)
+    s_cc = sum((c - mean_c) ** 2 for _, c, _ in points)
+    s_dc = sum((d - mean_d) * (c - mean_c) for d, c, _ in points)
+    s_cy = sum((c - mean_c) * (y - mean_y) for _, c, y in points)
+    if s_cc <= 0:
+        return None
+    if s_dd == 0:  # one width: the slope over its contexts
+        price = s_cy / s_cc
+    else:
+        det = s_dd * s_cc - s_dc * s_dc
+        if det <= MIN_INDEPENDENT_VARIANCE * s_dd * s_cc:
+            return None
+        s_dy = sum((d - mean_d) * (y - mean_y) for d, _, y in points)
+        price = (s_dd * s_cy - s_dc * s_dy) / det
+    return price if price > 0 else None
 
 
 def _fit(points: list[tuple[int, int, float]]) -> StepCosts:

@@ -189,7 +189,8 @@ class EngineCore:
         # the batch's own run (a threaded executor's), else submit to result
         started, finished = getattr(self.executor, "last_run", None) or (submitted, time.perf_counter())
         seconds = self.timer.ran(started, finished)
-        self.step_costs.observe(sched_out.num_batched_tokens, seconds, sched_out.num_decodes)
+        self.step_costs.observe(sched_out.num_batched_tokens, seconds, sched_out.num_decodes,
+                                sched_out.decode_context_tokens)
         scheduler.step_done(sched_out, result)
         step = self._update(scheduler, result, observer)
         self.timer.busy = self.has_unfinished()
