@@ -4,8 +4,8 @@ clock; and the claim the engine's AUTO_TARGET_FACTOR rests on, checked on every 
 import pytest
 
 from pagoda.bench import schedule_sim
-from pagoda.bench.matrix import MATRIX, OTHER_LOADS, Load
-from pagoda.bench.schedule_sim import PAGODA_PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
+from pagoda.bench.matrix import MATRIX, NAMED_LOADS, OTHER_LOADS, Load
+from pagoda.bench.schedule_sim import PAGODA_PRICES, PRICES, VLLM_PRICES, ZEN4_PRICES, StepPrices, simulate
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR
 from pagoda.core.step_cost import StepCostModel
 
@@ -125,6 +125,20 @@ def test_one_server_carries_what_it_learnt_from_load_to_load(capsys):
     auto_lines = [line for line in capsys.readouterr().out.splitlines() if f"auto x{AUTO_TARGET_FACTOR:g} " in line]
     assert auto_lines[1].split(f"auto x{AUTO_TARGET_FACTOR:g}")[1].strip().startswith(
         schedule_sim._cell(carried).strip())
+
+
+def test_a_server_warm_from_short_contexts_prices_a_later_loads_decodes_at_their_own():
+    # one server through the loads in the matrix's order, as a served matrix: by mid-c48 the engine has measured
+    # steps of 13-42 decodes on tiny-c32's 48-token contexts. Taken as they were measured, mid-c48's steps of as
+    # many decodes over ~400-token contexts were priced at half what they take, its queue's share of a step with
+    # them, and its TTFT median was 1.6x prefill-first's at the Xeon's prices; moved to their context, under it
+    pagoda_prices, first_prices = PRICES["xeon"]
+    served, first_costs = StepCostModel(), StepCostModel()
+    for load in NAMED_LOADS[:[load.name for load in NAMED_LOADS].index("mid-c48") + 1]:
+        first = simulate(load, first_prices, target_itl_ms=None, send_delay=0.05, seed=61, step_costs=first_costs)
+        auto = simulate(load, pagoda_prices, send_delay=0.05, seed=61, step_costs=served)
+    assert served.context_token_seconds() == pytest.approx(pagoda_prices.per_context_token, rel=0.3)
+    assert auto.ttft_median <= first.ttft_median and auto.itl_p99 < first.itl_p99
 
 
 @pytest.mark.parametrize("argv, message", [

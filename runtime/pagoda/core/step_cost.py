@@ -14,9 +14,10 @@ before any step of about that many decodes alone has run.
 
 A decode reads its whole context's KV, so a step of `d` decodes costs more at long contexts than at short ones:
 a width measured on one load (short chats) and asked about on the next (long documents) was off by half or more
-(a served mid-c48 on the Xeon after tiny-c32: 32 decodes priced 23 ms where they took ~40, its queue sized from
-it). Each decode step is kept with the context tokens its decodes read, and `context_token_seconds` is the
-least-squares price of one over the recent decode steps (with their widths, or over one width's growing contexts)."""
+(`pagoda bench schedule --one-server --prices xeon`: mid-c48's 32 decodes priced 23 ms after tiny-c32, where they
+take ~40, and its queue sized from them). Each decode step is kept with the context tokens its decodes read, and
+`context_token_seconds` is the least-squares price of one over the recent decode steps (with their widths, or over
+one width's growing contexts)."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -29,9 +30,15 @@ MIN_INDEPENDENT_VARIANCE = 0.05
 # least MIN_DECODE_STEPS of them, so one step slowed by the machine (another process, a page fault) does not set it
 DECODE_STEPS_PER_WIDTH = 8
 MIN_DECODE_STEPS = 3
-# the recent steps of decodes alone that a context token's price is fitted through, of any width: as many as the
-# prices' window (StepCostModel's), the steps of the last few seconds
-DECODE_WINDOW = 64
+# the recent steps of decodes alone that a context token's price is fitted through, of any width. A context adds
+# little to a step beside the machine's noise (a step of 4 decodes over 1,000 more positions: 1.3 ms in 25, on the
+# Xeon), so the price needs many steps: at 64 `pagoda bench schedule --prices xeon` (3 % noise a step) fitted it
+# 0.2-2.8x the true one over a load's p10-p90, at 256 0.9-1.2x (the first loads' first steps up to 1.5x)
+DECODE_WINDOW = 256
+# a context token's price is taken only when the steps tell it within this share of itself at one standard error
+# (the fit's own scatter: a machine's noisy steps, or contexts that hardly vary, tell nothing); until then, the last
+# price they told
+CONTEXT_PRICE_ERROR = 0.25
 # a decode's price against a prompt token's, used only until a step of about that many decodes alone is measured
 # (a server's first burst): a decode runs its row through the same layers, then reads its whole context's KV,
 # its logits and its sample. Measured for the default model on 2 Zen 4 cores: 0.78 against 0.55 ms offline,
@@ -65,10 +72,11 @@ class StepCostModel:
         self._mixed_in_window = 0  # self.steps' steps that computed prompt tokens beside decodes
         self._costs: StepCosts | None = None  # cached until the next step
         self._price: float | None = None  # likewise
-        self._context_price: tuple[float | None] | None = None  # likewise (a 1-tuple: None is a result)
+        self._context_price: float | None = None  # the last price the decode steps told (context_token_seconds)
+        self._context_price_stale = False  # decode steps came since it was fitted
         # decodes -> the last steps of them alone: (seconds, context tokens their decodes read)
         self.decode_steps: dict[int, deque[tuple[float, int]]] = {}
-        self.decode_window: deque[tuple[int, int, float]] = deque(maxlen=DECODE_WINDOW)  # (decodes, context, s)
+        self.context_fit = _ContextFit(DECODE_WINDOW)  # the recent steps of decodes alone, with their contexts
 
     def observe(self, num_tokens: int, seconds: float, num_decodes: int = 0, decode_context: int = 0) -> None:
         """A step ran: `num_tokens` computed, `num_decodes` of them one-token decodes, in `seconds`; its decodes
@@ -91,8 +99,8 @@ class StepCostModel:
         if num_decodes == num_tokens:
             self.decode_steps.setdefault(num_decodes, deque(maxlen=DECODE_STEPS_PER_WIDTH)).append(
                 (seconds, decode_context))
-            self.decode_window.append((num_decodes, decode_context, seconds))
-            self._context_price = None
+            self.context_fit.add(num_decodes, decode_context, seconds)
+            self._context_price_stale = True
 
     def costs(self) -> StepCosts | None:
         """The fitted prices, or None before any step."""
@@ -181,12 +189,15 @@ class StepCostModel:
 
     def context_token_seconds(self) -> float | None:
         """What a decode step pays for each KV position its decodes read: the least-squares price through the
-        recent steps of decodes alone (seconds = fixed + per decode x decodes + this x context tokens), or, while
-        they are all of one width, the slope over their growing contexts. None where the steps cannot tell it
-        (too few, or context and width moving together) or it comes out negative."""
-        if self._context_price is None:
-            self._context_price = (_context_price(list(self.decode_window)),)
-        return self._context_price[0]
+        recent steps of decodes alone (seconds = fixed + per decode x decodes + this x context tokens), else the
+        slope within each width over its growing contexts. Where the recent steps cannot tell it (too few; every
+        width at one context, or context and width moving together, as at a load's end, its answers finishing one
+        a step), the last price they told: it is the machine's and the model's, and the next load needs it at
+        its start. None before any."""
+        if self._context_price_stale:
+            self._context_price = self.context_fit.price() or self._context_price
+            self._context_price_stale = False
+        return self._context_price
 
     def _moved(self, steps, num_decodes: int, context: float | None, at_least: int = MIN_DECODE_STEPS) -> float | None:
         """The median of measured decode steps' seconds, each moved to `num_decodes` decodes reading `context`
@@ -207,30 +218,80 @@ class StepCostModel:
                             for step in self.decode_steps.get(width, ())], num_decodes, context)
 
 
-def _context_price(points: list[tuple[int, int, float]]) -> float | None:
-    """Least squares through (decodes, context tokens, seconds): the price of a context token (see
-    StepCostModel.context_token_seconds)."""
-    n = len(points)
-    if n < MIN_DECODE_STEPS:
-        return None
-    mean_d = sum(d for d, _, _ in points) / n
-    mean_c = sum(c for _, c, _ in points) / n
-    mean_y = sum(y for _, _, y in points) / n
-    s_dd = sum((d - mean_d) ** 2 for d, _, _ in points)
-    s_cc = sum((c - mean_c) ** 2 for _, c, _ in points)
-    s_dc = sum((d - mean_d) * (c - mean_c) for d, c, _ in points)
-    s_cy = sum((c - mean_c) * (y - mean_y) for _, c, y in points)
-    if s_cc <= 0:
-        return None
-    if s_dd == 0:  # one width: the slope over its contexts
-        price = s_cy / s_cc
-    else:
+class _ContextFit:
+    """Least squares through the recent steps of decodes alone, (decodes, context tokens, seconds), kept as running
+    sums over a window (O(1) a step): the price of a context token (StepCostModel.context_token_seconds)."""
+
+    def __init__(self, window: int):
+        self.points: deque[tuple[int, int, float]] = deque()
+        self.window = window
+        self.sums = _Sums()  # over every point
+        self.by_width: dict[int, _Sums] = {}  # over each width's points
+
+    def add(self, decodes: int, context: int, seconds: float) -> None:
+        self.points.append((decodes, context, seconds))
+        self.sums.add(decodes, context, seconds, 1)
+        self.by_width.setdefault(decodes, _Sums()).add(decodes, context, seconds, 1)
+        if len(self.points) > self.window:
+            old = self.points.popleft()
+            self.sums.add(*old, -1)
+            width = self.by_width[old[0]]
+            width.add(*old, -1)
+            if not width.n:
+                del self.by_width[old[0]]
+
+    def price(self) -> float | None:
+        """Positive and within CONTEXT_PRICE_ERROR of itself at one standard error, else None."""
+        n = self.sums.n
+        s_dd, s_cc, s_dc, s_cy, s_dy, s_yy = self.sums.centered()
         det = s_dd * s_cc - s_dc * s_dc
-        if det <= MIN_INDEPENDENT_VARIANCE * s_dd * s_cc:
+        if n > 3 and s_dd > 0 and det > MIN_INDEPENDENT_VARIANCE * s_dd * s_cc:  # fixed + per decode + per context
+            price = (s_dd * s_cy - s_dc * s_dy) / det
+            per_decode = (s_cc * s_dy - s_dc * s_cy) / det
+            residual = s_yy - price * s_cy - per_decode * s_dy  # the squares least squares leaves
+            variance = residual / (n - 3) * s_dd / det
+        else:  # width and context move together: within each width, the slope over its contexts
+            s_cc = s_cy = s_yy = 0.0
+            for width in self.by_width.values():
+                _, cc, _, cy, _, yy = width.centered()
+                s_cc, s_cy, s_yy = s_cc + cc, s_cy + cy, s_yy + yy
+            free = n - len(self.by_width) - 1
+            if s_cc <= 0 or free <= 0:
+                return None
+            price = s_cy / s_cc
+            variance = (s_yy - price * s_cy) / free / s_cc
+        if price <= 0 or variance > (CONTEXT_PRICE_ERROR * price) ** 2:
             return None
-        s_dy = sum((d - mean_d) * (y - mean_y) for d, _, y in points)
-        price = (s_dd * s_cy - s_dc * s_dy) / det
-    return price if price > 0 else None
+        return price
+
+
+class _Sums:
+    """Running sums of (decodes, context, seconds) points, and their sums of squares and products."""
+
+    def __init__(self):
+        self.n = 0
+        self.d = self.c = self.y = self.dd = self.cc = self.dc = self.cy = self.dy = self.yy = 0.0
+
+    def add(self, d: int, c: int, y: float, sign: int) -> None:
+        self.n += sign
+        self.d += sign * d
+        self.c += sign * c
+        self.y += sign * y
+        self.dd += sign * d * d
+        self.cc += sign * c * c
+        self.dc += sign * d * c
+        self.cy += sign * c * y
+        self.dy += sign * d * y
+        self.yy += sign * y * y
+
+    def centered(self) -> tuple[float, float, float, float, float, float]:
+        """s_dd, s_cc, s_dc, s_cy, s_dy, s_yy: the sums about the means (never below 0 where they are squares)."""
+        if not self.n:
+            return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        n = self.n
+        return (max(self.dd - self.d * self.d / n, 0.0), max(self.cc - self.c * self.c / n, 0.0),
+                self.dc - self.d * self.c / n, self.cy - self.c * self.y / n, self.dy - self.d * self.y / n,
+                max(self.yy - self.y * self.y / n, 0.0))
 
 
 def _fit(points: list[tuple[int, int, float]]) -> StepCosts:
