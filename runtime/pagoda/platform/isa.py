@@ -25,7 +25,7 @@ ALL_LEVELS = ("native", "generic", "avx2", "avx512", "avx512bf16", "neon", "neon
 # GCC's tuning for Intel server cores (-march=native on a Xeon) vectorises loops 256 bits wide even where
 # AVX-512 is there. The loops it vectorises in the kernels (SiLU, RMSNorm, rotary: no intrinsics) are short and
 # bound by their instructions, so 512 bits halve them: a 1,500-token prefill of the default model on two cores
-# of a Xeon with AMX 320-327 -> 297-313 ms (the gate/up matmul's SiLU 10 -> 7 % of it).
+# of a Xeon with AMX 320-327 -> 294-313 ms (the gate/up matmul's SiLU 10 -> 7 % of it).
 WIDE_VECTORS = ["-mprefer-vector-width=512"]
 _AVX512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", *WIDE_VECTORS]
 
