@@ -71,7 +71,8 @@ class CpuIsa:
         if self.native:
             if self.arch == "aarch64":
                 return ["-mcpu=native"]
-            return ["-march=native", *(WIDE_VECTORS if self.best.startswith("avx512") else [])]
+            # -march=native sets the ISA; the tuning flags the host's best level takes come with it
+            return ["-march=native", *(f for f in LEVEL_FLAGS.get(self.best, []) if f in WIDE_VECTORS)]
         return list(LEVEL_FLAGS[self.level])
 
     def describe(self) -> str:
