@@ -21,6 +21,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "avx512_math.h"
 #include "fp8_upcast.h"
 #include "ops.h"
 
@@ -115,31 +116,7 @@ inline T from_float(float x) { return static_cast<T>(x); }
 constexpr int64_t kMaxHeadSize = 256;  // MAX_HEAD_SIZE in cpu_kernels.py
 
 #if defined(PAGODA_ISA_AVX512)
-// 2^t for t <= 0 of 16 lanes, as exp_nonpositive does it (2^i by scalef): 2^f on [0, 1) by the degree-5 fit
-// (relative error under 2e-7), or with kDegree 3 by a least-squares fit in relative error (max 7.7e-5) for
-// probabilities rounded to bfloat16 (2^-9) right after
-template <int kDegree = 5>
-inline __m512 exp2_nonpositive16(__m512 t) {
-  static_assert(kDegree == 3 || kDegree == 5, "the fits of degree 3 and 5");
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
-  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, i);
-  __m512 p;
-  if constexpr (kDegree == 5) {
-    p = _mm512_set1_ps(1.87537657e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.98725919e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.58359654e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40146495e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93154738e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99999834e-1f));
-  } else {
-    p = _mm512_set1_ps(0.0779071638f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.226233194f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.695777096f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999927827f));
-  }
-  return _mm512_scalef_ps(p, i);
-}
+using avx512::exp2_nonpositive16;  // csrc/avx512_math.h
 
 // exp(x) of 16 lanes, as exp_nonpositive
 inline __m512 exp_nonpositive16(__m512 x) { return exp2_nonpositive16(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f))); }
