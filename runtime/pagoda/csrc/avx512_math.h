@@ -8,8 +8,6 @@
 
 #include <immintrin.h>
 
-#include <cstdint>
-
 namespace pagoda::avx512 {
 
 // 2^t for t <= 0 of 16 lanes, as paged_attention_common.h's exp_nonpositive does it (2^i by scalef): 2^f on
@@ -51,7 +49,8 @@ inline __m256i to_bf16x16(__m512 x) {
 #else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
 }
 
@@ -65,7 +64,7 @@ inline __m512 round_to_bf16(__m512 x) {
 // 2^t for t <= 0 of 16 lanes to within ~1.5 ulp: t = i + f with f in [-0.5, 0.5] (the nearest integer, where
 // exp2_nonpositive16 takes the floor) and 2^f by a degree-6 fit (relative error 2e-9 before float32's rounding),
 // so that 2^t near 1 keeps its last bits. Clamped at 2^-126.
-inline __m512 exp2_nonpositive16_exact(__m512 t) {
+inline __m512 exp2_nonpositive16_precise(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, i);
@@ -81,10 +80,10 @@ inline __m512 exp2_nonpositive16_exact(__m512 t) {
 
 // silu(g) = g sigmoid(g) of 16 lanes, from e = exp(-|g|) <= 1 (so nothing overflows): g / (1 + e) for g >= 0,
 // g e / (1 + e) below, to about torch's float32 bits (its rounding to bfloat16 then agrees but for rare ties):
-// the exponential exp2_nonpositive16_exact's, the division a true one by its rounding-mode form (-ffast-math
+// the exponential exp2_nonpositive16_precise's, the division a true one by its rounding-mode form (-ffast-math
 // makes a plain one rcp14 and a Newton step). Below g = -87 e stays at 2^-126: silu a tiny negative, not -0.
 inline __m512 silu16(__m512 g) {
-  const __m512 e = exp2_nonpositive16_exact(_mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-1.44269504f)));
+  const __m512 e = exp2_nonpositive16_precise(_mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-1.44269504f)));
   const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
   return _mm512_div_round_ps(_mm512_mask_mul_ps(g, negative, g, e), _mm512_add_ps(_mm512_set1_ps(1.f), e),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
