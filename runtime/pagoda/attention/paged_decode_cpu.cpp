@@ -266,7 +266,7 @@ inline void softmax_to_bf16(float* sg, uint16_t* pg, int64_t seq_len) {
   }
   const __m512 inv_total = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total16));
   for (int64_t t = 0; t < seq_len; t += 16)
-    _mm256_mask_storeu_epi16(pg + t, mask_at(t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask_at(t), sg + t), inv_total)));
+    avx512::store_bf16x16(pg + t, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask_at(t), sg + t), inv_total), mask_at(t));
   if (seq_len & 1) pg[seq_len] = 0;  // the odd last key's partner weighs nothing
 }
 

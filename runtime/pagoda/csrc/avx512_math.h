@@ -36,30 +36,37 @@ inline __m512 exp2_nonpositive16(__m512 t) {
   return _mm512_scalef_ps(p, i);
 }
 
-// 16 bfloat16 widened to float32
-inline __m512 load_bf16x16(const void* src) {
-  const __m256i bits = _mm256_loadu_si256(static_cast<const __m256i*>(src));
+// 16 bfloat16 widened to float32 (bfloat16 is a float32's top half)
+inline __m512 widen_bf16x16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load_bf16x16(const void* src) { return widen_bf16x16(_mm256_loadu_si256(static_cast<const __m256i*>(src))); }
+// the lanes in `mask` only: the others read nothing and are zero (a row's last, partial 16)
+inline __m512 load_bf16x16(const void* src, __mmask16 mask) { return widen_bf16x16(_mm256_maskz_loadu_epi16(mask, src)); }
 
-// 16 float32 rounded to bfloat16 (to nearest even, as torch and bf16_scalar.h's float_to_bf16), as 16-bit lanes
+// 16 float32 rounded to bfloat16 (to nearest even, as torch and bf16_scalar.h's float_to_bf16), as 16-bit lanes. A
+// NaN stays a NaN of its sign, made quiet (its top half with the quiet bit set), as AVX512-BF16's vcvtneps2bf16
+// does: rounded as a number, a NaN whose payload is in its low half would become an infinity
 inline __m256i to_bf16x16(__m512 x) {
 #if defined(PAGODA_ISA_AVX512BF16)
   return (__m256i)_mm512_cvtneps_pbh(x);
 #else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 #endif
 }
 
 inline void store_bf16x16(void* dst, __m512 x) { _mm256_storeu_si256(static_cast<__m256i*>(dst), to_bf16x16(x)); }
+// the lanes in `mask` only: memory off it is left as it was
+inline void store_bf16x16(void* dst, __m512 x, __mmask16 mask) { _mm256_mask_storeu_epi16(dst, mask, to_bf16x16(x)); }
 
 // x rounded to bfloat16, kept as float32
-inline __m512 round_to_bf16(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(x)), 16));
-}
+inline __m512 round_to_bf16(__m512 x) { return widen_bf16x16(to_bf16x16(x)); }
 
 // 2^t for t <= 0 of 16 lanes to within ~1.5 ulp: t = i + f with f in [-0.5, 0.5] (the nearest integer, where
 // exp2_nonpositive16 takes the floor) and 2^f by a degree-6 fit (relative error 2e-9 before float32's rounding),

@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include "avx512_math.h"
 #include "bf16_matmul_common.h"
 
 namespace pagoda::bf16_matmul::avx512bf16 {
@@ -12,15 +13,10 @@ constexpr int64_t kFloatXRows = 0;
 constexpr bool kWantsFloatX = false;
 constexpr int64_t kXPanelRows = 0;  // no float32 x (bf16_matmul_common.h: x_float_panels)
 
-inline __m512 bias_vector(const bf16* bias, __mmask16 mask) {  // 16 bfloat16 widened to float32
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 bias_vector(const bf16* bias, __mmask16 mask) { return avx512::load_bf16x16(bias, mask); }
 
 // 16 float32 sums into y's type: rounded once to bfloat16 (as oneDNN), or kept
-inline void store_16(bf16* y, __mmask16 mask, __m512 sums) {
-  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sums));
-}
+inline void store_16(bf16* y, __mmask16 mask, __m512 sums) { avx512::store_bf16x16(y, sums, mask); }
 inline void store_16(float* y, __mmask16 mask, __m512 sums) { _mm512_mask_storeu_ps(y, mask, sums); }
 
 // A block's 32 columns as two 16-lane halves: which of them exist (ncols <= 32) and their bias, widened once;

@@ -25,6 +25,8 @@
 
 #if defined(PAGODA_ISA_AVX512BF16)
 #include <immintrin.h>
+
+#include "avx512_math.h"
 #endif
 
 #if defined(PAGODA_ISA_AVX512BF16) && defined(__AVX512VBMI__)
@@ -126,16 +128,12 @@ inline void micro_kernel(const BlockTask& t, const bf16* x, bf16* y) {
   const __mmask16 mask_low = column_mask(t.ncols, 0), mask_high = column_mask(t.ncols, 1);
   __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
   if (t.bias != nullptr) {
-    auto widen = [](const bf16* b, __mmask16 mask) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, b)), 16));
-    };
-    bias_low = widen(t.bias, mask_low);
-    bias_high = widen(t.bias + 16, mask_high);
+    bias_low = avx512::load_bf16x16(t.bias, mask_low);
+    bias_high = avx512::load_bf16x16(t.bias + 16, mask_high);
   }
   for (int m = 0; m < MB; ++m) {
-    _mm256_mask_storeu_epi16(y + m * t.ldy, mask_low, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(total_low[m], bias_low)));
-    _mm256_mask_storeu_epi16(y + m * t.ldy + 16, mask_high,
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(total_high[m], bias_high)));
+    avx512::store_bf16x16(y + m * t.ldy, _mm512_add_ps(total_low[m], bias_low), mask_low);
+    avx512::store_bf16x16(y + m * t.ldy + 16, _mm512_add_ps(total_high[m], bias_high), mask_high);
   }
 }
 

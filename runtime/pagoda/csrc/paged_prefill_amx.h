@@ -249,7 +249,7 @@ PAGODA_AMX_TARGET void prefill_tile(const c10::BFloat16* q, int64_t q_row_stride
       for (int64_t lane = 0; lane < n; ++lane) {
         const int64_t v = g * kTileRows + lane;
         c10::BFloat16* o = out + v / group * out_row_stride + v % group * out_head_stride + d0;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(block[lane]));
+        avx512::store_bf16x16(o, block[lane]);
       }
     }
   }

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "avx512_math.h"
 #include "shm_group.h"
 
 #if defined(__x86_64__)
@@ -134,29 +135,11 @@ void sum_scalar(const std::vector<const T*>& in, T* out, int64_t begin, int64_t 
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGODA_ISA_AVX512)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void store16(c10::BFloat16* p, __m512 v) {  // as store_float, 16 at a time
-#if defined(__AVX512BF16__)
-  __m256bh packed = _mm512_cvtneps_pbh(v);
-  std::memcpy(p, &packed, sizeof(packed));
-#else
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                          _mm512_set1_epi32(0x7f800000));
-  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet)));
-#endif
-}
-
+inline __m512 load16(const c10::BFloat16* p) { return avx512::load_bf16x16(p); }
+inline void store16(c10::BFloat16* p, __m512 v) { avx512::store_bf16x16(p, v); }  // as store_float, 16 at a time
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
