@@ -8,11 +8,11 @@ import pytest
 
 from pagoda.bench import matrix
 from pagoda.bench.figures import RequestResult, summarize
-from pagoda.bench.serve import parse_args, synthetic_requests
+from pagoda.bench.serve import BenchRequest, parse_args, peer_max_model_len, synthetic_requests
+from pagoda.bench.vllm_peer import PEER_MAX_MODEL_LEN  # vllm_server's default: every load must fit it
 
 pytestmark = pytest.mark.unit
 
-VLLM_PEER_MAX_MODEL_LEN = 2048  # vllm_peer.vllm_server's default: every load must fit it
 
 
 def test_the_matrix_spans_the_shapes_users_send():
@@ -26,7 +26,7 @@ def test_the_matrix_spans_the_shapes_users_send():
     assert any(load.range_ratio > 0 for load in loads)  # random length ratios
     for load in loads:
         longest = (load.input_len + load.output_len) * (1 + load.range_ratio)
-        assert longest <= VLLM_PEER_MAX_MODEL_LEN, load.name
+        assert longest <= PEER_MAX_MODEL_LEN, load.name
         assert load.num_prompts >= (load.concurrency or 1), load.name  # every slot is used at least once
         assert load.what
 
@@ -46,7 +46,7 @@ def test_the_other_loads_run_by_name_only_and_reach_past_the_matrix():
     assert [load.name for load in matrix.loads("c128,single")] == ["single", "c128"]
     assert max(load.concurrency for load in others) > max(load.concurrency for load in matrix.MATRIX)
     for load in others:
-        assert (load.input_len + load.output_len) * (1 + load.range_ratio) <= VLLM_PEER_MAX_MODEL_LEN, load.name
+        assert (load.input_len + load.output_len) * (1 + load.range_ratio) <= PEER_MAX_MODEL_LEN, load.name
         assert load.what
     # every load of either set draws its own prompts
     args = parse_args(["--matrix", "--seed", "5"])
@@ -310,3 +310,16 @@ def test_run_matrix_with_vllms_client_measures_both_servers_in_alternating_pairs
                         ("http://127.0.0.1:1", "mid-c8", 12, 4, str(tmp_path), "m"),
                         ("http://127.0.0.1:2", "mid-c8", 12, 4, str(tmp_path), "m")]
     assert [load.name for load, _, theirs in results if theirs is not None] == ["single", "mid-c8"]
+
+
+def test_the_peer_is_served_at_the_length_a_single_load_needs(tmp_path):
+    """A load past vLLM's default --max-model-len got 400s from the peer (3,000-token prompts) and a comparison of
+    nothing: the peer takes the longest request's length, within the model's own."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(max_position_embeddings=4096, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    short = [BenchRequest(list(range(1500)), 64, 1500), BenchRequest("a b c", 16)]
+    assert peer_max_model_len(short, str(tmp_path / "never read")) == PEER_MAX_MODEL_LEN
+    assert peer_max_model_len([*short, BenchRequest(list(range(3000)), 64, 3000)], str(tmp_path)) == 3064
+    assert peer_max_model_len([BenchRequest(list(range(5000)), 64, 5000)], str(tmp_path)) == 4096
+    assert peer_max_model_len([BenchRequest(" ".join(["word"] * 1200), 100)], str(tmp_path)) == 2500

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pagoda.bench import matrix
 from pagoda.bench.figures import RequestResult, summarize
+from pagoda.bench.vllm_peer import PEER_MAX_MODEL_LEN
 from pagoda.platform.isa import ALL_LEVELS
 
 _WORDS = ("the of and to in is was for on are with as by at from his her they be this that have which "
@@ -516,6 +517,24 @@ async def measure(sender, warmup, requests, args) -> dict:
     return summary
 
 
+def peer_max_model_len(requests: list[BenchRequest], model_dir: str, floor: int = PEER_MAX_MODEL_LEN) -> int:
+    """vLLM's --max-model-len for these requests: `floor` (the matrix's, whose loads all fit it), or the longest
+    request's prompt and answer where that is more (a prompt known only as text at two tokens a word, more than
+    the word prompts take), within the model's max_position_embeddings. vLLM refuses a request past it where
+    Pagoda, at the model's own length, serves it, and the comparison would be of nothing."""
+    def tokens(req: BenchRequest) -> int:
+        if req.prompt_len is not None:
+            return req.prompt_len + req.output_len
+        text = req.prompt if isinstance(req.prompt, str) else json.dumps(req.prompt)
+        return 2 * len(text.split()) + req.output_len
+
+    longest = max((tokens(r) for r in requests), default=0)
+    if longest <= floor:
+        return floor
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return min(longest, config.get("max_position_embeddings") or longest)
+
+
 async def measure_vllm(args, model: str, model_dir: str | None, warmup, requests) -> dict:
     from pagoda.bench.vllm_peer import check_vllm_python, vllm_server
 
@@ -524,7 +543,8 @@ async def measure_vllm(args, model: str, model_dir: str | None, warmup, requests
                          "give --vllm-model DIR")
     python = check_vllm_python(args.vllm_python)
     with vllm_server(python, model_dir, model, dtype=args.vllm_dtype, kv_cache_dtype=args.vllm_kv_cache_dtype,
-                     kv_cache_gib=args.vllm_kv_cache_gib) as base_url:
+                     kv_cache_gib=args.vllm_kv_cache_gib,
+                     max_model_len=peer_max_model_len([*warmup, *requests], model_dir)) as base_url:
         return await measure(HTTPSender(base_url, model, None, args.endpoint, args.temperature), warmup, requests,
                              args)
 

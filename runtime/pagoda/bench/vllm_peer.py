@@ -20,6 +20,9 @@ from pathlib import Path
 
 OFFLINE_SCRIPT = Path(__file__).with_name("vllm_offline_peer.py")
 LORA_OFFLINE_SCRIPT = Path(__file__).with_name("vllm_lora_offline_peer.py")
+# the served peer's --max-model-len unless a load needs more (bench.serve.peer_max_model_len): the matrix's loads
+# all fit it, and its figures were measured at it
+PEER_MAX_MODEL_LEN = 2048
 
 
 @functools.cache  # once a process: the argument check and the run ask alike, and importing vllm takes seconds
@@ -129,7 +132,8 @@ def _free_port() -> int:
 
 
 @contextmanager
-def vllm_server(python: str, model: str, served_name: str, *, dtype: str = "bfloat16", max_model_len: int = 2048,
+def vllm_server(python: str, model: str, served_name: str, *, dtype: str = "bfloat16",
+                max_model_len: int = PEER_MAX_MODEL_LEN,
                 kv_cache_dtype: str | None = None, kv_cache_gib: int = 2, startup_timeout: float = 600):
     """`vllm serve` on a free port, yielding its base URL; stopped (its whole process group) on exit."""
     import httpx
