@@ -14,7 +14,6 @@ from pagoda.bench.vllm_peer import PEER_MAX_MODEL_LEN  # vllm_server's default: 
 pytestmark = pytest.mark.unit
 
 
-
 def test_the_matrix_spans_the_shapes_users_send():
     loads = matrix.MATRIX
     assert len(loads) >= 8 and len({load.name for load in loads}) == len(loads)

