@@ -392,15 +392,14 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
     }
   };
   // one pass over the context's blocks: visit(block's first position, its size, its rows in cache); on a CPU with
-  // AMX a run's first block prefetched by its pages' first lines (csrc/paged_decode_sweep.h: measured there)
+  // AMX every block prefetched by its pages' first lines (csrc/paged_decode_sweep.h: measured there)
 #if defined(PAGODA_HAVE_AMX)
-  const RunStartPrefetch run_start =
-      pagoda::amx::usable() ? RunStartPrefetch::kPageStarts : RunStartPrefetch::kWholeBlock;
+  const AheadPrefetch ahead = pagoda::amx::usable() ? AheadPrefetch::kPageStarts : AheadPrefetch::kRunStarts;
 #else
-  constexpr RunStartPrefetch run_start = RunStartPrefetch::kWholeBlock;
+  constexpr AheadPrefetch ahead = AheadPrefetch::kRunStarts;
 #endif
   const BlockSweep<cache_t, kHeadSize, PrefetchL2X86> sweep(block_table, seq_len, block_size, block_stride,
-                                                            pos_stride, head_stride, num_kv_heads, run_start);
+                                                            pos_stride, head_stride, num_kv_heads, ahead);
 
 #if defined(PAGODA_HAVE_AMX)
   if (std::is_same_v<cache_t, c10::BFloat16> && amx_decode::fits(num_kv_heads, group, kHeadSize) &&

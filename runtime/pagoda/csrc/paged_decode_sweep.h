@@ -1,6 +1,6 @@
 // What the paged decode kernels share (attention/paged_decode_cpu.cpp's AVX512_BF16 decode, paged_decode_avx2.h,
-// paged_decode_neon.h): the sweep of a sequence's blocks in memory order with a look-ahead prefetch of the block
-// that starts a new run, and the dispatch of a unit of query heads to a kernel fixed at compile time. No ATen:
+// paged_decode_neon.h): the sweep of a sequence's blocks in memory order with a look-ahead prefetch (AheadPrefetch),
+// and the dispatch of a unit of query heads to a kernel fixed at compile time. No ATen:
 // the NEON kernel also builds into tests/kernels/neon_kernels_harness.cpp.
 //
 // A decode work item is a sequence and some of its KV heads. Block by block, the item reads the rows of all its
@@ -9,8 +9,8 @@
 // that the hardware prefetcher follows while the kernel computes. Software prefetch is only for a block that
 // does not follow its predecessor in memory: a run the hardware prefetcher cannot guess. Prefetching every
 // block, or into L1, was slower (AVX512_BF16, Zen 4): 4 blocks of 3 heads overflow L1, and requests the
-// hardware would make anyway take the core's miss buffers. How much of such a block is prefetched is the
-// kernel's to say (RunStartPrefetch).
+// hardware would make anyway take the core's miss buffers. What is prefetched is the kernel's to say
+// (AheadPrefetch).
 #pragma once
 
 #include <algorithm>
@@ -39,16 +39,18 @@ struct PrefetchL2Arm {
   static void line(const char* p) { __builtin_prefetch(p, 0, 2); }
 };
 
-// What a sweep prefetches of a block that starts a new run:
-// - kWholeBlock: every line of the item's rows;
-// - kPageStarts: the block's first line and the first line of each 4 KB page its rows enter, so that the hardware
-//   prefetcher, which follows a stream within a page, starts one in each. A software prefetch holds one of the
-//   core's few fill buffers until its line arrives, so a whole block's ~100 lines (3 KV heads of 16 positions)
-//   wait on each other; the hardware's stream fills L2 without them. On the Xeon with AMX (decode attention over
-//   64 contexts of 512 positions, 30 layers' caches, blocks at random) 12.2 -> 17-19 GB/s, no prefetch at all 15.3;
-//   with each context's blocks in one run unchanged (~21). Zen was not measured this way: its kernels keep
-//   kWholeBlock.
-enum class RunStartPrefetch { kWholeBlock, kPageStarts };
+// What a sweep prefetches, kAheadBlocks ahead:
+// - kRunStarts: every line of the item's rows of a block that starts a new run, nothing of the others;
+// - kPageStarts: of every block, its first line and the first line of each 4 KB page its rows enter, so that the
+//   hardware prefetcher, which follows a stream within a page and stops at its end, starts one in each. A software
+//   prefetch holds one of the core's few fill buffers until its line arrives, so a whole block's ~100 lines (3 KV
+//   heads of 16 positions) wait on each other; the hardware's stream fills L2 without them. On the Xeon with AMX
+//   (decode attention over 64 contexts of 512 positions, 30 layers' caches, blocks at random) 12.2 -> 17-19 GB/s
+//   against kRunStarts, no prefetch at all 15.3. Where blocks follow each other (a prompt's), a run's later blocks
+//   too: 24 contexts of 1,150 positions 1,210-1,340 -> 1,160-1,260 us a layer, 64 of 330 990-1,060 -> 940-980, 4 of
+//   3,000 610-630 -> 550-590 (`python -m pagoda.bench.cpu_attention`, alternating). Zen was not measured this way:
+//   its kernels keep kRunStarts.
+enum class AheadPrefetch { kRunStarts, kPageStarts };
 
 // One item's pass over its context's blocks: operator()(cache, visit) calls visit(block's first position, its
 // number of positions, the block's rows in cache: its first KV head's first position) for each block in
@@ -57,31 +59,31 @@ enum class RunStartPrefetch { kWholeBlock, kPageStarts };
 template <typename cache_t, int kHeadSize, typename Prefetch>
 class BlockSweep {
  public:
-  static constexpr int64_t kAheadBlocks = 2;  // how far ahead a block that starts a run is prefetched
+  static constexpr int64_t kAheadBlocks = 2;  // how far ahead a block is prefetched (4 was no faster)
 
   BlockSweep(const int32_t* block_table, int64_t seq_len, int64_t block_size, int64_t block_stride,
              int64_t pos_stride, int64_t head_stride, int64_t num_kv_heads,
-             RunStartPrefetch run_start = RunStartPrefetch::kWholeBlock)
+             AheadPrefetch ahead = AheadPrefetch::kRunStarts)
       : block_table_(block_table), seq_len_(seq_len), block_size_(block_size), block_stride_(block_stride),
         pos_stride_(pos_stride), head_stride_(head_stride), num_kv_heads_(num_kv_heads),
-        num_blocks_((seq_len + block_size - 1) / block_size), run_start_(run_start) {}
+        num_blocks_((seq_len + block_size - 1) / block_size), ahead_(ahead) {}
 
   template <typename Visit>
   void operator()(const cache_t* cache, Visit&& visit) const {
-    for (int64_t b = 0; b < kAheadBlocks; ++b) prefetch_run_start(cache, b);
+    for (int64_t b = 0; b < kAheadBlocks; ++b) prefetch(cache, b);
     for (int64_t b = 0; b < num_blocks_; ++b) {
-      prefetch_run_start(cache, b + kAheadBlocks);
+      prefetch(cache, b + kAheadBlocks);
       const int64_t t0 = b * block_size_;
       visit(t0, std::min(block_size_, seq_len_ - t0), cache + block_table_[b] * block_stride_);
     }
   }
 
  private:
-  // block b's rows of every KV head of the item, unless b follows block b - 1 in memory
-  void prefetch_run_start(const cache_t* cache, int64_t b) const {
-    if (b >= num_blocks_ || (b > 0 && block_table_[b] == block_table_[b - 1] + 1)) return;
+  // block b's rows of every KV head of the item, as ahead_ says
+  void prefetch(const cache_t* cache, int64_t b) const {
+    if (b >= num_blocks_) return;
     const char* rows = reinterpret_cast<const char*>(cache + block_table_[b] * block_stride_);
-    if (run_start_ == RunStartPrefetch::kPageStarts) {
+    if (ahead_ == AheadPrefetch::kPageStarts) {
       constexpr uintptr_t kPage = 4096;
       const int64_t extent = (num_kv_heads_ - 1) * head_stride_ + (block_size_ - 1) * pos_stride_ + kHeadSize;
       const uintptr_t first = reinterpret_cast<uintptr_t>(rows), end = first + extent * sizeof(cache_t);
@@ -90,6 +92,7 @@ class BlockSweep {
         Prefetch::line(reinterpret_cast<const char*>(page));
       return;
     }
+    if (b > 0 && block_table_[b] == block_table_[b - 1] + 1) return;  // within a run: the hardware's
     if constexpr (Prefetch::kTouchFirst) {
       const char first_byte = *reinterpret_cast<const volatile char*>(rows);
       asm volatile("" : : "r"(first_byte));
@@ -102,7 +105,7 @@ class BlockSweep {
 
   const int32_t* block_table_;
   int64_t seq_len_, block_size_, block_stride_, pos_stride_, head_stride_, num_kv_heads_, num_blocks_;
-  RunStartPrefetch run_start_;
+  AheadPrefetch ahead_;
 };
 
 // Calls visit(std::integral_constant<int, n>) for n = count in 1..kMax (the query heads a unit of a kernel takes
