@@ -417,8 +417,17 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
                                          num_kv_heads, n, tile_rows, scores_t.data() + t0 * amx::kTileRows);
     });
     amx::release_tiles();
-    for (int64_t head = 0; head < heads; ++head)
-      for (int64_t t = 0; t < seq_len; ++t) s[head * padded_len + t] = scores_t[t * amx::kTileRows + head] * scale;
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < seq_len; t0 += 16) {  // [positions][16 columns] -> [heads][positions], 16 x 16 at once
+      const int64_t n = std::min<int64_t>(16, seq_len - t0);
+      __m512 block[16];
+      for (int64_t j = 0; j < 16; ++j)
+        block[j] = j < n ? _mm512_loadu_ps(scores_t.data() + (t0 + j) * amx::kTileRows) : _mm512_setzero_ps();
+      avx512::transpose16(block);
+      const __mmask16 mask = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+      for (int64_t head = 0; head < heads; ++head)
+        _mm512_mask_storeu_ps(s + head * padded_len + t0, mask, _mm512_mul_ps(block[head], scale16));
+    }
   } else
 #endif
   sweep(k_cache, [&](int64_t t0, int64_t n, const cache_t* block) {
@@ -461,16 +470,18 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
       });
     });
   }
+  // the accumulators' 128-bit lanes interleaved back into head-dim order: outputs 32i + 8L + 0..3 from lo's lane L,
+  // 8L + 4..7 from hi's
+  const __m512i first_half = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second_half = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const __m512 factor = _mm512_set1_ps(out_scale);
   for (int64_t head = 0; head < heads; ++head)
     for (int i = 0; i < kVecs; ++i) {
-      const float* lo = acc + (head * 2 * kVecs + 2 * i) * 16;
-      const float* hi = lo + 16;
+      const __m512 lo = _mm512_loadu_ps(acc + (head * 2 * kVecs + 2 * i) * 16);
+      const __m512 hi = _mm512_loadu_ps(acc + (head * 2 * kVecs + 2 * i + 1) * 16);
       c10::BFloat16* o = out + head * out_head_stride + 32 * i;
-      for (int lane = 0; lane < 4; ++lane)
-        for (int j = 0; j < 4; ++j) {
-          o[8 * lane + j] = c10::BFloat16(lo[4 * lane + j] * out_scale);
-          o[8 * lane + 4 + j] = c10::BFloat16(hi[4 * lane + j] * out_scale);
-        }
+      avx512::store_bf16x16(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), factor));
+      avx512::store_bf16x16(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), factor));
     }
 }
 #endif

@@ -73,6 +73,32 @@ inline void store_bf16x16(void* dst, __m512 x, __mmask16 mask) { _mm256_mask_sto
 // x rounded to bfloat16, kept as float32
 inline __m512 round_to_bf16(__m512 x) { return widen_bf16x16(to_bf16x16(x)); }
 
+// rows[i] <- column i of the 16 x 16 block rows[0..15]
+inline void transpose16(__m512* rows) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // 2 x 2 blocks of 32-bit elements
+    a[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks
+    const __m512d lo0 = _mm512_castps_pd(a[4 * i]), lo1 = _mm512_castps_pd(a[4 * i + 2]);
+    const __m512d hi0 = _mm512_castps_pd(a[4 * i + 1]), hi1 = _mm512_castps_pd(a[4 * i + 3]);
+    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
+    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
+    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
+    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
+  }
+  for (int i = 0; i < 2; ++i)  // 8 x 8 blocks: the 128-bit lanes of rows 4 apart
+    for (int j = 0; j < 4; ++j) {
+      a[8 * i + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0x88);
+      a[8 * i + 4 + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {  // 16 x 16: the 128-bit lanes of rows 8 apart
+    rows[j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0x88);
+    rows[8 + j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0xDD);
+  }
+}
+
 // 2^t for t <= 0 of 16 lanes to within ~1.5 ulp: t = i + f with f in [-0.5, 0.5] (the nearest integer, where
 // exp2_nonpositive16 takes the floor) and 2^f by a degree-6 fit (relative error 2e-9 before float32's rounding),
 // so that 2^t near 1 keeps its last bits. Clamped at 2^-126.

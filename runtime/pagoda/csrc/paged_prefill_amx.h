@@ -30,6 +30,7 @@
 namespace pagoda::attention::amx_prefill {
 
 using pagoda::amx::kTileKPairs;
+using pagoda::avx512::transpose16;  // csrc/avx512_math.h
 using pagoda::amx::kTileRows;
 
 constexpr int64_t kChunkKeys = 64;  // keys a chunk: four key tiles of scores, two pair tiles of P^T
@@ -178,32 +179,6 @@ PAGODA_AMX_TARGET void chunk_step(Tile<D>& st, int64_t g, const Chunk<D>& c, int
     _tile_stored(1, st.acc_t[g][d0 + 16], kSumsStride);
     _tile_stored(2, st.acc_t[g][d0 + 32], kSumsStride);
     _tile_stored(3, st.acc_t[g][d0 + 48], kSumsStride);
-  }
-}
-
-// rows[i] <- column i of the 16 x 16 block rows[0..15]
-inline void transpose16(__m512* rows) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 8; ++i) {  // 2 x 2 blocks of 32-bit elements
-    a[2 * i] = _mm512_unpacklo_ps(rows[2 * i], rows[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_ps(rows[2 * i], rows[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks
-    const __m512d lo0 = _mm512_castps_pd(a[4 * i]), lo1 = _mm512_castps_pd(a[4 * i + 2]);
-    const __m512d hi0 = _mm512_castps_pd(a[4 * i + 1]), hi1 = _mm512_castps_pd(a[4 * i + 3]);
-    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
-    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
-    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
-    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
-  }
-  for (int i = 0; i < 2; ++i)  // 8 x 8 blocks: the 128-bit lanes of rows 4 apart
-    for (int j = 0; j < 4; ++j) {
-      a[8 * i + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0x88);
-      a[8 * i + 4 + j] = _mm512_shuffle_f32x4(b[8 * i + j], b[8 * i + 4 + j], 0xDD);
-    }
-  for (int j = 0; j < 8; ++j) {  // 16 x 16: the 128-bit lanes of rows 8 apart
-    rows[j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0x88);
-    rows[8 + j] = _mm512_shuffle_f32x4(a[j], a[8 + j], 0xDD);
   }
 }
 
