@@ -6,10 +6,11 @@
 // A decode work item is a sequence and some of its KV heads. Block by block, the item reads the rows of all its
 // heads (once for the scores, once for P @ V): in the head-major cache a block's heads are contiguous, and a
 // context's blocks mostly follow each other (a prompt's are allocated together), so the item reads long runs
-// that the hardware prefetcher follows while the kernel computes. Software prefetch is only for a block that
-// does not follow its predecessor in memory: a run the hardware prefetcher cannot guess. Prefetching every
-// block, or into L1, was slower (AVX512_BF16, Zen 4): 4 blocks of 3 heads overflow L1, and requests the
-// hardware would make anyway take the core's miss buffers. What is prefetched is the kernel's to say
+// that the hardware prefetcher follows while the kernel computes. Software prefetch is for a block that does
+// not follow its predecessor in memory (a run the hardware prefetcher cannot guess) and, on a CPU with AMX, for
+// the page starts of every block, where the hardware's stream stops. Prefetching every block whole, or into L1,
+// was slower (AVX512_BF16, Zen 4): 4 blocks of 3 heads overflow L1, and requests the hardware would make anyway
+// take the core's miss buffers. What is prefetched is the kernel's to say
 // (AheadPrefetch).
 #pragma once
 

@@ -30,8 +30,8 @@
 namespace pagoda::attention::amx_prefill {
 
 using pagoda::amx::kTileKPairs;
-using pagoda::avx512::transpose16;  // csrc/avx512_math.h
 using pagoda::amx::kTileRows;
+using pagoda::avx512::transpose16;  // csrc/avx512_math.h
 
 constexpr int64_t kChunkKeys = 64;  // keys a chunk: four key tiles of scores, two pair tiles of P^T
 constexpr int64_t kTileVectors = 48;  // query vectors a tile, as paged_prefill_cpu.cpp's
