@@ -74,16 +74,29 @@ PAGODA_AMX_TARGET inline void step(const BlockTask& t, const bf16* x, bool two, 
     }
   }
   if (two) {
+    // software-pipelined: each input tile is loaded for the next k-pairs as soon as the products that read it are
+    // issued, so the loads run under this step's later products. With the four loads before the four products,
+    // the products waited on each step's loads: one process alternating the two, the default model's four
+    // matmuls at 1,500 rows took 4.56 -> 4.43 ms a layer (median, 8 of 8 pairs faster; two Xeon cores with AMX)
+    const bf16* x1 = x + kTileRows * t.ldx;
+    const bf16* w = t.block + p0 * 2 * kBlockN;
+    _tile_stream_loadd(4, x + 2 * p0, x_stride);
+    _tile_loadd(6, w, block_stride);
+    _tile_loadd(7, w + 32, block_stride);
+    _tile_stream_loadd(5, x1 + 2 * p0, x_stride);
     for (int64_t p = p0; p < p1; p += kTileKPairs) {
-      const bf16* w = t.block + p * 2 * kBlockN;
-      _tile_stream_loadd(4, x + 2 * p, x_stride);
-      _tile_stream_loadd(5, x + kTileRows * t.ldx + 2 * p, x_stride);
-      _tile_loadd(6, w, block_stride);
-      _tile_loadd(7, w + 32, block_stride);
+      const int64_t q = p + kTileKPairs;
+      const bf16* wq = t.block + q * 2 * kBlockN;
       _tile_dpbf16ps(0, 4, 6);
       _tile_dpbf16ps(1, 4, 7);
+      if (q < p1) _tile_stream_loadd(4, x + 2 * q, x_stride);
       _tile_dpbf16ps(2, 5, 6);
+      if (q < p1) _tile_loadd(6, wq, block_stride);
       _tile_dpbf16ps(3, 5, 7);
+      if (q < p1) {
+        _tile_loadd(7, wq + 32, block_stride);
+        _tile_stream_loadd(5, x1 + 2 * q, x_stride);
+      }
     }
   } else {  // a last tile alone: half the work
     for (int64_t p = p0; p < p1; p += kTileKPairs) {
