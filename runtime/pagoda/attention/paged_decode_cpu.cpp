@@ -404,7 +404,7 @@ void decode_bf16(const c10::BFloat16* q, int64_t q_head_stride, const cache_t* k
 #if defined(PAGODA_HAVE_AMX)
   if (std::is_same_v<cache_t, c10::BFloat16> && amx_decode::fits(num_kv_heads, group, kHeadSize) &&
       pagoda::amx::usable()) {
-    thread_local amx_decode::ItemQueries<kHeadSize> queries;
+    amx_decode::ItemQueries<kHeadSize> queries;  // on the stack: a thread_local's every use calls __tls_get_addr
     thread_local std::vector<float> scores_t;  // [the context's blocks' positions, 16]
     const int64_t tile_rows = std::min<int64_t>(amx::kTileRows, block_size);
     const int64_t positions = (seq_len + block_size - 1) / block_size * block_size;
