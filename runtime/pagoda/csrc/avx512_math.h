@@ -13,10 +13,10 @@ namespace pagoda::avx512 {
 // 2^t for t <= 0 of 16 lanes, as paged_attention_common.h's exp_nonpositive does it (2^i by scalef): 2^f on
 // [0, 1) by the degree-5 fit (relative error under 2e-7), or with kDegree 3 by a least-squares fit in relative
 // error (max 7.7e-5) for probabilities rounded to bfloat16 (2^-9) right after
-template <int kDegree = 5>
+template <int kDegree = 5, bool kClamp = true>
 inline __m512 exp2_nonpositive16(__m512 t) {
   static_assert(kDegree == 3 || kDegree == 5, "the fits of degree 3 and 5");
-  t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+  if constexpr (kClamp) t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
   const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, i);
   __m512 p;
