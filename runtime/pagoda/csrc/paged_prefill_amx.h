@@ -82,10 +82,13 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
     return _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(t0 + j)), _MM_CMPINT_NLT);
   };
   // four chains in named registers: one alone would wait on vmaxps's latency every row, and an array indexed by
-  // j % 4 lived on the stack (a store and a load in every row's chain: ~13 % of the step's samples on a Xeon)
+  // j % 4 lived on the stack, a store and a load in every row's chain (the softmax 13.7 % of a 1,500-token
+  // prefill's samples on a Xeon with AMX, 9.5 % in registers)
   const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
   __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
-  auto row_max_of = [&](__m512 m, int64_t j) { return _mm512_mask_max_ps(m, visible(j), m, _mm512_load_ps(scores_t[j])); };
+  auto row_max_of = [&](__m512 m, int64_t j) {
+    return _mm512_mask_max_ps(m, visible(j), m, _mm512_load_ps(scores_t[j]));
+  };
   int64_t j = 0;
   for (; j + 4 <= seen; j += 4) {
     m0 = row_max_of(m0, j);
@@ -101,8 +104,8 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
   const __m512 c = _mm512_set1_ps(scale * 1.44269504f);
   const __m512 shift = _mm512_mul_ps(new_max, c);
   const __m512 rescale = exp2_nonpositive16<3>(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), c));
-  // the scores are finite (bfloat16 products; a lane that sees no row has shift = lowest * c, finite too), so the
-  // exponential needs no clamp below: scalef takes any exponent, and the rows a lane must not see are masked
+  // no clamp in the exponential below: a visible row's exponent is finite and <= 0 (scalef takes any), and a row
+  // a lane must not see (its shift may be lowest * c) is masked to 0 whatever its exponential came to
   auto weight = [&](int64_t row) {
     return _mm512_maskz_mov_ps(visible(row), exp2_nonpositive16<3, false>(
                                                  _mm512_fmsub_ps(_mm512_load_ps(scores_t[row]), c, shift)));
