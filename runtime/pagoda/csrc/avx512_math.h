@@ -12,7 +12,8 @@ namespace pagoda::avx512 {
 
 // 2^t for t <= 0 of 16 lanes, as paged_attention_common.h's exp_nonpositive does it (2^i by scalef): 2^f on
 // [0, 1) by the degree-5 fit (relative error under 2e-7), or with kDegree 3 by a least-squares fit in relative
-// error (max 7.7e-5) for probabilities rounded to bfloat16 (2^-9) right after
+// error (max 7.7e-5) for probabilities rounded to bfloat16 (2^-9) right after. t is clamped at -126 (so -inf gives
+// 2^-126, not NaN); kClamp false saves the clamp where every t is finite (scalef takes any exponent: 0 below -149)
 template <int kDegree = 5, bool kClamp = true>
 inline __m512 exp2_nonpositive16(__m512 t) {
   static_assert(kDegree == 3 || kDegree == 5, "the fits of degree 3 and 5");

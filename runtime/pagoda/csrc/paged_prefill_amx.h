@@ -123,7 +123,7 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
     sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
     store_pair(pair, even, odd);
   }
-  if (2 * pair < seen) {  // an odd row count: the last pair's second row is past the chunk's keys
+  if (2 * pair < seen) {  // an odd `seen`: the last pair's second row is one no vector of the group sees
     const __m512 even = weight(2 * pair);
     sum = _mm512_add_ps(sum, even);
     store_pair(pair++, even, _mm512_setzero_ps());
