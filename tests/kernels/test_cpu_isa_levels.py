@@ -2,7 +2,8 @@
 tests (attention, fused ops, the bfloat16 matmul) run in a subprocess with PAGODA_CPU_ISA=<level>, so the
 kernels compile with that level's flags (an AVX-512 machine also tests its AVX2 and generic code) and are
 compared against the torch reference there. A process can load one build of the kernel library, hence a
-process per level."""
+process per level. On a CPU with AMX the avx512bf16 level runs twice: on the tiles, and with PAGODA_CPU_AMX=0 on
+the vdpbf16ps kernels a CPU without them (Zen 4) runs."""
 
 import os
 import shutil
@@ -28,12 +29,18 @@ LEVELS = cpu_isa.detect("native").executable_levels
 OWN_LEVEL = cpu_isa.detect().level
 
 
-@pytest.mark.parametrize("level", [pytest.param(level, marks=pytest.mark.heavy) if level == OWN_LEVEL else level
-                                   for level in LEVELS])
-def test_kernels_at_level(level):
-    env = {**os.environ, "PAGODA_CPU_ISA": level, "PAGODA_CPU_KERNELS": "1"}
+# (level, PAGODA_CPU_AMX) a subprocess runs at: where the CPU has AMX, avx512bf16 without it too (Zen 4's kernels)
+HAS_AMX = "avx512bf16" in LEVELS and "amx" in cpu_isa.detect("native").features
+RUNS = [(level, "1") for level in LEVELS] + ([("avx512bf16", "0")] if HAS_AMX else [])
+
+
+@pytest.mark.parametrize("level, amx", [
+    pytest.param(level, amx, marks=pytest.mark.heavy, id=level) if (level, amx) == (OWN_LEVEL, "1")
+    else pytest.param(level, amx, id=level if amx == "1" else f"{level}-no-amx") for level, amx in RUNS])
+def test_kernels_at_level(level, amx):
+    env = {**os.environ, "PAGODA_CPU_ISA": level, "PAGODA_CPU_KERNELS": "1", "PAGODA_CPU_AMX": amx}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, f"kernels at {level}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"kernels at {level}, PAGODA_CPU_AMX={amx}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     assert " passed" in proc.stdout and " failed" not in proc.stdout

@@ -116,6 +116,28 @@ def test_the_env_var_is_checked_at_startup_with_a_clear_error():
         assert proc.returncode != 0 and "PAGODA_CPU_ISA='nonsense' is not a CPU ISA level" in proc.stderr
 
 
+def test_amx_where_the_cpu_has_it_unless_turned_off():
+    """AMX is a feature of the avx512bf16 level; PAGODA_CPU_AMX=0 leaves it unused (the kernels of Zen 4)."""
+    sapphire_rapids = cpu_isa.features_from_cpuinfo("x86_64", ZEN4) | {"amx"}
+    assert cpu_isa.resolve("x86_64", "xeon", sapphire_rapids, None).amx
+    assert cpu_isa.resolve("x86_64", "xeon", sapphire_rapids, "avx512bf16").amx
+    assert not cpu_isa.resolve("x86_64", "xeon", sapphire_rapids, "avx512").amx
+    off = cpu_isa.resolve("x86_64", "xeon", sapphire_rapids, None, amx_off=True)
+    assert not off.amx and off.level == "avx512bf16" and "AMX tiles off by PAGODA_CPU_AMX=0" in off.describe()
+    zen4 = cpu_isa.resolve("x86_64", "zen4", cpu_isa.features_from_cpuinfo("x86_64", ZEN4), None, amx_off=True)
+    assert not zen4.amx and "AMX" not in zen4.describe()
+    assert [cpu_isa.amx_turned_off(v) for v in (None, "", "1", "0")] == [False, False, False, True]
+    with pytest.raises(platform.UnsupportedIsa, match="PAGODA_CPU_AMX='off': use 1"):
+        cpu_isa.amx_turned_off("off")
+
+
+def test_the_amx_env_var_is_checked_at_startup_with_a_clear_error():
+    code = "from pagoda.config import resolve_dtype; resolve_dtype('auto', 'cpu', None)"
+    env = {**os.environ, "PAGODA_CPU_AMX": "no"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0 and "PAGODA_CPU_AMX='no': use 1" in proc.stderr
+
+
 @pytest.fixture
 def at_level(monkeypatch):
     executable = cpu_isa.detect("native").executable_levels

@@ -474,7 +474,7 @@ async def main_async(args) -> dict:
     from pagoda import platform
 
     isa = platform.cpu_isa()
-    summary.update(cpu=isa.model, isa_level=isa.level, isa_forced=isa.forced)
+    summary.update(cpu=isa.model, isa_level=isa.level, isa_forced=isa.forced, amx=isa.amx)
     return summary
 
 
@@ -498,7 +498,7 @@ async def main_matrix(args, sender, tokenizer, model: str, model_dir: str | None
     isa = platform.cpu_isa()
     return {"matrix": [{"load": load.name, "pagoda": mine, "vllm": theirs} for load, mine, theirs in results],
             "table": text, "failed": sum(m["failed"] + (t["failed"] if t else 0) for _, m, t in results),
-            "cpu": isa.model, "isa_level": isa.level, "isa_forced": isa.forced}
+            "cpu": isa.model, "isa_level": isa.level, "isa_forced": isa.forced, "amx": isa.amx}
 
 
 async def measure(sender, warmup, requests, args) -> dict:

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"results": results, "matmul_flops_per_s": peak, "decode_mfu": mfu, "cpu": isa.model,
-                       "isa_level": isa.level, "isa_forced": isa.forced}, f, indent=2)
+                       "isa_level": isa.level, "isa_forced": isa.forced, "amx": isa.amx}, f, indent=2)
     return 0
 
 

@@ -2,6 +2,8 @@
 // and the one tile shape every Pagoda kernel uses, 16 rows of 64 bytes (16 x 32 bfloat16, or 16 x 16 float32
 // sums). Kernels are compiled for AMX by target attribute (PAGODA_AMX_TARGET) and called where usable(): so a
 // library built for the avx512bf16 level without AMX flags (a prebuilt one) uses AMX too where the CPU has it.
+// PAGODA_CPU_AMX=0 (pagoda.platform.isa checks its value) leaves the tiles unused: an AMX host then runs, tests
+// and measures the kernels of a CPU without them (Zen 4's vdpbf16ps ones).
 #pragma once
 
 #include "cpu_isa.h"
@@ -16,6 +18,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #define PAGODA_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -25,9 +29,11 @@ constexpr int64_t kTileRows = 16;    // rows of a tile
 constexpr int64_t kTileKPairs = 16;  // bfloat16 pairs in a row: 32 values, 64 bytes (a float32 tile: 16 sums)
 
 // Whether this CPU has AMX-BF16 and this process may use its tiles (asked once: Linux hands the tile state
-// out per process on request, ARCH_REQ_XCOMP_PERM for XTILEDATA)
+// out per process on request, ARCH_REQ_XCOMP_PERM for XTILEDATA), and PAGODA_CPU_AMX does not say 0
 inline bool usable() {
   static const bool ok = [] {
+    const char* setting = std::getenv("PAGODA_CPU_AMX");
+    if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);

@@ -152,8 +152,8 @@ def cpu_kernel_plan(dtype: str) -> CpuKernelPlan:
     if enabled and not layer_loop:
         reasons.append("the C++ layer loop needs bfloat16 weights in the packed kernel's layout")
     kernel_set = KERNEL_SETS.get(isa.level, KERNEL_SETS["generic"]) if enabled else "no C++ kernels"
-    if enabled and isa.level == "avx512bf16" and "amx" in isa.features:
-        kernel_set += "; AMX tiles for the matmul's 3 rows and more (csrc/bf16_matmul_amx.h)"
+    if enabled and isa.amx:
+        kernel_set += "; AMX tiles for the matmul's 3 rows and more and for attention (csrc/amx_tiles.h)"
     return CpuKernelPlan(isa, dtype, enabled, kernel_set, matmul, layer_loop, tuple(reasons))
 
 

@@ -3,8 +3,9 @@
 Levels, lowest first, per architecture:
 
 - x86_64: ``generic`` (no -march, no ISA-specific code), ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL),
-  ``avx512bf16`` (+ BF16; AMX is a feature of it: where the CPU has it, the matmul and prefill attention
-  run on its tiles, csrc/amx_tiles.h);
+  ``avx512bf16`` (+ BF16; AMX is a feature of it: where the CPU has it, the matmul and attention run on its
+  tiles, csrc/amx_tiles.h, unless ``PAGODA_CPU_AMX=0``: then an AMX host runs the kernels of a CPU without it,
+  Zen 4's, to test and measure them there);
 - aarch64: ``generic``, ``neon`` (ASIMD, every aarch64 CPU), ``neonbf16`` (+ the BF16 extension's BFDOT and
   BFMMLA: Graviton3/4, Neoverse V1/V2/N2, Apple M2 on; SVE is reported as a feature).
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ENV = "PAGODA_CPU_ISA"
+AMX_ENV = "PAGODA_CPU_AMX"  # 0: no AMX tiles even where the CPU has them (read by csrc/amx_tiles.h too)
 LEVELS = {"x86_64": ("generic", "avx2", "avx512", "avx512bf16"), "aarch64": ("generic", "neon", "neonbf16")}
 ALL_LEVELS = ("native", "generic", "avx2", "avx512", "avx512bf16", "neon", "neonbf16")
 
@@ -52,6 +54,7 @@ class CpuIsa:
     best: str = "generic"  # the highest level the host executes
     level: str = "generic"  # the level the kernels are built for (best unless forced)
     forced: bool = False  # PAGODA_CPU_ISA named a level
+    amx_off: bool = False  # PAGODA_CPU_AMX=0: the CPU's AMX tiles left unused
 
     @property
     def native(self) -> bool:
@@ -62,6 +65,11 @@ class CpuIsa:
     def executable_levels(self) -> tuple[str, ...]:
         levels = LEVELS.get(self.arch, ("generic",))
         return levels[:levels.index(self.best) + 1]
+
+    @property
+    def amx(self) -> bool:
+        """Whether the kernels run on AMX tiles: an avx512bf16 level on a CPU with AMX-BF16, not turned off."""
+        return self.level == "avx512bf16" and "amx" in self.features and not self.amx_off
 
     def has_native_bf16(self) -> bool:
         """bfloat16 dot products in hardware at this level (AVX512_BF16/AMX; ARM BF16's BFDOT/BFMMLA)."""
@@ -78,8 +86,9 @@ class CpuIsa:
     def describe(self) -> str:
         how = "forced by " + ENV if self.forced else "detected"
         extra = sorted(self.features & {"amx", "sve", "bf16", "avx512bf16"})
+        off = f"; AMX tiles off by {AMX_ENV}=0" if self.amx_off and "amx" in self.features else ""
         return (f"{self.model} ({self.arch}), ISA level {self.level} ({how}; best on this CPU: {self.best}"
-                + (f"; features {', '.join(extra)}" if extra else "") + ")")
+                + (f"; features {', '.join(extra)}" if extra else "") + off + ")")
 
 
 def _read(path: str) -> str:
@@ -151,12 +160,20 @@ def _host() -> tuple[str, str, frozenset[str]]:
     return arch, model, features_from_cpuinfo(arch, cpuinfo)
 
 
-def resolve(arch: str, model: str, features: frozenset[str], requested: str | None) -> CpuIsa:
+def amx_turned_off(value: str | None) -> bool:
+    """PAGODA_CPU_AMX's value: 1 or unset (AMX where the CPU has it) or 0."""
+    value = "1" if value is None or value == "" else value
+    if value not in ("0", "1"):
+        raise UnsupportedIsa(f"{AMX_ENV}={value!r}: use 1 (AMX tiles where the CPU has them, the default) or 0 (none)")
+    return value == "0"
+
+
+def resolve(arch: str, model: str, features: frozenset[str], requested: str | None, amx_off: bool = False) -> CpuIsa:
     """The level to build for: ``requested`` (PAGODA_CPU_ISA's value; None or "native": the best)."""
     best = best_level(arch, features)
     requested = (requested or "native").strip().lower()
     if requested == "native":
-        return CpuIsa(arch, model, features, best, best, False)
+        return CpuIsa(arch, model, features, best, best, False, amx_off)
     if requested not in ALL_LEVELS:
         raise UnsupportedIsa(f"{ENV}={requested!r} is not a CPU ISA level; use one of {', '.join(ALL_LEVELS)}")
     levels = LEVELS.get(arch, ("generic",))
@@ -164,10 +181,11 @@ def resolve(arch: str, model: str, features: frozenset[str], requested: str | No
     if requested not in executable:
         raise UnsupportedIsa(f"{ENV}={requested}: this CPU ({model}, {arch}) cannot execute {requested} code; "
                              f"it can run {', '.join(('native',) + executable)}")
-    return CpuIsa(arch, model, features, best, requested, True)
+    return CpuIsa(arch, model, features, best, requested, True, amx_off)
 
 
 def detect(requested: str | None = None) -> CpuIsa:
-    """The host's ISA, at the level PAGODA_CPU_ISA asks for (or ``requested``)."""
+    """The host's ISA, at the level PAGODA_CPU_ISA asks for (or ``requested``), AMX as PAGODA_CPU_AMX says."""
     arch, model, features = _host()
-    return resolve(arch, model, features, requested if requested is not None else os.environ.get(ENV))
+    return resolve(arch, model, features, requested if requested is not None else os.environ.get(ENV),
+                   amx_turned_off(os.environ.get(AMX_ENV)))
