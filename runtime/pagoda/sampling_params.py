@@ -89,6 +89,9 @@ class SamplingParams:
     # P/D disaggregation (vLLM's shape, config.kv_transfer): do_remote_decode to a prefill engine, the prefill's
     # returned params to a decode engine; a dict is parsed into KVTransferParams
     kv_transfer_params: object = None
+    # a streamed answer's tokens per chunk after the first, as vLLM's: the server's --stream-interval or
+    # this, the larger (None: the server's)
+    stream_interval: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -161,6 +164,7 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a boolean")
         integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("stream_interval", 1, optional=True)
         self._validate_logits_processors()
         if self.structured_outputs is not None:
             if isinstance(self.structured_outputs, dict):

@@ -142,6 +142,27 @@ def test_a_token_whose_text_is_held_back_still_gets_its_chunk(slow_http, tiny_ll
     assert len(chat) > 1 and [c["delta"]["content"] for c in chat[:-1]] == [""] * (len(chat) - 1)
 
 
+def test_stream_interval_default_and_per_request(slow_http):
+    """--stream-interval's default, 1: a chunk per token. vLLM's request field stream_interval asks for
+    chunks of that many (the first token at once, the rest at the end), the same text."""
+    import json
+
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, ignore_eos=True, logprobs=0, stream=True)
+
+    def chunks(**extra) -> list[dict]:
+        with slow_http.stream("POST", "/v1/completions", json={**body, **extra}) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        return [e["choices"][0] for e in events if e.get("choices")]
+
+    each, paced = chunks(), chunks(stream_interval=4)
+    assert len(each) > 4  # 10 chunks while the client keeps up; paced by 4: 4 chunks at most
+    sizes = [len(c["logprobs"]["tokens"]) for c in paced]
+    assert sum(sizes) == 10 and sizes[0] == 1 and all(s >= 4 for s in sizes[1:-1]) and len(sizes) <= 4, sizes
+    assert "".join(c["text"] for c in paced) == "".join(c["text"] for c in each)
+    assert slow_http.post("/v1/completions", json={**body, "stream_interval": 0}).status_code == 400
+
+
 def test_token_id_and_batched_prompts(client):
     r = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]

@@ -54,6 +54,15 @@ class EngineArgs:
     # schedule step N+1 while step N runs (vLLM's default since early 2026); None: on with a GPU, off on a CPU
     # (docs/server.md)
     async_scheduling: bool | None = None
+    # vLLM 0.32's admission knobs, with its meanings (core/step_limits.py owns them; docs/server.md)
+    max_num_active_seqs: int | None = None  # sequences admitted into running at once (default: max_num_seqs)
+    max_num_scheduled_tokens: int | None = None  # tokens a step (default: max_num_batched_tokens)
+    long_prefill_token_threshold_adaptive: bool = False  # the threshold floored at the budget's fair share
+    watermark: float = 0.0  # the share of KV blocks an admission must leave free while others run
+    scheduler_reserve_full_isl: bool = True  # admit a prompt only if all of it fits beside the running ones
+    prefill_schedule_interval: int = 1  # new prompts' compute only every Nth step while decodes run
+    scheduler_cls: str | None = None  # vLLM's scheduler class: only vLLM's own default names are accepted
+    disable_chunked_mm_input: bool = False  # multimodal items whole: accepted, Pagoda's inputs are text
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: float | None = None  # GiB; default on CPU: DEFAULT_CPU_KV_CACHE_GIB
     attention_backend: str = "auto"
@@ -141,6 +150,7 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise InvalidParam("max_num_batched_tokens",
                                f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        check_step_limit_args(self)
         check_vllm_args(self)
         if not 0 <= self.node_rank < self.nnodes:
             raise InvalidParam("node_rank", f"node_rank must be in [0, nnodes={self.nnodes}); got {self.node_rank}")
@@ -191,6 +201,42 @@ def check_vllm_args(args: EngineArgs) -> None:
     if not args.stats_log_interval > 0:
         raise InvalidParam("stats_log_interval", f"stats_log_interval must be > 0 seconds; "
                                                  f"got {args.stats_log_interval}")
+
+
+# --scheduler-cls: vLLM's own schedulers, whose work Pagoda's scheduler does (a custom class cannot run here)
+VLLM_SCHEDULER_CLASSES = ("vllm.v1.core.sched.scheduler.Scheduler", "vllm.v1.core.sched.async_scheduler.AsyncScheduler")
+
+
+def check_step_limit_args(args: EngineArgs) -> None:
+    """vLLM 0.32's admission knobs (core/step_limits.py): their ranges, as vLLM checks them."""
+    if args.max_num_active_seqs is not None and not 1 <= args.max_num_active_seqs <= args.max_num_seqs:
+        raise InvalidParam("max_num_active_seqs", f"max_num_active_seqs must be between 1 and max_num_seqs "
+                                                  f"({args.max_num_seqs}); got {args.max_num_active_seqs}")
+    if args.max_num_scheduled_tokens is not None and args.max_num_scheduled_tokens < 1:
+        raise InvalidParam("max_num_scheduled_tokens",
+                           f"max_num_scheduled_tokens must be >= 1; got {args.max_num_scheduled_tokens}")
+    if not 0 <= args.watermark < 1:
+        raise InvalidParam("watermark", f"watermark must be in [0, 1) (a share of the KV blocks); got {args.watermark}")
+    if not isinstance(args.prefill_schedule_interval, int) or args.prefill_schedule_interval < 1:
+        raise InvalidParam("prefill_schedule_interval", f"prefill_schedule_interval must be an integer >= 1; "
+                                                        f"got {args.prefill_schedule_interval!r}")
+    if args.scheduler_cls is not None and args.scheduler_cls not in VLLM_SCHEDULER_CLASSES:
+        raise InvalidParam("scheduler_cls", f"scheduler_cls {args.scheduler_cls!r} cannot run in Pagoda, whose own "
+                                            f"scheduler does the work of vLLM's ({', '.join(VLLM_SCHEDULER_CLASSES)}); "
+                                            "leave it out")
+
+
+def check_scheduled_tokens(scheduled: int | None, budget: int, max_model_len: int, chunked_prefill: bool) -> None:
+    """max_num_scheduled_tokens against the step's resolved max_num_batched_tokens, as vLLM's."""
+    if scheduled is None:
+        return
+    if scheduled > budget:
+        raise InvalidParam("max_num_scheduled_tokens", f"max_num_scheduled_tokens ({scheduled}) must not exceed "
+                                                       f"max_num_batched_tokens ({budget})")
+    if not chunked_prefill and scheduled < max_model_len:
+        raise InvalidParam("max_num_scheduled_tokens", f"max_num_scheduled_tokens ({scheduled}) is smaller than "
+                                                       f"max_model_len ({max_model_len}): without chunked prefill a "
+                                                       "prompt must fit in one step")
 
 
 def check_data_parallel_args(args: EngineArgs) -> None:

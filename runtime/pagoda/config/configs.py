@@ -81,6 +81,13 @@ class SchedulerConfig:
     # schedule step N+1 while step N runs, decodes on the token N will sample (core/scheduler.py); resolved
     # on only where it applies: one process (TP = PP = 1), no speculative decoding
     async_scheduling: bool = False
+    # vLLM 0.32's admission knobs (core/step_limits.py applies them; their flags in docs/server.md)
+    max_num_active_seqs: int | None = None  # None: max_num_seqs
+    max_num_scheduled_tokens: int | None = None  # None: max_num_batched_tokens
+    long_prefill_token_threshold_adaptive: bool = False
+    watermark: float = 0.0
+    reserve_full_isl: bool = True
+    prefill_schedule_interval: int = 1
 
 
 @dataclass(frozen=True)

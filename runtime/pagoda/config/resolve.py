@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 
-from pagoda.config.args import EngineArgs
+from pagoda.config.args import EngineArgs, check_scheduled_tokens
 from pagoda.config.configs import (
     DEFAULT_CPU_SWAP_SPACE_GIB,
     DEFAULT_GPU_SWAP_SPACE_GIB,
@@ -67,6 +67,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     else:
         budget = 2048 if args.enable_chunked_prefill else max(2048, max_model_len)
     budget = max(budget, args.max_num_seqs) if not args.enable_chunked_prefill else budget
+    check_scheduled_tokens(args.max_num_scheduled_tokens, budget, max_model_len, args.enable_chunked_prefill)
 
     draft_model = None
     if speculative is not None and speculative.method == "draft_model":
@@ -99,7 +100,12 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
                                   max_loras=args.max_loras if args.enable_lora else None,
                                   target_itl_ms=args.target_itl_ms, scheduling_policy=args.scheduling_policy,
                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
-                                  async_scheduling=_async_scheduling(args, speculative, device, backend)),
+                                  async_scheduling=_async_scheduling(args, speculative, device, backend),
+                                  max_num_active_seqs=args.max_num_active_seqs,
+                                  max_num_scheduled_tokens=args.max_num_scheduled_tokens,
+                                  long_prefill_token_threshold_adaptive=args.long_prefill_token_threshold_adaptive,
+                                  watermark=args.watermark, reserve_full_isl=args.scheduler_reserve_full_isl,
+                                  prefill_schedule_interval=args.prefill_schedule_interval),
         parallel=dataclasses.replace(ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,

@@ -152,14 +152,14 @@ class BlockManager:
                 return hits[: top + 1]  # (the entries before i stay NULL_BLOCK)
         return []
 
-    def allocate(self, seq: Sequence, num_new_tokens: int,
-                 cached: list[int] | None = None) -> list[tuple[int, int]] | None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None,
+                 keep_free: int = 0) -> list[tuple[int, int]] | None:
         """Give seq slots for its next num_new_tokens tokens (after `cached` prefix blocks on its first
         allocation). Returns the copy-on-write (src, dst) pairs, or None, changing nothing (but blocks
-        behind the window, released first), if the free blocks do not suffice."""
+        behind the window, released first), if the free blocks do not suffice with `keep_free` of them left."""
         plan = self.plan_allocation(seq, num_new_tokens, cached)
         table, taken, num_needed, write_index, copy_on_write, num_computed, num_free_needed = plan
-        if num_free_needed > len(self.free_queue):
+        if num_free_needed + keep_free > len(self.free_queue):
             if not table:
                 del self.tables[seq.seq_id]
             return None
@@ -343,10 +343,11 @@ class BlockManager:
         self.free(seq, keep_swapped=True)
         return pairs
 
-    def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def swap_in(self, seq: Sequence, num_new_tokens: int, keep_free: int = 0) -> list[tuple[int, int]] | None:
         """Bring a swapped-out seq back to fresh device blocks with room for its next num_new_tokens
-        tokens. Returns the (host, device) copies, or None, changing nothing, if the blocks do not suffice."""
-        if self.swap_in_blocks_needed(seq, num_new_tokens) > len(self.free_queue):
+        tokens. Returns the (host, device) copies, or None, changing nothing, if the blocks do not suffice with
+        `keep_free` of them left."""
+        if self.swap_in_blocks_needed(seq, num_new_tokens) + keep_free > len(self.free_queue):
             return None
         host = self.swap_tables[seq.seq_id]
         held = [h for h in host if h != NULL_BLOCK]

@@ -192,12 +192,12 @@ class HybridBlockManager:
             length = shortest
         return GroupedHit([h[:length] for h in hits])
 
-    def allocate(self, seq: Sequence, num_new_tokens: int,
-                 cached: list[int] | None = None) -> list[tuple[int, int]] | None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None,
+                 keep_free: int = 0) -> list[tuple[int, int]] | None:
         """As BlockManager.allocate, in every group or in none."""
         by_group = getattr(cached, "by_group", None) or [None] * len(self.managers)
         plans = [m.plan_allocation(seq, num_new_tokens, c) for m, c in zip(self.managers, by_group)]
-        if sum(plan[-1] for plan in plans) > self.num_free_blocks:
+        if sum(plan[-1] for plan in plans) + keep_free > self.num_free_blocks:
             for manager in self.managers:
                 if not manager.tables.get(seq.seq_id, True):
                     del manager.tables[seq.seq_id]
@@ -232,8 +232,9 @@ class HybridBlockManager:
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         return [pair for m in self.managers for pair in m.swap_out(seq)]
 
-    def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]] | None:
-        if sum(m.swap_in_blocks_needed(seq, num_new_tokens) for m in self.managers) > self.num_free_blocks:
+    def swap_in(self, seq: Sequence, num_new_tokens: int, keep_free: int = 0) -> list[tuple[int, int]] | None:
+        needed = sum(m.swap_in_blocks_needed(seq, num_new_tokens) for m in self.managers)
+        if needed + keep_free > self.num_free_blocks:
             return None
         return [pair for m in self.managers for pair in m.swap_in(seq, num_new_tokens)]
 

@@ -46,6 +46,7 @@ from pagoda.core.runner_output import ModelRunnerOutput
 from pagoda.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagoda.core.sequence import Sequence, SequenceStatus
 from pagoda.core.step_cost import StepCostModel
+from pagoda.core.step_limits import StepLimits
 from pagoda.spec_decode.ngram_proposer import NgramProposer, can_speculate
 from pagoda.spec_decode.stats import SpecDecodeStats
 
@@ -85,6 +86,8 @@ class Scheduler:
         self.itl_tail = ItlTail()  # under "auto": the share of token gaps a burst taken whole may delay
         self.by_priority = config.scheduling_policy == "priority"
         self.block_manager = block_manager
+        self.limits = StepLimits.of(config, block_manager.num_blocks)  # vLLM 0.32's admission knobs
+        self.num_steps = 0  # schedule() calls: the cadence of prefill_schedule_interval
         self.speculative = speculative
         self.ngram = None
         if speculative is not None and speculative.method == "ngram":
@@ -163,7 +166,7 @@ class Scheduler:
         """A step of decodes alone at the number of sequences that will decode once their prompts are in (each
         reading `context` positions, as the decodes now): sized from the decodes running now, a burst's first steps
         (few decodes, many prompts) would take prompts a few tokens at a time."""
-        soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
+        soon = min(len(self.running) + len(self.waiting) + len(self.swapped), self.limits.active_seqs)
         return self.step_costs.decode_step_seconds(max(len(decodes), soon), context)
 
     def _oldest_prompt_tokens(self, decodes: list[Sequence]) -> int:
@@ -202,7 +205,7 @@ class Scheduler:
         holds f / (1 - f) decode steps of prompts, at most max_queue_steps. A few prompts beside many decodes
         (tiny-c32's) change nothing; a closed loop's second wave, answers that ended together bringing their users'
         prompts back faster than the target admits them (c128, mid-c48), drains instead of standing."""
-        room = self.config.max_num_batched_tokens - prompt_tokens  # f / (1 - f): the waiting tokens over the room
+        room = self.limits.step_tokens - prompt_tokens  # f / (1 - f): the waiting tokens over the room
         steps = prompt_tokens / room if room > 0 else self.max_queue_steps
         return min(steps, self.max_queue_steps) * decode_step
 
@@ -229,12 +232,9 @@ class Scheduler:
         return max(left, 1)
 
     def _prompt_cap(self, remaining: int) -> int:
-        """The most tokens a sequence with `remaining` to compute may take this step: with chunked prefill and
-        long_prefill_token_threshold, a prompt at most that many (vLLM's --long-prefill-token-threshold)."""
-        threshold = self.config.long_prefill_token_threshold
-        if remaining > 1 and threshold and self.config.enable_chunked_prefill:
-            return threshold
-        return remaining
+        """The most tokens a sequence with `remaining` to compute may take this step (long_prefill_token_threshold,
+        step_limits.py)."""
+        return self.limits.prompt_cap(remaining, self.num_unfinished)
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """Output `index` of an n > 1 request, forked from `parent` at the end of its prompt: it shares the
@@ -263,8 +263,12 @@ class Scheduler:
         if self.kv_connector is not None:  # blocks held for a decode engine: pulled, or timed out
             for held in self.kv_connector.take_freeable():
                 self.block_manager.free(held)
-        budget = self.config.max_num_batched_tokens
+        budget = self.limits.step_tokens
         prefill_left = self.prefill_budget()
+        self.num_steps += 1
+        if self.limits.prefill_interval > 1 and self.limits.defers_prompts(
+                self.num_steps - 1, any(self._decodes_now(q) for q in self.running)):
+            prefill_left = 0  # prefill_schedule_interval: an off-cadence step, decodes only
         if self.by_priority:  # the most urgent first: they get the blocks, the least urgent are preempted
             self.running.sort(key=_priority_key)
         preempted = False
@@ -310,7 +314,7 @@ class Scheduler:
             budget -= num_new + num_drafts
             i += 1
 
-        while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and not preempted and len(self.running) < self.limits.active_seqs:
             seq = self.swapped[0]
             if not self._adapter_fits(seq):
                 break
@@ -322,7 +326,7 @@ class Scheduler:
                 if prefill_left == 0:
                     break
                 num_new = min(num_new, prefill_left)
-            pairs = self.block_manager.swap_in(seq, num_new)
+            pairs = self.block_manager.swap_in(seq, num_new, keep_free=self.limits.blocks_kept_free(bool(self.running)))
             if pairs is None:
                 break
             self.swapped.popleft()
@@ -337,7 +341,7 @@ class Scheduler:
                 prefill_left -= num_new
 
         while (self.waiting and not self.swapped and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.limits.active_seqs):
             index = next((j for j, q in enumerate(self.waiting) if self._adapter_fits(q)), None)
             if index is None:  # each waits for a running adapter's sequences to finish (max_loras)
                 break
@@ -356,7 +360,9 @@ class Scheduler:
                 if prefill_left == 0:
                     break
                 num_new = min(num_new, prefill_left)
-            copies = self.block_manager.allocate(seq, external + num_new, cached)
+            keep_free = self.limits.blocks_kept_free(bool(self.running), self.block_manager.block_size, seq.num_tokens,
+                                                     num_computed + external + num_new)
+            copies = self.block_manager.allocate(seq, external + num_new, cached, keep_free=keep_free)
             if copies is None:
                 break
             if external:

@@ -147,9 +147,12 @@ def _attach_engine(state: ServerState, engine) -> None:
                                   vllm_names=state.server_args.metrics_vllm_names,
                                   engines=range(config.parallel.data_parallel_rank, config.parallel.data_parallel_rank
                                                 + config.parallel.data_parallel_size))
-    state.admission = Admission(config.scheduler.max_num_seqs, state.server_args.max_queued_requests)
-    state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission)
-    state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission,
+    args = state.server_args
+    state.admission = Admission(config.scheduler.max_num_seqs, args.max_queued_requests, args.max_num_queued_reqs,
+                                args.max_num_queued_tokens)
+    state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission,
+                                               stream_interval=args.stream_interval)
+    state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission, stream_interval=args.stream_interval,
                                    trust_request_chat_template=state.server_args.trust_request_chat_template,
                                    tool_call_parser=(state.server_args.tool_call_parser
                                                      if state.server_args.enable_auto_tool_choice else None),

@@ -45,6 +45,11 @@ class ServerArgs:
     port: int = 8000
     api_key: str | None = None
     max_queued_requests: int | None = None
+    # vLLM's admission limits (None: none), answered with 503: sequences in flight, prompt tokens before their
+    # first output token
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    stream_interval: int = 1  # tokens per streamed chunk after the first (vLLM's); the rest when a choice ends
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     trust_request_chat_template: bool = False  # let requests bring their own chat_template (runs on the server)
@@ -109,6 +114,20 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise ValueError(text)
     return value
+
+
+def token_count(text: str) -> int:
+    """A non-negative integer, or vLLM's human-readable form: 32k = 32,000 (k m g t), 32K = 32,768 (K M G T)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if match is None:
+        return non_negative_int(text)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)  # ValueError for a decimal: 1.5K is not a count
+
+
+token_count.__name__ = "token count (a non-negative integer, or such as 32k or 32K)"
 
 
 def positive_float(text: str) -> float:
@@ -320,6 +339,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--async-scheduling", default=d["async_scheduling"], boolean=True,
           help="schedule each step while the one before runs, decodes on the token it samples (default: on "
                "with a GPU, off on a CPU; not with TP, PP or speculative decoding; docs/server.md)")
+    # vLLM 0.32's admission knobs, with its meanings (core/step_limits.py)
+    p.add("--max-num-active-seqs", type=positive_int,
+          help="sequences admitted into running at once, at most --max-num-seqs (default: --max-num-seqs)")
+    p.add("--max-num-scheduled-tokens", type=positive_int,
+          help="tokens a step computes, at most --max-num-batched-tokens (default: --max-num-batched-tokens)")
+    p.add("--long-prefill-token-threshold-adaptive", default=d["long_prefill_token_threshold_adaptive"],
+          boolean=True, help="floor --long-prefill-token-threshold at the step's fair share: its tokens over the "
+                             "requests waiting or running")
+    p.add("--watermark", default=d["watermark"], type=float,
+          help="share of the KV cache's blocks, in [0, 1), that a waiting or preempted request must leave free "
+               "to be admitted while others run (0: none)")
+    p.add("--scheduler-reserve-full-isl", default=d["scheduler_reserve_full_isl"], boolean=True,
+          help="admit a prompt only if all of it fits in the KV cache beside the running requests, not just its "
+               "first chunk (default: on)")
+    p.add("--prefill-schedule-interval", default=d["prefill_schedule_interval"], type=positive_int,
+          help="while decodes run, prompts compute only every Nth step (data-parallel ranks then carry prompts "
+               "in the same steps)")
+    p.add("--scheduler-cls", help="vLLM's scheduler class: accepted only as vLLM's own default, whose work "
+                                  "Pagoda's scheduler does")
+    p.add("--disable-chunked-mm-input", default=d["disable_chunked_mm_input"], boolean=True,
+          help="accepted for vLLM command lines: Pagoda's inputs are text, with no multimodal item to keep whole")
     p.add("--enable-prefix-caching", default=d["enable_prefix_caching"], boolean=True)
     p.add("--enable-chunked-prefill", default=d["enable_chunked_prefill"], boolean=True)
     p.add("--gpu-memory-utilization", default=d["gpu_memory_utilization"], type=positive_float)
@@ -398,6 +438,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     p.add("--seed", default=d["seed"], type=int)
     p.add("--max-queued-requests", type=non_negative_int,
           help="requests allowed to wait beyond --max-num-seqs; more get 429 (default: 4 x max-num-seqs)")
+    p.add("--max-num-queued-reqs", type=non_negative_int,
+          help="vLLM's: the most requests in flight (waiting or running; a request with n choices counts n) in "
+               "this API server; more get 503, so that a client or router retries another instance (default: "
+               "no limit)")
+    p.add("--max-num-queued-tokens", type=token_count,
+          help="vLLM's: the most prompt tokens of requests still in their prefill (a prompt counts whole until "
+               "its first output token); while the backlog is at it, new requests get 503. 32k = 32000, 32K = "
+               "32768 (default: no limit)")
+    p.add("--stream-interval", default=ServerArgs.stream_interval, type=positive_int,
+          help="vLLM's: streamed responses send a choice's first token at once, then its tokens in chunks of N, "
+               "the rest when it ends (1: every token as it comes); non-streamed answers are unaffected")
     p.add("--shutdown-timeout", default=ServerArgs.shutdown_timeout, type=non_negative_float,
           help="seconds running requests get to finish after SIGTERM")
     p.add("--log-level", default=ServerArgs.log_level, choices=LOG_LEVELS)

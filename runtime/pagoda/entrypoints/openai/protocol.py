@@ -114,6 +114,8 @@ class SamplingFields(OpenAIModel):
     bad_words: list[str] | None = None
     # P/D disaggregation (vLLM's): checked by SamplingParams, a malformed field is a 400 naming it
     kv_transfer_params: Any = None
+    # vLLM's: a streamed answer's tokens per chunk (the server's --stream-interval or this, the larger)
+    stream_interval: PositiveInt64 | None = None
     # Fields OpenAI or vLLM define that Pagoda does not implement yet. A value that asks for something
     # (anything but null, empty or the neutral value) is refused with a 400 naming the field: a client
     # must never get an answer that silently ignored what it asked for.
@@ -200,6 +202,7 @@ class SamplingFields(OpenAIModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             kv_transfer_params=self.kv_transfer_params,
+            stream_interval=self.stream_interval,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

@@ -3,8 +3,9 @@ anything is streamed, engine errors mapped to HTTP errors, metrics, and aborting
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 from fastapi import Request
@@ -13,7 +14,7 @@ from pydantic import BaseModel
 
 from pagoda.engine import EngineDeadError
 from pagoda.engine.input_processor import check_priority
-from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.outputs import CompletionOutput, RequestOutput
 from pagoda.entrypoints.openai.metrics import ServerMetrics
 from pagoda.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from pagoda.errors import RequestFailed
@@ -28,31 +29,85 @@ T = TypeVar("T")
 
 
 class Admission:
-    """Counts requests inside the engine; beyond max_num_seqs + max_queued, new ones get 429."""
+    """Counts requests inside the engine. Beyond max_num_seqs + max_queued (--max-queued-requests) new ones
+    get 429. vLLM's two limits, each off unless set, answer 503 instead, so that a client or a router retries
+    on another instance: --max-num-queued-reqs bounds the sequences in flight (a request with n choices counts
+    n, as vLLM's child requests do), --max-num-queued-tokens the prompt tokens of requests still in their
+    prefill (a prompt's whole length until its first output token, as vLLM counts). A prompt is admitted while
+    that backlog is under the limit, whatever its own length (as vLLM's): one longer than the limit waits for
+    an idle server, never forever."""
 
-    def __init__(self, max_running: int, max_queued: int):
+    def __init__(self, max_running: int, max_queued: int, max_num_queued_reqs: int | None = None,
+                 max_num_queued_tokens: int | None = None):
         self.limit = max_running + max_queued
-        self.in_flight = 0
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_num_queued_tokens = max_num_queued_tokens
+        self.in_flight = 0  # engine requests (one per prompt)
+        self.sequences = 0  # their choices: what --max-num-queued-reqs bounds
+        self.prefill_tokens = 0  # prompt tokens of admitted requests without an output token yet
 
-    def acquire(self, count: int = 1) -> Callable[[], None]:
-        """Take `count` places or raise 429; returns the (idempotent) release."""
+    def acquire(self, count: int = 1, n: int = 1, prompt_tokens: Sequence[int] = ()) -> "Admitted":
+        """Take places for `count` prompts of `n` choices each, or raise 429 / 503 (400 for a request larger
+        than --max-num-queued-reqs could ever admit); returns the (idempotent) release. prompt_tokens: each
+        prompt's length, its share of the prefill backlog until `Admitted.prefilled(i)`."""
         if self.in_flight + count > self.limit:
             raise APIError(429, f"server overloaded: {self.in_flight} requests in flight, limit {self.limit}; "
                                 "retry later", code="too_many_requests", headers={"Retry-After": "1"})
+        sequences = count * n
+        max_reqs = self.max_num_queued_reqs
+        if max_reqs is not None:
+            if 0 < max_reqs < sequences:  # 503 would ask to retry something that can never fit
+                raise invalid_request(f"this request runs {sequences} sequences (prompts x n), more than this "
+                                      f"server admits at once (--max-num-queued-reqs {max_reqs}): split it",
+                                      "n" if count == 1 else "prompt")
+            if self.sequences + sequences > max_reqs:
+                raise busy(f"{self.sequences} requests in flight, the limit is {max_reqs} "
+                           "(--max-num-queued-reqs)")
+        max_tokens = self.max_num_queued_tokens
+        if max_tokens is not None and self.prefill_tokens >= max_tokens:
+            raise busy(f"{self.prefill_tokens} prompt tokens wait for their prefill, the limit is {max_tokens} "
+                       "(--max-num-queued-tokens; a prompt is admitted while the backlog is under it, whatever "
+                       "its own length)")
         self.in_flight += count
-        released = False
+        self.sequences += sequences
+        self.prefill_tokens += sum(prompt_tokens)
+        return Admitted(self, count, sequences, list(prompt_tokens))
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.in_flight -= count
 
-        return release
+def busy(why: str) -> APIError:
+    """vLLM's answer to a full queue (503, its words), with why and a Retry-After as the 429 has."""
+    return APIError(503, f"The engine is currently busy and cannot accept new requests: {why}. Please try "
+                         "again later or on a different instance.", code="server_busy",
+                    headers={"Retry-After": "1"})
+
+
+class Admitted:
+    """A request's places in `Admission`: calling it gives them all back (idempotent, whatever ended the
+    request); `prefilled(i)` gives back prompt i's share of the prefill backlog once its first token is out."""
+
+    def __init__(self, admission: Admission, count: int, sequences: int, shares: list[int]):
+        self.admission = admission
+        self.count, self.sequences, self.shares = count, sequences, shares
+        self.released = False
+
+    def prefilled(self, index: int = 0) -> None:
+        if index < len(self.shares) and self.shares[index]:
+            self.admission.prefill_tokens -= self.shares[index]
+            self.shares[index] = 0
+
+    def __call__(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for i in range(len(self.shares)):
+            self.prefilled(i)
+        self.admission.in_flight -= self.count
+        self.admission.sequences -= self.sequences
 
 
 class OpenAIServing:
-    def __init__(self, engine, served_model_name: str, metrics: ServerMetrics, admission: Admission):
+    def __init__(self, engine, served_model_name: str, metrics: ServerMetrics, admission: Admission,
+                 stream_interval: int = 1):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -63,6 +118,7 @@ class OpenAIServing:
         self.sampling_defaults = default_sampling_params(engine.config.model)  # the model's generation config
         self.lora_modules: dict[str, LoRARequest] = {}  # --lora-modules: adapters clients name as `model`
         self.kv_transfer = engine.config.kv_transfer  # --kv-transfer-config (P/D), or None
+        self.stream_interval = stream_interval  # --stream-interval: tokens per streamed chunk
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for a model not served."""
@@ -120,13 +176,25 @@ class OpenAIServing:
         return f"{prefix}-{request_id_of(raw)}"
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str,
-                       lora_request: LoRARequest | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """The engine's cumulative outputs, with metrics observed and engine errors as APIError."""
+                       lora_request: LoRARequest | None = None, priority: int = 0, admitted: Admitted | None = None,
+                       index: int = 0) -> AsyncIterator[RequestOutput]:
+        """The engine's cumulative outputs, with metrics observed and engine errors as APIError, paced to
+        --stream-interval tokens (or the request's stream_interval, the larger). admitted: the request's
+        places; this prompt (`index` in it) gives back its share of the prefill backlog at its first token,
+        or when it ends without one."""
         tracker = self.metrics.tracker(params)
+        interval = max(self.stream_interval, getattr(params, "stream_interval", None) or 1)
+        pace = StreamPacer(interval) if interval > 1 else None
+        prefilling = admitted is not None  # until this prompt's first token
         try:
             async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request,
                                                   priority=priority):
                 tracker.observe(out)
+                if prefilling and (out.finished or any(c.token_ids for c in out.outputs)):
+                    admitted.prefilled(index)
+                    prefilling = False
+                if pace is not None and (out := pace(out)) is None:
+                    continue
                 yield out
         except EngineDeadError as e:
             raise APIError(500, f"the engine failed: {e}", code="engine_dead") from None
@@ -134,6 +202,37 @@ class OpenAIServing:
             raise APIError(500, f"the request failed inside the engine: {e}", code="request_failed") from None
         except ValueError as e:
             raise invalid_request(str(e), getattr(e, "param", None)) from None
+        finally:
+            if admitted is not None:  # ended before its first token: aborted, failed, or the client left
+                admitted.prefilled(index)
+
+
+class StreamPacer:
+    """Streams in chunks of `interval` tokens, as vLLM's output processor with --stream-interval: a choice's
+    first token goes out at once, then its tokens once `interval` of them are new, and the rest when it
+    finishes. Works on cumulative outputs: an output none of whose choices is due is held back (None); in one
+    that is due, a choice not due stands as it was last sent, so its new tokens go out with a later output."""
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self.sent: dict[int, CompletionOutput] = {}  # by choice index: what went out last
+
+    def __call__(self, out: RequestOutput) -> RequestOutput | None:
+        if out.finished:
+            return out
+        choices, due = [], False
+        for c in out.outputs:
+            last = self.sent.get(c.index)
+            sent = len(last.token_ids) if last is not None else 0
+            new = len(c.token_ids) - sent
+            finishing = c.finish_reason is not None and (last is None or last.finish_reason is None)
+            if finishing or (new > 0 and (sent == 0 or new >= self.interval)):
+                self.sent[c.index] = c
+                due = True
+                choices.append(c)
+            else:
+                choices.append(last if last is not None else c)  # never sent: it has no token yet
+        return dataclasses.replace(out, outputs=choices) if due else None
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

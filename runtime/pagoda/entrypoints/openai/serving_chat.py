@@ -151,8 +151,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request):
         prompt, params, lora_request, top_k = await self.prepare(request)
         request_id = self.request_id(raw, "chatcmpl")
-        release = self.admission.acquire()
-        stream = self.generate(prompt, params, request_id, lora_request, request.priority)
+        release = self.admission.acquire(1, params.n, [len(prompt["prompt_token_ids"])])
+        stream = self.generate(prompt, params, request_id, lora_request, request.priority, release)
         if request.stream:
             return EventStreamResponse(self._stream(request, request_id, stream, top_k, release,
                                                     prompt["prompt_token_ids"]), release)

@@ -104,8 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise invalid_request("kv_transfer_params needs a single prompt", "kv_transfer_params")
         prompts = [await self.validate_prompt(p, params) for p in raw_prompts]
         request_id = self.request_id(raw, "cmpl")
-        release = self.admission.acquire(len(prompts))
-        streams = [self.generate(p, params, f"{request_id}-{i}", lora_request, request.priority)
+        release = self.admission.acquire(len(prompts), params.n, [len(p["prompt_token_ids"]) for p in prompts])
+        streams = [self.generate(p, params, f"{request_id}-{i}", lora_request, request.priority, release, i)
                    for i, p in enumerate(prompts)]
         if request.stream:
             events = self._stream(request, request_id, prompts, streams, release)

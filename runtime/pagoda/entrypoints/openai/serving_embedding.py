@@ -33,9 +33,10 @@ class OpenAIServingEmbedding(OpenAIServing):
         params = PoolingParams(request.pooling_type, request.normalize)
         prompts = [await self.validate_input(p, params) for p in inputs]
         request_id = self.request_id(raw, "embd")
-        release = self.admission.acquire(len(prompts))
-        try:
-            streams = [self.generate(p, params, f"{request_id}-{i}", lora_request) for i, p in enumerate(prompts)]
+        release = self.admission.acquire(len(prompts), 1, [len(p["prompt_token_ids"]) for p in prompts])
+        try:  # an embedding never makes a token: its share of the prefill backlog goes back when it finishes
+            streams = [self.generate(p, params, f"{request_id}-{i}", lora_request, admitted=release, index=i)
+                       for i, p in enumerate(prompts)]
             finals = await cancel_on_disconnect(raw, collect_finals(streams))
         finally:
             release()

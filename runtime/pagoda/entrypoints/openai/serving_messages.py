@@ -160,8 +160,8 @@ class AnthropicServingMessages:
         chat = chat_request(request)
         prompt, params, lora_request, _ = await self.chat.prepare(chat)
         message_id = new_id("msg")
-        release = self.chat.admission.acquire()
-        stream = self.chat.generate(prompt, params, message_id, lora_request)
+        release = self.chat.admission.acquire(1, params.n, [len(prompt["prompt_token_ids"])])
+        stream = self.chat.generate(prompt, params, message_id, lora_request, admitted=release)
         if request.stream:
             return EventStreamResponse(self._events(request, chat, message_id, prompt["prompt_token_ids"], stream,
                                                     release), release, framing=anthropic_events)

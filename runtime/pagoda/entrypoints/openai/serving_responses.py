@@ -162,10 +162,11 @@ class OpenAIServingResponses:
         ids = ItemIds()
         base = self._base_object(request, response_id)
         stored = StoredResponse(base, conversation)
-        release = self.chat.admission.acquire()
+        release = self.chat.admission.acquire(1, params.n, [len(prompt["prompt_token_ids"])])
         if request.store:
             self.store.put(response_id, stored)
-        stream = until(self.chat.generate(prompt, params, response_id, lora_request), stored.cancelled)
+        stream = until(self.chat.generate(prompt, params, response_id, lora_request, admitted=release),
+                       stored.cancelled)
         finish = _Finisher(self, chat_request, stored, ids, prompt["prompt_token_ids"])
         if request.stream:
             return EventStreamResponse(self._events(base, finish, stream, release), release, framing=typed_events)
