@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from test_torch_attention import check_against_dense, dense_attention, paged_batch
+from test_torch_attention import BLOCK_SIZE, check_against_dense, dense_attention, paged_batch
 
 from pagoda.attention import cpu_kernels, torch_backend
 
@@ -219,6 +219,19 @@ def test_prefill_matches_the_torch_path_on_long_chunks_in_bfloat16(head_size, nu
 
     prefill_rows = torch.cat([torch.arange(0, 429), torch.arange(430, 494)])
     torch.testing.assert_close(out[prefill_rows].float(), reference[prefill_rows].float(), atol=1.6e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_prefill_follows_later_keys_far_above_the_running_max_in_bfloat16(head_size):
+    """Keys chunks after the first whose scores pass every earlier one's by far (past the bound within which the
+    bfloat16 tiles keep their running max, csrc/paged_attention_common.h's kLazyMaxLog2, and past float32's range
+    above it): the max moves there, and the output still matches the reference, for the rows that see those keys
+    and for those that do not. At every ISA level (tests/kernels/test_cpu_isa_levels.py): AMX's, vdpbf16ps'."""
+    query, kv_cache, metadata, tables = prefill_batch([700, 200], [900, 200], 9, 3, head_size, torch.bfloat16, seed=7)
+    for block in {tables[0][position // BLOCK_SIZE] for position in (333, 610, 611, 850)}:
+        kv_cache[0, block] *= 100  # scores 100x their spread: some far above the running max, some far below
+    out = run_prefill(query, kv_cache, metadata, head_size**-0.5)
+    check_against_dense(out, query, kv_cache, metadata, tables, head_size**-0.5, 3e-2)
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])

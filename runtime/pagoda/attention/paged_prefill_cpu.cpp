@@ -179,10 +179,10 @@ void prefill_tile(
 #if defined(PAGODA_ISA_AVX512BF16)
 // prefill_tile for a bfloat16 cache on CPUs with AVX512_BF16: `vdpbf16ps` multiplies bfloat16 pairs as they
 // are, where the generic tile widens every key and value to float32 and spends one FMA per element.
-// 32 keys a chunk (two score vectors: the softmax's reductions are paid once per 32 keys). Scores: the
-// chunk's keys transposed into [D/2][32] pairs of head-dim elements, one instruction per pair and 16 keys, the
-// query's pair broadcast. P @ V: the probabilities rounded to bfloat16 (as the decode kernel and SDPA's math
-// path do), two keys at a time against their value rows interleaved, one instruction per 16 head-dim
+// 32 keys a chunk (two score vectors: the softmax's reductions, where the max moves, are paid once per 32 keys).
+// Scores: the chunk's keys transposed into [D/2][32] pairs of head-dim elements, one instruction per pair and 16
+// keys, the query's pair broadcast. P @ V: the probabilities rounded to bfloat16 (as the decode kernel and SDPA's
+// math path do), two keys at a time against their value rows interleaved, one instruction per 16 head-dim
 // elements. The output accumulators hold the head dimension in unpack order (as accumulate_block's).
 constexpr int64_t kKeysPerChunkBf16 = 32;
 
@@ -192,7 +192,8 @@ struct TileStateBf16 {
   static constexpr int kAcc = kHeadSize / 16;   // float32 accumulator vectors per query vector
   alignas(64) uint32_t query[kTileVectors][kPairs];  // bfloat16 pairs
   alignas(64) float acc[kTileVectors][kHeadSize];
-  float row_max[kTileVectors], row_sum[kTileVectors];
+  float row_max[kTileVectors];
+  alignas(64) float sum_lanes[kTileVectors][16];  // each vector's softmax sum by lane, added across once, at the end
 };
 
 // One KV head's chunk of 32 keys as the tiles read it (prefill_items_bf16 says who prepares it, and when)
@@ -229,7 +230,7 @@ void prepare_chunk_bf16(ChunkBf16<kHeadSize>& c, const c10::BFloat16* k_cache, c
 
 // Vector v's scores of a chunk, s0 (keys 0-15) and s1 (16-31), of which its first `seen` are visible, into its
 // online softmax: its probabilities as bfloat16 pairs (p[2j], p[2j+1]) into weight_pairs (0 past `seen`), and
-// the factor its output accumulators take before they add this chunk's values (returned).
+// the factor its output accumulators take before they add this chunk's values (returned; 1 while its max stays).
 template <int kHeadSize>
 inline float softmax_chunk(TileStateBf16<kHeadSize>& st, int64_t v, __m512 s0, __m512 s1, int64_t seen, float scale,
                            uint32_t* weight_pairs) {
@@ -241,6 +242,19 @@ inline float softmax_chunk(TileStateBf16<kHeadSize>& st, int64_t v, __m512 s0, _
   const __mmask16 mask0 = static_cast<__mmask16>(seen >= 16 ? 0xFFFF : (1u << seen) - 1);
   const __mmask16 mask1 = static_cast<__mmask16>(seen >= 32 ? 0xFFFF : seen > 16 ? (1u << (seen - 16)) - 1 : 0);
   const __m512 a0 = _mm512_mul_ps(s0, _mm512_set1_ps(scale)), a1 = _mm512_mul_ps(s1, _mm512_set1_ps(scale));
+  const __m512 sum = _mm512_load_ps(st.sum_lanes[v]);
+  // against the max as it is (once there is one), unless a visible score passes it by kLazyMaxNats
+  const __m512 bound = _mm512_set1_ps(st.row_max[v] + kLazyMaxNats);
+  if (st.row_max[v] != -std::numeric_limits<float>::infinity() &&
+      !(_mm512_mask_cmp_ps_mask(mask0, a0, bound, _CMP_GT_OQ) |
+        _mm512_mask_cmp_ps_mask(mask1, a1, bound, _CMP_GT_OQ))) {
+    const __m512 m = _mm512_set1_ps(st.row_max[v]);
+    const __m512 p0 = _mm512_maskz_mov_ps(mask0, exp_nonpositive16(_mm512_sub_ps(a0, m)));
+    const __m512 p1 = _mm512_maskz_mov_ps(mask1, exp_nonpositive16(_mm512_sub_ps(a1, m)));
+    _mm512_store_ps(st.sum_lanes[v], _mm512_add_ps(sum, _mm512_add_ps(p0, p1)));
+    _mm512_store_si512(weight_pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    return 1.f;
+  }
   const float chunk_max = _mm512_reduce_max_ps(
       _mm512_max_ps(_mm512_mask_mov_ps(lowest, mask0, a0), _mm512_mask_mov_ps(lowest, mask1, a1)));
   const float new_max = std::max(st.row_max[v], chunk_max);
@@ -249,7 +263,7 @@ inline float softmax_chunk(TileStateBf16<kHeadSize>& st, int64_t v, __m512 s0, _
   const __m512 p0 = _mm512_maskz_mov_ps(mask0, exp_nonpositive16(_mm512_sub_ps(a0, m)));
   const __m512 p1 = _mm512_maskz_mov_ps(mask1, exp_nonpositive16(_mm512_sub_ps(a1, m)));
   st.row_max[v] = new_max;
-  st.row_sum[v] = st.row_sum[v] * rescale + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  _mm512_store_ps(st.sum_lanes[v], _mm512_fmadd_ps(sum, _mm512_set1_ps(rescale), _mm512_add_ps(p0, p1)));
   _mm512_store_si512(weight_pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
   return rescale;
 }
@@ -315,7 +329,7 @@ void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_h
       std::memcpy(st.query[v], q + r * q_row_stride + g * q_head_stride, kHeadSize * sizeof(c10::BFloat16));
       for (int64_t d = 0; d < kHeadSize; ++d) st.acc[v][d] = 0.f;
       st.row_max[v] = -std::numeric_limits<float>::infinity();
-      st.row_sum[v] = 0.f;
+      _mm512_store_ps(st.sum_lanes[v], _mm512_setzero_ps());
     }
   const int64_t last_pos = first_pos + rows - 1;
   for (int64_t t0 = 0; t0 <= last_pos; t0 += kKeysPerChunkBf16) {
@@ -330,7 +344,7 @@ void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_row_stride, int64_t q_h
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t v = r * group + g;
-      const float inv = 1.f / st.row_sum[v];
+      const float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(st.sum_lanes[v]));
       c10::BFloat16* o = out + r * out_row_stride + g * out_head_stride;
       for (int i = 0; i < kVecs; ++i)  // accumulators 2i, 2i+1: per 128-bit lane L, outputs 32i + 8L + 0..3, 4..7
         for (int lane = 0; lane < 4; ++lane)

@@ -37,6 +37,16 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// The bfloat16 prefill tiles' running max (AMX's and vdpbf16ps's; in the AVX2 tile the float32 FMAs leave the
+// softmax too small a share to gain, measured) moves only where a chunk's score passes it by more than this, in
+// log2 units of the scaled softmax (FlashAttention-4's lazy rescaling): the weights are then at most 2^8, where
+// float32 sums and bfloat16 probabilities keep their relative precision, and the output's division by the sum
+// cancels whichever max was the reference. Most chunks so take their exponentials against the max as it is,
+// checking the bound as they go: no pass or reduction for the max first, no factor for the output sums, no
+// scalar exponential.
+constexpr float kLazyMaxLog2 = 8.f;
+constexpr float kLazyMaxNats = kLazyMaxLog2 * 0.693147181f;
+
 // exp(x) for the softmax's x <= 0, in plain arithmetic that vectorises (std::exp stays a scalar call):
 // 2^(x log2 e) = 2^i * 2^f with f in [0, 1) by a degree-5 fit, relative error under 2e-7. The exponent is
 // clamped at -126, the smallest normal float's, so 2^i stays a valid float (exp(-87.3) ~ 1e-38: zero weight).

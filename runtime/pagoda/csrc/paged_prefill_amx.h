@@ -81,10 +81,49 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
     if constexpr (!kCausal) return 0xFFFF;
     return _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32(static_cast<int32_t>(t0 + j)), _MM_CMPINT_NLT);
   };
+  // (p[2j], p[2j+1]) of lane v at bfloat16 positions 2v, 2v+1: cvtne2ps_pbh puts p[2j] in 0-15, p[2j+1] in 16-31
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  auto store_pair = [&](int64_t pair, __m512 even, __m512 odd) {
+    _mm512_store_si512(weights_t[pair], _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
+  };
+  // scores to log2 units of the scaled softmax: the scale and log2(e) in one multiply; the exponential a degree-3
+  // fit, as the probabilities are rounded to bfloat16 before P V (the degree-5 one took 10 % more of the time)
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504f);
+  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+  const __m512 old_max = _mm512_load_ps(row_max);
+  // every lane with a row (position >= 0) has its max from the first chunk on; before it, the max is found first
+  const __mmask16 rows = _mm512_cmp_epi32_mask(pos, _mm512_setzero_si512(), _MM_CMPINT_NLT);
+  if (!_mm512_mask_cmp_ps_mask(rows, old_max, lowest, _CMP_EQ_OQ)) {
+    const __m512 shift = _mm512_mul_ps(old_max, c);
+    const __m512 bound = _mm512_add_ps(old_max, _mm512_set1_ps(kLazyMaxLog2 / (scale * 1.44269504f)));
+    __mmask16 over = 0;  // lanes with a visible score past the bound: this chunk then takes the exact step below
+    auto lazy_weight = [&](int64_t row) {
+      const __m512 s = _mm512_load_ps(scores_t[row]);
+      over |= _mm512_mask_cmp_ps_mask(visible(row), s, bound, _CMP_GT_OQ);
+      return _mm512_maskz_mov_ps(visible(row), exp2_nonpositive16<3, false>(_mm512_fmsub_ps(s, c, shift)));
+    };
+    __m512 sum = _mm512_setzero_ps();
+    int64_t pair = 0;
+    for (; 2 * pair + 2 <= seen; ++pair) {
+      const __m512 even = lazy_weight(2 * pair), odd = lazy_weight(2 * pair + 1);
+      sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+      store_pair(pair, even, odd);
+    }
+    if (2 * pair < seen) {
+      const __m512 even = lazy_weight(2 * pair);
+      sum = _mm512_add_ps(sum, even);
+      store_pair(pair++, even, _mm512_setzero_ps());
+    }
+    if (!over) {
+      for (; pair < pair_rows; ++pair) _mm512_store_si512(weights_t[pair], _mm512_setzero_si512());
+      _mm512_store_ps(row_sum, _mm512_add_ps(_mm512_load_ps(row_sum), sum));
+      return _mm512_set1_ps(1.f);
+    }
+  }
   // four chains in named registers: one alone would wait on vmaxps's latency every row, and an array indexed by
   // j % 4 lived on the stack, a store and a load in every row's chain (the softmax 13.7 % of a 1,500-token
   // prefill's samples on a Xeon with AMX, 9.5 % in registers)
-  const __m512 lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
   __m512 m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;
   auto row_max_of = [&](__m512 m, int64_t j) {
     return _mm512_mask_max_ps(m, visible(j), m, _mm512_load_ps(scores_t[j]));
@@ -98,10 +137,7 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
   }
   for (; j < seen; ++j) m0 = row_max_of(m0, j);
   const __m512 chunk_max = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
-  const __m512 old_max = _mm512_load_ps(row_max), new_max = _mm512_max_ps(old_max, chunk_max);
-  // scores to log2 units of the scaled softmax: the scale and log2(e) in one multiply; the exponential a degree-3
-  // fit, as the probabilities are rounded to bfloat16 before P V (the degree-5 one took 10 % more of the time)
-  const __m512 c = _mm512_set1_ps(scale * 1.44269504f);
+  const __m512 new_max = _mm512_max_ps(old_max, chunk_max);
   const __m512 shift = _mm512_mul_ps(new_max, c);
   const __m512 rescale = exp2_nonpositive16<3>(_mm512_mul_ps(_mm512_sub_ps(old_max, new_max), c));
   // no clamp in the exponential below: a visible row's exponent is finite and <= 0 (scalef takes any), and a row
@@ -109,12 +145,6 @@ inline __m512 softmax_step(float* row_max, float* row_sum, const int32_t* positi
   auto weight = [&](int64_t row) {
     return _mm512_maskz_mov_ps(visible(row), exp2_nonpositive16<3, false>(
                                                  _mm512_fmsub_ps(_mm512_load_ps(scores_t[row]), c, shift)));
-  };
-  // (p[2j], p[2j+1]) of lane v at bfloat16 positions 2v, 2v+1: cvtne2ps_pbh puts p[2j] in 0-15, p[2j+1] in 16-31
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  auto store_pair = [&](int64_t pair, __m512 even, __m512 odd) {
-    _mm512_store_si512(weights_t[pair], _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
   };
   __m512 sum = _mm512_setzero_ps();  // one chain: a pair's exponentials take longer than its add's latency
   int64_t pair = 0;
