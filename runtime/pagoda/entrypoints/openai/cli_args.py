@@ -332,7 +332,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                "'off': no cap (docs/server.md)")
     p.add("--long-prefill-token-threshold", default=d["long_prefill_token_threshold"], type=non_negative_int,
           help="with chunked prefill, a prompt computes at most this many tokens a step, so one long prompt "
-               "leaves room in the step for others (0: no cap), as vLLM's")
+               "leaves room in the step for others (not while it is the only request; 0: no cap), as vLLM's")
     p.add("--scheduling-policy", default=d["scheduling_policy"], choices=SCHEDULING_POLICIES,
           help="fcfs: first come, first served; priority: by each request's `priority` (lower first), then "
                "arrival")
