@@ -54,7 +54,7 @@ class EngineArgs:
     # schedule step N+1 while step N runs (vLLM's default since early 2026); None: on with a GPU, off on a CPU
     # (docs/server.md)
     async_scheduling: bool | None = None
-    # vLLM 0.32's admission knobs, with its meanings (core/step_limits.py owns them; docs/server.md)
+    # vLLM 0.32's admission knobs, with its meanings (core/step_limits.py applies the first six; docs/server.md)
     max_num_active_seqs: int | None = None  # sequences admitted into running at once (default: max_num_seqs)
     max_num_scheduled_tokens: int | None = None  # tokens a step (default: max_num_batched_tokens)
     long_prefill_token_threshold_adaptive: bool = False  # the threshold floored at the budget's fair share
