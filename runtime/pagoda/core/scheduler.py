@@ -266,8 +266,7 @@ class Scheduler:
         budget = self.limits.step_tokens
         prefill_left = self.prefill_budget()
         self.num_steps += 1
-        if self.limits.prefill_interval > 1 and self.limits.defers_prompts(
-                self.num_steps - 1, any(self._decodes_now(q) for q in self.running)):
+        if self.limits.off_cadence(self.num_steps - 1) and any(self._decodes_now(q) for q in self.running):
             prefill_left = 0  # prefill_schedule_interval: an off-cadence step, decodes only
         if self.by_priority:  # the most urgent first: they get the blocks, the least urgent are preempted
             self.running.sort(key=_priority_key)

@@ -65,6 +65,6 @@ class StepLimits:
             rest = -(-prompt_tokens // block_size) - -(-tokens_after_step // block_size)
         return self.watermark_blocks + rest
 
-    def defers_prompts(self, step_index: int, decodes_running: bool) -> bool:
-        """Whether prompts wait this step (prefill_schedule_interval): off-cadence steps while decodes run."""
-        return self.prefill_interval > 1 and decodes_running and step_index % self.prefill_interval != 0
+    def off_cadence(self, step_index: int) -> bool:
+        """Whether step `step_index` is one where prompts wait while decodes run (prefill_schedule_interval)."""
+        return self.prefill_interval > 1 and step_index % self.prefill_interval != 0
