@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from live_server import PATCHED_LAUNCHER
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.server
 
@@ -26,7 +27,8 @@ def limited(server_factory):
     """Two running sequences at most, so that a request with n=2 keeps the next ones waiting (no token yet),
     and vLLM's two limits. Steps take 10 ms or more (the tiny model's own take ~0.3 ms)."""
     server = server_factory("--max-num-seqs", "2", "--max-num-queued-reqs", str(QUEUED_REQS),
-                            "--max-num-queued-tokens", str(QUEUED_TOKENS), launcher=PATCHED_LAUNCHER,
+                            "--max-num-queued-tokens", str(QUEUED_TOKENS), "--metrics-vllm-names",
+                            launcher=PATCHED_LAUNCHER,
                             env={"TEST_SERVE_STEP_DELAY": "0.01"})
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
@@ -51,6 +53,40 @@ def admitted_eventually(http: httpx.Client, stream: bool = False, deadline_s: fl
         r.close()
         assert time.monotonic() < deadline, "still refused"
         time.sleep(0.05)
+
+
+def rejections(http: httpx.Client) -> dict[tuple[str, str], float]:
+    """(metric prefix, reason) -> the 503s counted at that limit so far, from /metrics, under both names."""
+    text = http.get("/metrics").text
+    return {(s.name.split(":")[0], s.labels["reason"]): s.value for family in text_string_to_metric_families(text)
+            if family.name in ("pagoda:admission_rejections", "vllm:admission_rejections")
+            for s in family.samples if s.name.endswith("_total")}
+
+
+def test_each_limit_counts_its_503s_in_the_metrics(limited):
+    """vLLM's vllm:admission_rejections: each refusal counted under the limit it met, each reason exported
+    before its first; a 400 (a request that could never fit) is not a rejection at a queue limit."""
+    before = rejections(limited)
+    assert set(before) == {(p, r) for p in ("pagoda", "vllm")
+                           for r in ("max_num_queued_reqs", "max_num_queued_tokens")}
+    with contextlib.ExitStack() as streams:
+        running = streams.enter_context(limited.stream("POST", "/v1/completions", json={"prompt": "Hi", "n": 2, **HOLD}))
+        first_event(running)
+        with limited.stream("POST", "/v1/completions", json={"prompt": LONG_PROMPT, **HOLD}) as waiting:
+            assert waiting.status_code == 200
+            # the backlog is over --max-num-queued-tokens; three sequences are in flight, so one more with n=2
+            # meets --max-num-queued-reqs first
+            assert_busy(limited.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2}),
+                        "--max-num-queued-reqs")
+            for _ in range(2):
+                assert_busy(limited.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}),
+                            "--max-num-queued-tokens")
+            assert limited.post("/v1/completions", json={"prompt": ["a"] * 5, "max_tokens": 2}).status_code == 400
+            after = rejections(limited)
+    for prefix in ("pagoda", "vllm"):
+        assert after[prefix, "max_num_queued_reqs"] - before[prefix, "max_num_queued_reqs"] == 1
+        assert after[prefix, "max_num_queued_tokens"] - before[prefix, "max_num_queued_tokens"] == 2
+    admitted_eventually(limited)
 
 
 def assert_busy(r: httpx.Response, flag: str) -> None:
@@ -177,3 +213,18 @@ def test_bad_values_are_cli_errors(tiny_llama_dir, argv, flag):
                        capture_output=True, text=True, timeout=120, env=os.environ)
     assert r.returncode == 2
     assert flag in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_start_up_log_names_the_limits_set():
+    """What bounds a server beside max_num_seqs, in its start-up log: the knobs set, and only those."""
+    from pagoda.config import SchedulerConfig
+    from pagoda.entrypoints.openai.api_server import limits_set
+    from pagoda.entrypoints.openai.cli_args import ServerArgs
+
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, enable_chunked_prefill=True,
+                                max_model_len=2048)
+    assert limits_set(scheduler, ServerArgs()) == []
+    scheduler = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, enable_chunked_prefill=True,
+                                max_model_len=2048, watermark=0.1, reserve_full_isl=False)
+    assert limits_set(scheduler, ServerArgs(max_num_queued_tokens=32768, stream_interval=4)) == [
+        "watermark=0.1", "reserve_full_isl=False", "max_num_queued_tokens=32768", "stream_interval=4"]

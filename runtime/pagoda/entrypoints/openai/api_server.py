@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 import pagoda
-from pagoda.config import EngineArgs
+from pagoda.config import EngineArgs, SchedulerConfig
 from pagoda.entrypoints.openai.cli_args import ServerArgs, flagify
 from pagoda.entrypoints.openai.embedding_protocol import EmbeddingRequest, EmbeddingResponse
 from pagoda.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
@@ -149,7 +149,7 @@ def _attach_engine(state: ServerState, engine) -> None:
                                                 + config.parallel.data_parallel_size))
     args = state.server_args
     state.admission = Admission(config.scheduler.max_num_seqs, args.max_queued_requests, args.max_num_queued_reqs,
-                                args.max_num_queued_tokens)
+                                args.max_num_queued_tokens, on_busy=state.metrics.admission_rejected)
     state.completion = OpenAIServingCompletion(engine, name, state.metrics, state.admission,
                                                stream_interval=args.stream_interval)
     state.chat = OpenAIServingChat(engine, name, state.metrics, state.admission, stream_interval=args.stream_interval,
@@ -185,7 +185,23 @@ def _attach_engine(state: ServerState, engine) -> None:
                 num_blocks * cache.block_size, config.scheduler.max_num_seqs,
                 state.server_args.max_queued_requests, cache.preemption_mode, cache.num_swap_blocks,
                 f"every {config.stats_log_interval:g}s" if config.log_stats else "off")
+    limits = limits_set(config.scheduler, state.server_args)
+    if limits:
+        logger.info("limits set: %s", ", ".join(limits))
     logger.info("ready in %.1fs: OpenAI API at %s", time.time() - state.started, url)
+
+
+def limits_set(scheduler: SchedulerConfig, args: ServerArgs) -> list[str]:
+    """vLLM's scheduling and admission knobs this server runs with other than their defaults, as `name=value`
+    (the start-up log: what bounds this server beside max_num_seqs)."""
+    defaults = SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=0, enable_chunked_prefill=True, max_model_len=0)
+    knobs = [(name, getattr(scheduler, name), getattr(defaults, name))
+             for name in ("max_num_active_seqs", "max_num_scheduled_tokens", "long_prefill_token_threshold",
+                          "long_prefill_token_threshold_adaptive", "watermark", "reserve_full_isl",
+                          "prefill_schedule_interval")]
+    knobs += [(name, getattr(args, name), getattr(ServerArgs, name))
+              for name in ("max_num_queued_reqs", "max_num_queued_tokens", "stream_interval")]
+    return [f"{name}={value}" for name, value, default in knobs if value != default]
 
 
 def build_app(engine_args: EngineArgs, server_args: ServerArgs,

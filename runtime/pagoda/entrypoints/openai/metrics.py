@@ -13,7 +13,7 @@ written for vLLM read Pagoda unchanged.
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,6 +32,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
 _PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# why a request got a 503 at admission: the limit it met (vLLM's reasons, its flags' names)
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
@@ -234,6 +236,11 @@ class ServerMetrics:
             params_n=histogram("request_params_n", "The n of finished requests.", _PARAMS_N_BUCKETS),
             params_max_tokens=histogram("request_params_max_tokens", "The max_tokens of finished requests.",
                                         token_buckets))
+        rejections = Counter(PREFIX + "admission_rejections",
+                             "Number of admission attempts rejected by a queue limit, by reason.",
+                             ["model_name", "reason"], registry=self.registry)
+        # every reason exported (at zero) before its first 503, as vLLM's
+        self._rejections = {reason: rejections.labels(model_name, reason) for reason in ADMISSION_REASONS}
         self._engines: dict[int, EngineHistograms] = {}
         for rank in engines:  # each engine's series exported (at zero) before its first request
             self.engine(rank)
@@ -243,6 +250,10 @@ class ServerMetrics:
         if rank not in self._engines:
             self._engines[rank] = EngineHistograms(self.families, self.model_name, rank)
         return self._engines[rank]
+
+    def admission_rejected(self, reason: str) -> None:
+        """A request got a 503 at a queue limit (`reason`: one of ADMISSION_REASONS)."""
+        self._rejections[reason].inc()
 
     def render(self) -> bytes:
         body = generate_latest(self.registry)

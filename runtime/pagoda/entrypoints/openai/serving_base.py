@@ -38,13 +38,15 @@ class Admission:
     an idle server, never forever."""
 
     def __init__(self, max_running: int, max_queued: int, max_num_queued_reqs: int | None = None,
-                 max_num_queued_tokens: int | None = None):
+                 max_num_queued_tokens: int | None = None, on_busy: Callable[[str], None] | None = None):
         self.limit = max_running + max_queued
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_num_queued_tokens = max_num_queued_tokens
         self.in_flight = 0  # engine requests (one per prompt)
         self.sequences = 0  # their choices: what --max-num-queued-reqs bounds
         self.prefill_tokens = 0  # prompt tokens of admitted requests without an output token yet
+        # told the limit's name at each 503 (vLLM's reasons: ADMISSION_REASONS), for vllm:admission_rejections
+        self.on_busy = on_busy or (lambda reason: None)
 
     def acquire(self, count: int = 1, n: int = 1, prompt_tokens: Sequence[int] = ()) -> "Admitted":
         """Take places for `count` prompts of `n` choices each, or raise 429 / 503 (400 for a request larger
@@ -61,10 +63,12 @@ class Admission:
                                       f"server admits at once (--max-num-queued-reqs {max_reqs}): split it",
                                       "n" if count == 1 else "prompt")
             if self.sequences + sequences > max_reqs:
+                self.on_busy("max_num_queued_reqs")
                 raise busy(f"{self.sequences} requests in flight, the limit is {max_reqs} "
                            "(--max-num-queued-reqs)")
         max_tokens = self.max_num_queued_tokens
         if max_tokens is not None and self.prefill_tokens >= max_tokens:
+            self.on_busy("max_num_queued_tokens")
             raise busy(f"{self.prefill_tokens} prompt tokens wait for their prefill, the limit is {max_tokens} "
                        "(--max-num-queued-tokens; a prompt is admitted while the backlog is under it, whatever "
                        "its own length)")
