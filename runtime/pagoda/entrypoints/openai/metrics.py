@@ -32,10 +32,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
 _PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
-# why a request got a 503 at admission: the limit it met (vLLM's reasons, its flags' names)
-ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+# why a request got a 503 at admission: the limit it met (vLLM's reasons, its flags' names)
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
