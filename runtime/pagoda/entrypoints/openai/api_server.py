@@ -194,14 +194,12 @@ def _attach_engine(state: ServerState, engine) -> None:
 def limits_set(scheduler: SchedulerConfig, args: ServerArgs) -> list[str]:
     """vLLM's scheduling and admission knobs this server runs with other than their defaults, as `name=value`
     (the start-up log: what bounds this server beside max_num_seqs)."""
-    defaults = SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=0, enable_chunked_prefill=True, max_model_len=0)
-    knobs = [(name, getattr(scheduler, name), getattr(defaults, name))
-             for name in ("max_num_active_seqs", "max_num_scheduled_tokens", "long_prefill_token_threshold",
-                          "long_prefill_token_threshold_adaptive", "watermark", "reserve_full_isl",
-                          "prefill_schedule_interval")]
-    knobs += [(name, getattr(args, name), getattr(ServerArgs, name))
-              for name in ("max_num_queued_reqs", "max_num_queued_tokens", "stream_interval")]
-    return [f"{name}={value}" for name, value, default in knobs if value != default]
+    knobs = [(scheduler, name) for name in ("max_num_active_seqs", "max_num_scheduled_tokens",
+                                            "long_prefill_token_threshold", "long_prefill_token_threshold_adaptive",
+                                            "watermark", "reserve_full_isl", "prefill_schedule_interval")]
+    knobs += [(args, name) for name in ("max_num_queued_reqs", "max_num_queued_tokens", "stream_interval")]
+    defaults = {name: f.default for config in (scheduler, args) for name, f in config.__dataclass_fields__.items()}
+    return [f"{name}={getattr(config, name)}" for config, name in knobs if getattr(config, name) != defaults[name]]
 
 
 def build_app(engine_args: EngineArgs, server_args: ServerArgs,
