@@ -112,13 +112,14 @@ def test_every_query_names_only_metrics_the_runtime_exports():
             assert selector.name, f"{where}: a selector without a metric name in {expr!r}"
             assert selector.name in exported, f"{where}: {selector.name} is not exported by the runtime"
             used.add(selector.name)
-    # the list: latency histograms, tokens, requests by reason, load, KV and prefix cache, preemptions
+    # the list: latency histograms, tokens, requests by reason, load, KV and prefix cache, preemptions;
+    # and the 503s at the admission limits
     wanted = {f"pagoda:{h}_bucket" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                                               "e2e_request_latency_seconds", "request_queue_time_seconds")}
     wanted |= {f"pagoda:{n}" for n in ("generation_tokens_total", "prompt_tokens_total", "request_success_total",
                                        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                                        "prefix_cache_hits_total", "prefix_cache_queries_total",
-                                       "num_preemptions_total")}
+                                       "num_preemptions_total", "admission_rejections_total")}
     assert wanted <= used, f"no panel shows {sorted(wanted - used)}"
 
 
