@@ -33,6 +33,7 @@ from pagoda.bench.figures import percentile
 from pagoda.bench.matrix import Load, loads
 from pagoda.bench.serve import synthetic_requests
 from pagoda.config import AUTO_TARGET, SchedulerConfig
+from pagoda.core.arrival_rate import DEFAULT_WINDOW
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR, MAX_QUEUE_STEPS, Scheduler
 from pagoda.core.sequence import Sequence
@@ -129,11 +130,12 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
              auto_target_factor: float = AUTO_TARGET_FACTOR, max_queue_steps: float = MAX_QUEUE_STEPS, seed: int = 0,
              max_num_batched_tokens: int = 2048,
              max_num_seqs: int = 256, jitter: float = JITTER, send_delay: float = 0.0,
-             step_costs: StepCostModel | None = None) -> SimResult:
+             step_costs: StepCostModel | None = None, arrival_window: float = DEFAULT_WINDOW) -> SimResult:
     """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's).
     send_delay: a client's request reaches the scheduler uniform(0, send_delay) seconds after it may be sent (its
     slot freed, its Poisson arrival): HTTP, tokenization and the server's event loop, which spread a burst.
-    step_costs: what the engine has learnt before this load (one server through the matrix), else nothing."""
+    step_costs: what the engine has learnt before this load (one server through the matrix), else nothing.
+    arrival_window: the seconds auto's arrival pace is counted over (core.arrival_rate; 0: no pace rule)."""
     rng = random.Random(seed)
     delays = random.Random(seed + 1)  # apart, so that send_delay 0 draws the same steps as before
     lengths, arrivals = _lengths(load, seed), _arrivals(load, rng)
@@ -142,7 +144,8 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
     num_blocks = 1 + sum(p + o for p, o in lengths) // 16 + load.num_prompts  # room for all: no preemption
     scheduler = Scheduler(config, BlockManager(num_blocks, 16, enable_prefix_caching=False),
                           step_costs=step_costs if step_costs is not None else StepCostModel(),
-                          auto_target_factor=auto_target_factor, max_queue_steps=max_queue_steps)
+                          auto_target_factor=auto_target_factor, max_queue_steps=max_queue_steps,
+                          arrival_window=arrival_window)
     concurrency = load.concurrency or load.num_prompts
     free_at = [0.0] * concurrency  # when each client slot may send (a min-heap)
     now, sent, finished = 0.0, 0, 0
@@ -211,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue-steps", default=f"{MAX_QUEUE_STEPS:g}", metavar="N[,N...]",
                    help=f"auto's caps on the decode steps of prompts a queue adds to a step, to compare (default: the "
                         f"engine's, {MAX_QUEUE_STEPS:g}); each with each factor")
+    p.add_argument("--arrival-window", type=float, default=DEFAULT_WINDOW, metavar="SECONDS",
+                   help=f"the seconds auto's arrival pace is counted over (default: the engine's, {DEFAULT_WINDOW:g}; "
+                        f"0: no pace rule)")
     p.add_argument("--matrix-loads", default=None, metavar="NAMES",
                    help="only these loads (comma-separated: the matrix's or those beside it), as `pagoda bench serve "
                         "--matrix-loads`")
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.send_delay >= 0:
         p.error(f"--send-delay: seconds >= 0, got {args.send_delay}")
+    if not args.arrival_window >= 0:
+        p.error(f"--arrival-window: seconds >= 0, got {args.arrival_window}")
     try:
         factors = [float(f) for f in args.factors.split(",")]
     except ValueError:
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{load.name:17s} prefill-first  {_cell(base)}")
         for rule in rules:
             r = simulate(load, prices, auto_target_factor=rule[0], max_queue_steps=rule[1], seed=args.seed,
-                         send_delay=args.send_delay, step_costs=costs[rule])
+                         send_delay=args.send_delay, step_costs=costs[rule], arrival_window=args.arrival_window)
             ratios = (r.ttft_median / base.ttft_median, r.ttft_p90 / base.ttft_p90,
                       r.itl_p99 / base.itl_p99 if base.itl_p99 else 1.0)
             worst[rule] = [max(w, x) for w, x in zip(worst[rule], ratios)]

@@ -21,10 +21,12 @@ alone costs at the number of sequences running or waiting (those that will decod
 spread over the steps the decodes have left if that is more (so prompts waiting beside answers about to end take
 most of the step, and newer prompts beside long answers take what the target leaves), or, if that is more, the share
 of the engine's time the waiting prompts' tokens are of max_num_batched_tokens (so a queue drains at the pace its
-size calls for, as a prefill-first engine's would, while the decodes keep a part of every step); when more prompt
-tokens wait than that, the step takes all of max_num_batched_tokens while the token gaps such steps delay stay
-within the ITL tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for
-a step that holds it whole, as vLLM's.
+size calls for, as a prefill-first engine's would, while the decodes keep a part of every step), or, while the
+requests outgrow the engine (an open loop past its rate), the share the prompts' arrival pace needs (so they are
+admitted as they come, not once a queue stands: core.arrival_rate); when more prompt tokens wait than that, the step
+takes all of max_num_batched_tokens while the token gaps such steps delay stay within the ITL tail's share
+(core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that holds it whole,
+as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
@@ -40,6 +42,7 @@ only what changed since the runner last saw the sequence.
 from collections import deque
 
 from pagoda.config import AUTO_TARGET, SchedulerConfig, SpeculativeConfig, relative_itl_target
+from pagoda.core.arrival_rate import DEFAULT_WINDOW, ArrivalRate
 from pagoda.core.block_manager import BlockManager
 from pagoda.core.itl_tail import ItlTail
 from pagoda.core.runner_output import ModelRunnerOutput
@@ -76,7 +79,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  speculative: SpeculativeConfig | None = None, step_costs: StepCostModel | None = None,
                  kv_connector=None, auto_target_factor: float = AUTO_TARGET_FACTOR,
-                 max_queue_steps: float = MAX_QUEUE_STEPS):
+                 max_queue_steps: float = MAX_QUEUE_STEPS, arrival_window: float = DEFAULT_WINDOW):
         self.config = config
         self.relative_target = relative_itl_target(config.target_itl_ms)  # "3x" -> 3.0, parsed once
         self.auto_target_factor = auto_target_factor  # --target-itl-ms auto's (bench.schedule_sim compares others)
@@ -84,6 +87,7 @@ class Scheduler:
         self.kv_connector = kv_connector  # P/D (kv_transfer): supplies prompt KV, holds finished prompts' blocks
         self.step_costs = step_costs if step_costs is not None else StepCostModel()
         self.itl_tail = ItlTail()  # under "auto": the share of token gaps a burst taken whole may delay
+        self.arrivals = ArrivalRate(arrival_window)  # under "auto": an open loop's pace, granted before a queue stands
         self.by_priority = config.scheduling_policy == "priority"
         self.block_manager = block_manager
         self.limits = StepLimits.of(config, block_manager.num_blocks)  # vLLM 0.32's admission knobs
@@ -114,6 +118,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self._enqueue(seq)
         self._live[seq.seq_id] = seq
+        self.arrivals.note(seq.arrival_time, seq.num_tokens - seq.num_computed_tokens, len(self._live))
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
         """Into the waiting queue: at its end (a preempted one at its front), or in priority order."""
@@ -148,7 +153,8 @@ class Scheduler:
             waiting = self._prompt_tokens_waiting(decodes)
             seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes, context),
                           decode_step + self._backlog_seconds(decodes, waiting),
-                          decode_step + self._queue_seconds(decode_step, waiting))
+                          decode_step + self._queue_seconds(decode_step, waiting),
+                          decode_step + self._arrival_seconds(decode_step) if waiting else 0.0)
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
             # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
             oldest = self._oldest_prompt_tokens(decodes)
@@ -207,6 +213,20 @@ class Scheduler:
         prompts back faster than the target admits them (c128, mid-c48), drains instead of standing."""
         room = self.limits.step_tokens - prompt_tokens  # f / (1 - f): the waiting tokens over the room
         steps = prompt_tokens / room if room > 0 else self.max_queue_steps
+        return min(steps, self.max_queue_steps) * decode_step
+
+    def _arrival_seconds(self, decode_step: float) -> float:
+        """The prompt seconds a step may take so that prompts arriving faster than the engine serves them are
+        admitted at their pace: the share f of the engine's time the prompt tokens that arrived over the last seconds
+        need at the measured price, counted only while the requests outgrow the engine (core.arrival_rate), a step
+        holding f / (1 - f) decode steps of prompts, at most max_queue_steps (as the queue's share). Without it an
+        open loop's prompts get that share only once a queue deep enough to claim it stands (poisson-8rps on two
+        Zen 4 cores: its TTFT p90 twice prefill-first's, docs/benchmarks.md)."""
+        price = self.step_costs.prompt_token_seconds()
+        if not price:
+            return 0.0
+        share = self.arrivals.tokens_per_second() * price
+        steps = share / (1 - share) if share < 1 else self.max_queue_steps
         return min(steps, self.max_queue_steps) * decode_step
 
     def _prompt_tokens_waiting(self, decodes: list[Sequence]) -> int:
@@ -588,6 +608,7 @@ class Scheduler:
         self._live.pop(seq.seq_id, None)
         if not self._live:
             self.itl_tail.idle()
+            self.arrivals.idle()
         self._finished_seq_ids.append(seq.seq_id)
         self.in_flight.discard(seq.seq_id)
         self.steps_in_flight.pop(seq.seq_id, None)
