@@ -9,7 +9,7 @@ grant the prompts the share their pace needs before a queue forms.
 
 A closed loop's answers that end together send their users' prompts back at the same pace, and there the pace must
 not count (tiny-c32's and chat-c32's ITL tails, docs/benchmarks.md): each user's next prompt only replaces a
-finished request. So the pace counts only while the number of requests in the engine set a new high within each
+finished request. So the pace counts only while the number of requests in the engine sets a new high within each
 third of the window: an open loop past the machine's rate keeps outgrowing it; a closed loop's number stops at its
 users', and its first burst, arrived at one instant, falls within two thirds at most.
 """

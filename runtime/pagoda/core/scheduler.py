@@ -154,7 +154,7 @@ class Scheduler:
             seconds = max(self.auto_target_factor * self._soon_step_seconds(decodes, context),
                           decode_step + self._backlog_seconds(decodes, waiting),
                           decode_step + self._queue_seconds(decode_step, waiting),
-                          decode_step + self._arrival_seconds(decode_step) if waiting else 0.0)
+                          (decode_step + self._arrival_seconds(decode_step)) if waiting else 0.0)
             # first come, first served: the oldest prompt is computed whole (within max_num_batched_tokens and
             # long_prefill_token_threshold), as vLLM's chunked prefill would; the target bounds the newer ones
             oldest = self._oldest_prompt_tokens(decodes)
