@@ -84,6 +84,24 @@ def test_a_closed_loops_second_wave_drains_instead_of_standing(name):
     assert auto.output_tok_s >= 1.1 * first.output_tok_s
 
 
+def test_an_open_loop_outgrowing_the_engine_is_admitted_at_its_arrival_pace():
+    # Poisson arrivals at twice what two Zen 4 cores serve: without the pace (arrival_window 0) its prompts wait for a
+    # queue deep enough to claim their share, the TTFT p90 over twice prefill-first's; with it within 1.5x, the ITL
+    # p99 as prefill-first's. The closed loops' waves, which arrive at such a pace too, do not count: chat-c32 and
+    # tiny-c32 run step for step as without it
+    load = next(load for load in OTHER_LOADS if load.name == "poisson-8rps")
+    first = simulate(load, ZEN4_PRICES, target_itl_ms=None, send_delay=0.05)
+    standing = simulate(load, ZEN4_PRICES, send_delay=0.05, arrival_window=0)
+    paced = simulate(load, ZEN4_PRICES, send_delay=0.05)
+    assert standing.ttft_p90 > 2 * first.ttft_p90
+    assert paced.ttft_p90 < 1.5 * first.ttft_p90 and paced.ttft_median < standing.ttft_median
+    assert paced.itl_p99 < 1.1 * first.itl_p99
+    for name in ("chat-c32", "tiny-c32"):
+        load = next(load for load in MATRIX if load.name == name)
+        assert simulate(load, ZEN4_PRICES, send_delay=0.05) == simulate(load, ZEN4_PRICES, send_delay=0.05,
+                                                                        arrival_window=0), name
+
+
 def test_the_command_prints_each_rule_and_the_worst_ratios(capsys):
     assert schedule_sim.main(["--matrix-loads", "single,tiny-c32", "--factors", "2,8", "--send-delay", "0.2"]) == 0
     out = capsys.readouterr().out
@@ -146,6 +164,7 @@ def test_a_server_warm_from_short_contexts_prices_a_later_loads_decodes_at_their
     (["--factors", "0.5"], "--factors: each factor must be a number >= 1"),
     (["--factors", "eight"], "--factors: each factor must be a number >= 1"),
     (["--send-delay", "-1"], "--send-delay: seconds >= 0"),
+    (["--arrival-window", "-1"], "--arrival-window: seconds >= 0"),
     (["--queue-steps", "-1"], "--queue-steps: each cap must be a number of decode steps >= 0"),
     (["--queue-steps", "six"], "--queue-steps: each cap must be a number of decode steps >= 0"),
     (["--matrix-loads", "chat-c33"], "--matrix-loads: unknown load(s) chat-c33"),
