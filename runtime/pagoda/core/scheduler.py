@@ -211,9 +211,7 @@ class Scheduler:
         holds f / (1 - f) decode steps of prompts, at most max_queue_steps. A few prompts beside many decodes
         (tiny-c32's) change nothing; a closed loop's second wave, answers that ended together bringing their users'
         prompts back faster than the target admits them (c128, mid-c48), drains instead of standing."""
-        room = self.limits.step_tokens - prompt_tokens  # f / (1 - f): the waiting tokens over the room
-        steps = prompt_tokens / room if room > 0 else self.max_queue_steps
-        return min(steps, self.max_queue_steps) * decode_step
+        return self._share_seconds(prompt_tokens / self.limits.step_tokens, decode_step)
 
     def _arrival_seconds(self, decode_step: float) -> float:
         """The prompt seconds a step may take so that prompts arriving faster than the engine serves them are
@@ -222,10 +220,14 @@ class Scheduler:
         holding f / (1 - f) decode steps of prompts, at most max_queue_steps (as the queue's share). Without it an
         open loop's prompts get that share only once a queue deep enough to claim it stands (poisson-8rps on two
         Zen 4 cores: its TTFT p90 twice prefill-first's, docs/benchmarks.md)."""
-        price = self.step_costs.prompt_token_seconds()
-        if not price:
-            return 0.0
-        share = self.arrivals.tokens_per_second() * price
+        pace = self.arrivals.tokens_per_second()  # 0 unless the requests outgrow the engine
+        price = self.step_costs.prompt_token_seconds() if pace else None
+        return self._share_seconds(pace * price, decode_step) if price else 0.0
+
+    def _share_seconds(self, share: float, decode_step: float) -> float:
+        """The prompt seconds of a step that gives prompts the share `share` of the engine's time beside its decodes:
+        f / (1 - f) decode steps, at most max_queue_steps (the decodes keep at least their own step in every
+        1 + max_queue_steps)."""
         steps = share / (1 - share) if share < 1 else self.max_queue_steps
         return min(steps, self.max_queue_steps) * decode_step
 
