@@ -102,6 +102,21 @@ def test_an_open_loop_outgrowing_the_engine_is_admitted_at_its_arrival_pace():
                                                                         arrival_window=0), name
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a known miss of `auto` (docs/benchmarks.md, where the matrix misses its targets): served on "
+                          "Zen 4, the ITL p99 182 ms against vLLM's 52 (waves-c16) and 140 against 94 (waves-c32)")
+@pytest.mark.parametrize("name", ["waves-c16", "waves-c32"])
+def test_a_closed_loop_in_lockstep_waves_keeps_the_itl_tail_of_prefill_first(name):
+    # fixed lengths: every answer of a wave ends in one step and its users' prompts return together. Prefill-first
+    # computes them while no answer runs and delays a few gaps in a thousand; `auto` takes the wave's first prompts
+    # whole, then one prompt a step beside their answers, the waves drift apart, and from then on each returning
+    # prompt delays every running answer. When the rule keeps these waves in step, this passes (strict: remove the mark)
+    load = next(load for load in OTHER_LOADS if load.name == name)
+    first = simulate(load, ZEN4_PRICES, target_itl_ms=None, send_delay=0.05)
+    auto = simulate(load, ZEN4_PRICES, send_delay=0.05)
+    assert auto.itl_p99 <= 1.2 * first.itl_p99
+
+
 def test_the_command_prints_each_rule_and_the_worst_ratios(capsys):
     assert schedule_sim.main(["--matrix-loads", "single,tiny-c32", "--factors", "2,8", "--send-delay", "0.2"]) == 0
     out = capsys.readouterr().out

@@ -47,7 +47,8 @@ MATRIX: tuple[Load, ...] = (
 
 # Loads the scheduler was not designed on, named by `--matrix-loads` (not run by default): a rule that holds on the
 # matrix must hold here too (issue 54: "and on others not named here"). Concurrency past the matrix's 64, long
-# prompts beside long answers, Poisson rates the machine cannot keep up with (4/s on two Zen cores, 8/s on a Xeon).
+# prompts beside long answers, Poisson rates the machine cannot keep up with (4/s on two Zen cores, 8/s on a Xeon),
+# and a closed loop whose users all send again at once, as `vllm bench serve`'s random dataset does by default.
 OTHER_LOADS: tuple[Load, ...] = (
     Load("rag-c24", 1024, 256, 24, 48, what="retrieval-augmented answers of some length, more users"),
     Load("c128", 128, 128, 128, 256, what="many users at once: a decode step of 128 sequences"),
@@ -59,6 +60,9 @@ OTHER_LOADS: tuple[Load, ...] = (
     Load("long-c32", 1024, 64, 32, 64, what="documents in, short answers, many users: a wave of long prompts"),
     Load("poisson-8rps", 128, 128, 128, 160, request_rate=8.0,
          what="open loop past what a faster machine serves: requests arrive at 8/s, at most 128 in flight"),
+    Load("waves-c16", 256, 256, 16, 48,
+         what="fixed lengths, so its users' answers end together and their next prompts arrive at once"),
+    Load("waves-c32", 128, 128, 32, 96, what="the same, at twice the users and half the lengths"),
 )
 NAMED_LOADS = (*MATRIX, *OTHER_LOADS)  # every load --matrix-loads can name, in the order they run
 
