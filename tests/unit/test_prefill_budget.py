@@ -462,14 +462,23 @@ def test_the_itl_tail_grants_delays_within_its_share_and_starts_afresh_when_idle
     assert (tail.gaps_given, tail.gaps_delayed) == (0, 0)
 
 
-def burst_beside_decodes(target_itl_ms, itl_tail_share):
-    """8 decodes running, then 20 short prompts at once (2,000 tokens: more than the target leaves them)."""
+def test_the_itl_tail_grants_a_burst_only_if_its_whole_wave_fits_and_spends_its_step():
+    tail = ItlTail(share=0.01)
+    assert not tail.grant(8, gaps_to_come=800, foreseen=9)  # this step's 8 would fit, the wave's 9 would not
+    assert tail.gaps_delayed == 0
+    assert tail.grant(8, gaps_to_come=800, foreseen=8) and tail.gaps_delayed == 8
+    assert not tail.grant(8, gaps_to_come=800, foreseen=1)  # never less than the step's own gaps
+
+
+def burst_beside_decodes(target_itl_ms, itl_tail_share, num_prompts=20):
+    """8 decodes running, then `num_prompts` short prompts at once (20: 2,000 tokens, more than the target leaves
+    them and one full step)."""
     sched = make(target_itl_ms=target_itl_ms, itl_tail_share=itl_tail_share)
     teach(sched.step_costs)
     decodes = with_decodes(sched, 8)
     for _ in range(3):
         run_step(sched)  # steps of the 8 decodes alone: measured
-    burst = [seq(100, start=20_000 + 1000 * i, req=f"p{i}") for i in range(20)]
+    burst = [seq(100, start=20_000 + 1000 * i, req=f"p{i}") for i in range(num_prompts)]
     for p in burst:
         sched.add(p)
     return sched, decodes, burst
@@ -487,6 +496,22 @@ def test_a_burst_beside_decodes_is_taken_whole_while_the_itl_tail_allows_it():
     assert whole.itl_tail.gaps_delayed == len(decodes)
     out = run_step(whole)  # no prompt waits: a step of decodes, nothing spent
     assert out.num_batched_tokens == out.num_decodes and whole.itl_tail.gaps_delayed == len(decodes)
+
+
+def test_a_burst_is_taken_whole_only_if_every_step_of_its_wave_fits_the_itl_tail():
+    # 40 prompts (4,000 tokens): two full steps. Foreseen: the 8 decodes' gaps in each, and the first step's 20
+    # prompts' gaps in the second (half the 40 on average): 8 * 2 + 40 * 1 / 2 = 36, where the first step alone is 8
+    def share_for(sched, gaps):
+        return gaps / (sched.itl_tail.gaps_given + sched._tokens_to_come())
+
+    refused, _, _ = burst_beside_decodes("auto", itl_tail_share=0.0, num_prompts=40)
+    refused.itl_tail.share = share_for(refused, 35.5)
+    out = run_step(refused)
+    assert out.num_batched_tokens - out.num_decodes < 2048 and refused.itl_tail.gaps_delayed == 0
+    granted, decodes, _ = burst_beside_decodes("auto", itl_tail_share=0.0, num_prompts=40)
+    granted.itl_tail.share = share_for(granted, 36.5)
+    out = run_step(granted)
+    assert out.num_batched_tokens == 2048 and granted.itl_tail.gaps_delayed == len(decodes)
 
 
 def test_only_the_auto_target_takes_a_burst_whole_and_only_past_its_budget():

@@ -35,6 +35,7 @@ from pagoda.bench.serve import synthetic_requests
 from pagoda.config import AUTO_TARGET, SchedulerConfig
 from pagoda.core.arrival_rate import DEFAULT_WINDOW
 from pagoda.core.block_manager import BlockManager
+from pagoda.core.itl_tail import DEFAULT_SHARE, ItlTail
 from pagoda.core.scheduler import AUTO_TARGET_FACTOR, MAX_QUEUE_STEPS, Scheduler
 from pagoda.core.sequence import Sequence
 from pagoda.core.step_cost import StepCostModel
@@ -130,12 +131,14 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
              auto_target_factor: float = AUTO_TARGET_FACTOR, max_queue_steps: float = MAX_QUEUE_STEPS, seed: int = 0,
              max_num_batched_tokens: int = 2048,
              max_num_seqs: int = 256, jitter: float = JITTER, send_delay: float = 0.0,
-             step_costs: StepCostModel | None = None, arrival_window: float = DEFAULT_WINDOW) -> SimResult:
+             step_costs: StepCostModel | None = None, arrival_window: float = DEFAULT_WINDOW,
+             itl_tail_share: float = DEFAULT_SHARE) -> SimResult:
     """One load through the real scheduler on a simulated clock. target_itl_ms None: prefill-first (vLLM's).
     send_delay: a client's request reaches the scheduler uniform(0, send_delay) seconds after it may be sent (its
     slot freed, its Poisson arrival): HTTP, tokenization and the server's event loop, which spread a burst.
     step_costs: what the engine has learnt before this load (one server through the matrix), else nothing.
-    arrival_window: the seconds auto's arrival pace is counted over (core.arrival_rate; 0: no pace rule)."""
+    arrival_window: the seconds auto's arrival pace is counted over (core.arrival_rate; 0: no pace rule).
+    itl_tail_share: the share of token gaps auto's bursts may delay (core.itl_tail; 0: no burst taken whole)."""
     rng = random.Random(seed)
     delays = random.Random(seed + 1)  # apart, so that send_delay 0 draws the same steps as before
     lengths, arrivals = _lengths(load, seed), _arrivals(load, rng)
@@ -146,6 +149,7 @@ def simulate(load: Load, prices: StepPrices, target_itl_ms: float | str | None =
                           step_costs=step_costs if step_costs is not None else StepCostModel(),
                           auto_target_factor=auto_target_factor, max_queue_steps=max_queue_steps,
                           arrival_window=arrival_window)
+    scheduler.itl_tail = ItlTail(share=itl_tail_share)
     concurrency = load.concurrency or load.num_prompts
     free_at = [0.0] * concurrency  # when each client slot may send (a min-heap)
     now, sent, finished = 0.0, 0, 0

@@ -2,18 +2,23 @@
 
 Under ``--target-itl-ms auto`` a step beside running decodes takes what the latency target leaves. When more
 prompt tokens wait than that, a step may instead take all of ``max_num_batched_tokens`` (prefill-first's step,
-the fastest way to first tokens) if the token gaps it delays, one per running decode, with those delayed
-before, stay within ``share`` of the gaps the engine has given since it was last idle and the present sequences
-will still give. ITL p99 pools every gap of a load and leaves 1 % of them to the slowest steps; the default share
-gives a fifth of that to bursts (the rest to the steps the target already lets run long), so a burst's prompts go
-in whole while the tail of the inter-token latency stays where the target puts it. The account starts afresh
-whenever the engine goes idle, so a quiet hour earns no credit for a later burst.
+the fastest way to first tokens). It is granted only if the whole queue, taken whole, would fit: every gap the
+burst foresees (one per running decode in each full step the queue needs, and the queue's own prompts' gaps
+once the first of them decode; ``Scheduler.prefill_budget`` counts them), with the gaps delayed before, must stay
+within ``share`` of the gaps the engine has given since it was last idle and the present sequences will still
+give. A grant spends only the gaps its own step delays. Foreseeing the wave matters for answers that end
+together (a closed loop of fixed lengths): a burst granted its first step and refused its second splits one wave
+of prompts into many, and every later prompt then delays every running answer.
+
+ITL p99 pools every gap of a load and leaves 1 % of them to the slowest steps. The default share gives four
+fifths of that to bursts, foreseen whole, and leaves a fifth to the steps the target already lets run long. The
+account starts afresh whenever the engine goes idle, so a quiet hour earns no credit for a later burst.
 """
 
 from dataclasses import dataclass
 
-# a fifth of the 1 % of gaps ITL p99 leaves to the slowest steps
-DEFAULT_SHARE = 0.002
+# four fifths of the 1 % of gaps ITL p99 leaves to the slowest steps (the last fifth: the steps the target lets run)
+DEFAULT_SHARE = 0.008
 
 
 @dataclass
@@ -22,10 +27,12 @@ class ItlTail:
     gaps_given: int = 0  # decode tokens given since the engine was last idle
     gaps_delayed: int = 0  # of them, those delayed by a step taken whole
 
-    def grant(self, num_decodes: int, gaps_to_come: int) -> bool:
-        """May a step delay `num_decodes` running decodes' next tokens? Yes while the delayed gaps stay within
-        the share of those given and `gaps_to_come` (what the present sequences may still sample); spends them."""
-        if self.gaps_delayed + num_decodes > self.share * (self.gaps_given + gaps_to_come):
+    def grant(self, num_decodes: int, gaps_to_come: int, foreseen: float | None = None) -> bool:
+        """May a step delay `num_decodes` running decodes' next tokens? Yes while the delayed gaps, with the
+        `foreseen` ones of the burst it begins (default: this step's alone), stay within the share of those given
+        and `gaps_to_come` (what the present sequences may still sample); spends this step's `num_decodes`."""
+        foreseen = num_decodes if foreseen is None else max(foreseen, num_decodes)
+        if self.gaps_delayed + foreseen > self.share * (self.gaps_given + gaps_to_come):
             return False
         self.gaps_delayed += num_decodes
         return True

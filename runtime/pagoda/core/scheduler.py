@@ -24,8 +24,8 @@ of the engine's time the waiting prompts' tokens are of max_num_batched_tokens (
 size calls for, as a prefill-first engine's would, while the decodes keep a part of every step), or, while the
 requests outgrow the engine (an open loop past its rate), the share the prompts' arrival pace needs (so they are
 admitted as they come, not once a queue stands: core.arrival_rate); when more prompt tokens wait than that, the step
-takes all of max_num_batched_tokens while the token gaps such steps delay stay within the ITL tail's share
-(core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that holds it whole,
+takes all of max_num_batched_tokens while the token gaps such steps delay, the whole queue's foreseen, stay within
+the ITL tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that holds it whole,
 as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
@@ -164,9 +164,20 @@ class Scheduler:
         if tokens is None:
             return None
         budget = max(tokens, oldest, self.block_manager.block_size)
-        if waiting > budget and self.itl_tail.grant(len(decodes), self._tokens_to_come()):
-            return None  # a burst: taken whole while the gaps it delays stay within the ITL tail's share
+        if waiting > budget and self.itl_tail.grant(len(decodes), self._tokens_to_come(),
+                                                    self._burst_gaps(decodes, waiting)):
+            return None  # a burst: taken whole while the gaps its wave delays stay within the ITL tail's share
         return budget
+
+    def _burst_gaps(self, decodes: list[Sequence], waiting: int) -> float:
+        """The token gaps a burst delays if the `waiting` prompt tokens all go in whole: each running decode's in
+        every full step they need, and the prompts' own, each delayed by the steps after its first token (about
+        half of them on average, as the prompts come in in order)."""
+        steps = -(-waiting // self.limits.step_tokens)
+        decoding = {q.seq_id for q in decodes}
+        prompts = sum(1 for q in self.running if q.seq_id not in decoding and q.num_tokens - q.num_computed_tokens > 1)
+        prompts += len(self.waiting) + len(self.swapped)
+        return len(decodes) * steps + prompts * (steps - 1) / 2
 
     def _soon_step_seconds(self, decodes: list[Sequence], context: float) -> float:
         """A step of decodes alone at the number of sequences that will decode once their prompts are in (each
