@@ -499,17 +499,17 @@ def test_a_burst_beside_decodes_is_taken_whole_while_the_itl_tail_allows_it():
 
 
 def test_a_burst_is_taken_whole_only_if_every_step_of_its_wave_fits_the_itl_tail():
-    # 40 prompts (4,000 tokens): two full steps. Foreseen: the 8 decodes' gaps in each, and the first step's 20
-    # prompts' gaps in the second (half the 40 on average): 8 * 2 + 40 * 1 / 2 = 36, where the first step alone is 8
+    # 40 prompts (4,000 tokens): two full steps. Foreseen: the 8 decodes' gaps in each, 16, where the first step
+    # alone delays 8
     def share_for(sched, gaps):
         return gaps / (sched.itl_tail.gaps_given + sched._tokens_to_come())
 
     refused, _, _ = burst_beside_decodes("auto", itl_tail_share=0.0, num_prompts=40)
-    refused.itl_tail.share = share_for(refused, 35.5)
+    refused.itl_tail.share = share_for(refused, 15.5)
     out = run_step(refused)
     assert out.num_batched_tokens - out.num_decodes < 2048 and refused.itl_tail.gaps_delayed == 0
     granted, decodes, _ = burst_beside_decodes("auto", itl_tail_share=0.0, num_prompts=40)
-    granted.itl_tail.share = share_for(granted, 36.5)
+    granted.itl_tail.share = share_for(granted, 16.5)
     out = run_step(granted)
     assert out.num_batched_tokens == 2048 and granted.itl_tail.gaps_delayed == len(decodes)
 

@@ -2,11 +2,10 @@
 
 Under ``--target-itl-ms auto`` a step beside running decodes takes what the latency target leaves. When more
 prompt tokens wait than that, a step may instead take all of ``max_num_batched_tokens`` (prefill-first's step,
-the fastest way to first tokens). It is granted only if the whole queue, taken whole, would fit: every gap the
-burst foresees (one per running decode in each full step the queue needs, and the queue's own prompts' gaps
-once the first of them decode; ``Scheduler.prefill_budget`` counts them), with the gaps delayed before, must stay
-within ``share`` of the gaps the engine has given since it was last idle and the present sequences will still
-give. A grant spends only the gaps its own step delays. Foreseeing the wave matters for answers that end
+the fastest way to first tokens). It is granted only if the whole queue, taken whole, would fit: the gaps the
+burst foresees (one per running decode in each full step the queue needs; ``Scheduler.prefill_budget`` counts
+them), with the gaps delayed before, must stay within ``share`` of the gaps the engine has given since it was last
+idle and the present sequences will still give. A grant spends only the gaps its own step delays. Foreseeing the wave matters for answers that end
 together (a closed loop of fixed lengths): a burst granted its first step and refused its second splits one wave
 of prompts into many, and every later prompt then delays every running answer.
 

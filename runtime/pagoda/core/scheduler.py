@@ -169,15 +169,10 @@ class Scheduler:
             return None  # a burst: taken whole while the gaps its wave delays stay within the ITL tail's share
         return budget
 
-    def _burst_gaps(self, decodes: list[Sequence], waiting: int) -> float:
-        """The token gaps a burst delays if the `waiting` prompt tokens all go in whole: each running decode's in
-        every full step they need, and the prompts' own, each delayed by the steps after its first token (about
-        half of them on average, as the prompts come in in order)."""
-        steps = -(-waiting // self.limits.step_tokens)
-        decoding = {q.seq_id for q in decodes}
-        prompts = sum(1 for q in self.running if q.seq_id not in decoding and q.num_tokens - q.num_computed_tokens > 1)
-        prompts += len(self.waiting) + len(self.swapped)
-        return len(decodes) * steps + prompts * (steps - 1) / 2
+    def _burst_gaps(self, decodes: list[Sequence], waiting: int) -> int:
+        """The token gaps a burst delays if the `waiting` prompt tokens all go in whole: each running decode's, once
+        in every full step they need beside the decodes' own tokens."""
+        return len(decodes) * -(-(waiting + len(decodes)) // self.limits.step_tokens)
 
     def _soon_step_seconds(self, decodes: list[Sequence], context: float) -> float:
         """A step of decodes alone at the number of sequences that will decode once their prompts are in (each
