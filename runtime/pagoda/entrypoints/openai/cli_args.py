@@ -327,8 +327,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                "the time their tokens are of --max-num-batched-tokens) or arrive faster than the engine serves them "
                "(the share their pace needs while the requests outgrow the engine), up to "
                f"{MAX_QUEUE_STEPS:g} decode steps a step, and a burst beyond that "
-               f"whole while the token gaps its whole queue would delay stay within {DEFAULT_SHARE:.1%}% of the load's; a multiple "
-               "such as "
+               "whole while the token gaps its whole queue would delay stay within "
+               f"{DEFAULT_SHARE:.1%}% of the load's; a multiple such as "
                "'3x': a bound of that many times a step of the decodes alone, on this machine, whatever waits; "
                "'off': no cap (docs/server.md)")
     p.add("--long-prefill-token-threshold", default=d["long_prefill_token_threshold"], type=non_negative_int,
