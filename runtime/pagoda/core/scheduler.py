@@ -24,9 +24,9 @@ of the engine's time the waiting prompts' tokens are of max_num_batched_tokens (
 size calls for, as a prefill-first engine's would, while the decodes keep a part of every step), or, while the
 requests outgrow the engine (an open loop past its rate), the share the prompts' arrival pace needs (so they are
 admitted as they come, not once a queue stands: core.arrival_rate); when more prompt tokens wait than that, the step
-takes all of max_num_batched_tokens if the token gaps the whole queue's such steps would delay stay within the ITL
-tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for a step that
-holds it whole, as vLLM's.
+takes all of max_num_batched_tokens if the token gaps such steps would delay, until the whole queue is in, stay
+within the ITL tail's share (core.itl_tail). Without chunked prefill there is no prefill budget: a prompt waits for
+a step that holds it whole, as vLLM's.
 
 With `scheduling_policy` "priority" the waiting queue is ordered by (priority, arrival) and the preempted
 sequence is the least urgent running one, as vLLM's.
