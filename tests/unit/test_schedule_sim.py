@@ -57,18 +57,18 @@ def test_prefill_first_gets_the_first_token_sooner_and_the_auto_target_the_stead
 
 
 def test_the_default_factor_holds_on_every_load_of_the_matrix():
-    # beside prefill-first at vLLM's measured prices, with the send delay that reproduces served tails: every
-    # load's TTFT median lower but short-long-c64's (its burst taken whole, as prefill-first's: 1.02x), its p90
-    # within 1.35x (poisson-2rps 1.31x; served, under vLLM's), its ITL p99 lower but tiny-c32's (the simulated vLLM
-    # runs lockstep waves there, the served one does not: docs/benchmarks.md), its throughput higher. A scheduling
-    # change that loses a load fails here
+    # beside prefill-first at vLLM's measured prices (Zen 3's, 2026-12-07), with the send delay that reproduces served
+    # tails: every load's TTFT median and p90 lower (the closest: long-prompt-c4's 0.90x and 0.92x), its ITL p99
+    # lower but tiny-c32's (1.35x: the simulated vLLM runs lockstep waves there, the served one does not:
+    # docs/benchmarks.md), its throughput at least 1.2x (long-short-c16 1.23x). A scheduling change that loses a load
+    # fails here
     for load in MATRIX:
         first = simulate(load, VLLM_PRICES, target_itl_ms=None, send_delay=0.1)
         auto = simulate(load, PAGODA_PRICES, send_delay=0.1)
-        assert auto.ttft_median <= (1.05 if load.name == "short-long-c64" else 1.0) * first.ttft_median, load.name
-        assert auto.ttft_p90 <= 1.35 * first.ttft_p90, load.name
+        assert auto.ttft_median <= first.ttft_median, load.name
+        assert auto.ttft_p90 <= first.ttft_p90, load.name
         assert auto.itl_p99 <= (1.5 if load.name == "tiny-c32" else 1.0) * first.itl_p99, load.name
-        assert auto.output_tok_s >= 1.1 * first.output_tok_s, load.name
+        assert auto.output_tok_s >= 1.2 * first.output_tok_s, load.name
 
 
 @pytest.mark.parametrize("name", ["c128", "mid-c48"])

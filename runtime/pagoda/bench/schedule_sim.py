@@ -54,15 +54,19 @@ class StepPrices:
     per_context_token: float
 
 
-# The default model on 2 cores of a Zen 3 AMD EPYC (AVX2, no AVX-512), each engine offline (its LLM class, float32,
-# prefix caching off; the median of 3): a prompt alone of 32, 256, 750 and 1,500 tokens takes 93, 558, 1,630 and
-# 3,416 ms (Pagoda) and 140, 592, 1,922 and 4,524 ms (vLLM 0.32), the n^2 term being attention; a step of one
-# decode 24.6 and 63.9 ms, of 32 at ~48 tokens of context 118 and 172 ms, of 64 at ~316 tokens 275 and 414 ms.
-# Served, the matrix's figures come within 10-20 % of these (tiny-c32's ITL p99: 940 ms simulated, 976 served)
-PAGODA_PRICES = StepPrices(per_step=0.0216, per_prompt_token=2.06e-3, attention=1.4e-7, per_decode=2.84e-3,
-                           per_context_token=3.5e-6)
-VLLM_PRICES = StepPrices(per_step=0.060, per_prompt_token=1.89e-3, attention=7.2e-7, per_decode=3.1e-3,
-                         per_context_token=7.6e-6)
+# The default model on 2 cores of a Zen 3 AMD EPYC (AVX2, no AVX-512), each engine offline (its LLM class, Pagoda at
+# its default bfloat16 weights, widened in its AVX2 matmul, vLLM 0.32 at float32 in its peer environment; prefix
+# caching off; the median of 3; 2026-12-07): a prompt alone of 32, 256, 750 and 1,500 tokens takes 66, 444, 1,384 and
+# 3,157 ms (Pagoda) and 93, 535, 1,667 and 3,763 ms (vLLM), the n^2 term being attention; 16 prompts of 128 tokens in
+# one step 3,553 and 3,629 ms; a step of one decode 17.8 and 42.5 ms (per_step: that step less its decode), of 32 at
+# ~48 tokens of context 87 and 137 ms, of 64 at ~316 tokens 188 and 365 ms. Served the same day, c128 came within 5 %
+# of these (231 tok/s and a TTFT p90 of 23.5-24.6 s; simulated 240 tok/s and 24.7 s at seed 61). The prices before
+# (2026-11-29: Pagoda's prompt token 2.06 ms against vLLM's 1.89, vLLM's one-decode step 63.9 ms) came from a slower
+# phase of the machine
+PAGODA_PRICES = StepPrices(per_step=0.0156, per_prompt_token=1.56e-3, attention=3.5e-7, per_decode=2.08e-3,
+                           per_context_token=1.85e-6)
+VLLM_PRICES = StepPrices(per_step=0.039, per_prompt_token=1.85e-3, attention=4.2e-7, per_decode=2.94e-3,
+                         per_context_token=7.2e-6)
 # Pagoda served on 2 cores of a Zen 4 AMD EPYC (AVX512-BF16, bfloat16; 2026-12-01): a step of 1,024 prompt
 # tokens alone 643 ms, of 32 decodes alone at ~320 tokens of context 39-47 ms (median ~43), of one 256-token prompt
 # beside 30 such decodes ~205 ms; offline, a prompt alone of 256, 750 and 1,500 tokens 144, 457 and 1,040 ms (the
