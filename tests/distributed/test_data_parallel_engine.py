@@ -67,6 +67,11 @@ def test_dense_dp2_equals_transformers(tiny_model_factory, reference, arch):
     try:
         assert run(llm) == reference(arch)
         assert all(n > 0 for n in served_ranks(llm))
+        # each rank counts the prompts it prefilled; the engine's count is their sum
+        prompt_tokens = sum(len(llm.engine.process_prompt(p, GREEDY)[1]) for p in PROMPTS)
+        stats = llm.engine.get_stats()
+        assert stats.prompt_tokens == sum(r.prompt_tokens for r in stats.data_parallel) == prompt_tokens
+        assert all(r.prompt_tokens > 0 for r in stats.data_parallel)
     finally:
         llm.shutdown()
 

@@ -119,7 +119,6 @@ class DataParallelCore:
         """Queue a sequence on the rank the balancer chooses; that rank."""
         rank = self.choose_rank(seq)
         self.num_added[rank] += 1
-        self.prompt_tokens[rank] += seq.num_tokens
         return self.cores[rank].add(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
@@ -144,6 +143,7 @@ class DataParallelCore:
             if ran:
                 step = core.finish_oldest(observer)
                 self.generation_tokens[rank] += len(step.new_tokens)
+                self.prompt_tokens[rank] += step.prompt_tokens
                 _merge(merged, step)
             else:
                 core._flush_kv_events()
@@ -178,6 +178,7 @@ class DataParallelCore:
 def _merge(into: CoreStep, step: CoreStep) -> None:
     into.new_tokens += step.new_tokens
     into.forks += step.forks
+    into.prompt_tokens += step.prompt_tokens
     into.failed.update(step.failed)
     into.prompt_logprobs.update(step.prompt_logprobs)
     into.results += step.results

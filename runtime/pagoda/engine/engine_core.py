@@ -36,6 +36,9 @@ class CoreStep:
     # a request of a kind that does not sample, and its result (an embedding): its prompt ended this step
     results: list[tuple[Sequence, Any]] = field(default_factory=list)
     expert_tokens: dict[int, list[int]] = field(default_factory=dict)  # MoE: rows per expert, by layer
+    # the prompt tokens of the requests whose prompt ended this step (its first token sampled, or its result made),
+    # cached ones included: vLLM's prompt_tokens counts a prompt once it is prefilled, not when it arrives
+    prompt_tokens: int = 0
 
 
 class StepObserver:
@@ -246,6 +249,7 @@ class EngineCore:
             seq = scheduler.get(seq_id)
             if seq is not None and seq_id not in step.failed:
                 step.results.append((seq, made))
+                step.prompt_tokens += seq.num_prompt_tokens
         for parent, child in step.forks:
             observer.on_fork(parent, child)
         for seq_id, message in step.failed.items():
@@ -260,5 +264,7 @@ class EngineCore:
                     break
                 seq.append_token(token.token_id)
                 step.new_tokens.append((seq, token))
+                if seq.num_output_tokens == 1 and seq.index == 0:  # the request's prompt is in (forks share it)
+                    step.prompt_tokens += seq.num_prompt_tokens
                 observer.on_token(seq, token)
         return step

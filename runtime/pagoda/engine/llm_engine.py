@@ -142,7 +142,6 @@ class LLMEngine:
             counts[lora_request.lora_name] = counts.get(lora_request.lora_name, 0) + 1
         state.add_seq(seq)
         self.requests.add(state)
-        self.stats.prompt_tokens += len(prompt_token_ids)
         state.metrics.data_parallel_rank = self.core.add(seq)
 
     def check_priority(self, priority: int) -> None:
@@ -167,8 +166,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         observer = _EngineStepObserver(self)
         core_step = self.core.step(self._mark_scheduled, observer)
-        if core_step is not None and core_step.expert_tokens:
-            self.stats.add_expert_tokens(core_step.expert_tokens)
+        if core_step is not None:
+            self.stats.prompt_tokens += core_step.prompt_tokens
+            if core_step.expert_tokens:
+                self.stats.add_expert_tokens(core_step.expert_tokens)
         self.log_stats_if_due()
         if core_step is None:
             return []

@@ -108,7 +108,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     prefix_cache_evicted_blocks: int = 0  # cached blocks evicted (taken for other tokens), a counter
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # of the requests whose prompt is in (their first token sampled), cached ones included
     generation_tokens: int = 0
     num_preemptions: int = 0  # sequences preempted, by swap or recompute
     num_requests_swapped: int = 0  # requests whose KV is in the swap space now

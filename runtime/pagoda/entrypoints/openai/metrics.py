@@ -99,7 +99,7 @@ class EngineStatsCollector(Collector):
                          "prefix_cache_hits")
         yield counter("prefix_cache_evicted_blocks", "Prefix-cache blocks evicted (taken for other tokens).",
                       stats.prefix_cache_evicted_blocks)
-        yield per_engine(CounterMetricFamily, "prompt_tokens", "Prompt tokens received.", "prompt_tokens")
+        yield per_engine(CounterMetricFamily, "prompt_tokens", "Prefill tokens processed.", "prompt_tokens")
         yield per_engine(CounterMetricFamily, "generation_tokens", "Tokens generated.", "generation_tokens")
         yield per_engine(CounterMetricFamily, "num_preemptions",
                          "Sequences preempted (swapped out or recomputed) for lack of KV blocks.", "num_preemptions")
