@@ -299,11 +299,14 @@ def test_mixture_of_experts_attention_and_dense_layers_match_peft_experts_refuse
     from safetensors.torch import load_file, save_file
 
     base = tiny_model_factory("qwen2-moe")
-    targets = r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)|model\.layers\.1\.mlp\.(gate_proj|up_proj|down_proj)"
+    # full module names, not a regex or a bare "gate_proj": peft >= 0.22 reads those as every gate_proj's leaf name,
+    # the fused experts' gate_up_proj included
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + [f"model.layers.1.mlp.{m}_proj" for m in ("gate", "up", "down")]
     good = write_lora_adapter(base, tmp_path / "good", rank=8, seed=4, targets=targets)
     expected = peft_greedy(base, good, PROMPTS, MAX_TOKENS)
     assert expected != peft_greedy(base, None, PROMPTS, MAX_TOKENS)
-    shared = write_lora_adapter(base, tmp_path / "shared", rank=4, seed=5, targets=("q_proj", "gate_proj"))
+    shared = write_lora_adapter(base, tmp_path / "shared", rank=4, seed=5,
+                                targets=("q_proj", "model.layers.0.mlp.shared_expert.gate_proj"))
     # the dense layer's MLP deltas renamed onto layer 0, whose MLP is experts (shapes fit the dense MLP)
     (tmp_path / "sparse").mkdir()
     (tmp_path / "sparse" / "adapter_config.json").write_text((good / "adapter_config.json").read_text())
