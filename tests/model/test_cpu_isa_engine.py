@@ -1,7 +1,7 @@
 """The whole engine on the CPU paths users without an AVX512-BF16 machine get, each in its own process (the
 kernel libraries are built once per process): every C++ kernel off (PAGODA_CPU_KERNELS=0), the lowest ISA
-level (generic: plain C++, no -march) and AVX2. Greedy tokens equal transformers' (float32), and the
-start-up log says which kernels run and why."""
+level (generic: plain C++, no -march) and AVX2 (heavy where AVX2 is this host's own level, which every other
+test runs at). Greedy tokens equal transformers' (float32), and the start-up log says which kernels run and why."""
 
 import json
 import os
@@ -23,6 +23,9 @@ SETTINGS = {
     "generic": {"PAGODA_CPU_ISA": "generic"},
     "avx2": {"PAGODA_CPU_ISA": "avx2"},
 }
+# this process's own level: every other engine test runs there already, so forcing it again (a build of its own,
+# ~100 s on 2 cores) is heavy, as in tests/kernels/test_cpu_isa_levels.py
+OWN_LEVEL = cpu_isa.detect().level
 
 
 def run_engine(path, env_overrides: dict, dtype: str = "float32") -> tuple[list[list[int]], str, list[dict]]:
@@ -45,7 +48,9 @@ def run_engine(path, env_overrides: dict, dtype: str = "float32") -> tuple[list[
     return json.loads(lines["TOKENS"]), proc.stderr, json.loads(lines["LOGPROBS"])
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("setting", [
+    pytest.param(setting, marks=pytest.mark.heavy) if SETTINGS[setting].get("PAGODA_CPU_ISA") == OWN_LEVEL
+    else setting for setting in SETTINGS])
 def test_greedy_tokens_equal_transformers(tiny_model_factory, setting):
     level = SETTINGS[setting].get("PAGODA_CPU_ISA")
     if level and level not in cpu_isa.detect("native").executable_levels:
@@ -64,7 +69,8 @@ def test_bfloat16_weights_on_avx2_run_the_widening_kernel_and_the_layer_loop(tin
     if "avx2" not in cpu_isa.detect("native").executable_levels:
         pytest.skip("this host cannot execute avx2")
     path = tiny_model_factory("llama")
-    _, log, got = run_engine(path, {"PAGODA_CPU_ISA": "avx2"}, dtype="bfloat16")
+    forced = {} if OWN_LEVEL == "avx2" else {"PAGODA_CPU_ISA": "avx2"}  # at its own level, the build it has
+    _, log, got = run_engine(path, forced, dtype="bfloat16")
     plan = next(line for line in log.splitlines() if "CPU kernels:" in line)
     assert "dtype bfloat16" in plan and "matmul vnni" in plan and "C++ layer loop" in plan
     _, _, expected = run_engine(path, {"PAGODA_CPU_KERNELS": "0"}, dtype="bfloat16")  # torch's bfloat16 path
