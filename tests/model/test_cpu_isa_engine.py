@@ -26,6 +26,8 @@ SETTINGS = {
 # this process's own level: every other engine test runs there already, so forcing it again (a build of its own,
 # ~100 s on 2 cores) is heavy, as in tests/kernels/test_cpu_isa_levels.py
 OWN_LEVEL = cpu_isa.detect().level
+# the host's own detection, whatever PAGODA_CPU_ISA forces here (run_engine's processes drop that variable)
+NATIVE = cpu_isa.detect("native")
 
 
 def run_engine(path, env_overrides: dict, dtype: str = "float32") -> tuple[list[list[int]], str, list[dict]]:
@@ -53,7 +55,7 @@ def run_engine(path, env_overrides: dict, dtype: str = "float32") -> tuple[list[
     else setting for setting in SETTINGS])
 def test_greedy_tokens_equal_transformers(tiny_model_factory, setting):
     level = SETTINGS[setting].get("PAGODA_CPU_ISA")
-    if level and level not in cpu_isa.detect("native").executable_levels:
+    if level and level not in NATIVE.executable_levels:
         pytest.skip(f"this host cannot execute {level}")
     path = tiny_model_factory("llama")
     tokens, log, _ = run_engine(path, SETTINGS[setting])
@@ -66,11 +68,11 @@ def test_greedy_tokens_equal_transformers(tiny_model_factory, setting):
 
 
 def test_bfloat16_weights_on_avx2_run_the_widening_kernel_and_the_layer_loop(tiny_model_factory):
-    if "avx2" not in cpu_isa.detect("native").executable_levels:
+    if "avx2" not in NATIVE.executable_levels:
         pytest.skip("this host cannot execute avx2")
     path = tiny_model_factory("llama")
-    # run_engine's process drops PAGODA_CPU_ISA: where that leaves it at avx2, the build it has, not a forced one
-    forced = {} if cpu_isa.detect("native").level == "avx2" else {"PAGODA_CPU_ISA": "avx2"}
+    # where the host's own level is avx2, the build it has, not a forced one
+    forced = {} if NATIVE.level == "avx2" else {"PAGODA_CPU_ISA": "avx2"}
     _, log, got = run_engine(path, forced, dtype="bfloat16")
     plan = next(line for line in log.splitlines() if "CPU kernels:" in line)
     assert "dtype bfloat16" in plan and "matmul vnni" in plan and "C++ layer loop" in plan
